@@ -1,0 +1,41 @@
+# commlib: `make install` once, then `make demo` / `make test` / `make bench`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+HOROVOD_VERSION := 0.28.1
+HOROVOD_SRC := build/horovod-$(HOROVOD_VERSION)
+NP ?= 4
+
+.PHONY: install apt venv deps horovod develop demo demo-switch test test-unit test-multi bench bench-quick clean
+
+install: apt venv deps horovod develop
+
+apt:
+	@if ! command -v mpirun >/dev/null || ! command -v ip >/dev/null || ! command -v tc >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    openmpi-bin libopenmpi-dev iproute2 build-essential cmake; fi
+
+venv:
+	@test -x $(PY) || python3 -m venv $(VENV)
+
+# torch is pinned: an unpinned torch pulls GBs of CUDA packages. TF 2.15 is the newest
+# horovod's TF ops build against, and it needs numpy < 2.
+deps:
+	$(PIP) install -q --upgrade "pip<25" setuptools wheel packaging
+	$(PIP) install -q torch==2.13.0 tensorflow-cpu==2.15.1 numpy==1.26.4 cffi mpi4py \
+	    pytest pytest-timeout matplotlib tqdm psutil cloudpickle pyyaml
+
+# horovod 0.28.1 from its sdist, C++14 -> C++17 for PyTorch's headers (see shared/design/HOROVOD.md).
+horovod:
+	@if $(PY) -c "import horovod.torch, horovod.tensorflow" 2>/dev/null; then echo "horovod already built"; else \
+	  set -e; mkdir -p build; \
+	  test -d $(HOROVOD_SRC) || { $(PIP) download -q --no-deps --no-binary :all: -d build horovod==$(HOROVOD_VERSION) \
+	    && tar -xzf build/horovod-$(HOROVOD_VERSION).tar.gz -C build; }; \
+	  sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' $(HOROVOD_SRC)/CMakeLists.txt $(HOROVOD_SRC)/horovod/torch/CMakeLists.txt; \
+	  HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1 \
+	    MAKEFLAGS=-j2 $(PIP) install --no-build-isolation --no-cache-dir $(HOROVOD_SRC); \
+	  $(PY) -c "import horovod.torch, horovod.tensorflow"; fi
+
+develop:
+	$(PIP) install -q --no-build-isolation -e .

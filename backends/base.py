@@ -1,0 +1,53 @@
+"""The Backend interface: one algorithm that sums 1-D arrays across ranks.
+
+The core hands a backend contiguous 1-D numpy arrays of a dtype it declared, already negotiated
+(every rank calls `allreduce` for the same tensors in the same order from the core's single
+background thread), and expects the elementwise SUM back as a new array; averaging, scaling,
+fusion and framework conversion are the core's job.
+"""
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What the policy and `enabled()` may look at. density is the measured fraction of
+    non-zero blocks (None when the policy did not need it)."""
+    name: str
+    shape: tuple
+    dtype: str
+    nbytes: int
+    density: float = None
+
+
+class Backend(abc.ABC):
+    name = None          # registry key, e.g. "ring"
+    dtypes = ()          # numpy dtypes reduced natively, e.g. (np.dtype("float32"),)
+
+    def __init__(self, ctx):
+        """ctx is a commlib.core.Context: rank, size, local_rank, local_size, settings, engine,
+        exchange(key, value) (allgather of small JSON values across ranks), job_token, counters."""
+        self.ctx = ctx
+
+    @classmethod
+    def available(cls, ctx):
+        """Can this backend run in this job at all? Must give the same answer on every rank.
+        Returns (True, "") or (False, "why, and what to do")."""
+        return True, ""
+
+    def enabled(self, meta):
+        """Horovod's Enabled(): will this backend take this tensor? Same answer on every rank."""
+        return np.dtype(meta.dtype) in self.dtypes
+
+    @abc.abstractmethod
+    def allreduce(self, array, name):
+        """Return the elementwise sum over ranks of `array` (1-D, contiguous) as a new array."""
+
+    def stats(self):
+        """Counters for users (bytes, packets, resends, ...)."""
+        return {}
+
+    def close(self):
+        """Release sockets, processes and switch/aggregator state. Called once, on every rank."""

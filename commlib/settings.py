@@ -1,0 +1,91 @@
+"""Settings: keyword arguments, overridable by COMMLIB_<NAME> environment variables.
+
+Each module declares the settings it reads with `define()` at import time (the core here, each
+backend in its own module), so there is one place per setting and unknown names are an error.
+"""
+import os
+from dataclasses import dataclass
+
+from commlib.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: object
+    help: str
+
+    def parse(self, text):
+        kind = type(self.default)
+        try:
+            if kind is bool:
+                if text.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if text.lower() in ("0", "false", "no", "off", ""):
+                    return False
+                raise ValueError(text)
+            return kind(text)
+        except ValueError:
+            raise ConfigError(f"COMMLIB_{self.name.upper()}={text!r} is not a valid {kind.__name__} ({self.help})") from None
+
+
+_DEFINED = {}
+
+
+def define(name, default, help):
+    """Declare a setting (idempotent for identical re-definitions)."""
+    setting = Setting(name, default, help)
+    if _DEFINED.get(name, setting) != setting:
+        raise ConfigError(f"setting {name!r} is defined twice with different defaults")
+    _DEFINED[name] = setting
+    return setting
+
+
+def defined():
+    return dict(_DEFINED)
+
+
+class Settings:
+    """Resolved values: explicit keyword > COMMLIB_<NAME> > default. Read as attributes."""
+
+    def __init__(self, overrides=None, environ=None):
+        environ = os.environ if environ is None else environ
+        overrides = dict(overrides or {})
+        unknown = sorted(set(overrides) - set(_DEFINED))
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {unknown}; known settings: {sorted(_DEFINED)}")
+        values = {}
+        for name, setting in _DEFINED.items():
+            if name in overrides:
+                value = overrides[name]
+                if isinstance(value, str) and not isinstance(setting.default, str):
+                    value = setting.parse(value)
+            elif f"COMMLIB_{name.upper()}" in environ:
+                value = setting.parse(environ[f"COMMLIB_{name.upper()}"])
+            else:
+                value = setting.default
+            values[name] = value
+        self._values = values
+
+    def __getattr__(self, name):
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"no setting {name!r}; declare it with commlib.settings.define()") from None
+
+    def as_dict(self):
+        return dict(self._values)
+
+    def __repr__(self):
+        return f"Settings({self._values})"
+
+
+define("policy", "*=auto", "dispatch rules 'pattern=algorithm[:compressor];...' (see commlib.Policy)")
+define("fusion_threshold", 64 * 1024 * 1024, "bytes: small tensors are fused into buckets up to this size (0 disables)")
+define("cycle_time_ms", 1.0, "how often the controller releases a batch of negotiated tensors")
+define("timeout_s", 60.0, "every wait (negotiation, data, switch) gives up after this many seconds")
+define("controller_addr", "", "host:port of the negotiation controller (default: rendezvous through the launcher)")
+define("controller_host", "", "address rank 0 binds the controller to (default: 127.0.0.1 when all ranks are local)")
+define("ring_engine", "auto", "engine for the ring backend: auto, horovod, mpi, torch or local")
+define("auto_sparse_density", 0.25, "policy 'auto': tensors whose block density is below this go to omnireduce")
+define("timeline", "", "path of a Chrome trace (chrome://tracing) of every tensor's stages")
