@@ -1,0 +1,24 @@
+"""Plain dense allreduce through an existing engine (Horovod/Gloo, MPI, torch.distributed).
+
+The fallback and the baseline: commlib does not hand-roll a ring; see commlib.engine."""
+import numpy as np
+
+from commlib.backends import Backend, register
+
+
+@register
+class RingBackend(Backend):
+    name = "ring"
+    dtypes = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int8", "uint8", "int32", "int64"))
+
+    @classmethod
+    def available(cls, ctx):
+        if ctx.engine is None:
+            return False, "no collective engine (Horovod, MPI or torch.distributed) in this job"
+        return True, ""
+
+    def allreduce(self, array, name):
+        return self.ctx.engine.allreduce_sum(array, name)
+
+    def stats(self):
+        return {"engine": self.ctx.engine.name}

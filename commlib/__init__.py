@@ -1,0 +1,21 @@
+"""commlib: the communication layer data-parallel training reaches for when the network is the
+bottleneck. Each gradient is dispatched to SwitchML in-network aggregation, OmniReduce sparse
+block allreduce, a GRACE-style compressor, or a ring allreduce through Horovod/MPI.
+
+    import commlib
+    commlib.init()                                   # rank/size from horovodrun, mpirun, torchrun
+    avg = commlib.allreduce(tensor, name="grad.w")   # policy picks the algorithm
+"""
+from commlib.core import (Average, Handle, Sum, allreduce, allreduce_async, backend_stats, init,
+                          is_initialized, local_rank, local_size, poll, rank, records, shutdown, size,
+                          synchronize)
+from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, Mismatch,
+                            PeerFailure)
+from commlib.policy import Policy, Rule
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "allreduce", "allreduce_async", "synchronize", "poll", "Handle", "Sum", "Average", "Policy", "Rule",
+    "records", "backend_stats",
+    "CommError", "CommTimeout", "Mismatch", "BackendUnavailable", "ConfigError", "InvalidTensor", "PeerFailure",
+]

@@ -1,0 +1,314 @@
+"""Negotiation: every rank agrees on each tensor before any data moves (Horovod's coordinator).
+
+Rank 0 runs a `ControllerServer` thread; every rank (rank 0 included) holds a `ControllerClient`.
+Ranks submit the metadata of tensors as they become ready; once all ranks submitted a name
+and agree on it, the server releases it in a `go` batch, once per cycle. Every client receives
+the same batches in the same order, so all ranks run the same tensors in the same order (and
+fuse them identically). Disagreement is a `Mismatch`, a tensor some ranks never submit is a
+`CommTimeout`, a rank that vanishes is a `PeerFailure`: all raised on every rank, never a hang.
+
+The same channel carries `exchange` (an allgather of small JSON values) for backends' set-up.
+Messages are length-prefixed JSON: the channel never unpickles what a peer sends.
+"""
+import json
+import queue
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+
+from commlib.errors import CommTimeout, Mismatch, PeerFailure
+
+_HEADER = struct.Struct("!I")
+# Fields all ranks must agree on for a tensor (besides its name).
+AGREED_FIELDS = ("shape", "dtype", "op", "algorithm", "compression", "prescale", "postscale")
+
+
+def send_msg(sock, msg):
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def recv_msg(sock):
+    """One message, or None when the peer closed the connection."""
+    header = _recv_exact(sock, _HEADER.size)
+    if header is None:
+        return None
+    body = _recv_exact(sock, _HEADER.unpack(header)[0])
+    return None if body is None else json.loads(body)
+
+
+def _recv_exact(sock, n):
+    chunks = bytearray()
+    while len(chunks) < n:
+        chunk = sock.recv(n - len(chunks))
+        if not chunk:
+            return None
+        chunks += chunk
+    return bytes(chunks)
+
+
+def _ranks_text(ranks):
+    return "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
+
+
+def check_agreement(name, metas):
+    """metas: {rank: meta}. Returns None, or a message naming the tensor, field and ranks."""
+    for field in AGREED_FIELDS:
+        groups = {}
+        for rank, meta in sorted(metas.items()):
+            groups.setdefault(json.dumps(meta.get(field)), []).append(rank)
+        if len(groups) > 1:
+            sides = "; ".join(f"{_ranks_text(ranks)} gave {value}" for value, ranks in groups.items())
+            return (f"tensor {name!r}: ranks disagree on {field}: {sides}. Every rank must reduce the same "
+                    f"tensors with the same {field}.")
+    return None
+
+
+def resolve_auto(metas, sparse_density):
+    """`auto`: the sparse algorithm when the densest rank's block density is below the bound."""
+    meta = next(iter(metas.values()))
+    if meta["algorithm"] != "auto":
+        return meta["algorithm"]
+    densities = [m.get("density") for m in metas.values()]
+    if None not in densities and max(densities) < sparse_density:
+        return meta["auto_sparse"]
+    return meta["auto_dense"]
+
+
+class ControllerServer:
+    """Rank 0's coordinator. Single thread: accept all ranks, then a select loop per cycle."""
+
+    def __init__(self, size, host, port, timeout_s, cycle_time_ms, sparse_density):
+        self.size = size
+        self.timeout_s = timeout_s
+        self.cycle_s = cycle_time_ms / 1000.0
+        self.sparse_density = sparse_density
+        self.token = secrets.token_hex(16)
+        self._listener = socket.create_server((host, port))
+        self.address = self._listener.getsockname()[:2]
+        self._clients = {}        # rank -> socket
+        self._pending = {}        # tensor name -> {"metas": {rank: meta}, "since": t}
+        self._gathers = {}        # key -> {"values": {rank: value}, "since": t}
+        self._ready = []          # [{"name", "algorithm"}] released at the next cycle
+        self._done = set()        # ranks that said bye
+        self._failed = False
+        self._thread = threading.Thread(target=self._serve, name="commlib-controller", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout):
+        self._thread.join(timeout)
+
+    def _serve(self):
+        try:
+            if self._accept_all():
+                self._loop()
+        finally:
+            for sock in self._clients.values():
+                sock.close()
+            self._listener.close()
+
+    def _accept_all(self):
+        deadline = time.monotonic() + self.timeout_s
+        while len(self._clients) < self.size:
+            self._listener.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                missing = sorted(set(range(self.size)) - set(self._clients))
+                self._broadcast_error("CommTimeout", f"{_ranks_text(missing)} did not connect to the controller "
+                                      f"within {self.timeout_s}s; check that every rank calls commlib.init()")
+                return False
+            sock.settimeout(self.timeout_s)
+            hello = recv_msg(sock)
+            sock.settimeout(None)
+            if not hello or hello.get("t") != "hello":
+                sock.close()
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._clients[hello["rank"]] = sock
+        for sock in self._clients.values():
+            send_msg(sock, {"t": "welcome", "token": self.token})
+        return True
+
+    def _loop(self):
+        selector = selectors.DefaultSelector()
+        for rank, sock in self._clients.items():
+            selector.register(sock, selectors.EVENT_READ, rank)
+        next_cycle = time.monotonic() + self.cycle_s
+        while len(self._done) < self.size and not self._failed:
+            for key, _ in selector.select(max(0.0, next_cycle - time.monotonic())):
+                msg = recv_msg(key.fileobj)
+                if msg is None:
+                    selector.unregister(key.fileobj)
+                    if key.data not in self._done:
+                        self._broadcast_error("PeerFailure", f"rank {key.data} exited or lost its connection "
+                                              f"to the controller; see that rank's output for the cause")
+                    continue
+                self._handle(key.data, msg)
+            if time.monotonic() >= next_cycle:
+                self._release()
+                self._expire()
+                next_cycle = time.monotonic() + self.cycle_s
+
+    def _handle(self, rank, msg):
+        kind = msg["t"]
+        if kind == "submit":
+            for meta in msg["metas"]:
+                entry = self._pending.setdefault(meta["name"], {"metas": {}, "since": time.monotonic()})
+                entry["metas"][rank] = meta
+                if len(entry["metas"]) == self.size:
+                    self._complete(meta["name"], self._pending.pop(meta["name"])["metas"])
+        elif kind == "gather":
+            entry = self._gathers.setdefault(msg["key"], {"values": {}, "since": time.monotonic()})
+            entry["values"][rank] = msg["value"]
+            if len(entry["values"]) == self.size:
+                values = self._gathers.pop(msg["key"])["values"]
+                self._broadcast({"t": "gathered", "key": msg["key"], "values": [values[r] for r in range(self.size)]})
+        elif kind == "bye":
+            self._done.add(rank)
+
+    def _complete(self, name, metas):
+        problem = check_agreement(name, metas)
+        if problem:
+            self._broadcast({"t": "error", "kind": "Mismatch", "names": [name], "message": problem})
+        else:
+            self._ready.append({"name": name, "algorithm": resolve_auto(metas, self.sparse_density)})
+
+    def _release(self):
+        if self._ready:
+            self._broadcast({"t": "go", "batch": self._ready})
+            self._ready = []
+
+    def _expire(self):
+        now = time.monotonic()
+        for name, entry in list(self._pending.items()):
+            if now - entry["since"] > self.timeout_s:
+                del self._pending[name]
+                missing = sorted(set(range(self.size)) - set(entry["metas"]))
+                self._broadcast({"t": "error", "kind": "CommTimeout", "names": [name], "message": (
+                    f"tensor {name!r} was submitted by {_ranks_text(sorted(entry['metas']))} but not by "
+                    f"{_ranks_text(missing)} within {self.timeout_s}s; every rank must reduce the same tensors "
+                    f"(raise COMMLIB_TIMEOUT_S if a rank is just slow)")})
+        for key, entry in list(self._gathers.items()):
+            if now - entry["since"] > self.timeout_s:
+                del self._gathers[key]
+                missing = sorted(set(range(self.size)) - set(entry["values"]))
+                self._broadcast_error("CommTimeout", f"exchange {key!r}: {_ranks_text(missing)} did not take "
+                                      f"part within {self.timeout_s}s")
+
+    def _broadcast_error(self, kind, message):
+        """An error that breaks the job (names=None): every rank fails everything in flight."""
+        self._broadcast({"t": "error", "kind": kind, "names": None, "message": message})
+        self._failed = True
+
+    def _broadcast(self, msg):
+        for rank, sock in self._clients.items():
+            if rank not in self._done:
+                try:
+                    send_msg(sock, msg)
+                except OSError:
+                    pass  # that rank's loss is reported when its socket reads EOF
+
+
+_ERRORS = {"Mismatch": Mismatch, "CommTimeout": CommTimeout, "PeerFailure": PeerFailure}
+
+
+def error_from(msg):
+    return _ERRORS[msg["kind"]](msg["message"])
+
+
+class ControllerClient:
+    """A rank's end: submit metadata, receive go/error events, exchange small values."""
+
+    def __init__(self, address, rank, timeout_s):
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.events = queue.Queue()       # "go" and "error" messages, in server order
+        self._gathered = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._lost = None
+        self._send_lock = threading.Lock()
+        self._sock = self._connect(tuple(address), timeout_s)
+        send_msg(self._sock, {"t": "hello", "rank": rank})
+        self._sock.settimeout(timeout_s + 5)
+        welcome = recv_msg(self._sock)
+        self._sock.settimeout(None)
+        if welcome is None or welcome.get("t") == "error":
+            raise error_from(welcome) if welcome else PeerFailure(
+                f"rank {rank}: the controller at {address} closed the connection during set-up")
+        self.token = welcome["token"]
+        self._reader = threading.Thread(target=self._read, name="commlib-controller-client", daemon=True)
+        self._reader.start()
+
+    @staticmethod
+    def _connect(address, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                sock = socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic()))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return sock
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise CommTimeout(f"could not reach the commlib controller at {address[0]}:{address[1]} "
+                                      f"within {timeout_s}s ({exc}); is rank 0 running?") from None
+                time.sleep(0.05)
+
+    def _read(self):
+        while True:
+            try:
+                msg = recv_msg(self._sock)
+            except OSError:
+                msg = None
+            if msg is None:
+                if not self._closed:
+                    self._lost = {"t": "error", "kind": "PeerFailure", "names": None, "message":
+                                  "lost the commlib controller on rank 0 (rank 0 exited or crashed); see its output"}
+                    self.events.put(self._lost)
+                with self._cond:
+                    self._cond.notify_all()
+                return
+            if msg["t"] == "gathered":
+                with self._cond:
+                    self._gathered[msg["key"]] = msg["values"]
+                    self._cond.notify_all()
+            else:
+                if msg["t"] == "error" and msg["names"] is None:
+                    self._lost = msg
+                    with self._cond:
+                        self._cond.notify_all()
+                self.events.put(msg)
+
+    def _send(self, msg):
+        if self._lost:
+            raise error_from(self._lost)
+        with self._send_lock:
+            send_msg(self._sock, msg)
+
+    def submit(self, metas):
+        self._send({"t": "submit", "metas": metas})
+
+    def exchange(self, key, value, timeout):
+        self._send({"t": "gather", "key": key, "value": value})
+        with self._cond:
+            if not self._cond.wait_for(lambda: key in self._gathered or self._lost, timeout + 1.0):
+                raise CommTimeout(f"exchange {key!r} got no answer within {timeout}s")
+            if key not in self._gathered:
+                raise error_from(self._lost)
+            return self._gathered.pop(key)
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with self._send_lock:
+                send_msg(self._sock, {"t": "bye"})
+        except OSError:
+            pass
+        self._reader.join(1.0)
+        self._sock.close()

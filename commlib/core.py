@@ -1,0 +1,467 @@
+"""The core: tensors are queued by the caller, negotiated by the controller, fused and dispatched
+to a backend by one background thread, and handed back through handles.
+
+The life of a tensor: `allreduce_async` stages it (host view), picks (algorithm, compressor) from
+the policy, and submits its metadata; the controller releases it in a `go` batch once every rank
+agrees; the background thread fuses consecutive small tensors of the same kind into one buffer,
+runs the backend (or the compressor pipeline), scales, splits and resolves the handles.
+"""
+import atexit
+import itertools
+import logging
+import socket
+import threading
+import time
+
+import numpy as np
+
+from commlib import controller, engine as engines, kernels, topology
+from commlib.backends import TensorMeta, registry
+from commlib.context import Context
+from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor
+from commlib.policy import Policy
+from commlib.settings import Settings
+from commlib.tensors import Staged
+from commlib.timeline import Timeline
+
+log = logging.getLogger("commlib")
+
+Sum = "sum"
+Average = "average"
+_OPS = (Sum, Average)
+DENSITY_BLOCK = 256   # block size used to measure density for the `auto` policy (OmniReduce's default)
+_STOP = {"t": "stop"}
+
+
+class Handle:
+    """The result of an asynchronous allreduce: `synchronize(handle)` or `poll(handle)`."""
+
+    __slots__ = ("name", "_event", "_result", "_error", "_timeout")
+
+    def __init__(self, name, timeout):
+        self.name, self._timeout = name, timeout
+        self._event = threading.Event()
+        self._result = self._error = None
+
+    def _set(self, result=None, error=None):
+        self._result, self._error = result, error
+        self._event.set()
+
+    def done(self):
+        return self._event.is_set()
+
+    def wait(self):
+        if not self._event.wait(self._timeout):
+            raise CommTimeout(f"tensor {self.name!r} got no result within {self._timeout:.0f}s; "
+                              f"a peer, the switch or an aggregator is stuck (see the other ranks' output)")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class _Entry:
+    """One queued tensor."""
+
+    def __init__(self, tensor, staged, name, op, compression, prescale, postscale, handle):
+        self.tensor, self.staged, self.name, self.op = tensor, staged, name, op
+        self.compression, self.prescale, self.postscale, self.handle = compression, prescale, postscale, handle
+        self.algorithm = None
+        self.meta = None
+        self.times = {"enqueue": time.monotonic()}
+
+    def fusion_key(self):
+        if self.compression is not None:
+            return None
+        return (self.algorithm, self.staged.array.dtype, self.op, self.prescale, self.postscale)
+
+
+def block_density(array, block=DENSITY_BLOCK):
+    """Fraction of blocks of `block` elements that hold any non-zero value."""
+    if array.size == 0:
+        return 0.0
+    if array.dtype == np.float32:
+        return float(kernels.nonzero_blocks(array, block).mean())
+    padded = np.zeros(kernels.nblocks(array.size, block) * block, dtype=array.dtype)
+    padded[:array.size] = array
+    return float(np.any(padded.reshape(-1, block) != 0, axis=1).mean())
+
+
+class Communicator:
+    """What a compressor's reduce() sees: collectives over the algorithm chosen for its payload."""
+
+    def __init__(self, runtime, algorithm, name):
+        self.rank, self.size = runtime.topology.rank, runtime.topology.size
+        self.algorithm, self._runtime, self._name = algorithm, runtime, name
+        self._calls = itertools.count()
+
+    def allreduce(self, array):
+        """Elementwise sum over ranks of a 1-D array, through the chosen backend."""
+        algorithm = "ring" if self.algorithm == "allgather" else self.algorithm
+        backend = self._runtime.backend(algorithm)
+        array = np.ascontiguousarray(array).reshape(-1)
+        native = array.dtype in backend.dtypes
+        out = backend.allreduce(array if native else array.astype(np.float32), f"{self._name}.{next(self._calls)}")
+        return out if native else out.astype(array.dtype)
+
+    def allgather(self, array):
+        """Every rank's 1-D array (lengths may differ), index = rank."""
+        return self._runtime.engine.allgather(np.ascontiguousarray(array).reshape(-1), f"{self._name}.{next(self._calls)}")
+
+
+class Runtime:
+    def __init__(self, settings, policy):
+        self.settings = settings
+        self.policy = policy
+        self.topology = topology.detect()
+        self.engine = engines.create(settings.ring_engine, self.topology)
+        self.topology = topology.detect()   # creating the engine may have initialized Horovod
+        self.timeline = Timeline(settings.timeline, self.topology.rank)
+        self._server, self.client = self._start_controller()
+        t = self.topology
+        self.ctx = Context(t.rank, t.size, t.local_rank, t.local_size, settings, self.client.exchange,
+                           engine=self.engine, job_token=self.client.token)
+        self.backends, self.unavailable = self._start_backends()
+        self._entries = {}
+        self._lock = threading.Lock()
+        self._names = itertools.count()
+        self._broken = None
+        self.records = {}
+        self._thread = threading.Thread(target=self._loop, name="commlib-background", daemon=True)
+        self._thread.start()
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _start_controller(self):
+        s, t = self.settings, self.topology
+        all_local = t.local_size == t.size
+        host = s.controller_host or ("127.0.0.1" if all_local else _primary_ip())
+        server = None
+        if s.controller_addr:
+            addr_host, _, port = s.controller_addr.rpartition(":")
+            address = (addr_host, int(port))
+            if t.rank == 0:
+                server = controller.ControllerServer(t.size, addr_host, int(port), s.timeout_s,
+                                                     s.cycle_time_ms, s.auto_sparse_density)
+        else:
+            if t.rank == 0:
+                server = controller.ControllerServer(t.size, host if all_local else "0.0.0.0", 0, s.timeout_s,
+                                                     s.cycle_time_ms, s.auto_sparse_density)
+                address = (host, server.address[1])
+            else:
+                address = None
+            address = self.engine.broadcast_object(address)
+        return server, controller.ControllerClient(address, t.rank, s.timeout_s)
+
+    def _start_backends(self):
+        """Build every available backend on every rank, and agree on which ones work."""
+        backends, unavailable = {}, {}
+        for name, cls in sorted(registry().items()):
+            ok, why = cls.available(self.ctx)
+            if ok:
+                try:
+                    backends[name] = cls(self.ctx)
+                except Exception as exc:   # one rank's failure must not split the job
+                    log.warning("commlib: backend %s failed to start on rank %d: %s", name, self.topology.rank, exc)
+                    why = f"failed to start on rank {self.topology.rank}: {exc}"
+            verdicts = self.ctx.exchange(f"init/backend/{name}", why or "")
+            reasons = [v for v in verdicts if v]
+            if reasons:
+                unavailable[name] = reasons[0]
+                if name in backends:
+                    backends.pop(name).close()
+        return backends, unavailable
+
+    def backend(self, name):
+        try:
+            return self.backends[name]
+        except KeyError:
+            why = self.unavailable.get(name, f"no backend named {name!r}; known: {sorted(registry())}")
+            raise BackendUnavailable(f"algorithm {name!r} is not available: {why}") from None
+
+    # -- the caller's side ----------------------------------------------------------------------
+    def allreduce_async(self, tensor, name, op, algorithm, compression, prescale, postscale):
+        if self._broken:
+            raise self._broken
+        if op not in _OPS:
+            raise ConfigError(f"op={op!r}: use commlib.Sum or commlib.Average")
+        staged = Staged(tensor)
+        array = staged.array
+        if op == Average and array.dtype.kind in "iub":
+            raise InvalidTensor(f"tensor {name!r}: op=Average on {array.dtype} would truncate; use op=commlib.Sum")
+        name = name or f"allreduce.noname.{next(self._names)}"
+        if algorithm is None and compression is None:
+            algorithm, compression = self.policy.choose(name, array.nbytes, array.dtype)
+        entry = _Entry(tensor, staged, name, op, _resolve_compression(compression), prescale, postscale,
+                       Handle(name, 3 * self.settings.timeout_s + 10))
+        meta = self._plan(entry, algorithm or "auto")
+        with self._lock:
+            if name in self._entries:
+                raise ConfigError(f"tensor {name!r} is already in flight; give each tensor of a step a unique name")
+            self._entries[name] = entry
+        self.client.submit([meta])
+        return entry.handle
+
+    def _plan(self, entry, requested):
+        """The negotiation metadata; `auto` is settled by the controller from every rank's density."""
+        array = entry.staged.array
+        meta = TensorMeta(entry.name, tuple(entry.staged.shape), str(array.dtype), array.nbytes)
+        if entry.compression is not None:
+            algorithm = self._compressed_algorithm(entry, requested)
+            density, dense, sparse = None, algorithm, algorithm
+        else:
+            if requested == "allgather":
+                raise ConfigError(f"tensor {entry.name!r}: algorithm 'allgather' carries compressed payloads; "
+                                  f"give a compression= or choose ring, switchml or omnireduce")
+            dense = self._first_enabled(("switchml", "ring"), meta) or "ring"
+            sparse = self._first_enabled(("omnireduce",), meta) or dense
+            if requested == "auto":
+                algorithm = "auto" if sparse != dense else dense
+            else:
+                algorithm = requested
+                self._check_enabled(algorithm, meta)
+            density = block_density(array) if algorithm == "auto" else None
+        entry.meta = {"name": entry.name, "shape": list(meta.shape), "dtype": meta.dtype, "op": entry.op,
+                      "algorithm": algorithm, "auto_dense": dense, "auto_sparse": sparse, "density": density,
+                      "compression": repr(entry.compression) if entry.compression is not None else None,
+                      "prescale": entry.prescale, "postscale": entry.postscale}
+        return entry.meta
+
+    def _first_enabled(self, names, meta):
+        return next((n for n in names if n in self.backends and self.backends[n].enabled(meta)), None)
+
+    def _check_enabled(self, algorithm, meta):
+        backend = self.backend(algorithm)
+        if not backend.enabled(meta):
+            kinds = ", ".join(str(d) for d in backend.dtypes)
+            raise InvalidTensor(f"tensor {meta.name!r}: algorithm {algorithm!r} does not take {meta.dtype} "
+                                f"tensors of {meta.nbytes} bytes (it reduces {kinds}); cast it or choose 'ring'")
+
+    def _compressed_algorithm(self, entry, requested):
+        allowed = entry.compression.allowed_algorithms()
+        if requested == "auto":
+            # a summable payload keeps its own dtype on the ring (switchml would re-widen fp16 to int32)
+            preference = ("ring",) if entry.compression.payload == "summable" else ("omnireduce", "allgather")
+            return next(a for a in preference if a == "allgather" or a in self.backends)
+        if requested not in allowed:
+            raise ConfigError(f"tensor {entry.name!r}: compression {entry.compression!r} produces a "
+                              f"{entry.compression.payload} payload, which {requested!r} cannot carry; "
+                              f"use one of {sorted(allowed)} or leave algorithm unset")
+        if requested != "allgather":
+            self.backend(requested)
+        return requested
+
+    # -- the background thread ------------------------------------------------------------------
+    def _loop(self):
+        while True:
+            msg = self.client.events.get()
+            if msg is _STOP:
+                return
+            if msg["t"] == "go":
+                self._execute(msg["batch"])
+            elif msg["t"] == "error":
+                self._fail(msg["names"], controller.error_from(msg))
+
+    def _fail(self, names, error):
+        with self._lock:
+            if names is None:
+                self._broken = error
+                names = list(self._entries)
+            entries = [self._entries.pop(n) for n in names if n in self._entries]
+        for entry in entries:
+            entry.handle._set(error=error)
+
+    def _execute(self, batch):
+        now = time.monotonic()
+        with self._lock:
+            entries = [self._entries.pop(item["name"]) for item in batch]
+        for entry, item in zip(entries, batch):
+            entry.algorithm = item["algorithm"]
+            entry.times["go"] = now
+        for group in _fuse(entries, self.settings.fusion_threshold):
+            try:
+                self._run(group)
+            except CommError as exc:
+                for entry in group:
+                    entry.handle._set(error=exc)
+            except Exception as exc:
+                error = CommError(f"{group[0].algorithm} failed on tensor {group[0].name!r}: {exc!r}")
+                error.__cause__ = exc
+                for entry in group:
+                    entry.handle._set(error=error)
+
+    def _run(self, group):
+        first = group[0]
+        start = time.monotonic()
+        if first.compression is not None:
+            results = [self._run_compressed(first)]
+        else:
+            results = self._run_dense(group)
+        end = time.monotonic()
+        for entry, result in zip(group, results):
+            self._record(entry, start, end, len(group))
+            entry.handle._set(result=result)
+
+    def _run_dense(self, group):
+        first = group[0]
+        arrays = [e.staged.array for e in group]
+        buf = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        if first.prescale != 1.0:
+            buf = (buf * first.prescale).astype(buf.dtype)
+        name = first.name if len(group) == 1 else f"{first.name}+{len(group) - 1}"
+        out = self.backend(first.algorithm).allreduce(buf, name)
+        scale = first.postscale / (self.topology.size if first.op == Average else 1)
+        if scale != 1.0:
+            out = (out * scale).astype(buf.dtype)
+        parts = np.split(out, np.cumsum([a.size for a in arrays])[:-1]) if len(group) > 1 else [out]
+        return [e.staged.restore(part) for e, part in zip(group, parts)]
+
+    def _run_compressed(self, entry):
+        tensor = entry.tensor
+        if getattr(tensor, "is_sparse", False):
+            tensor = tensor.to_dense()
+        if entry.prescale != 1.0:
+            tensor = tensor * entry.prescale
+        comm = Communicator(self, entry.algorithm, entry.name)
+        out = entry.compression.reduce(tensor, entry.name, comm, entry.op == Average)
+        return out * entry.postscale if entry.postscale != 1.0 else out
+
+    def _record(self, entry, start, end, fused):
+        t = entry.times
+        self.records[entry.name] = {
+            "algorithm": entry.algorithm, "compression": entry.meta["compression"], "dtype": entry.meta["dtype"],
+            "nbytes": entry.staged.array.nbytes, "density": entry.meta["density"], "fused_with": fused - 1,
+            "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start}
+        self.timeline.tensor(entry.name, t["enqueue"], t["go"], start, end, entry.algorithm)
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def shutdown(self):
+        self.client.events.put(_STOP)
+        self._thread.join(self.settings.timeout_s)
+        for backend in self.backends.values():
+            try:
+                backend.close()
+            except Exception as exc:   # shutting down: report, keep closing the rest
+                log.warning("commlib: closing backend %s: %s", backend.name, exc)
+        self.client.close()
+        if self._server is not None:
+            self._server.join(self.settings.timeout_s)
+        self.timeline.close()
+
+
+def _fuse(entries, threshold):
+    """Consecutive entries of the same kind, each group at most `threshold` bytes."""
+    group, size = [], 0
+    for entry in entries:
+        nbytes = entry.staged.array.nbytes
+        key = entry.fusion_key()
+        if group and (key is None or key != group[0].fusion_key() or size + nbytes > threshold):
+            yield group
+            group, size = [], 0
+        group.append(entry)
+        size += nbytes
+    if group:
+        yield group
+
+
+def _resolve_compression(spec):
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() == "none"):
+        return None
+    from commlib import compressors
+    return compressors.resolve(spec)
+
+
+def _primary_ip():
+    """The address other hosts reach this one by (the interface of the default route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))   # TEST-NET-1: no packet is sent by connect() on UDP
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+# -- the module-level API (commlib/__init__.py re-exports it) ---------------------------------------
+_runtime = None
+_init_lock = threading.Lock()
+
+
+def init(policy=None, **settings):
+    """Start commlib on this rank (idempotent). `policy`: a Policy or its text; other keyword
+    arguments are settings (see commlib.settings; each is overridable by COMMLIB_<NAME>)."""
+    global _runtime
+    with _init_lock:
+        if _runtime is not None:
+            return
+        registry()                       # backends declare their settings on import
+        import commlib.compressors       # noqa: F401  (and so do compressors)
+        resolved = Settings(settings)
+        if policy is None:
+            policy = resolved.policy
+        _runtime = Runtime(resolved, Policy.parse(policy) if isinstance(policy, str) else policy)
+        atexit.register(shutdown)
+
+
+def shutdown():
+    global _runtime
+    with _init_lock:
+        if _runtime is not None:
+            runtime, _runtime = _runtime, None
+            runtime.shutdown()
+
+
+def is_initialized():
+    return _runtime is not None
+
+
+def runtime():
+    if _runtime is None:
+        raise CommError("commlib is not initialized: call commlib.init() first")
+    return _runtime
+
+
+def rank():
+    return runtime().topology.rank
+
+
+def size():
+    return runtime().topology.size
+
+
+def local_rank():
+    return runtime().topology.local_rank
+
+
+def local_size():
+    return runtime().topology.local_size
+
+
+def allreduce_async(tensor, name=None, op=Average, algorithm=None, compression=None,
+                    prescale_factor=1.0, postscale_factor=1.0):
+    """Start reducing `tensor` across ranks; returns a Handle for synchronize()/poll()."""
+    return runtime().allreduce_async(tensor, name, op, algorithm, compression,
+                                     float(prescale_factor), float(postscale_factor))
+
+
+def synchronize(handle):
+    """Wait for a Handle; returns the reduced tensor (same type, device, dtype, shape)."""
+    return handle.wait()
+
+
+def poll(handle):
+    """True when the handle's result is ready."""
+    return handle.done()
+
+
+def allreduce(tensor, name=None, op=Average, algorithm=None, compression=None,
+              prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce `tensor` across ranks (Average by default) and return the result."""
+    return synchronize(allreduce_async(tensor, name, op, algorithm, compression, prescale_factor, postscale_factor))
+
+
+def records():
+    """Per tensor name, the last dispatch: algorithm, compression, bytes, density, timings."""
+    return dict(runtime().records)
+
+
+def backend_stats():
+    """Counters of every running backend (bytes, packets, resends, ...)."""
+    return {name: backend.stats() for name, backend in runtime().backends.items()}

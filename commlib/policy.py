@@ -1,0 +1,122 @@
+"""Per-tensor dispatch: ordered rules map a tensor to an algorithm and an optional compressor.
+
+    Policy([Rule("embedding.*", "omnireduce"),
+            Rule("*.weight", compression="topk(ratio=0.01)", min_bytes=1 << 20),
+            Rule("*", "switchml")])
+
+or as text (COMMLIB_POLICY): ``embedding.*=omnireduce;*.weight[min=1MiB]=topk(ratio=0.01);*=switchml``.
+A rule matches a name by glob (``re:`` prefix for a regular expression), optionally by size and
+dtype. The first matching rule wins; ``auto`` lets the core choose from the measured block
+density (sparse -> omnireduce, dense -> switchml, else ring) among the enabled backends.
+"""
+import fnmatch
+import re
+from dataclasses import dataclass
+
+from commlib.errors import ConfigError
+
+ALGORITHMS = ("auto", "ring", "switchml", "omnireduce", "allgather")
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def parse_bytes(text):
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"{text!r} is not a size; write e.g. 4096, 64KiB or 1MB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str = "*"
+    algorithm: str = "auto"
+    compression: object = None       # a compressor spec: "topk(ratio=0.01)", a GRACE dict, an object
+    min_bytes: int = 0
+    max_bytes: int = None
+    dtypes: tuple = ()
+
+    def __post_init__(self):
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"rule {self.pattern!r}: unknown algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
+        if self.pattern.startswith("re:"):
+            try:
+                re.compile(self.pattern[3:])
+            except re.error as exc:
+                raise ConfigError(f"rule {self.pattern!r}: bad regular expression ({exc})") from None
+
+    def matches(self, name, nbytes, dtype):
+        if self.pattern.startswith("re:"):
+            if not re.fullmatch(self.pattern[3:], name):
+                return False
+        elif not fnmatch.fnmatchcase(name, self.pattern):
+            return False
+        if nbytes < self.min_bytes or (self.max_bytes is not None and nbytes > self.max_bytes):
+            return False
+        return not self.dtypes or str(dtype) in self.dtypes
+
+
+class Policy:
+    def __init__(self, rules=(), default="auto"):
+        self.rules = list(rules) + [Rule("*", default)]
+
+    def choose(self, name, nbytes, dtype):
+        """(algorithm, compression spec) of the first rule that matches."""
+        for rule in self.rules:
+            if rule.matches(name, nbytes, dtype):
+                return rule.algorithm, rule.compression
+        raise AssertionError("unreachable: the last rule matches everything")
+
+    @classmethod
+    def parse(cls, text):
+        rules = [_parse_rule(part) for part in _split_top(text, ";") if part.strip()]
+        return cls(rules)
+
+    def __repr__(self):
+        return f"Policy({self.rules[:-1]})"
+
+
+def _split_top(text, sep):
+    """Split on `sep` outside of (), [] so compressor arguments may hold separators."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char in "([":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        elif char == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _parse_rule(text):
+    head, eq, action = text.strip().partition("=")
+    while head.count("[") > head.count("]") and eq:   # '=' inside [dtype=...]
+        more, eq, action = action.partition("=")
+        head += "=" + more
+    if not eq or not action.strip():
+        raise ConfigError(f"policy rule {text!r} must read 'pattern[conditions]=algorithm[:compressor]'")
+    pattern, _, conditions = head.strip().partition("[")
+    kwargs = _parse_conditions(conditions.rstrip("]"), text) if conditions else {}
+    action = action.strip()
+    algorithm, colon, compression = action.partition(":")
+    word = re.match(r"[A-Za-z_]\w*", action)
+    if not colon and word and word.group() not in ALGORITHMS:
+        algorithm, compression = "auto", action     # '*.weight=topk(ratio=0.01)'
+    return Rule(pattern.strip() or "*", algorithm.strip(), compression.strip() or None, **kwargs)
+
+
+def _parse_conditions(text, rule):
+    kwargs = {}
+    for condition in filter(None, (c.strip() for c in text.split(","))):
+        key, _, value = condition.partition("=")
+        if key == "min":
+            kwargs["min_bytes"] = parse_bytes(value)
+        elif key == "max":
+            kwargs["max_bytes"] = parse_bytes(value)
+        elif key == "dtype":
+            kwargs["dtypes"] = tuple(value.split("|"))
+        else:
+            raise ConfigError(f"policy rule {rule!r}: unknown condition {key!r}; use min=, max= or dtype=")
+    return kwargs
