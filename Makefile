@@ -7,7 +7,7 @@ HOROVOD_VERSION := 0.28.1
 HOROVOD_SRC := build/horovod-$(HOROVOD_VERSION)
 NP ?= 4
 
-.PHONY: install apt venv deps horovod develop demo demo-switch test test-unit test-multi bench bench-quick clean
+.PHONY: install apt venv deps horovod develop demo test bench bench-quick clean
 
 install: apt venv deps horovod develop
 
@@ -39,3 +39,20 @@ horovod:
 
 develop:
 	$(PIP) install -q --no-build-isolation -e .
+
+# The main job on the embedded default: 4 local workers, a local software switch, no configuration.
+demo:
+	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo $(PY) -m commlib.demo
+
+test:
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+BENCH_ARGS ?=
+bench:
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b $(BENCH_ARGS) || exit 1; done
+
+bench-quick:
+	$(MAKE) bench BENCH_ARGS=--quick
+
+clean:
+	rm -rf build *.egg-info commlib/*.so switch/*.so

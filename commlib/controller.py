@@ -265,7 +265,7 @@ class ControllerClient:
             except OSError:
                 msg = None
             if msg is None:
-                if not self._closed:
+                if not self._closed and not self._lost:   # keep the precise reason if one came first
                     self._lost = {"t": "error", "kind": "PeerFailure", "names": None, "message":
                                   "lost the commlib controller on rank 0 (rank 0 exited or crashed); see its output"}
                     self.events.put(self._lost)

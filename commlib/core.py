@@ -8,6 +8,7 @@ runs the backend (or the compressor pipeline), scales, splits and resolves the h
 """
 import atexit
 import itertools
+import json
 import logging
 import socket
 import threading
@@ -122,6 +123,7 @@ class Runtime:
                            engine=self.engine, job_token=self.client.token)
         self.backends, self.unavailable = self._start_backends()
         self._entries = {}
+        self._compressions = {}
         self._lock = threading.Lock()
         self._names = itertools.count()
         self._broken = None
@@ -174,8 +176,10 @@ class Runtime:
         try:
             return self.backends[name]
         except KeyError:
-            why = self.unavailable.get(name, f"no backend named {name!r}; known: {sorted(registry())}")
-            raise BackendUnavailable(f"algorithm {name!r} is not available: {why}") from None
+            if name not in registry():
+                raise ConfigError(f"unknown algorithm {name!r}; choose one of {sorted(registry())}, "
+                                  f"'allgather' (for compressed payloads) or 'auto'") from None
+            raise BackendUnavailable(f"algorithm {name!r} is not available: {self.unavailable[name]}") from None
 
     # -- the caller's side ----------------------------------------------------------------------
     def allreduce_async(self, tensor, name, op, algorithm, compression, prescale, postscale):
@@ -190,7 +194,7 @@ class Runtime:
         name = name or f"allreduce.noname.{next(self._names)}"
         if algorithm is None and compression is None:
             algorithm, compression = self.policy.choose(name, array.nbytes, array.dtype)
-        entry = _Entry(tensor, staged, name, op, _resolve_compression(compression), prescale, postscale,
+        entry = _Entry(tensor, staged, name, op, self._compression(compression), prescale, postscale,
                        Handle(name, 3 * self.settings.timeout_s + 10))
         meta = self._plan(entry, algorithm or "auto")
         with self._lock:
@@ -199,6 +203,19 @@ class Runtime:
             self._entries[name] = entry
         self.client.submit([meta])
         return entry.handle
+
+    def _compression(self, spec):
+        """One compressor object per spec for the whole run: its memories (error feedback,
+        PowerSGD's Q) are keyed by tensor name inside and must survive from step to step."""
+        if spec is None or (isinstance(spec, str) and spec.strip().lower() == "none"):
+            return None
+        from commlib import compressors
+        if not isinstance(spec, (str, dict)):
+            return compressors.resolve(spec)   # an object the caller built and keeps
+        key = spec.strip() if isinstance(spec, str) else json.dumps(spec, sort_keys=True, default=str)
+        if key not in self._compressions:
+            self._compressions[key] = compressors.resolve(spec)
+        return self._compressions[key]
 
     def _plan(self, entry, requested):
         """The negotiation metadata; `auto` is settled by the controller from every rank's density."""
@@ -263,7 +280,7 @@ class Runtime:
     def _fail(self, names, error):
         with self._lock:
             if names is None:
-                self._broken = error
+                self._broken = self._broken or error   # the first fatal error is the cause
                 names = list(self._entries)
             entries = [self._entries.pop(n) for n in names if n in self._entries]
         for entry in entries:
@@ -361,12 +378,6 @@ def _fuse(entries, threshold):
     if group:
         yield group
 
-
-def _resolve_compression(spec):
-    if spec is None or (isinstance(spec, str) and spec.strip().lower() == "none"):
-        return None
-    from commlib import compressors
-    return compressors.resolve(spec)
 
 
 def _primary_ip():

@@ -104,6 +104,9 @@ def _parse_rule(text):
     word = re.match(r"[A-Za-z_]\w*", action)
     if not colon and word and word.group() not in ALGORITHMS:
         algorithm, compression = "auto", action     # '*.weight=topk(ratio=0.01)'
+    if compression.strip():
+        from commlib import compressors
+        compressors.resolve(compression.strip())     # an unknown compressor fails here, not mid-training
     return Rule(pattern.strip() or "*", algorithm.strip(), compression.strip() or None, **kwargs)
 
 

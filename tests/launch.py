@@ -48,6 +48,11 @@ def _run(cmd, timeout, env):
     return subprocess.CompletedProcess(cmd, proc.returncode, out)
 
 
+def _target(script):
+    """A worker script in tests/workers, or '-m package.module'."""
+    return ["-m", script[2:].strip()] if script.startswith("-m") else [str(WORKERS / script)]
+
+
 def _env(extra):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.update({k: str(v) for k, v in (extra or {}).items()})
@@ -62,7 +67,7 @@ def spawn(nprocs, script, *args, timeout=120, env=None):
         rank_env = _env(env)
         rank_env.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                         LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(WORKERS / script), *map(str, args)],
+        procs.append(subprocess.Popen([sys.executable, *_target(script), *map(str, args)],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env=rank_env, cwd=ROOT, start_new_session=True))
     results = Ranks()
@@ -84,7 +89,7 @@ def horovodrun(nprocs, script, *args, timeout=180, env=None, mpi=False):
     """Run tests/workers/<script> under the real `horovodrun -np N` (Gloo by default)."""
     cmd = [str(BIN / "horovodrun"), "-np", str(nprocs), "-H", f"localhost:{nprocs}",
            "--mpi-args=--allow-run-as-root --oversubscribe" if mpi else "--gloo",
-           sys.executable, str(WORKERS / script), *map(str, args)]
+           sys.executable, *_target(script), *map(str, args)]
     if mpi:
         cmd.insert(5, "--mpi")
     return _run(cmd, timeout, _env(env))
@@ -95,5 +100,5 @@ def mpirun(nprocs, script, *args, timeout=180, env=None):
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nprocs),
            "-x", "PYTHONUNBUFFERED", "-x", "PATH", "-x", "OMP_NUM_THREADS",
            *[a for k in (env or {}) for a in ("-x", k)],
-           sys.executable, str(WORKERS / script), *map(str, args)]
+           sys.executable, *_target(script), *map(str, args)]
     return _run(cmd, timeout, _env(env))

@@ -1,0 +1,94 @@
+"""PyTorch front-end: Horovod's DistributedOptimizer with commlib doing the communication.
+
+    import horovod.torch as hvd, commlib.torch as cl
+    hvd.init()
+    optimizer = cl.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                        policy="embedding.*=omnireduce;*=switchml")
+    cl.broadcast_parameters(model.state_dict(), root_rank=0)
+
+Horovod keeps doing what it does well (autograd hooks, backward_passes_per_step, step() and
+zero_grad() checks); only its per-gradient `_allreduce_grad_async` is replaced on the instance, and
+the replacement returns a callable handle, which Horovod's synchronize() calls for the result.
+Horovod builds the optimizer class on the fly and calls super(self.__class__, ...), so it is never
+subclassed, and no Horovod file is patched.
+"""
+import types
+
+import commlib
+from commlib.errors import ConfigError
+from commlib.policy import Policy
+
+try:
+    from horovod.torch import (broadcast_object, broadcast_optimizer_state,  # noqa: F401  (re-exported)
+                               broadcast_parameters)
+except ImportError:   # horovod is optional for commlib.allreduce; only this front-end needs it
+    pass
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
+                         op=None, gradient_predivide_factor=1.0, policy=None, algorithm=None, **horovod_kwargs):
+    """Horovod's `hvd.DistributedOptimizer`, with each gradient reduced by commlib.
+
+    compression: a commlib compressor spec ("topk(ratio=0.01)", a GRACE params dict, an object) or
+        horovod's Compression.none / Compression.fp16; applies to every gradient.
+    policy: a commlib.Policy (or its text) choosing (algorithm, compressor) per parameter name;
+        default: the policy commlib.init() was given. `algorithm` forces one algorithm for all.
+    Other arguments are Horovod's (process_set, sparse_as_dense, ...).
+    """
+    import horovod.torch as hvd
+    if not hvd.is_initialized():
+        raise commlib.CommError("call hvd.init() before commlib.torch.DistributedOptimizer")
+    op = hvd.Average if op is None else op
+    if op not in (hvd.Average, hvd.Sum):
+        raise ConfigError("commlib reduces with op=hvd.Average or hvd.Sum; for Adasum use hvd.DistributedOptimizer")
+    if horovod_kwargs.get("groups") or horovod_kwargs.get("num_groups"):
+        raise ConfigError("grouped allreduce (groups=, num_groups=) is Horovod's own fusion; commlib fuses by "
+                          "itself (COMMLIB_FUSION_THRESHOLD), so leave groups unset")
+    process_set = horovod_kwargs.get("process_set")
+    if process_set is not None and process_set != hvd.global_process_set:
+        raise ConfigError("commlib reduces over all ranks; process sets are not supported yet")
+    compression = _commlib_compression(compression, hvd)
+    if isinstance(policy, str):
+        policy = Policy.parse(policy)
+    commlib.init()
+    opt = hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
+                                   backward_passes_per_step=backward_passes_per_step, op=op,
+                                   gradient_predivide_factor=gradient_predivide_factor, **horovod_kwargs)
+    if hvd.size() > 1:   # Horovod registers its hooks only then
+        opt._allreduce_grad_async = types.MethodType(_reducer(hvd, compression, policy, algorithm), opt)
+    return opt
+
+
+def _commlib_compression(compression, hvd):
+    if compression is None or compression is hvd.Compression.none:
+        return None
+    if compression is hvd.Compression.fp16:
+        return "fp16"
+    return compression
+
+
+def _reducer(hvd, compression, policy, algorithm):
+    def _allreduce_grad_async(self, p):
+        if p.grad is None:
+            # other ranks may have a gradient for p (dynamic graphs): contribute zeros, as Horovod does
+            p.grad = p.data.new(p.size()).zero_()
+        name = self._parameter_names.get(p)
+        grad = p.grad
+        average = self.op == hvd.Average
+        chosen_algorithm, chosen_compression = algorithm, compression
+        if policy is not None and algorithm is None and compression is None:
+            chosen_algorithm, chosen_compression = policy.choose(name, grad.numel() * grad.element_size(),
+                                                                 str(grad.dtype).replace("torch.", ""))
+        handle = commlib.allreduce_async(
+            grad, name=name, op=commlib.Average if average else commlib.Sum, algorithm=chosen_algorithm,
+            compression=chosen_compression,
+            prescale_factor=1.0 / self.gradient_predivide_factor if average else 1.0,
+            postscale_factor=self.gradient_predivide_factor if average else 1.0)
+
+        def result():
+            out = commlib.synchronize(handle)
+            if p.grad.is_sparse:       # the sum of sparse gradients comes back dense
+                p.grad = out
+            return out
+        return result, None
+    return _allreduce_grad_async

@@ -1,0 +1,32 @@
+"""commlib inside real `horovodrun` and `mpirun` jobs (Horovod built from its sdist by `make install`)."""
+import re
+
+import pytest
+
+from launch import horovodrun, mpirun
+
+pytest.importorskip("horovod.torch", reason="horovod is built by `make install`")
+pytestmark = pytest.mark.multiprocess
+
+
+def test_closed_form_under_horovodrun_gloo():
+    out = horovodrun(2, "basic.py", timeout=180)
+    assert out.returncode == 0 and out.stdout.count("OK ") == 2, out.stdout
+
+
+def test_closed_form_under_mpirun_uses_mpi4py():
+    out = mpirun(2, "basic.py", timeout=180)
+    assert out.returncode == 0 and out.stdout.count("OK ") == 2, out.stdout
+
+
+def test_distributed_optimizer_matches_horovod_on_4_ranks():
+    out = horovodrun(4, "torch_optimizer.py", "*=ring", "1e-5", timeout=240)
+    assert out.returncode == 0 and out.stdout.count("OPTIMIZER-OK") == 4, out.stdout
+
+
+def test_demo_trains_and_loss_decreases():
+    out = horovodrun(2, "-m commlib.demo", "--steps", "40", "--hidden", "128", timeout=240)
+    assert out.returncode == 0, out.stdout
+    losses = [float(v) for v in re.findall(r"Iter #\d+: loss ([\d.]+)", out.stdout)]
+    assert len(losses) >= 4 and losses[-1] < 0.7 * losses[0], out.stdout
+    assert "Total img/sec on 2 CPU(s)" in out.stdout

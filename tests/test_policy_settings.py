@@ -1,0 +1,64 @@
+"""Policy parsing and matching, settings resolution, the controller's agreement rules."""
+import pytest
+
+from commlib import ConfigError, Policy, Rule
+from commlib.controller import check_agreement, resolve_auto
+from commlib.policy import parse_bytes
+from commlib.settings import Settings
+
+
+def test_policy_text_rules_in_order():
+    p = Policy.parse("embedding.*=omnireduce; *.weight[min=1MiB]=topk(ratio=0.01,memory=residual);"
+                     "re:layer\\d+\\.bias=ring:fp16; *[dtype=int32]=switchml; *=ring")
+    assert p.choose("embedding.users", 10, "float32") == ("omnireduce", None)
+    assert p.choose("fc.weight", 2 << 20, "float32") == ("auto", "topk(ratio=0.01,memory=residual)")
+    assert p.choose("fc.weight", 100, "float32") == ("ring", None)          # too small for the topk rule
+    assert p.choose("layer12.bias", 100, "float32") == ("ring", "fp16")
+    assert p.choose("counts", 100, "int32") == ("switchml", None)
+
+
+def test_policy_default_is_auto():
+    assert Policy().choose("anything", 1, "float32") == ("auto", None)
+    assert Policy([Rule("a*", "ring")]).choose("b", 1, "float32") == ("auto", None)
+
+
+@pytest.mark.parametrize("text", ["*=bogus", "*=", "noequals", "*[size=3]=ring", "re:(=ring"])
+def test_bad_policy_is_a_clear_error(text):
+    with pytest.raises(ConfigError):
+        Policy.parse(text)
+
+
+def test_parse_bytes():
+    assert parse_bytes("4096") == 4096 and parse_bytes("64KiB") == 65536 and parse_bytes("1MB") == 10 ** 6
+    with pytest.raises(ConfigError):
+        parse_bytes("lots")
+
+
+def test_settings_keyword_beats_environment_beats_default():
+    assert Settings().timeout_s == 60.0
+    assert Settings(environ={"COMMLIB_TIMEOUT_S": "5"}).timeout_s == 5.0
+    assert Settings({"timeout_s": 2}, environ={"COMMLIB_TIMEOUT_S": "5"}).timeout_s == 2
+    with pytest.raises(ConfigError, match="unknown setting"):
+        Settings({"timout_s": 2})
+    with pytest.raises(ConfigError, match="COMMLIB_FUSION_THRESHOLD"):
+        Settings(environ={"COMMLIB_FUSION_THRESHOLD": "big"})
+
+
+def _meta(**kw):
+    base = {"name": "w", "shape": [4], "dtype": "float32", "op": "average", "algorithm": "auto",
+            "compression": None, "prescale": 1.0, "postscale": 1.0, "auto_dense": "switchml",
+            "auto_sparse": "omnireduce", "density": 0.5}
+    base.update(kw)
+    return base
+
+
+def test_agreement_names_the_field_and_ranks():
+    assert check_agreement("w", {0: _meta(), 1: _meta()}) is None
+    problem = check_agreement("w", {0: _meta(), 1: _meta(dtype="float64"), 2: _meta()})
+    assert "'w'" in problem and "dtype" in problem and "rank 1 gave \"float64\"" in problem and "ranks 0,2" in problem
+
+
+def test_auto_uses_the_densest_rank():
+    assert resolve_auto({0: _meta(density=0.01), 1: _meta(density=0.02)}, 0.25) == "omnireduce"
+    assert resolve_auto({0: _meta(density=0.01), 1: _meta(density=0.9)}, 0.25) == "switchml"
+    assert resolve_auto({0: _meta(algorithm="ring")}, 0.25) == "ring"
