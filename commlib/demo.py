@@ -24,7 +24,7 @@ def teacher_task(seed, samples, features=64, classes=10):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--lr", type=float, default=0.05)

@@ -25,7 +25,7 @@ def test_distributed_optimizer_matches_horovod_on_4_ranks():
 
 
 def test_demo_trains_and_loss_decreases():
-    out = horovodrun(2, "-m commlib.demo", "--steps", "40", "--hidden", "128", timeout=240)
+    out = horovodrun(2, "-m commlib.demo", "--steps", "60", timeout=240)
     assert out.returncode == 0, out.stdout
     losses = [float(v) for v in re.findall(r"Iter #\d+: loss ([\d.]+)", out.stdout)]
     assert len(losses) >= 4 and losses[-1] < 0.7 * losses[0], out.stdout

@@ -1,0 +1,90 @@
+"""The public API in one process (size 1, no launcher): types, errors, records, timeline."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import commlib
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    timeline = tmp_path / "trace.json"
+    commlib.init(policy="*=ring", timeout_s=5.0, timeline=str(timeline))
+    yield timeline
+    commlib.shutdown()
+
+
+def test_not_initialized_says_what_to_do():
+    with pytest.raises(commlib.CommError, match="commlib.init"):
+        commlib.allreduce(np.ones(2))
+
+
+def test_types_dtypes_shapes_round_trip(runtime):
+    assert commlib.size() == 1 and commlib.rank() == 0
+    x = np.arange(12, dtype=np.float64).reshape(3, 4)
+    out = commlib.allreduce(x, name="np")
+    assert isinstance(out, np.ndarray) and out.dtype == np.float64 and out.shape == (3, 4)
+    np.testing.assert_array_equal(out, x)
+    t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    out = commlib.allreduce(t, name="bf16")
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 3) and torch.equal(out, t)
+    assert torch.equal(commlib.allreduce(torch.tensor(3.0), name="scalar"), torch.tensor(3.0))
+    sparse = torch.sparse_coo_tensor([[0, 3]], [1.0, 2.0], (5,))
+    assert torch.equal(commlib.allreduce(sparse, name="sparse", op=commlib.Sum), sparse.to_dense())
+
+
+def test_scale_factors(runtime):
+    out = commlib.allreduce(np.ones(4, np.float32), name="s", op=commlib.Sum, prescale_factor=0.5, postscale_factor=6)
+    np.testing.assert_allclose(out, 3.0)
+
+
+def test_async_handles_and_records(runtime):
+    handles = [commlib.allreduce_async(np.full(3, i, np.int32), name=f"t{i}", op=commlib.Sum) for i in range(5)]
+    assert [commlib.synchronize(h)[0] for h in handles] == list(range(5))
+    assert all(commlib.poll(h) for h in handles)
+    record = commlib.records()["t3"]
+    assert record["algorithm"] == "ring" and record["nbytes"] == 12 and record["run_s"] >= 0
+
+
+def test_timeline_is_a_chrome_trace(runtime):
+    commlib.allreduce(np.ones(3, np.float32), name="traced")
+    commlib.shutdown()
+    events = json.loads(runtime.read_text())["traceEvents"]
+    assert {e["name"] for e in events if e["tid"] == "traced"} == {"NEGOTIATE", "QUEUE", "RING"}
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"algorithm": "bogus"}, commlib.ConfigError, "unknown algorithm 'bogus'"),
+    ({"op": "max"}, commlib.ConfigError, "commlib.Sum or commlib.Average"),
+    ({"algorithm": "allgather"}, commlib.ConfigError, "compressed payloads"),
+])
+def test_bad_arguments_are_clear_errors(runtime, kwargs, error, text):
+    with pytest.raises(error, match=text):
+        commlib.allreduce(np.ones(3, np.float32), name="bad", **kwargs)
+
+
+def test_average_of_integers_and_unsupported_types(runtime):
+    with pytest.raises(commlib.InvalidTensor, match="op=commlib.Sum"):
+        commlib.allreduce(np.ones(3, np.int32), name="ints")
+    with pytest.raises(commlib.InvalidTensor, match="numpy arrays and torch tensors"):
+        commlib.allreduce([1.0, 2.0], name="list")
+    with pytest.raises(commlib.InvalidTensor, match="cannot be reduced"):
+        commlib.allreduce(np.array(["a"]), name="strings")
+
+
+def test_duplicate_name_in_flight(runtime):
+    handle = commlib.allreduce_async(np.ones(1 << 20, np.float32), name="dup")
+    try:
+        with pytest.raises(commlib.ConfigError, match="already in flight"):
+            commlib.allreduce_async(np.ones(4, np.float32), name="dup")
+    finally:
+        commlib.synchronize(handle)
+
+
+def test_unknown_setting(monkeypatch):
+    with pytest.raises(commlib.ConfigError, match="unknown setting"):
+        commlib.init(fusion_treshold=1)
