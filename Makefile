@@ -1,5 +1,6 @@
 # commlib: `make install` once, then `make demo` / `make test` / `make bench`.
 SHELL := /bin/bash
+export TF_CPP_MIN_LOG_LEVEL ?= 2
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
