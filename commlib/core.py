@@ -187,11 +187,11 @@ class Runtime:
             raise self._broken
         if op not in _OPS:
             raise ConfigError(f"op={op!r}: use commlib.Sum or commlib.Average")
+        name = name or f"allreduce.noname.{next(self._names)}"
         staged = Staged(tensor)
         array = staged.array
         if op == Average and array.dtype.kind in "iub":
             raise InvalidTensor(f"tensor {name!r}: op=Average on {array.dtype} would truncate; use op=commlib.Sum")
-        name = name or f"allreduce.noname.{next(self._names)}"
         if algorithm is None and compression is None:
             algorithm, compression = self.policy.choose(name, array.nbytes, array.dtype)
         entry = _Entry(tensor, staged, name, op, self._compression(compression), prescale, postscale,
