@@ -1,0 +1,100 @@
+"""What every benchmark shares: timing, medians, the machine's facts, result files and RESULTS.md.
+
+A benchmark measures each peer in the same run (pair by pair), quotes medians of several runs
+after a warm-up, and saves one JSON file per suite under benchmarks/results/ with the machine,
+the commit, the settings and the raw samples; RESULTS.md is regenerated from all of them.
+"""
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+RESULT_MARK = "RESULT-JSON "
+
+
+def timeit(fn, repeats, warmup=1):
+    """Seconds per call of fn(), `repeats` samples after `warmup` unmeasured calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def summarize(samples):
+    return {"min": min(samples), "max": max(samples), "median": statistics.median(samples),
+            "mean": statistics.fmean(samples), "runs": len(samples)}
+
+
+def machine():
+    """The facts a reader needs to judge a figure: cores, memory, versions, commit."""
+    info = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    try:
+        info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
+    except (ValueError, OSError):
+        pass
+    for module in ("torch", "numpy", "horovod"):
+        try:
+            info[module] = __import__(module).__version__
+        except (ImportError, AttributeError):
+            pass
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                        text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def save(suite, settings, results, markdown):
+    """Write results/<suite>.json and regenerate RESULTS.md. `markdown`: this suite's section."""
+    RESULTS.mkdir(exist_ok=True)
+    record = {"suite": suite, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(),
+              "settings": settings, "results": results, "markdown": markdown}
+    (RESULTS / f"{suite}.json").write_text(json.dumps(record, indent=1, default=float))
+    regenerate()
+    return record
+
+
+def regenerate():
+    """RESULTS.md from every results/*.json, so figures and the text never drift apart."""
+    sections = ["# commlib benchmark results\n",
+                "Regenerated from `benchmarks/results/*.json` by every benchmark run "
+                "(`make bench`; `make bench-quick` for the CI smoke sizes). Medians of several runs after a "
+                "warm-up; ratios are measured pair by pair in the same run.\n"]
+    for path in sorted(RESULTS.glob("*.json")):
+        record = json.loads(path.read_text())
+        m = record["machine"]
+        sections.append(f"## {record['suite']}\n\n_{record['time']}, commit {m.get('commit', '?')}, "
+                        f"{m.get('cpus')} CPUs, {m.get('memory_gib', '?')} GiB, "
+                        f"settings {json.dumps(record['settings'])}_\n\n{record['markdown']}\n")
+    (HERE / "RESULTS.md").write_text("\n".join(sections))
+
+
+def emit(payload):
+    """From inside a rank: hand a JSON result to the launching benchmark (rank 0 prints it)."""
+    print(RESULT_MARK + json.dumps(payload, default=float), flush=True)
+
+
+def launch(nprocs, script, *args, timeout=600, env=None):
+    """Run `script` on nprocs ranks under horovodrun (Gloo) and return the payloads they emit()."""
+    python = sys.executable
+    cmd = [str(Path(python).parent / "horovodrun"), "-np", str(nprocs), "-H", f"localhost:{nprocs}", "--gloo"]
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    proc = subprocess.run(cmd + [python, str(script), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=ROOT)
+    payloads = [json.loads(line.split(RESULT_MARK, 1)[1]) for line in proc.stdout.splitlines() if RESULT_MARK in line]
+    if proc.returncode != 0 or not payloads:
+        raise RuntimeError(f"{script} on {nprocs} ranks failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
+                           f"\n{proc.stderr[-4000:]}")
+    return payloads
