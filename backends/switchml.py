@@ -1,0 +1,297 @@
+"""SwitchML: in-network aggregation through a (software) switch.
+
+Every rank streams its tensor through a pool of `switch_window` slots of a commlib-switch, one
+block of `switch_packet_elems` values per packet; the switch adds the blocks of all ranks and
+sends each sum back to every rank. Each rank sends S and receives S bytes whatever the number of
+ranks. The per-packet loop is C (switch/csrc/switchml_worker.c), one call per tensor, the GIL
+released.
+
+Tuning guide
+  switch_window          packets in flight per rank (= slots the job takes on the switch). Larger
+                         hides more latency; 128 fills loopback and a 10-100G LAN.
+  switch_packet_elems    256 (fewer packets, higher goodput) or 64 (less padding for tiny tensors).
+  switch_retransmit_ms   floor of the per-packet timer; the timer follows the measured round trip
+                         (srtt + 4 rttvar, RFC 6298, which includes waiting for the slowest rank)
+                         and doubles per resend up to switch_retransmit_max_ms. Too small only
+                         costs duplicate packets; too large slows loss recovery.
+  switch_nonfinite       "propagate": Inf/NaN in any rank's input reach the sum as IEEE would
+                         (+Inf, -Inf, NaN for NaN or +Inf + -Inf); "error": every rank raises
+                         InvalidTensor after the collective (no rank is left waiting).
+
+Numbers
+  int32 is summed exactly (wrapping like the switch's adders).
+  float32 is quantized per block with the max exponent e over ranks (max|x| < 2^e), exchanged one
+  window ahead: f = (2^31 - 1) / (n * 2^e), q = round(x * f), so |q| <= (2^31 - 1) / n and the
+  n-way int32 sum cannot overflow. Per element the error of the sum is at most
+      n * 0.5 / f = n^2 * 2^(e-1) / (2^31 - 1)       (plus float32 rounding of the result),
+  i.e. about n^2 * 2^-31 relative to the block's largest magnitude. All-zero blocks stay exactly
+  zero. Finite values with |x| >= 2^127 cannot be quantized: every rank raises InvalidTensor.
+  float16 / bfloat16 are summed as float32 and converted back; other dtypes are rejected.
+"""
+import logging
+import os
+import socket
+
+import numpy as np
+
+from commlib import kernels
+from commlib.backends import Backend, register
+from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor,
+                            PeerFailure)
+from commlib.settings import define
+from commlib.switch import switchml as sw
+
+log = logging.getLogger("commlib.switchml")
+
+define("switch_addr", "", "host:port of a commlib-switch (UDP data + TCP control on one port); empty: "
+       "rank 0 starts a switch on loopback when every rank is on this machine")
+define("switch_window", 128, "SwitchML window: packets in flight per rank = slots the job takes on the switch")
+define("switch_packet_elems", 256, "values per SwitchML packet: 64 or 256")
+define("switch_retransmit_ms", 5.0, "SwitchML per-packet retransmission timer (ms): the floor of the adaptive "
+       "timer (srtt + 4 rttvar, RFC 6298); doubles on each resend of a packet")
+define("switch_retransmit_max_ms", 200.0, "upper bound of the SwitchML retransmission timer's backoff (ms)")
+define("switch_offload", True, "SwitchML workers batch datagrams per system call with UDP GSO/GRO where the "
+       "kernel has them (each is still its own packet on the wire)")
+define("switch_nonfinite", "propagate", "Inf/NaN in switchml inputs: 'propagate' them to the sum or 'error'")
+define("switch_drop_probability", 0.0, "testing: the embedded switch drops each packet with this probability "
+       "on ingress and each result on egress")
+define("switch_duplicate_probability", 0.0, "testing: the embedded switch duplicates packets with this probability")
+
+F32, I32 = np.dtype("float32"), np.dtype("int32")
+_ERRORS = {-1: "timeout", -2: "refused", -3: "nack", -4: "socket", -5: "nomem"}
+
+
+def _widened(dtype):
+    """float16 / bfloat16 go through float32 exactly; None for dtypes switchml does not take."""
+    if dtype == np.float16 or dtype.name == "bfloat16":
+        return F32
+    return None
+
+
+@register
+class SwitchMLBackend(Backend):
+    name = "switchml"
+    dtypes = (F32, I32)
+
+    @classmethod
+    def available(cls, ctx):
+        if sw.lib is None:
+            return False, sw.IMPORT_ERROR
+        if not ctx.settings.switch_addr and not ctx.all_local:
+            return False, ("no switch configured and the ranks span several hosts: start `commlib-switch "
+                           "--host 0.0.0.0 --port 9099` on a host every rank reaches and set "
+                           "COMMLIB_SWITCH_ADDR=thathost:9099")
+        if ctx.size > sw.MAX_WORKERS:
+            return False, f"a switchml job has at most {sw.MAX_WORKERS} ranks, this one has {ctx.size}"
+        return True, ""
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        s = ctx.settings
+        if s.switch_packet_elems not in (64, 256):
+            raise ConfigError(f"switch_packet_elems={s.switch_packet_elems}: SwitchML packets carry 64 or 256 values")
+        if not 1 <= s.switch_window <= sw.MAX_SLOTS:
+            raise ConfigError(f"switch_window={s.switch_window}: use 1..{sw.MAX_SLOTS} (128 is a good start)")
+        if s.switch_nonfinite not in ("propagate", "error"):
+            raise ConfigError(f"switch_nonfinite={s.switch_nonfinite!r}: use 'propagate' or 'error'")
+        if not 0 < s.switch_retransmit_ms <= s.switch_retransmit_max_ms:
+            raise ConfigError("need 0 < switch_retransmit_ms <= switch_retransmit_max_ms")
+        self.window, self.elems = int(s.switch_window), int(s.switch_packet_elems)
+        self.token = sw.token32(ctx.job_token)
+        self.server = None       # the embedded switch (rank 0 only)
+        self.address = None
+        self.job = None
+        self._sock = None
+        self._worker = None
+        self._broken = None
+        self._session_tag = None
+
+    # -- set-up: collective, on the first allreduce (every rank reaches it in the same order) ----------
+    def _exchange_checked(self, key, value, error):
+        """Allgather (value, error); raise the first rank's error on every rank."""
+        got = self.ctx.exchange(f"{self._session_tag}/{key}", [value, error])
+        errors = [(rank, e) for rank, (_, e) in enumerate(got) if e]
+        if errors:
+            rank, text = errors[0]
+            raise BackendUnavailable(f"switchml set-up failed on rank {rank}: {text}")
+        return [v for v, _ in got]
+
+    def _setup(self):
+        ctx, s = self.ctx, self.ctx.settings
+        n = getattr(ctx, "_switchml_sessions", 0)
+        ctx._switchml_sessions = n + 1
+        self._session_tag = f"switchml/{n}"
+        # 1. the switch: configured, or embedded in rank 0
+        error, address = None, s.switch_addr
+        if not address and ctx.rank == 0:
+            try:
+                p = float(s.switch_drop_probability)
+                self.server = sw.SwitchServer("127.0.0.1", 0, slots=max(self.window, 1024), ingress=p, egress=p,
+                                              duplicate=float(s.switch_duplicate_probability),
+                                              offload=bool(s.switch_offload)).start()
+                address = self.server.address
+            except Exception as exc:   # every rank must hear about it
+                error = f"could not start the embedded switch: {exc}"
+        address = self._exchange_checked("switch", address, error)[0]
+        self.address = address
+        # 2. every rank's UDP address, as the switch will see it
+        error = mine = None
+        try:
+            host, port = sw.parse_addr(address)
+            self._sock = sw.udp_socket(4 << 20)
+            self._sock.connect((socket.gethostbyname(host), port))
+            mine = list(self._sock.getsockname()[:2])
+        except (OSError, CommError) as exc:
+            error = f"cannot open a UDP socket towards the switch {address}: {exc}"
+        workers = self._exchange_checked("addrs", mine, error)
+        # 3. rank 0 registers the job; everyone learns its job number
+        error = job = None
+        if ctx.rank == 0:
+            try:
+                job = sw.SwitchClient(address, min(s.timeout_s, 30.0)).register(
+                    self.token, workers, self.window, self.elems)["job"]
+            except CommError as exc:
+                error = str(exc)
+        self.job = self._exchange_checked("job", job, error)[0]
+        self._worker = sw.lib.sml_worker_new(self._sock.fileno(), self.job, ctx.rank, self.token, ctx.size,
+                                             self.window, self.elems, float(s.switch_retransmit_ms),
+                                             float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)))
+        if self._worker == sw.ffi.NULL:
+            raise MemoryError("switchml: could not allocate the worker state")
+        log.debug("switchml: rank %d in job #%d on switch %s", ctx.rank, self.job, address)
+
+    # -- the collective ---------------------------------------------------------------------------------
+    def allreduce(self, array, name):
+        array = np.ascontiguousarray(array).reshape(-1)
+        dtype = array.dtype
+        if dtype not in self.dtypes:
+            wide = _widened(dtype)
+            if wide is None:
+                raise InvalidTensor(f"switchml cannot reduce tensor {name!r} of dtype {dtype}: it sums float32 "
+                                    f"(quantized to int32 on the switch) and int32 (exactly); convert it, or use "
+                                    f"algorithm='ring'")
+            return self.allreduce(array.astype(wide), name).astype(dtype)
+        out = np.empty_like(array)
+        if array.size == 0:
+            return out
+        if self._broken is not None:
+            raise PeerFailure(f"switchml: tensor {name!r} not reduced: an earlier error left this job's stream "
+                              f"out of step with the switch ({self._broken}); restart the job")
+        if self._worker is None:
+            try:
+                self._setup()
+            except Exception as exc:   # the same failure on every rank: do not retry half set up
+                self._broken = f"set-up failed: {exc}"
+                self._release()
+                raise
+        ffi, lib = sw.ffi, sw.lib
+        timeout_ms = int(self.ctx.settings.timeout_s * 1000)
+        if dtype == I32:
+            rc = lib.sml_worker_allreduce(self._worker, 1, ffi.from_buffer(array), ffi.from_buffer(out), array.size,
+                                          ffi.NULL, ffi.NULL, ffi.NULL, timeout_ms)
+        else:
+            exps, nf = _exponents(array, self.elems)
+            mexp = np.empty_like(exps)
+            rc = lib.sml_worker_allreduce(self._worker, 0, ffi.from_buffer(array), ffi.from_buffer(out), array.size,
+                                          ffi.cast("int8_t *", ffi.from_buffer(exps)),
+                                          ffi.cast("uint8_t *", ffi.from_buffer(nf)),
+                                          ffi.cast("int8_t *", ffi.from_buffer(mexp)), timeout_ms)
+        if rc < 0:
+            error = self._error(rc, name)
+            self._broken = str(error)
+            raise error
+        if rc & lib.SML_R_RANGE:
+            raise InvalidTensor(f"switchml: tensor {name!r} holds finite values with |x| >= 2^127 on some rank; "
+                                f"they cannot be quantized to int32: scale the tensor or use algorithm='ring'")
+        if rc & lib.SML_R_NONFINITE and self.ctx.settings.switch_nonfinite == "error":
+            raise InvalidTensor(f"switchml: tensor {name!r} holds Inf or NaN on some rank (switch_nonfinite="
+                                f"'error'); every rank raises this. Check the loss / learning rate, or set "
+                                f"COMMLIB_SWITCH_NONFINITE=propagate")
+        return out
+
+    def _error(self, rc, name):
+        where = f"switchml: tensor {name!r}, rank {self.ctx.rank}, job #{self.job} on switch {self.address}"
+        kind = _ERRORS.get(rc, "unknown")
+        if kind == "nack":
+            return PeerFailure(f"{where}: the switch does not know this job (it was restarted, or the job was "
+                               f"unregistered): restart the training job so that it registers again")
+        if kind == "refused":
+            return PeerFailure(f"{where}: the switch is not running (its port is closed): restart commlib-switch "
+                               f"and the job")
+        if kind == "timeout":
+            hint = ""
+            try:   # ask the control plane why: a restarted switch no longer lists the job
+                sw.SwitchClient(self.address, 2.0).counters(self.job, self.token)
+                hint = "the switch still holds the job, so another rank probably stopped or is far behind"
+            except ConfigError:
+                return PeerFailure(f"{where}: no answer for {self.ctx.settings.timeout_s}s and the switch no longer "
+                                   f"knows the job (it was restarted): restart the training job")
+            except CommError as exc:
+                hint = f"its control port does not answer either ({exc})"
+            return CommTimeout(f"{where}: no result for {self.ctx.settings.timeout_s}s ({hint}); check every rank "
+                               f"is alive and `commlib-switch counters {self.address} --job {self.job}`")
+        code = sw.lib.sml_worker_errno(self._worker)
+        return PeerFailure(f"{where}: socket error {os.strerror(code) if code else kind}")
+
+    # -- counters and shutdown -----------------------------------------------------------------------
+    def stats(self):
+        out = {"switch": self.address, "job": self.job, "embedded": self.server is not None}
+        if self._worker is not None:
+            c = sw.ffi.new("sml_worker_counters *")
+            sw.lib.sml_worker_counters_get(self._worker, c)
+            out.update({name: int(getattr(c, name)) for name in sw.WORKER_COUNTERS})
+        return out
+
+    def switch_counters(self):
+        """The switch's counters for this job (packets received, aggregated, results, replays, drops)."""
+        if self.job is None:
+            return {}
+        return sw.SwitchClient(self.address, 5.0).counters(self.job, self.token)
+
+    def close(self):
+        if self._worker is not None:
+            try:   # nobody may still wait for a result when rank 0 ends the job
+                self.ctx.exchange(f"{self._session_tag}/close", None, min(self.ctx.settings.timeout_s, 10.0))
+            except CommError as exc:
+                log.warning("switchml: closing without every rank (%s)", exc)
+            if self.ctx.rank == 0 and self.server is None:
+                try:
+                    sw.SwitchClient(self.address, 5.0).unregister(self.job, self.token)
+                except CommError as exc:
+                    log.warning("switchml: could not unregister job #%s: %s", self.job, exc)
+        self._release()
+
+    def _release(self):
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self._worker is not None:
+            sw.lib.sml_worker_free(self._worker)
+            self._worker = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _exponents(x, elems):
+    """Per-block exponents over the finite values, and a per-block flag for blocks holding Inf/NaN
+    or |x| >= 2^127 (their elements travel as flags, see switch/csrc/switchml.h)."""
+    exps, bad = kernels.block_exponents(x, elems)
+    nf = np.zeros(exps.size, np.uint8)
+    if bad < 0:
+        return exps, nf
+    # rare path: such blocks got EXP_MAX; look at each candidate's values again
+    cand = np.flatnonzero(exps == kernels.EXP_MAX)
+    index = cand[:, None] * elems + np.arange(elems)
+    valid = index < x.size
+    values = np.where(valid, x[np.minimum(index, x.size - 1)], np.float32(0))
+    with np.errstate(invalid="ignore"):
+        magnitude = np.abs(values)
+        ok = np.isfinite(values) & (magnitude < np.float32(2.0 ** 127))
+    flagged = ~ok.all(axis=1)
+    top = np.where(ok, magnitude, np.float32(0)).max(axis=1).astype(np.float64)
+    e = np.clip(np.frexp(top)[1], kernels.EXP_MIN, kernels.EXP_MAX)
+    e = np.where(top == 0, kernels.EXP_ZERO, e)
+    exps[cand[flagged]] = e[flagged]
+    nf[cand[flagged]] = 1
+    return exps, nf

@@ -1,0 +1,199 @@
+"""SwitchML allreduce goodput through the software switch, as the SwitchML benchmark reports it.
+
+For each worker count, a `commlib-switch` process and N worker processes on loopback; each run
+allreduces one float32 tensor of --elements values (quantized to int32 per 256-value packet) and
+prints, like p4app-switchML's allreduce benchmark,
+
+    Job(s) #i# finished. Duration: #ns# ns Goodput: #x# Gbps.
+
+then Min/Max/Median/Mean; goodput = elements * 32 / ns (the job's duration is the slowest rank's).
+The same processes then time the ring allreduce of the same tensor through the core's engine
+(Horovod with Gloo under horovodrun, else torch.distributed's Gloo) for the ratio. The switch's
+own counters give the profile: its CPU time per element and its busy fraction (CPU time / wall
+time of the timed runs; well below 1 means the switch is not the bottleneck).
+
+    python benchmarks/bench_switchml.py [--quick] [--workers 2,4] [--elements 16777216] [--runs 10]
+Results: benchmarks/results/switchml.json (and RESULTS.md).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
+
+
+def _report(label, durations_ns, elements):
+    """Per run and summary lines in the SwitchML benchmark's format; returns the goodputs (Gbps)."""
+    goodputs = [elements * 32 / ns for ns in durations_ns]
+    for i, (ns, gbps) in enumerate(zip(durations_ns, goodputs)):
+        print(f"  [{label}] Job(s) #{i}# finished. Duration: #{int(ns)}# ns Goodput: #{gbps:.4f}# Gbps.")
+    print(f"  [{label}] Min {min(goodputs):.4f} Gbps Max {max(goodputs):.4f} Gbps "
+          f"Median {statistics.median(goodputs):.4f} Gbps Mean {statistics.fmean(goodputs):.4f} Gbps")
+    return goodputs
+
+
+# -- inside each rank --------------------------------------------------------------------------------
+def worker(args):
+    import numpy as np
+
+    import commlib
+    from commlib.core import runtime
+    from commlib.switch.switchml import SwitchClient
+
+    commlib.init(policy="*=switchml")
+    rt = runtime()
+    ctx, rank = rt.ctx, rt.ctx.rank
+    x = np.random.default_rng(rank).standard_normal(args.elements).astype(np.float32)
+
+    def timed(backend, tag):
+        backend.allreduce(x, f"{tag}.warmup")
+        out = []
+        for i in range(args.runs):
+            ctx.barrier(f"bench/{tag}/{i}")
+            start = time.perf_counter_ns()
+            backend.allreduce(x, f"{tag}.{i}")
+            out.append(max(ctx.exchange(f"bench/{tag}/{i}/ns", time.perf_counter_ns() - start)))
+        return out
+
+    switchml = rt.backend("switchml")
+    switchml.allreduce(x[:1], "setup")   # registration happens on the first call
+    client = SwitchClient(switchml.address)
+    before, w_before = client.counters()["switch"], switchml.stats()
+    wall = time.perf_counter_ns()
+    sml_ns = timed(switchml, "switchml")
+    wall = time.perf_counter_ns() - wall
+    after, w_after = client.counters()["switch"], switchml.stats()
+    try:
+        ring = rt.backend("ring")
+        ring_ns, engine = timed(ring, "ring"), ring.stats().get("engine")
+    except commlib.CommError as exc:
+        ring_ns, engine = None, f"unavailable: {exc}"
+    elements = args.elements * (args.runs + 1)   # the warm-up is inside the counter window too
+    profile = {
+        "switch_cpu_ns_per_element": (after["cpu_ns"] - before["cpu_ns"]) / elements,
+        "switch_busy_fraction": (after["cpu_ns"] - before["cpu_ns"]) / wall,
+        "worker_cpu_ns_per_element": (w_after["cpu_ns"] - w_before["cpu_ns"]) / elements,
+        "worker_wait_fraction": (w_after["wait_ns"] - w_before["wait_ns"]) / wall,
+        "switch_gso_messages": after["gso_messages"] - before["gso_messages"],
+        "switch_packets": after["rx"] - before["rx"],
+        "worker_resends": w_after["resends"] - w_before["resends"],
+    }
+    if rank == 0:
+        common.emit({"switchml_ns": sml_ns, "ring_ns": ring_ns, "engine": engine, "profile": profile,
+                     "size": ctx.size})
+    commlib.shutdown()
+
+
+# -- the launcher ------------------------------------------------------------------------------------
+def _start_switch(extra):
+    port_file = Path(tempfile.mkdtemp()) / "port"
+    proc = subprocess.Popen([sys.executable, "-m", "commlib.switch", "--port", "0", "--port-file", str(port_file),
+                             *extra], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT)
+    deadline = time.monotonic() + 30
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("commlib-switch did not start")
+        time.sleep(0.05)
+    return proc, port_file.read_text()
+
+
+def _horovod_built():
+    return subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode == 0
+
+
+def _run_workers(n, args, env):
+    forwarded = ["--worker", "--elements", str(args.elements), "--runs", str(args.runs)]
+    if _horovod_built():   # the baseline is then Horovod's own Gloo allreduce
+        return common.launch(n, Path(__file__), *forwarded, env=env, timeout=args.timeout)[0]
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(n):
+        rank_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(n),
+                        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port), **env)
+        procs.append(subprocess.Popen([sys.executable, __file__, *forwarded], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=rank_env, cwd=ROOT))
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=args.timeout)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    payloads = [json.loads(line.split(common.RESULT_MARK, 1)[1]) for out in outs for line in out.splitlines()
+                if common.RESULT_MARK in line]
+    if not payloads or any(p.returncode for p in procs):
+        raise RuntimeError(f"benchmark ranks failed:\n" + "\n".join(o[-3000:] for o in outs))
+    return payloads[0]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small tensor, few runs: seconds")
+    parser.add_argument("--workers", default="2,4")
+    parser.add_argument("--elements", type=int, default=None, help="float32 values per tensor")
+    parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--no-offload", action="store_true", help="one datagram per system call (no GSO/GRO)")
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.elements = args.elements or (1 << 20 if args.quick else 1 << 24)
+    args.runs = args.runs or (5 if args.quick else 10)
+    if args.worker:
+        return worker(args)
+
+    env = {"COMMLIB_SWITCH_WINDOW": str(args.window), "COMMLIB_SWITCH_OFFLOAD": "0" if args.no_offload else "1",
+           "COMMLIB_TIMEOUT_S": "60"}
+    results, rows = {}, []
+    for n in [int(v) for v in args.workers.split(",")]:
+        proc, address = _start_switch(["--no-offload"] if args.no_offload else [])
+        try:
+            print(f"== {n} workers, {args.elements} float32 ({args.elements * 4 / 2 ** 20:.1f} MiB), "
+                  f"switch {address}")
+            payload = _run_workers(n, args, dict(env, COMMLIB_SWITCH_ADDR=address))
+        finally:
+            proc.kill()
+            proc.wait()
+        sml = _report("switchml", payload["switchml_ns"], args.elements)
+        ring = _report(f"ring/{payload['engine']}", payload["ring_ns"], args.elements) if payload["ring_ns"] else None
+        prof = payload["profile"]
+        print(f"  profile: switch {prof['switch_cpu_ns_per_element']:.2f} CPU ns/element, busy "
+              f"{prof['switch_busy_fraction']:.0%}; worker {prof['worker_cpu_ns_per_element']:.2f} CPU ns/element, "
+              f"waiting {prof['worker_wait_fraction']:.0%}; {prof['worker_resends']} resends")
+        results[str(n)] = {"switchml_ns": payload["switchml_ns"], "switchml_gbps": common.summarize(sml),
+                           "ring_engine": payload["engine"], "ring_ns": payload["ring_ns"],
+                           "ring_gbps": common.summarize(ring) if ring else None,
+                           "ratio_median": statistics.median(sml) / statistics.median(ring) if ring else None,
+                           "profile": prof}
+        rows.append(f"| {n} | {statistics.median(sml):.3f} | "
+                    + (f"{statistics.median(ring):.3f} | {results[str(n)]['ratio_median']:.2f}x" if ring else "- | -")
+                    + f" | {prof['switch_busy_fraction']:.0%} | {prof['switch_cpu_ns_per_element']:.2f} | "
+                    f"{prof['worker_cpu_ns_per_element']:.2f} |")
+    engine = next(iter(results.values()))["ring_engine"] if results else "?"
+    markdown = (f"float32 allreduce of {args.elements:,} values on loopback (median goodput, Gbps = elements*32/ns; "
+                f"ring = {engine} allreduce in the same processes)\n\n"
+                "| workers | switchml Gbps | ring Gbps | switchml/ring | switch busy | switch CPU ns/elem | "
+                "worker CPU ns/elem |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    settings = {"elements": args.elements, "runs": args.runs, "window": args.window, "quick": args.quick,
+                "offload": not args.no_offload, "packet_elems": 256}
+    common.save("switchml", settings, results, markdown)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

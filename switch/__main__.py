@@ -1,0 +1,97 @@
+"""commlib-switch: the SwitchML software switch daemon, and a small client for its control port.
+
+    commlib-switch --host 0.0.0.0 --port 9099            # serve (UDP data + TCP control on 9099)
+    commlib-switch counters 10.0.0.5:9099 [--job N]      # counters as JSON
+    commlib-switch simulate 10.0.0.5:9099 --ingress 0.01 --egress 0.01 [--duplicate 0.01]
+    commlib-switch status 10.0.0.5:9099
+
+Workers find it through COMMLIB_SWITCH_ADDR=host:port.
+"""
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+CLIENT_COMMANDS = ("counters", "simulate", "status")
+
+
+def _serve(argv):
+    parser = argparse.ArgumentParser(prog="commlib-switch", description="SwitchML software switch (UDP data "
+                                     "plane + TCP control plane on the same port)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=9099, help="UDP data and TCP control port (0: any free)")
+    parser.add_argument("--slots", type=int, default=8192, help="pool size shared by all jobs (a job takes "
+                        "its window of slots, each with two sets)")
+    parser.add_argument("--slot-group", type=int, default=64, help="slots per counter group")
+    parser.add_argument("--drop-ingress", type=float, default=0.0, help="drop simulator: P(drop a packet "
+                        "on arrival)")
+    parser.add_argument("--drop-egress", type=float, default=0.0, help="drop simulator: P(drop a result)")
+    parser.add_argument("--duplicate", type=float, default=0.0, help="drop simulator: P(duplicate a packet)")
+    parser.add_argument("--seed", type=int, default=0, help="drop simulator seed (0: random)")
+    parser.add_argument("--no-offload", action="store_true", help="one datagram per system call (no UDP "
+                        "GSO/GRO batching)")
+    parser.add_argument("--port-file", default="", help="write the bound host:port to this file once serving")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s commlib-switch %(message)s")
+    from commlib.switch.switchml import SwitchServer
+    server = SwitchServer(args.host, args.port, args.slots, args.slot_group, args.drop_ingress,
+                          args.drop_egress, args.duplicate, args.seed, offload=not args.no_offload).start()
+    signal.signal(signal.SIGTERM, lambda *_: server._stopping.set())
+    print(f"commlib-switch: serving on {server.address} (UDP data, TCP control), {args.slots} slots", flush=True)
+    if args.port_file:
+        with open(args.port_file + ".tmp", "w") as f:
+            f.write(server.address)
+        os.replace(args.port_file + ".tmp", args.port_file)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    if server.error:
+        print(f"commlib-switch: {server.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _client(argv):
+    parser = argparse.ArgumentParser(prog="commlib-switch " + argv[0])
+    parser.add_argument("address", help="host:port of the switch")
+    if argv[0] == "counters":
+        parser.add_argument("--job", type=int, default=None)
+    if argv[0] == "simulate":
+        parser.add_argument("--ingress", type=float, default=0.0)
+        parser.add_argument("--egress", type=float, default=0.0)
+        parser.add_argument("--duplicate", type=float, default=0.0)
+        parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv[1:])
+    from commlib.errors import CommError
+    from commlib.switch.switchml import SwitchClient
+    client = SwitchClient(args.address)
+    try:
+        if argv[0] == "counters":
+            reply = client.counters(args.job)
+        elif argv[0] == "simulate":
+            reply = client.simulate(args.ingress, args.egress, args.duplicate, args.seed)
+        else:
+            reply = client.status()
+    except CommError as exc:
+        print(f"commlib-switch: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(reply, indent=2))
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in CLIENT_COMMANDS:
+        return _client(argv)
+    return _serve(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

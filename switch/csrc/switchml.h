@@ -1,0 +1,168 @@
+/* commlib SwitchML data path: the whole interface of commlib.switch._switchml.
+ *
+ * Packet (all fields big-endian; SML_HDR_LEN = 20 bytes of header, then the payload):
+ *
+ *   off len field
+ *    0   1  type       SML_DATA (worker -> switch), SML_RESULT (switch -> worker),
+ *                      SML_NACK (switch -> worker: the job is unknown to this switch)
+ *    1   1  flags      bits 0-1 size code: 0 no payload (exponent only), 1 = 64, 2 = 256 int32;
+ *                      bit 2 SML_F_NONFINITE: a region of one flag byte per payload element
+ *                      follows the payload (SML_NF_* bits, OR-ed by the switch)
+ *    2   1  job        job number the switch assigned at registration
+ *    3   1  rank       sender's rank in the job (RESULT: the rank whose packet it answers)
+ *    4   4  packet id  worker-local packet id, echoed by the switch
+ *    8   2  pool index bit 15 = set, bits 0-14 = slot within the job's pool
+ *   10   1  exponent   int8 block exponent (max|x| < 2^e); DATA: the sender's, RESULT: the
+ *                      max over workers; SML_EXP_NONE (-128): zero block / no exponent
+ *   11   1  code       NACK reason (SML_NACK_*), else 0
+ *   12   4  token      job token check: first 4 bytes of sha256(job token)
+ *   16   2  reserved   0
+ *   18   2  checksum   RFC 1071 ones-complement sum of bytes 0-19 (this field 0 when summing)
+ *   20  4k  payload    k = 0, 64 or 256 big-endian int32 (the partial last block zero-padded)
+ *   ..   k  nf region  only with SML_F_NONFINITE
+ *
+ * Switch semantics per DATA packet from rank w to (slot s, set X), as in SwitchML:
+ *   before = bitmap[s][X]; set bit w there and clear it in bitmap[s][1-X];
+ *   new contribution: before == 0 -> overwrite values/exponent (lazy clearing), else add
+ *   (int32, wrapping) and take the max exponent; countdown--; the completing packet is sent to
+ *   every worker of the job (software multicast), the others are consumed;
+ *   retransmission (bit already set): complete -> unicast replay of the stored result to the
+ *   sender, incomplete -> dropped. */
+#ifndef COMMLIB_SWITCHML_H
+#define COMMLIB_SWITCHML_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define SML_HDR_LEN 20
+#define SML_MAX_ELEMS 256
+#define SML_MAX_PKT (SML_HDR_LEN + SML_MAX_ELEMS * 5)
+#define SML_MAX_WORKERS 64
+#define SML_MAX_JOBS 256
+#define SML_MAX_SLOTS 32768
+#define SML_EXP_NONE (-128)
+
+#define SML_DATA 1
+#define SML_RESULT 2
+#define SML_NACK 3
+
+#define SML_F_SIZE 3
+#define SML_F_NONFINITE 4
+
+#define SML_NACK_UNKNOWN_JOB 1
+
+/* per-element flag bits of the nonfinite region */
+#define SML_NF_NAN 1
+#define SML_NF_POSINF 2
+#define SML_NF_NEGINF 4
+#define SML_NF_RANGE 8      /* finite but |x| >= 2^127: cannot be quantized */
+
+/* ---- switch ------------------------------------------------------------------------------ */
+
+typedef struct sml_counters {
+    uint64_t rx;                /* packets accepted for the job (after validation and the simulator) */
+    uint64_t aggregated;        /* new contributions (overwrite or add) */
+    uint64_t results;           /* result packets sent on completion (one per worker) */
+    uint64_t replays;           /* retransmissions answered by a unicast replay */
+    uint64_t drop_incomplete;   /* retransmissions to an incomplete slot */
+    uint64_t drop_token;        /* wrong job token */
+    uint64_t drop_sender;       /* rank not in the job, or source address not the rank's */
+    uint64_t drop_malformed;    /* bad slot index, size or packet id mismatch within a slot */
+    uint64_t drop_sim_ingress;  /* drop simulator */
+    uint64_t drop_sim_egress;
+    uint64_t dup_sim;           /* packets duplicated by the simulator */
+} sml_counters;
+
+typedef struct sml_global {
+    uint64_t rx;                /* every datagram received */
+    uint64_t tx;                /* every datagram sent */
+    uint64_t drop_short;        /* shorter than a header or wrong length for its size code */
+    uint64_t drop_checksum;
+    uint64_t drop_type;
+    uint64_t drop_unknown_job;  /* stale or unregistered job number (answered by a NACK) */
+    uint64_t nacks;
+    uint64_t batches;           /* recvmmsg calls that returned packets */
+    uint64_t busy_ns;           /* time in recvmmsg/processing/sendmmsg with packets */
+    uint64_t idle_ns;           /* time waiting in poll() */
+    uint64_t send_errors;
+    uint64_t gso_messages;      /* sendmmsg messages that carried several datagrams */
+    uint64_t cpu_ns;            /* CPU time of the data-plane thread (user + system) */
+    uint64_t run_ns;            /* wall time spent in sml_switch_run */
+} sml_global;
+
+typedef struct sml_switch sml_switch;
+
+/* fd: a bound UDP socket (IPv4). offload: use UDP GSO/GRO where the kernel has them (several
+ * datagrams per system call; each is still its own packet on the wire). Thread-safe calls. */
+sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int offload);
+void sml_switch_free(sml_switch *sw);
+/* Register job `job` (0..255) with nworkers ranks and a pool of nslots slots of elems (64/256)
+ * int32. Returns 0, or -1 job in use, -2 bad argument, -3 not enough free slots, -4 no memory. */
+int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, uint32_t nslots, uint32_t elems);
+/* Address of a rank (IPv4 address and port in host order). */
+int sml_switch_set_addr(sml_switch *sw, int job, int rank, uint32_t ipv4, uint16_t port);
+int sml_switch_remove_job(sml_switch *sw, int job);
+uint32_t sml_switch_free_slots(sml_switch *sw);
+/* Drop simulator: probabilities of dropping a packet on ingress / a result on egress, and of
+ * duplicating a packet (on ingress and on egress). */
+void sml_switch_set_sim(sml_switch *sw, double ingress, double egress, double duplicate, uint64_t seed);
+/* Copy counters out: job totals, one slot group of a job, the switch-wide ones. 0 or -1. */
+int sml_switch_job_counters(sml_switch *sw, int job, sml_counters *out);
+int sml_switch_group_counters(sml_switch *sw, int job, uint32_t group, sml_counters *out);
+uint32_t sml_switch_groups(sml_switch *sw, int job);
+void sml_switch_global_counters(sml_switch *sw, sml_global *out);
+/* Serve packets for up to max_ms milliseconds, then return (so the caller can stop it).
+ * Call from one thread at a time. Returns packets handled, or -errno on a socket error. */
+long sml_switch_run(sml_switch *sw, int max_ms);
+
+/* ---- worker ------------------------------------------------------------------------------ */
+
+typedef struct sml_worker_counters {
+    uint64_t sent;              /* packets sent, resends included */
+    uint64_t received;          /* results accepted */
+    uint64_t duplicates;        /* results for packets already answered (or of an earlier tensor) */
+    uint64_t resends;           /* timer expiries */
+    uint64_t ignored;           /* malformed, foreign or unexpected packets */
+    uint64_t tensors;
+    uint64_t elements;
+    uint64_t wait_ns;           /* time blocked in poll() */
+    uint64_t busy_ns;           /* time quantizing, sending, receiving */
+    uint64_t cpu_ns;            /* CPU time of the calling thread in sml_worker_allreduce */
+    uint64_t srtt_ns;           /* smoothed round trip of a packet (RFC 6298) */
+    uint64_t rto_ns;            /* timer of a new packet: srtt + 4 rttvar, within [rto_ms, rto_max_ms] */
+} sml_worker_counters;
+
+typedef struct sml_worker sml_worker;
+
+/* fd: a UDP socket connected to the switch. window = the job's pool size (slots). offload: as for
+ * the switch (UDP GSO/GRO). */
+sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworkers, uint32_t window,
+                           uint32_t elems, double rto_ms, double rto_max_ms, int offload);
+void sml_worker_free(sml_worker *w);
+void sml_worker_counters_get(sml_worker *w, sml_worker_counters *out);
+/* Where the next tensor starts: worker packet id and pool shift (identical on every rank). */
+uint32_t sml_worker_next_packet(sml_worker *w);
+uint32_t sml_worker_shift(sml_worker *w);
+
+/* Results of sml_worker_allreduce: >= 0 success, SML_R_* bits say what the result holds. */
+#define SML_R_NONFINITE 1       /* Inf/NaN from some rank, propagated into `out` */
+#define SML_R_RANGE 2           /* some rank had finite |x| >= 2^127 (elements set to NaN) */
+#define SML_E_TIMEOUT (-1)      /* no progress for timeout_ms */
+#define SML_E_REFUSED (-2)      /* the switch's port is closed (ICMP port unreachable) */
+#define SML_E_NACK (-3)         /* the switch does not know this job */
+#define SML_E_SOCKET (-4)       /* another socket error; errno in sml_worker_errno */
+#define SML_E_NOMEM (-5)
+
+/* Sum `n` elements across the job through the switch.
+ * int32 (is_int = 1): x, out are int32_t, exact (wrapping) sum; exps/nf/mexp unused.
+ * float32: exps[b] = this rank's exponent of block b (commlib.kernels.block_exponents over
+ * finite values), nf[b] = 1 where block b holds non-finite or out-of-range values, mexp = scratch
+ * of nblocks int8 (receives the agreed exponents). One block = one packet of `elems`.
+ * Exponents travel one window ahead. out may alias nothing; x is not modified. */
+int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, size_t n, const int8_t *exps,
+                         const uint8_t *nf, int8_t *mexp, int timeout_ms);
+int sml_worker_errno(sml_worker *w);
+
+/* RFC 1071 checksum of a header (the checksum field is taken as zero). */
+uint16_t sml_checksum(const uint8_t *hdr);
+
+#endif

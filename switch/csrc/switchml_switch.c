@@ -1,0 +1,451 @@
+/* The software switch: SwitchML's data plane over UDP (see switchml.h for the packet and the
+ * per-packet rules). One thread runs sml_switch_run(); control calls (jobs, counters, the drop
+ * simulator) come from other threads and take the same mutex, held only while a batch is
+ * processed, never across a system call. */
+#define _GNU_SOURCE
+#include "switchml.h"
+#include "switchml_common.h"
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+
+#define RX_BATCH 32
+#define TX_CAP 8192
+#define ARENA 1024
+#define ARENA_STRIDE 1344   /* >= SML_MAX_PKT */
+
+typedef struct {
+    uint64_t bitmap;     /* ranks that contributed */
+    uint32_t countdown;  /* ranks still missing; 0 = complete */
+    uint32_t pkt_id;     /* packet id of the first contribution (every rank streams the same ids) */
+    int8_t exp;          /* max block exponent */
+    uint8_t size;        /* size code of the contributions */
+    uint8_t nf;          /* the nonfinite region holds flags */
+} slot_set;
+
+typedef struct {
+    int active;
+    uint32_t token;
+    int nworkers;
+    uint32_t nslots, elems, ngroups;
+    struct sockaddr_in addrs[SML_MAX_WORKERS];
+    uint64_t addr_mask;  /* ranks whose address is registered */
+    slot_set *sets;      /* [slot * 2 + set] */
+    int32_t *values;     /* [(slot * 2 + set) * elems], host order */
+    uint8_t *nfreg;      /* [(slot * 2 + set) * elems] */
+    sml_counters c;
+    sml_counters *groups;
+} job_t;
+
+struct sml_switch {
+    int fd;
+    pthread_mutex_t mu;
+    uint32_t max_slots, used_slots, group_slots;
+    double p_in, p_out, p_dup;
+    uint64_t rng;
+    sml_global g;
+    job_t jobs[SML_MAX_JOBS];
+    /* batch state (owned by the thread in sml_switch_run) */
+    sml_rxq rx;
+    sml_txq tx;
+    uint8_t *arena;      /* ARENA result packets, referenced by tx until it is flushed */
+    size_t arena_used;
+};
+
+uint16_t sml_checksum(const uint8_t *hdr) {
+    uint32_t sum = 0;
+    for (int i = 0; i < SML_HDR_LEN; i += 2)
+        if (i != 18) sum += (uint32_t)sml_rd16(hdr + i);
+    while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
+    return (uint16_t)~sum;
+}
+
+static double rnd(sml_switch *sw) {  /* xorshift64*, uniform in [0, 1) */
+    uint64_t x = sw->rng;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    sw->rng = x;
+    return (double)((x * 2685821657736338717ull) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int offload) {
+    sml_switch *sw = calloc(1, sizeof *sw);
+    if (!sw) return NULL;
+    sw->arena = malloc((size_t)ARENA * ARENA_STRIDE);
+    if (!sw->arena || sml_rxq_init(&sw->rx, fd, RX_BATCH, offload) || sml_txq_init(&sw->tx, fd, 0, TX_CAP, offload)) {
+        free(sw->arena);
+        sml_rxq_free(&sw->rx);
+        sml_txq_free(&sw->tx);
+        free(sw);
+        return NULL;
+    }
+    sw->fd = fd;
+    sw->max_slots = max_slots;
+    sw->group_slots = group_slots ? group_slots : 64;
+    sw->rng = 0x9e3779b97f4a7c15ull;
+    pthread_mutex_init(&sw->mu, NULL);
+    return sw;
+}
+
+static void job_release(job_t *j) {
+    free(j->sets);
+    free(j->values);
+    free(j->nfreg);
+    free(j->groups);
+    memset(j, 0, sizeof *j);
+}
+
+void sml_switch_free(sml_switch *sw) {
+    if (!sw) return;
+    for (int i = 0; i < SML_MAX_JOBS; i++) job_release(&sw->jobs[i]);
+    sml_rxq_free(&sw->rx);
+    sml_txq_free(&sw->tx);
+    free(sw->arena);
+    pthread_mutex_destroy(&sw->mu);
+    free(sw);
+}
+
+int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, uint32_t nslots, uint32_t elems) {
+    if (job < 0 || job >= SML_MAX_JOBS || nworkers < 1 || nworkers > SML_MAX_WORKERS || nslots < 1 ||
+        nslots > SML_MAX_SLOTS || (elems != 64 && elems != 256))
+        return -2;
+    int rc = 0;
+    pthread_mutex_lock(&sw->mu);
+    job_t *j = &sw->jobs[job];
+    if (j->active) {
+        rc = -1;
+    } else if (sw->used_slots + nslots > sw->max_slots) {
+        rc = -3;
+    } else {
+        memset(j, 0, sizeof *j);
+        j->ngroups = (nslots + sw->group_slots - 1) / sw->group_slots;
+        j->sets = calloc((size_t)nslots * 2, sizeof *j->sets);
+        j->values = calloc((size_t)nslots * 2 * elems, sizeof *j->values);
+        j->nfreg = calloc((size_t)nslots * 2 * elems, 1);
+        j->groups = calloc(j->ngroups, sizeof *j->groups);
+        if (!j->sets || !j->values || !j->nfreg || !j->groups) {
+            job_release(j);
+            rc = -4;
+        } else {
+            j->token = token;
+            j->nworkers = nworkers;
+            j->nslots = nslots;
+            j->elems = elems;
+            j->active = 1;
+            sw->used_slots += nslots;
+        }
+    }
+    pthread_mutex_unlock(&sw->mu);
+    return rc;
+}
+
+int sml_switch_set_addr(sml_switch *sw, int job, int rank, uint32_t ipv4, uint16_t port) {
+    int rc = -1;
+    pthread_mutex_lock(&sw->mu);
+    if (job >= 0 && job < SML_MAX_JOBS && sw->jobs[job].active && rank >= 0 && rank < sw->jobs[job].nworkers) {
+        job_t *j = &sw->jobs[job];
+        memset(&j->addrs[rank], 0, sizeof j->addrs[rank]);
+        j->addrs[rank].sin_family = AF_INET;
+        j->addrs[rank].sin_addr.s_addr = htonl(ipv4);
+        j->addrs[rank].sin_port = htons(port);
+        j->addr_mask |= 1ull << rank;
+        rc = 0;
+    }
+    pthread_mutex_unlock(&sw->mu);
+    return rc;
+}
+
+int sml_switch_remove_job(sml_switch *sw, int job) {
+    int rc = -1;
+    pthread_mutex_lock(&sw->mu);
+    if (job >= 0 && job < SML_MAX_JOBS && sw->jobs[job].active) {
+        sw->used_slots -= sw->jobs[job].nslots;
+        job_release(&sw->jobs[job]);
+        rc = 0;
+    }
+    pthread_mutex_unlock(&sw->mu);
+    return rc;
+}
+
+uint32_t sml_switch_free_slots(sml_switch *sw) {
+    pthread_mutex_lock(&sw->mu);
+    uint32_t n = sw->max_slots - sw->used_slots;
+    pthread_mutex_unlock(&sw->mu);
+    return n;
+}
+
+void sml_switch_set_sim(sml_switch *sw, double ingress, double egress, double duplicate, uint64_t seed) {
+    pthread_mutex_lock(&sw->mu);
+    sw->p_in = ingress;
+    sw->p_out = egress;
+    sw->p_dup = duplicate;
+    sw->rng = seed ? seed : 0x9e3779b97f4a7c15ull;
+    pthread_mutex_unlock(&sw->mu);
+}
+
+int sml_switch_job_counters(sml_switch *sw, int job, sml_counters *out) {
+    int rc = -1;
+    pthread_mutex_lock(&sw->mu);
+    if (job >= 0 && job < SML_MAX_JOBS && sw->jobs[job].active) {
+        *out = sw->jobs[job].c;
+        rc = 0;
+    }
+    pthread_mutex_unlock(&sw->mu);
+    return rc;
+}
+
+int sml_switch_group_counters(sml_switch *sw, int job, uint32_t group, sml_counters *out) {
+    int rc = -1;
+    pthread_mutex_lock(&sw->mu);
+    if (job >= 0 && job < SML_MAX_JOBS && sw->jobs[job].active && group < sw->jobs[job].ngroups) {
+        *out = sw->jobs[job].groups[group];
+        rc = 0;
+    }
+    pthread_mutex_unlock(&sw->mu);
+    return rc;
+}
+
+uint32_t sml_switch_groups(sml_switch *sw, int job) {
+    pthread_mutex_lock(&sw->mu);
+    uint32_t n = (job >= 0 && job < SML_MAX_JOBS && sw->jobs[job].active) ? sw->jobs[job].ngroups : 0;
+    pthread_mutex_unlock(&sw->mu);
+    return n;
+}
+
+void sml_switch_global_counters(sml_switch *sw, sml_global *out) {
+    pthread_mutex_lock(&sw->mu);
+    *out = sw->g;
+    pthread_mutex_unlock(&sw->mu);
+}
+
+/* ---- the data plane ------------------------------------------------------------------------ */
+
+/* Room for one result packet and its copies; sends what is queued when the batch state is full. */
+static uint8_t *take_buffer(sml_switch *sw) {
+    if (sw->arena_used == ARENA || sw->tx.cap - sw->tx.n < 2 * (SML_MAX_WORKERS + 1)) {
+        if (sml_txq_flush(&sw->tx) < 0) sw->g.send_errors++;
+        sw->arena_used = 0;
+    }
+    return sw->arena + ARENA_STRIDE * sw->arena_used++;
+}
+
+static void emit(sml_switch *sw, uint8_t *buf, size_t len, const struct sockaddr_in *to, sml_counters *jc,
+                 sml_counters *gc) {
+    if (sw->p_out > 0 && rnd(sw) < sw->p_out) {
+        jc->drop_sim_egress++;
+        gc->drop_sim_egress++;
+        return;
+    }
+    int copies = (sw->p_dup > 0 && rnd(sw) < sw->p_dup) ? 2 : 1;
+    if (copies == 2) {
+        jc->dup_sim++;
+        gc->dup_sim++;
+    }
+    for (int k = 0; k < copies; k++) sml_txq_add(&sw->tx, buf, (uint32_t)len, to);
+}
+
+/* The result of (slot, set) in answer to the packet `in`, in a fresh buffer; returns its length. */
+static size_t build_result(const slot_set *s, const int32_t *vals, const uint8_t *nfr, const uint8_t *in,
+                           uint8_t *p) {
+    uint32_t elems = sml_size_elems(s->size);
+    memcpy(p, in, SML_HDR_LEN);   /* job, rank, packet id, pool index and token are echoed */
+    p[0] = SML_RESULT;
+    p[1] = (uint8_t)(s->size | (s->nf ? SML_F_NONFINITE : 0));
+    p[10] = (uint8_t)s->exp;
+    p[11] = 0;
+    p[16] = p[17] = 0;
+    sml_seal(p);
+    uint8_t *pl = p + SML_HDR_LEN;
+    sml_be_store(pl, vals, elems);
+    size_t len = SML_HDR_LEN + 4 * (size_t)elems;
+    if (s->nf) {
+        memcpy(p + len, nfr, elems);
+        len += elems;
+    }
+    return len;
+}
+
+static void nack(sml_switch *sw, const uint8_t *in, const struct sockaddr_in *from) {
+    static sml_counters sink_j, sink_g;  /* NACKs belong to no job; the simulator still applies */
+    uint8_t *p = take_buffer(sw);
+    memcpy(p, in, SML_HDR_LEN);
+    p[0] = SML_NACK;
+    p[1] = 0;
+    p[11] = SML_NACK_UNKNOWN_JOB;
+    sml_seal(p);
+    sw->g.nacks++;
+    emit(sw, p, SML_HDR_LEN, from, &sink_j, &sink_g);
+}
+
+static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct sockaddr_in *from) {
+    sml_global *g = &sw->g;
+    if (len < SML_HDR_LEN) { g->drop_short++; return; }
+    if (sml_rd16(p + 18) != sml_checksum(p)) { g->drop_checksum++; return; }
+    if (p[0] != SML_DATA) { g->drop_type++; return; }
+    unsigned flags = p[1], code = flags & SML_F_SIZE;
+    int has_nf = (flags & SML_F_NONFINITE) != 0;
+    uint32_t elems = sml_size_elems(code);
+    if ((flags & ~7u) || code == 3 || len != SML_HDR_LEN + (size_t)elems * (has_nf ? 5 : 4)) {
+        g->drop_short++;
+        return;
+    }
+    job_t *j = &sw->jobs[p[2]];
+    if (!j->active) {
+        g->drop_unknown_job++;
+        nack(sw, p, from);
+        return;
+    }
+    unsigned rank = p[3];
+    uint16_t pool = sml_rd16(p + 8);
+    uint32_t slot = pool & 0x7fffu, set = pool >> 15;
+    sml_counters *gc = &j->groups[(slot < j->nslots ? slot : 0) / sw->group_slots];
+    if (sml_rd32(p + 12) != j->token) { j->c.drop_token++; gc->drop_token++; return; }
+    if (rank >= (unsigned)j->nworkers || !(j->addr_mask >> rank & 1) ||
+        j->addrs[rank].sin_addr.s_addr != from->sin_addr.s_addr || j->addrs[rank].sin_port != from->sin_port) {
+        j->c.drop_sender++;
+        gc->drop_sender++;
+        return;
+    }
+    if (slot >= j->nslots || (elems && elems != j->elems)) { j->c.drop_malformed++; gc->drop_malformed++; return; }
+    if (sw->p_in > 0 && rnd(sw) < sw->p_in) { j->c.drop_sim_ingress++; gc->drop_sim_ingress++; return; }
+    j->c.rx++;
+    gc->rx++;
+
+    size_t idx = (size_t)slot * 2 + set, other = (size_t)slot * 2 + (1 - set);
+    slot_set *s = &j->sets[idx];
+    int32_t *vals = j->values + idx * j->elems;
+    uint8_t *nfr = j->nfreg + idx * j->elems;
+    uint64_t bit = 1ull << rank, before = s->bitmap;
+    const uint8_t *pl = p + SML_HDR_LEN;
+    uint32_t pkt_id = sml_rd32(p + 4);
+    int8_t exp = (int8_t)p[10];
+
+    int fresh = !(before & bit);
+    if (fresh && before != 0 && (code != s->size || pkt_id != s->pkt_id || s->countdown == 0)) {
+        /* ranks streaming different sequences, or a stale packet: refuse to mix them in */
+        j->c.drop_malformed++;
+        gc->drop_malformed++;
+        return;
+    }
+    /* step 1: this rank is in (slot, set) and no longer in (slot, other set) */
+    s->bitmap = before | bit;
+    j->sets[other].bitmap &= ~bit;
+
+    if (fresh) {
+        if (before == 0) {  /* first contribution: overwrite (lazy clearing) */
+            sml_be_load(vals, pl, elems);
+            s->exp = exp;
+            s->size = (uint8_t)code;
+            s->pkt_id = pkt_id;
+            s->nf = (uint8_t)has_nf;
+            if (has_nf) memcpy(nfr, pl + 4 * elems, elems);
+            s->countdown = (uint32_t)j->nworkers - 1;
+        } else {  /* later contribution: int32 sum (wrapping), max exponent, OR of the flags */
+            sml_be_add(vals, pl, elems);
+            if (exp > s->exp) s->exp = exp;
+            if (has_nf) {
+                const uint8_t *r = pl + 4 * elems;
+                if (!s->nf) memcpy(nfr, r, elems);
+                else for (uint32_t i = 0; i < elems; i++) nfr[i] |= r[i];
+                s->nf = 1;
+            }
+            s->countdown--;
+        }
+        j->c.aggregated++;
+        gc->aggregated++;
+        if (s->countdown == 0) {  /* complete: "multicast" to every worker of the job */
+            uint8_t *out = take_buffer(sw);
+            size_t rlen = build_result(s, vals, nfr, p, out);
+            for (int r = 0; r < j->nworkers; r++) {
+                j->c.results++;
+                gc->results++;
+                emit(sw, out, rlen, &j->addrs[r], &j->c, gc);
+            }
+        }
+    } else if (s->countdown == 0) {  /* retransmission to a complete slot: unicast replay */
+        uint8_t *out = take_buffer(sw);
+        size_t rlen = build_result(s, vals, nfr, p, out);
+        j->c.replays++;
+        gc->replays++;
+        emit(sw, out, rlen, from, &j->c, gc);
+    } else {  /* retransmission to an incomplete slot: its result comes on completion */
+        j->c.drop_incomplete++;
+        gc->drop_incomplete++;
+    }
+}
+
+static long serve(sml_switch *sw, int max_ms);
+
+long sml_switch_run(sml_switch *sw, int max_ms) {
+    uint64_t cpu0 = sml_cpu_ns(), t0 = sml_now_ns();
+    long handled = serve(sw, max_ms);
+    uint64_t cpu1 = sml_cpu_ns(), t1 = sml_now_ns();
+    pthread_mutex_lock(&sw->mu);
+    sw->g.cpu_ns += cpu1 - cpu0;
+    sw->g.run_ns += t1 - t0;
+    pthread_mutex_unlock(&sw->mu);
+    return handled;
+}
+
+static long serve(sml_switch *sw, int max_ms) {
+    uint64_t deadline = sml_now_ns() + (uint64_t)(max_ms > 0 ? max_ms : 0) * 1000000u;
+    long handled = 0;
+    for (;;) {
+        uint64_t t0 = sml_now_ns();
+        int n = sml_rxq_recv(&sw->rx);
+        if (n < 0) {
+            if (n == -ECONNREFUSED || n == -EHOSTUNREACH || n == -ENETUNREACH) continue;  /* ICMP noise */
+            return n;
+        }
+        if (n == 0) {
+            if (t0 >= deadline) return handled;
+            struct pollfd pfd = {.fd = sw->fd, .events = POLLIN};
+            int r = poll(&pfd, 1, (int)((deadline - t0 + 999999) / 1000000));
+            uint64_t t1 = sml_now_ns();
+            pthread_mutex_lock(&sw->mu);
+            sw->g.idle_ns += t1 - t0;
+            pthread_mutex_unlock(&sw->mu);
+            if (r < 0 && errno != EINTR) return -errno;
+            if (r <= 0) return handled;  /* timeout (or a signal): let the caller look around */
+            continue;
+        }
+        pthread_mutex_lock(&sw->mu);
+        sw->g.batches++;
+        for (int i = 0; i < n; i++) {
+            const uint8_t *buf = sml_rxq_buf(&sw->rx, i);
+            size_t len = sw->rx.msgs[i].msg_len, seg = sml_rxq_seg(&sw->rx, i);
+            const struct sockaddr_in *from = &sw->rx.from[i];
+            if (seg == 0 || from->sin_family != AF_INET) {  /* truncated: larger than any packet */
+                sw->g.rx++;
+                sw->g.drop_short++;
+                continue;
+            }
+            for (size_t off = 0; off < len; off += seg) {  /* each GRO segment is one datagram */
+                size_t l = len - off < seg ? len - off : seg;
+                sw->g.rx++;
+                handled++;
+                process(sw, buf + off, l, from);
+                if (sw->p_dup > 0 && rnd(sw) < sw->p_dup) {  /* the simulator's duplicate */
+                    if (l >= SML_HDR_LEN && sw->jobs[buf[off + 2]].active) sw->jobs[buf[off + 2]].c.dup_sim++;
+                    process(sw, buf + off, l, from);
+                }
+            }
+        }
+        int rc = sml_txq_flush(&sw->tx);
+        sw->arena_used = 0;
+        sw->g.tx = sw->tx.sent;
+        sw->g.send_errors = sw->tx.errors + (rc < 0);
+        sw->g.gso_messages = sw->tx.gso_msgs;
+        pthread_mutex_unlock(&sw->mu);
+        uint64_t t1 = sml_now_ns();
+        pthread_mutex_lock(&sw->mu);
+        sw->g.busy_ns += t1 - t0;
+        pthread_mutex_unlock(&sw->mu);
+        if (t1 >= deadline) return handled;
+    }
+}

@@ -1,0 +1,410 @@
+/* The worker's streaming loop: one call per tensor, the GIL released (cffi API mode).
+ *
+ * A tensor of B blocks (one block = one packet of `elems` values) is streamed over
+ * wc = min(window, B) chains; chain c owns slot (shift + c) mod window and carries packets
+ * c, c + wc, c + 2wc, ... : every received result sends exactly one new packet, the next of its
+ * chain, into the same slot with the set flipped (self-clocking), so a rank never has two packets
+ * in flight in one slot and each reuse of a slot flips its set. For a tensor of at least `window`
+ * blocks this is SwitchML's mapping, packet p -> slot (p + shift) mod W; a per-slot parity bit
+ * keeps the set alternation exact across tensors that use fewer slots. The chain's outstanding
+ * packet index plays the role of SwitchML's received-id bitmap.
+ *
+ * float32: exponents travel one window ahead. Packets 0..wc-1 carry only the exponent of blocks
+ * 0..wc-1; packet p >= wc carries the data of block p - wc, quantized with the agreed (max)
+ * exponent the result of packet p - wc brought back, and the exponent of block p. Total packets
+ * B + wc. int32: packet p carries block p unchanged; total B.
+ *
+ * The pool shift, the per-slot set parity and the packet id carry over to the next tensor, so
+ * every rank must stream the same sequence of tensor sizes (the core's negotiation does that).
+ * Loss: each outstanding packet has a timer (rto, doubling up to rto_max on each resend); on
+ * expiry the identical packet is resent. A result for a packet that is not its chain's
+ * outstanding one is a duplicate and ignored. */
+#define _GNU_SOURCE
+#include "switchml.h"
+#include "switchml_common.h"
+#include "kernels.h"
+
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+
+#define RX_BATCH 16      /* GRO buffers of 64 KiB: up to ~60 results each */
+#define TX_CAP 512
+#define PKT_STRIDE 1344  /* >= SML_MAX_PKT, multiple of 64 */
+
+typedef struct {
+    int64_t p;           /* outstanding packet of this chain, -1 when the chain is done */
+    uint64_t sent;       /* first transmission, ns */
+    uint64_t deadline;   /* resend time, ns */
+    uint64_t rto;        /* current timeout, ns */
+    uint32_t len;
+    uint32_t resent;     /* resends of this packet (Karn: no RTT sample from it) */
+} chain_t;
+
+struct sml_worker {
+    int fd, job, rank, nworkers, err;
+    uint32_t token, window, elems;
+    uint64_t rto0, rto_max;
+    uint64_t srtt, rttvar, rto;   /* RFC 6298 estimate; rto = the timer of a new packet */
+    uint32_t shift, pkt_base;
+    uint8_t *parity;     /* per slot: the set of the slot's next use */
+    chain_t *ch;
+    uint8_t *bufs;       /* window * PKT_STRIDE: the packet in flight of each chain */
+    sml_rxq rx;
+    sml_txq tx;
+    sml_worker_counters c;
+};
+
+/* state of the tensor being streamed */
+typedef struct {
+    int is_int;
+    const void *x;
+    void *out;
+    size_t n;
+    uint64_t B, wc, P;
+    const int8_t *exps;
+    const uint8_t *nf;
+    int8_t *mexp;
+    int status;
+} tensor_t;
+
+sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworkers, uint32_t window,
+                           uint32_t elems, double rto_ms, double rto_max_ms, int offload) {
+    if (window < 1 || window > SML_MAX_SLOTS || (elems != 64 && elems != 256) || nworkers < 1) return NULL;
+    sml_worker *w = calloc(1, sizeof *w);
+    if (!w) return NULL;
+    w->parity = calloc(window, 1);
+    w->ch = calloc(window, sizeof *w->ch);
+    if (posix_memalign((void **)&w->bufs, 64, (size_t)window * PKT_STRIDE)) w->bufs = NULL;
+    int rx_ok = sml_rxq_init(&w->rx, fd, RX_BATCH, offload) == 0;
+    int tx_ok = sml_txq_init(&w->tx, fd, 1, TX_CAP, offload) == 0;
+    if (!w->parity || !w->ch || !w->bufs || !rx_ok || !tx_ok) {
+        if (rx_ok) sml_rxq_free(&w->rx);
+        if (tx_ok) sml_txq_free(&w->tx);
+        free(w->parity);
+        free(w->ch);
+        free(w->bufs);
+        free(w);
+        return NULL;
+    }
+    w->fd = fd;
+    w->job = job;
+    w->rank = rank;
+    w->token = token;
+    w->nworkers = nworkers;
+    w->window = window;
+    w->elems = elems;
+    w->rto0 = (uint64_t)(rto_ms * 1e6);
+    w->rto_max = (uint64_t)(rto_max_ms * 1e6);
+    if (w->rto0 < 10000) w->rto0 = 10000;
+    if (w->rto_max < w->rto0) w->rto_max = w->rto0;
+    w->rto = w->rto0;
+    return w;
+}
+
+void sml_worker_free(sml_worker *w) {
+    if (!w) return;
+    sml_rxq_free(&w->rx);
+    sml_txq_free(&w->tx);
+    free(w->parity);
+    free(w->ch);
+    free(w->bufs);
+    free(w);
+}
+
+void sml_worker_counters_get(sml_worker *w, sml_worker_counters *out) {
+    *out = w->c;
+    out->srtt_ns = w->srtt;
+    out->rto_ns = w->rto;
+}
+uint32_t sml_worker_next_packet(sml_worker *w) { return w->pkt_base; }
+uint32_t sml_worker_shift(sml_worker *w) { return w->shift; }
+int sml_worker_errno(sml_worker *w) { return w->err; }
+
+static int flush(sml_worker *w) {
+    uint64_t before = w->tx.sent;
+    int rc = sml_txq_flush(&w->tx);
+    w->c.sent += w->tx.sent - before;
+    if (rc < 0) {
+        w->err = -rc;
+        return rc == -ECONNREFUSED ? SML_E_REFUSED : SML_E_SOCKET;
+    }
+    return 0;
+}
+
+static int queue(sml_worker *w, uint8_t *buf, uint32_t len) {
+    if (w->tx.n == w->tx.cap) {
+        int rc = flush(w);
+        if (rc) return rc;
+    }
+    sml_txq_add(&w->tx, buf, len, NULL);
+    return 0;
+}
+
+/* Quantize one block for the wire: non-finite / out-of-range elements become 0 in the payload
+ * and are described by the flag region. Returns the payload + region length. */
+static uint32_t put_f32_block(sml_worker *w, const tensor_t *t, uint64_t b, uint8_t *pl, uint8_t *flags) {
+    const float *x = (const float *)t->x + b * w->elems;
+    size_t cnt = t->n - b * w->elems;
+    if (cnt > w->elems) cnt = w->elems;
+    int32_t q[SML_MAX_ELEMS];
+    uint32_t len = 4 * w->elems;
+    if (t->nf[b]) {
+        float clean[SML_MAX_ELEMS];
+        uint8_t *r = pl + 4 * w->elems;
+        memset(r, 0, w->elems);
+        for (size_t i = 0; i < cnt; i++) {
+            float v = x[i];
+            clean[i] = v;
+            if (isnan(v)) r[i] = SML_NF_NAN;
+            else if (isinf(v)) r[i] = v > 0 ? SML_NF_POSINF : SML_NF_NEGINF;
+            else if (fabsf(v) >= 0x1p127f) r[i] = SML_NF_RANGE;
+            if (r[i]) clean[i] = 0.0f;
+        }
+        cl_quantize(clean, cnt, w->elems, &t->mexp[b], w->nworkers, q);
+        *flags |= SML_F_NONFINITE;
+        len += w->elems;
+    } else {
+        cl_quantize(x, cnt, w->elems, &t->mexp[b], w->nworkers, q);
+    }
+    sml_be_store(pl, q, cnt);
+    memset(pl + 4 * cnt, 0, 4 * (w->elems - cnt));  /* the partial last block */
+    return len;
+}
+
+/* Build packet p of the tensor into its chain's buffer. */
+static uint32_t build(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c) {
+    uint8_t *h = w->bufs + c * PKT_STRIDE, *pl = h + SML_HDR_LEN;
+    uint32_t slot = (uint32_t)((w->shift + c) % w->window);
+    uint32_t set = w->parity[slot] ^ (uint32_t)((p / t->wc) & 1);
+    uint8_t flags = 0;
+    int8_t exp = SML_EXP_NONE;
+    uint32_t len = 0;
+    if (t->is_int) {
+        const int32_t *x = (const int32_t *)t->x + p * w->elems;
+        size_t cnt = t->n - p * w->elems;
+        if (cnt > w->elems) cnt = w->elems;
+        sml_be_store(pl, x, cnt);
+        memset(pl + 4 * cnt, 0, 4 * (w->elems - cnt));
+        flags = (uint8_t)sml_elems_code(w->elems);
+        len = 4 * w->elems;
+    } else {
+        if (p < t->B) exp = t->exps[p];
+        if (p >= t->wc) {
+            flags = (uint8_t)sml_elems_code(w->elems);
+            len = put_f32_block(w, t, p - t->wc, pl, &flags);
+        }
+    }
+    h[0] = SML_DATA;
+    h[1] = flags;
+    h[2] = (uint8_t)w->job;
+    h[3] = (uint8_t)w->rank;
+    sml_wr32(h + 4, w->pkt_base + (uint32_t)p);
+    sml_wr16(h + 8, (uint16_t)(slot | set << 15));
+    h[10] = (uint8_t)exp;
+    h[11] = 0;
+    sml_wr32(h + 12, w->token);
+    h[16] = h[17] = 0;
+    sml_seal(h);
+    return SML_HDR_LEN + len;
+}
+
+static int send_packet(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c, uint64_t now) {
+    chain_t *ch = &w->ch[c];
+    ch->p = (int64_t)p;
+    ch->len = build(w, t, p, c);
+    ch->rto = w->rto;
+    ch->sent = now;
+    ch->resent = 0;
+    ch->deadline = now + ch->rto;
+    return queue(w, w->bufs + c * PKT_STRIDE, ch->len);
+}
+
+/* A round trip measured on a packet sent once (RFC 6298): the timer of new packets follows the
+ * job's pace (which includes waiting for the slowest rank), never below rto0. */
+static void rtt_sample(sml_worker *w, uint64_t r) {
+    if (!w->srtt) {
+        w->srtt = r;
+        w->rttvar = r / 2;
+    } else {
+        uint64_t d = w->srtt > r ? w->srtt - r : r - w->srtt;
+        w->rttvar = (3 * w->rttvar + d) / 4;
+        w->srtt = (7 * w->srtt + r) / 8;
+    }
+    uint64_t rto = w->srtt + 4 * w->rttvar;
+    w->rto = rto < w->rto0 ? w->rto0 : rto > w->rto_max ? w->rto_max : rto;
+}
+
+/* Write back the valid elements of a result. */
+static void take_result(sml_worker *w, tensor_t *t, uint64_t p, const uint8_t *h) {
+    const uint8_t *pl = h + SML_HDR_LEN;
+    if (t->is_int) {
+        int32_t *out = (int32_t *)t->out + p * w->elems;
+        size_t cnt = t->n - p * w->elems;
+        if (cnt > w->elems) cnt = w->elems;
+        sml_be_load(out, pl, cnt);
+        return;
+    }
+    if (p < t->B) t->mexp[p] = (int8_t)h[10];
+    if (p < t->wc) return;
+    uint64_t b = p - t->wc;
+    float *out = (float *)t->out + b * w->elems;
+    size_t cnt = t->n - b * w->elems;
+    if (cnt > w->elems) cnt = w->elems;
+    int32_t q[SML_MAX_ELEMS];
+    sml_be_load(q, pl, cnt);
+    cl_dequantize(q, cnt, w->elems, &t->mexp[b], w->nworkers, out);
+    if (h[1] & SML_F_NONFINITE) {
+        const uint8_t *r = pl + 4 * w->elems;
+        for (size_t i = 0; i < cnt; i++) {
+            uint8_t f = r[i];
+            if (!f) continue;
+            if (f & SML_NF_RANGE) {
+                out[i] = NAN;
+                t->status |= SML_R_RANGE;
+            } else {
+                int both = (f & SML_NF_POSINF) && (f & SML_NF_NEGINF);
+                out[i] = (f & SML_NF_NAN) || both ? NAN : (f & SML_NF_POSINF) ? INFINITY : -INFINITY;
+                t->status |= SML_R_NONFINITE;
+            }
+        }
+    }
+}
+
+/* One received datagram. Returns 1 if it advanced the tensor, 0 if ignored, < 0 on a fatal NACK. */
+static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, uint64_t now, uint64_t *active) {
+    if (len < SML_HDR_LEN || sml_rd16(h + 18) != sml_checksum(h) || h[2] != (uint8_t)w->job ||
+        sml_rd32(h + 12) != w->token) {
+        w->c.ignored++;
+        return 0;
+    }
+    if (h[0] == SML_NACK) {
+        w->err = h[11];
+        return SML_E_NACK;
+    }
+    uint32_t code = h[1] & SML_F_SIZE, elems = sml_size_elems(code);
+    if (h[0] != SML_RESULT || len < SML_HDR_LEN + 4 * (size_t)elems + ((h[1] & SML_F_NONFINITE) ? elems : 0)) {
+        w->c.ignored++;
+        return 0;
+    }
+    uint64_t p = (uint32_t)(sml_rd32(h + 4) - w->pkt_base);
+    if (p >= t->P) {  /* a late duplicate of an earlier tensor */
+        w->c.duplicates++;
+        return 0;
+    }
+    uint64_t c = p % t->wc;
+    chain_t *ch = &w->ch[c];
+    if (ch->p != (int64_t)p) {
+        w->c.duplicates++;
+        return 0;
+    }
+    uint32_t slot = (uint32_t)((w->shift + c) % w->window);
+    uint32_t set = w->parity[slot] ^ (uint32_t)((p / t->wc) & 1);
+    uint32_t want = t->is_int || p >= t->wc ? sml_elems_code(w->elems) : 0;
+    if (sml_rd16(h + 8) != (slot | set << 15) || code != want) {
+        w->c.ignored++;
+        return 0;
+    }
+    w->c.received++;
+    if (!ch->resent) rtt_sample(w, now - ch->sent);
+    take_result(w, t, p, h);
+    uint64_t next = p + t->wc;
+    if (next < t->P) {
+        int rc = send_packet(w, t, next, c, now);
+        if (rc) return rc;
+    } else {
+        ch->p = -1;
+        (*active)--;
+    }
+    return 1;
+}
+
+int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, size_t n, const int8_t *exps,
+                         const uint8_t *nf, int8_t *mexp, int timeout_ms) {
+    if (n == 0) return 0;
+    uint64_t t_start = sml_now_ns(), wait_ns = 0, cpu0 = sml_cpu_ns();
+    tensor_t t = {.is_int = is_int, .x = x, .out = out, .n = n, .exps = exps, .nf = nf, .mexp = mexp};
+    t.B = (n + w->elems - 1) / w->elems;
+    t.wc = t.B < w->window ? t.B : w->window;
+    t.P = is_int ? t.B : t.B + t.wc;
+    uint64_t timeout = (uint64_t)(timeout_ms > 0 ? timeout_ms : 1) * 1000000u;
+    uint64_t now = sml_now_ns(), progress = now, next_timer = UINT64_MAX, active = t.wc;
+    int rc = 0;
+    w->tx.n = 0;
+    for (uint64_t c = 0; c < t.wc && !rc; c++) rc = send_packet(w, &t, c, c, now);
+    if (!rc) rc = flush(w);
+    next_timer = now + w->rto;
+    while (!rc && active > 0) {
+        int got = sml_rxq_recv(&w->rx);
+        now = sml_now_ns();
+        if (got > 0) {
+            for (int i = 0; i < got && rc >= 0; i++) {
+                const uint8_t *buf = sml_rxq_buf(&w->rx, i);
+                size_t len = w->rx.msgs[i].msg_len, seg = sml_rxq_seg(&w->rx, i);
+                if (!seg) {
+                    w->c.ignored++;
+                    continue;
+                }
+                for (size_t off = 0; off < len && rc >= 0; off += seg) {  /* one GRO segment = one datagram */
+                    int r = on_packet(w, &t, buf + off, len - off < seg ? len - off : seg, now, &active);
+                    if (r < 0) rc = r;
+                    else if (r > 0) progress = now;
+                }
+            }
+            if (rc >= 0) rc = flush(w);
+            if (rc) break;
+            /* timers only once the socket is drained: results waiting in it are not losses */
+            if (got == RX_BATCH || now < next_timer) continue;
+        } else if (got < 0) {
+            w->err = -got;
+            rc = got == -ECONNREFUSED ? SML_E_REFUSED : SML_E_SOCKET;
+            break;
+        }
+        if (active == 0) break;
+        if (now - progress >= timeout) {
+            rc = SML_E_TIMEOUT;
+            break;
+        }
+        if (now >= next_timer) {  /* resend every expired packet, identical, to the same slot */
+            next_timer = UINT64_MAX;
+            for (uint64_t c = 0; c < t.wc && !rc; c++) {
+                chain_t *ch = &w->ch[c];
+                if (ch->p < 0) continue;
+                if (ch->deadline <= now) {
+                    ch->rto = ch->rto * 2 < w->rto_max ? ch->rto * 2 : w->rto_max;
+                    ch->resent++;
+                    ch->deadline = now + ch->rto;
+                    w->c.resends++;
+                    rc = queue(w, w->bufs + c * PKT_STRIDE, ch->len);
+                }
+                if (ch->deadline < next_timer) next_timer = ch->deadline;
+            }
+            if (!rc) rc = flush(w);
+            if (rc) break;
+        }
+        if (got > 0) continue;
+        uint64_t until = next_timer < progress + timeout ? next_timer : progress + timeout;
+        int ms = until > now ? (int)((until - now + 999999) / 1000000) : 0;
+        struct pollfd pfd = {.fd = w->fd, .events = POLLIN};
+        uint64_t t0 = sml_now_ns();
+        poll(&pfd, 1, ms);
+        wait_ns += sml_now_ns() - t0;
+    }
+    uint64_t t_end = sml_now_ns();
+    w->c.wait_ns += wait_ns;
+    w->c.busy_ns += (t_end - t_start) - wait_ns;
+    w->c.cpu_ns += sml_cpu_ns() - cpu0;
+    if (rc) return rc;
+    /* carry the stream over: per-slot set parity, pool shift, packet ids */
+    for (uint64_t c = 0; c < t.wc; c++) {
+        uint64_t uses = (t.P - c + t.wc - 1) / t.wc;
+        w->parity[(w->shift + c) % w->window] ^= (uint8_t)(uses & 1);
+    }
+    w->shift = (uint32_t)((w->shift + t.P) % w->window);
+    w->pkt_base += (uint32_t)t.P;
+    w->c.tensors++;
+    w->c.elements += n;
+    return t.status;
+}

@@ -1,0 +1,306 @@
+"""Golden protocol cases at the SwitchML software switch: hand-built packets, byte by byte.
+
+Each test registers a job whose workers are plain UDP sockets of this process, sends DATA packets
+built with struct, and checks the switch's answers and counters (see switch/csrc/switchml.h)."""
+import socket
+import struct
+
+import pytest
+
+sw = pytest.importorskip("commlib.switch.switchml")
+if sw.lib is None:
+    pytest.skip(sw.IMPORT_ERROR, allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(30)
+
+TOKEN = 0x1234ABCD
+E = 64   # values per packet in these tests (size code 1)
+
+
+def header(type, flags, job, rank, pkt, pool, exp, token=TOKEN, code=0):
+    """The 20-byte header, written out field by field (big-endian) with its RFC 1071 checksum."""
+    raw = bytearray(20)
+    raw[0], raw[1], raw[2], raw[3] = type, flags, job, rank
+    raw[4:8] = pkt.to_bytes(4, "big")
+    raw[8:10] = pool.to_bytes(2, "big")
+    raw[10] = exp & 0xFF
+    raw[11] = code
+    raw[12:16] = token.to_bytes(4, "big")
+    raw[16:18] = b"\0\0"
+    total = sum(int.from_bytes(raw[i:i + 2], "big") for i in range(0, 18, 2))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    raw[18:20] = (~total & 0xFFFF).to_bytes(2, "big")
+    return bytes(raw)
+
+
+def data(job, rank, pkt, slot, set, values=None, exp=0, token=TOKEN, nf=None):
+    flags = 0 if values is None else 1
+    payload = b"" if values is None else struct.pack(f"!{E}i", *values)
+    if nf is not None:
+        flags |= 4
+        payload += bytes(nf)
+    return header(1, flags, job, rank, pkt, slot | set << 15, exp, token) + payload
+
+
+def parse(packet):
+    fields = struct.unpack("!BBBBIHbBIHH", packet[:20])
+    names = ("type", "flags", "job", "rank", "pkt", "pool", "exp", "code", "token", "reserved", "checksum")
+    out = dict(zip(names, fields))
+    n = {0: 0, 1: 64, 2: 256}[out["flags"] & 3]
+    out["values"] = list(struct.unpack(f"!{n}i", packet[20:20 + 4 * n]))
+    out["nf"] = list(packet[20 + 4 * n:20 + 5 * n]) if out["flags"] & 4 else None
+    out["checksum_ok"] = header(*[out[k] for k in ("type", "flags", "job", "rank", "pkt", "pool", "exp")],
+                                token=out["token"], code=out["code"]) == packet[:20]
+    return out
+
+
+@pytest.fixture
+def switch():
+    server = sw.SwitchServer("127.0.0.1", 0, slots=256, slot_group=4).start()
+    yield server
+    server.stop()
+
+
+class Job:
+    """n worker sockets registered as one job."""
+
+    def __init__(self, switch, n, slots=8, token=TOKEN):
+        self.switch, self.token = switch, token
+        self.socks = []
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind(("127.0.0.1", 0))
+            s.settimeout(1.0)
+            self.socks.append(s)
+        self.client = sw.SwitchClient(switch.address)
+        self.number = self.client.register(token, [list(s.getsockname()) for s in self.socks], slots, E)["job"]
+
+    def send(self, rank, packet):
+        self.socks[rank].sendto(packet, ("127.0.0.1", self.switch.port))
+
+    def recv(self, rank, timeout=1.0):
+        self.socks[rank].settimeout(timeout)
+        return parse(self.socks[rank].recv(4096))
+
+    def silent(self, rank, timeout=0.15):
+        self.socks[rank].settimeout(timeout)
+        try:
+            got = self.socks[rank].recv(4096)
+        except socket.timeout:
+            return True
+        raise AssertionError(f"rank {rank} got an unexpected packet {parse(got)}")
+
+    def counters(self):
+        return self.client.counters(self.number)["counters"]
+
+    def close(self):
+        for s in self.socks:
+            s.close()
+
+
+@pytest.fixture
+def job2(switch):
+    job = Job(switch, 2)
+    yield job
+    job.close()
+
+
+def vals(seed):
+    return [(seed * 1000 + i) * (-1) ** i for i in range(E)]
+
+
+def test_header_layout_and_result(job2):
+    j = job2.number
+    pkt = data(j, 0, 7, 3, 1, vals(1), exp=5)
+    assert len(pkt) == 20 + 4 * E
+    assert pkt[:4] == bytes([1, 1, j, 0]) and pkt[4:8] == b"\0\0\0\x07" and pkt[8:10] == b"\x80\x03"
+    assert pkt[10] == 5 and pkt[12:16] == bytes.fromhex("1234abcd")
+    assert sw.pack_header(1, 1, j, 0, 7, 3 | 1 << 15, 5, TOKEN) == pkt[:20]   # the library's packer agrees
+    job2.send(0, pkt)
+    job2.silent(0)                                                        # consumed: slot incomplete
+    job2.send(1, data(j, 1, 7, 3, 1, vals(2), exp=2))
+    for rank in (0, 1):                                                    # completion goes to everyone
+        r = job2.recv(rank)
+        assert r["checksum_ok"]
+        assert (r["type"], r["flags"], r["job"], r["pkt"], r["pool"], r["code"], r["token"], r["reserved"]) == \
+            (2, 1, j, 7, 3 | 1 << 15, 0, TOKEN, 0)
+        assert r["rank"] == 1                                              # the packet that completed it
+        assert r["exp"] == 5                                               # max exponent echoed
+        assert r["values"] == [a + b for a, b in zip(vals(1), vals(2))]
+    c = job2.counters()
+    assert (c["rx"], c["aggregated"], c["results"], c["replays"]) == (2, 2, 2, 0)
+
+
+def test_overwrite_on_first_contribution(job2):
+    """A slot is cleared lazily: the first contribution of a new use overwrites the old sum."""
+    j = job2.number
+    for use, set in enumerate((0, 1, 0)):
+        a, b = vals(10 + use), vals(20 + use)
+        job2.send(0, data(j, 0, 100 + use, 5, set, a))
+        job2.send(1, data(j, 1, 100 + use, 5, set, b))
+        for rank in (0, 1):
+            assert job2.recv(rank)["values"] == [x + y for x, y in zip(a, b)]
+
+
+def test_unicast_replay_to_retransmission_on_complete_slot(job2):
+    j = job2.number
+    job2.send(0, data(j, 0, 1, 0, 0, vals(1)))
+    job2.send(1, data(j, 1, 1, 0, 0, vals(2)))
+    first = [job2.recv(r) for r in (0, 1)]
+    job2.send(0, data(j, 0, 1, 0, 0, vals(1)))           # rank 0 lost its result and resends
+    replay = job2.recv(0)
+    assert replay["values"] == first[0]["values"] and replay["pkt"] == 1 and replay["rank"] == 0
+    job2.silent(1)                                        # unicast: rank 1 hears nothing
+    c = job2.counters()
+    assert (c["replays"], c["aggregated"], c["results"]) == (1, 2, 2)
+
+
+def test_drop_retransmission_to_incomplete_slot(job2):
+    j = job2.number
+    job2.send(0, data(j, 0, 1, 2, 0, vals(1)))
+    job2.send(0, data(j, 0, 1, 2, 0, vals(1)))           # resent before rank 1 contributed
+    job2.silent(0)
+    assert job2.counters()["drop_incomplete"] == 1
+    job2.send(1, data(j, 1, 1, 2, 0, vals(2)))
+    for rank in (0, 1):                                   # counted once, not twice
+        assert job2.recv(rank)["values"] == [a + b for a, b in zip(vals(1), vals(2))]
+        job2.silent(rank)
+
+
+def test_max_exponent_and_exponent_only_packets(job2):
+    j = job2.number
+    for slot, (e0, e1, want) in enumerate([(3, -5, 3), (-128, 7, 7), (-128, -128, -128), (-126, -127, -126)]):
+        job2.send(0, data(j, 0, slot, slot, 0, None, exp=e0))   # size code 0: exponent only
+        job2.send(1, data(j, 1, slot, slot, 0, None, exp=e1))
+        r = job2.recv(0)
+        assert (r["exp"], r["flags"], r["values"]) == (want, 0, [])
+        job2.recv(1)
+
+
+def test_int32_sum_wraps_like_hardware(job2):
+    j = job2.number
+    big = [2 ** 31 - 1] * E
+    job2.send(0, data(j, 0, 0, 1, 0, big))
+    job2.send(1, data(j, 1, 0, 1, 0, [1] * E))
+    assert job2.recv(0)["values"] == [-2 ** 31] * E
+
+
+def test_multicast_to_every_worker(switch):
+    job = Job(switch, 3)
+    try:
+        for rank in range(3):
+            job.send(rank, data(job.number, rank, 9, 1, 0, [rank + 1] * E))
+        for rank in range(3):
+            assert job.recv(rank)["values"] == [6] * E
+        assert job.counters()["results"] == 3
+    finally:
+        job.close()
+
+
+def test_nonfinite_flags_are_ored(job2):
+    j = job2.number
+    nf0 = [1 if i == 0 else 2 if i == 1 else 0 for i in range(E)]
+    nf1 = [4 if i == 1 else 0 for i in range(E)]
+    job2.send(0, data(j, 0, 0, 4, 0, [0] * E, nf=nf0))
+    job2.send(1, data(j, 1, 0, 4, 0, [5] * E, nf=nf1))
+    r = job2.recv(0)
+    assert r["flags"] == 1 | 4 and r["nf"][:3] == [1, 6, 0] and r["values"] == [5] * E
+    job2.send(0, data(j, 0, 1, 6, 0, [1] * E))            # no flags from anyone: no region
+    job2.send(1, data(j, 1, 1, 6, 0, [1] * E))
+    assert job2.recv(0)["nf"] is None
+
+
+def test_stale_job_number_dropped_and_nacked(switch, job2):
+    j = job2.number
+    job2.client.unregister(j, TOKEN)                      # the job ended: its number is stale
+    job2.send(0, data(j, 0, 1, 0, 0, vals(1)))
+    nack = job2.recv(0)
+    assert (nack["type"], nack["code"], nack["job"], nack["pkt"]) == (3, 1, j, 1) and nack["checksum_ok"]
+    stats = job2.client.counters()["switch"]
+    assert stats["drop_unknown_job"] == 1 and stats["nacks"] == 1
+    assert str(j) not in job2.client.counters()["jobs"]
+
+
+def test_unregistered_sender_and_bad_token_dropped(switch, job2):
+    j = job2.number
+    stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    stranger.bind(("127.0.0.1", 0))
+    try:
+        stranger.sendto(data(j, 0, 1, 0, 0, vals(1)), ("127.0.0.1", switch.port))   # poses as rank 0
+        job2.send(1, data(j, 0, 1, 0, 0, vals(1)))       # rank 1's address claiming rank 0
+        job2.send(0, data(j, 5, 1, 0, 0, vals(1)))       # rank outside the job
+        job2.send(0, data(j, 0, 1, 0, 0, vals(1), token=TOKEN ^ 1))
+        job2.silent(0)
+        c = job2.counters()
+        assert (c["drop_sender"], c["drop_token"], c["rx"], c["aggregated"]) == (3, 1, 0, 0)
+        # the real rank 0 still aggregates normally afterwards
+        job2.send(0, data(j, 0, 1, 0, 0, vals(1)))
+        job2.send(1, data(j, 1, 1, 0, 0, vals(2)))
+        assert job2.recv(0)["values"] == [a + b for a, b in zip(vals(1), vals(2))]
+    finally:
+        stranger.close()
+
+
+def test_malformed_packets_dropped(switch, job2):
+    j = job2.number
+    good = data(j, 0, 1, 0, 0, vals(1))
+    job2.send(0, good[:19])                                   # shorter than a header
+    job2.send(0, good[:-4])                                   # payload shorter than its size code
+    job2.send(0, good[:18] + b"\0\0" + good[20:])             # checksum wrong
+    job2.send(0, data(j, 0, 1, 40, 0, vals(1)))               # slot outside the job's pool (8 slots)
+    job2.send(0, header(2, 0, j, 0, 1, 0, 0))                 # a RESULT sent to the switch
+    job2.silent(0)
+    g = job2.client.counters()["switch"]
+    assert (g["drop_short"], g["drop_checksum"], g["drop_type"]) == (2, 1, 1)
+    assert job2.counters()["drop_malformed"] == 1
+
+
+def test_ranks_out_of_step_are_not_mixed(job2):
+    """Packets of different packet ids in one slot use (ranks streaming different tensors) are refused."""
+    j = job2.number
+    job2.send(0, data(j, 0, 1, 0, 0, vals(1)))
+    job2.send(1, data(j, 1, 2, 0, 0, vals(2)))
+    job2.silent(0)
+    assert job2.counters()["drop_malformed"] == 1
+
+
+def test_two_jobs_are_isolated(switch, job2):
+    other = Job(switch, 2, token=0x0BADF00D)
+    try:
+        assert other.number != job2.number
+        # job 2's ranks cannot touch job 1's slots, even with the right rank numbers
+        other.send(0, data(job2.number, 0, 1, 0, 0, vals(1), token=0x0BADF00D))
+        other.send(0, data(job2.number, 0, 1, 0, 0, vals(1)))
+        for job, seed in ((job2, 1), (other, 5)):
+            job.send(0, data(job.number, 0, 1, 0, 0, vals(seed), token=job.token))
+            job.send(1, data(job.number, 1, 1, 0, 0, vals(seed + 1), token=job.token))
+        assert job2.recv(0)["values"] == [a + b for a, b in zip(vals(1), vals(2))]
+        assert other.recv(0)["values"] == [a + b for a, b in zip(vals(5), vals(6))]
+        c = job2.counters()
+        assert (c["drop_token"], c["drop_sender"]) == (1, 1)
+    finally:
+        other.close()
+
+
+def test_counters_per_slot_group_and_freed_slots(switch, job2):
+    j = job2.number
+    for slot in (0, 5):                                       # slot groups of 4: groups 0 and 1
+        job2.send(0, data(j, 0, slot, slot, 0, vals(1)))
+        job2.send(1, data(j, 1, slot, slot, 0, vals(2)))
+        job2.recv(0), job2.recv(1)
+    groups = job2.client.counters(j)["groups"]
+    assert [g["aggregated"] for g in groups] == [2, 2]
+    assert switch.status()["free_slots"] == 256 - 8
+    job2.client.unregister(j, TOKEN)
+    assert switch.status()["free_slots"] == 256
+
+
+def test_drop_simulator_counts(switch, job2):
+    j = job2.number
+    job2.client.simulate(ingress=0.5, egress=0.0, seed=7)
+    for pkt in range(40):
+        job2.send(0, data(j, 0, pkt, pkt % 8, (pkt // 8) % 2, None))
+    job2.silent(0)
+    c = job2.counters()
+    assert 5 < c["drop_sim_ingress"] < 35 and c["drop_sim_ingress"] + c["rx"] == 40

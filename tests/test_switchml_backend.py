@@ -1,0 +1,389 @@
+"""The switchml backend: N ranks as threads of this process (commlib.context.LocalGroup), each
+streaming through a real switch over loopback UDP (the C loops release the GIL).
+
+Float32 bound checked here (per element, n ranks, block max exponent e over ranks, max|x| < 2^e):
+    |switchml - exact| <= n^2 * 2^(e-1) / (2^31 - 1) + 2^-24 * |exact|
+(quantization: each rank's rounding is at most 0.5 / f with f = (2^31 - 1) / (n 2^e); then the
+float32 rounding of the result)."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from commlib.backends import TensorMeta
+from commlib.context import LocalGroup
+from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, InvalidTensor, PeerFailure
+from commlib.settings import Settings
+
+sml = pytest.importorskip("commlib.backends.switchml")
+sw = sml.sw
+if sw.lib is None:
+    pytest.skip(sw.IMPORT_ERROR, allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(60)
+
+SIZES = [0, 1, 255, 256, 257, 1000, 5000, 33333]
+
+
+def settings(**kw):
+    return Settings({"timeout_s": 10.0, "switch_retransmit_ms": 2.0, **kw})
+
+
+def run(n, work, join_timeout=45.0, **kw):
+    """Run work(rank, backend) on n rank threads; returns the per-rank results, raises the first error."""
+    group = LocalGroup(n, settings(**kw))
+    backends = [sml.SwitchMLBackend(ctx) for ctx in group.contexts]
+    results, errors = [None] * n, [None] * n
+
+    def main(rank):
+        try:
+            results[rank] = work(rank, backends[rank])
+        except Exception as exc:   # reported below, per rank
+            errors[rank] = exc
+
+    _threads(n, main, join_timeout, "allreduce")
+    _threads(n, lambda rank: backends[rank].close(), 20.0, "close")
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results
+
+
+def _threads(n, target, timeout, what):
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    assert not hung, f"ranks {hung} hung in {what} past {timeout}s"
+
+
+def float_data(rank, size, seed=0):
+    """Values over many magnitudes, whole zero blocks, tiny and negative values."""
+    rng = np.random.default_rng(1000 * seed + rank)
+    x = rng.standard_normal(size).astype(np.float32)
+    scale = np.float32(10.0) ** rng.integers(-8, 8, size=(size + 255) // 256).repeat(256)[:size]
+    x *= scale.astype(np.float32)
+    x[(np.arange(size) // 256) % 5 == 3] = 0.0          # every fifth block all zero on every rank
+    return x
+
+
+def int_data(rank, size, seed=0):
+    return np.random.default_rng(7 + 1000 * seed + rank).integers(-2 ** 26, 2 ** 26, size, dtype=np.int32)
+
+
+def assert_within_bound(inputs, got, elems=256):
+    n = len(inputs)
+    stack = np.stack(inputs).astype(np.float64)
+    exact = stack.sum(axis=0)
+    size = exact.size
+    pad = -size % elems
+    blockmax = np.pad(np.abs(stack).max(axis=0), (0, pad)).reshape(-1, elems).max(axis=1)
+    e = np.frexp(blockmax)[1].astype(np.float64)                       # blockmax < 2^e
+    tol = np.where(blockmax > 0, n * n * np.exp2(e - 1) / (2 ** 31 - 1), 0.0).repeat(elems)[:size]
+    tol += np.abs(exact) * 2.0 ** -24
+    err = np.abs(got.astype(np.float64) - exact)
+    assert np.all(err <= tol), f"max excess {np.max(err - tol)} at {np.argmax(err - tol)}"
+    zero = blockmax.repeat(elems)[:size] == 0
+    assert np.all(got[zero] == 0.0)                                     # zero blocks stay exact
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_int32_exact_and_float_within_bound(n):
+    """Back-to-back tensors of different sizes (0, 1, not multiples of the packet, > window) and
+    dtypes on one job: the pool shift carries across them."""
+    def work(rank, backend):
+        out = []
+        for i, size in enumerate(SIZES):
+            out.append(backend.allreduce(int_data(rank, size, i), f"i{i}"))
+            out.append(backend.allreduce(float_data(rank, size, i), f"f{i}"))
+        return out
+
+    results = run(n, work, switch_window=16 if n == 8 else 128)
+    for i, size in enumerate(SIZES):
+        ints = [int_data(r, size, i) for r in range(n)]
+        exact = np.sum(np.stack(ints).astype(np.int64), axis=0).astype(np.int32) if size else np.zeros(0, np.int32)
+        floats = [float_data(r, size, i) for r in range(n)]
+        for rank in range(n):
+            got_i, got_f = results[rank][2 * i], results[rank][2 * i + 1]
+            assert got_i.dtype == np.int32 and got_i.shape == (size,)
+            np.testing.assert_array_equal(got_i, exact)
+            assert got_f.dtype == np.float32 and got_f.shape == (size,)
+            np.testing.assert_array_equal(got_f, results[0][2 * i + 1])   # every rank gets the same bits
+        if size:
+            assert_within_bound(floats, results[0][2 * i + 1])
+
+
+def test_packets_of_64_window_of_one_without_offload():
+    def work(rank, backend):
+        return [backend.allreduce(float_data(rank, 1000, 1), "f"), backend.allreduce(int_data(rank, 130), "i")]
+
+    results = run(3, work, switch_packet_elems=64, switch_window=1, switch_offload=False)   # no GSO/GRO either
+    assert_within_bound([float_data(r, 1000, 1) for r in range(3)], results[0][0], elems=64)
+    np.testing.assert_array_equal(results[1][1], sum(int_data(r, 130).astype(np.int64) for r in range(3)))
+
+
+def _lossy_work(rank, backend):
+    out = []
+    for i, size in enumerate([1, 3000, 20000, 257]):
+        out.append(backend.allreduce(float_data(rank, size, i), f"f{i}"))
+        out.append(backend.allreduce(int_data(rank, size, i), f"i{i}"))
+    out.append(backend.stats())
+    out.append(backend.switch_counters()["counters"] if rank == 0 else None)
+    return out
+
+
+@pytest.mark.parametrize("loss", [0.01, 0.1])
+def test_loss_and_duplication_give_bit_identical_results(loss):
+    clean = run(4, _lossy_work, switch_window=32)
+    lossy = run(4, _lossy_work, switch_window=32, switch_drop_probability=loss,
+                switch_duplicate_probability=loss, switch_retransmit_ms=1.0, switch_retransmit_max_ms=20.0)
+    for rank in range(4):
+        for a, b in zip(clean[rank][:-2], lossy[rank][:-2]):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    stats, switch = lossy[0][-2], lossy[0][-1]
+    assert stats["resends"] > 0 and switch["drop_sim_ingress"] > 0 and switch["drop_sim_egress"] > 0
+    assert switch["dup_sim"] > 0 and switch["replays"] > 0
+    assert sum(r[-2]["duplicates"] for r in lossy) > 0
+    assert clean[0][-1]["drop_sim_ingress"] == clean[0][-1]["drop_sim_egress"] == 0
+
+
+def test_two_jobs_share_one_switch():
+    with sw.SwitchServer("127.0.0.1", 0, slots=512) as server:
+        outs = {}
+
+        def job(tag, n, seed):
+            def work(rank, backend):
+                return [backend.allreduce(float_data(rank, 7000, seed), "f"),
+                        backend.allreduce(int_data(rank, 9000, seed), "i"), backend.job]
+            outs[tag] = run(n, work, switch_addr=server.address, switch_window=64)
+
+        jobs = [threading.Thread(target=job, args=("a", 2, 1)), threading.Thread(target=job, args=("b", 3, 2))]
+        for t in jobs:
+            t.start()
+        for t in jobs:
+            t.join(50)
+        assert set(outs) == {"a", "b"}
+        assert outs["a"][0][2] != outs["b"][0][2]
+        for tag, n, seed in (("a", 2, 1), ("b", 3, 2)):
+            assert_within_bound([float_data(r, 7000, seed) for r in range(n)], outs[tag][0][0])
+            np.testing.assert_array_equal(outs[tag][n - 1][1], sum(int_data(r, 9000, seed) for r in range(n)))
+        assert server.status()["jobs"] == {} and server.status()["free_slots"] == 512   # both ended cleanly
+
+
+def test_nonfinite_propagates_elementwise():
+    base = [float_data(r, 600) for r in range(2)]
+    base[0][[10, 20, 30, 300]] = [np.nan, np.inf, np.inf, -np.inf]
+    base[1][[20, 30, 301]] = [1.0, -np.inf, np.inf]
+    results = run(2, lambda rank, b: b.allreduce(base[rank], "x"))
+    got = results[0]
+    assert np.isnan(got[10]) and got[20] == np.inf and np.isnan(got[30])
+    assert got[300] == -np.inf and got[301] == np.inf
+    mask = np.ones(600, bool)
+    mask[[10, 20, 30, 300, 301]] = False
+    clean = [np.where(mask, x, 0).astype(np.float32) for x in base]
+    # finite neighbours in the same blocks keep full accuracy
+    assert np.all(np.isfinite(got[mask]))
+    assert_within_bound([c for c in clean], np.where(mask, got, 0).astype(np.float32))
+
+
+def test_nonfinite_in_otherwise_zero_blocks_and_all_nan():
+    x = [np.zeros(300, np.float32) for _ in range(2)]
+    x[0][3], x[1][280] = np.nan, -np.inf
+    nan = [np.full(70, np.nan, np.float32)] * 2
+    results = run(2, lambda rank, b: [b.allreduce(x[rank], "z"), b.allreduce(nan[rank], "nan")])
+    got, all_nan = results[1]
+    assert np.isnan(got[3]) and got[280] == -np.inf
+    rest = np.delete(got, [3, 280])
+    assert np.all(rest == 0.0) and np.all(np.isnan(all_nan))
+
+
+def test_nonfinite_error_mode_raises_on_every_rank():
+    errors = []
+
+    def work(rank, backend):
+        x = float_data(rank, 1000)
+        if rank == 1:
+            x[700] = np.nan
+        try:
+            backend.allreduce(x, "grad")
+        except InvalidTensor as exc:
+            errors.append(str(exc))
+        return backend.allreduce(int_data(rank, 10), "after")   # the job goes on afterwards
+
+    results = run(3, work, switch_nonfinite="error")
+    assert len(errors) == 3 and all("'grad'" in e and "NaN" in e for e in errors)
+    np.testing.assert_array_equal(results[0], sum(int_data(r, 10) for r in range(3)))
+
+
+def test_out_of_range_values_rejected_on_every_rank():
+    errors = []
+
+    def work(rank, backend):
+        x = np.ones(100, np.float32)
+        x[5] = 3e38 if rank == 0 else 1.0
+        try:
+            backend.allreduce(x, "huge")
+        except InvalidTensor as exc:
+            errors.append(str(exc))
+
+    run(2, work)
+    assert len(errors) == 2 and all("2^127" in e for e in errors)
+
+
+def test_dtypes_converted_or_rejected():
+    def work(rank, backend):
+        half = backend.allreduce(np.full(300, 1.5, np.float16), "h")
+        with pytest.raises(InvalidTensor, match="float64.*ring"):
+            backend.allreduce(np.ones(3), "d")
+        with pytest.raises(InvalidTensor, match="int64"):
+            backend.allreduce(np.ones(3, np.int64), "l")
+        return half
+
+    half = run(2, work)[0]
+    assert half.dtype == np.float16 and np.all(half == 3.0)
+    backend = sml.SwitchMLBackend(LocalGroup(1, settings()).contexts[0])
+    assert backend.enabled(TensorMeta("x", (3,), "float32", 12))
+    assert backend.enabled(TensorMeta("x", (3,), "int32", 12))
+    assert not backend.enabled(TensorMeta("x", (3,), "float64", 24))
+
+
+def test_settings_validated():
+    ctx = LocalGroup(1, settings(switch_packet_elems=100)).contexts[0]
+    with pytest.raises(ConfigError, match="64 or 256"):
+        sml.SwitchMLBackend(ctx)
+    ctx = LocalGroup(1, settings(switch_nonfinite="ignore")).contexts[0]
+    with pytest.raises(ConfigError, match="propagate"):
+        sml.SwitchMLBackend(ctx)
+
+
+def test_available_needs_a_switch_or_one_host():
+    ctx = LocalGroup(2, settings()).contexts[0]
+    assert sml.SwitchMLBackend.available(ctx) == (True, "")
+    ctx.local_size = 1                      # ranks on several hosts, no switch configured
+    ok, why = sml.SwitchMLBackend.available(ctx)
+    assert not ok and "COMMLIB_SWITCH_ADDR" in why
+    ctx.settings = settings(switch_addr="10.0.0.5:9099")
+    assert sml.SwitchMLBackend.available(ctx) == (True, "")
+
+
+def test_missing_rank_times_out_clearly():
+    def work(rank, backend):
+        backend.allreduce(np.ones(10, np.int32), "warmup")
+        if rank == 1:
+            return None                      # rank 1 never sends the second tensor
+        start = time.monotonic()
+        with pytest.raises(CommTimeout, match="another rank"):
+            backend.allreduce(np.ones(5000, np.float32), "stuck")
+        assert time.monotonic() - start < 5
+        with pytest.raises(PeerFailure, match="out of step"):
+            backend.allreduce(np.ones(5, np.float32), "next")
+
+    run(2, work, timeout_s=1.5)
+
+
+def _switch_process(port=0, extra=()):
+    """`python -m commlib.switch` as its own process; returns (process, address)."""
+    port_file = f"/tmp/commlib-switch-test-{os.getpid()}-{threading.get_ident()}"
+    if os.path.exists(port_file):
+        os.unlink(port_file)
+    proc = subprocess.Popen([sys.executable, "-m", "commlib.switch", "--port", str(port), "--port-file", port_file,
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 20
+    while not os.path.exists(port_file):
+        assert proc.poll() is None and time.monotonic() < deadline, f"switch did not start: {proc.stdout.read()}"
+        time.sleep(0.05)
+    with open(port_file) as f:
+        address = f.read()
+    os.unlink(port_file)
+    return proc, address
+
+
+def test_switch_daemon_restart_and_death_are_clear_errors():
+    proc, address = _switch_process()
+    try:
+        port = int(address.rsplit(":", 1)[1])
+
+        def work(rank, backend):
+            first = backend.allreduce(np.arange(300, dtype=np.int32), "before")
+            barrier.wait(10)
+            if rank == 0:                                            # restart the switch under the job
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(10)
+                holder.append(_switch_process(port))
+            barrier.wait(20)
+            start = time.monotonic()
+            with pytest.raises(PeerFailure, match="restarted"):
+                backend.allreduce(np.ones(1000, np.float32), "after")
+            assert time.monotonic() - start < 2.0                      # a clear error, not a hang
+            return first
+
+        barrier, holder = threading.Barrier(2), []
+        results = run(2, work, switch_addr=address)
+        np.testing.assert_array_equal(results[0], 2 * np.arange(300))
+        restarted, _ = holder[0]
+        # now the switch dies for good: the next job fails fast, with what to do
+        restarted.kill()
+        restarted.wait(10)
+
+        def dead(rank, backend):
+            with pytest.raises((PeerFailure, BackendUnavailable), match="switch"):
+                backend.allreduce(np.ones(10, np.float32), "x")
+
+        start = time.monotonic()
+        run(2, dead, switch_addr=address)
+        assert time.monotonic() - start < 8
+    finally:
+        proc.kill()
+        for p, _ in locals().get("holder", []):
+            p.kill()
+
+
+def test_switch_killed_mid_job_is_refused_quickly():
+    proc, address = _switch_process()
+    try:
+        def work(rank, backend):
+            backend.allreduce(np.ones(10, np.float32), "warm")
+            barrier.wait(10)
+            if rank == 0:
+                proc.kill()
+                proc.wait(10)
+            barrier.wait(10)
+            start = time.monotonic()
+            with pytest.raises(PeerFailure, match="not running"):
+                backend.allreduce(np.ones(100000, np.float32), "x")
+            assert time.monotonic() - start < 2.0
+
+        barrier = threading.Barrier(2)
+        run(2, work, switch_addr=address)
+    finally:
+        proc.kill()
+
+
+def test_cli_counters_and_simulate():
+    proc, address = _switch_process(extra=["--slots", "1000"])
+    try:
+        def work(rank, backend):
+            return backend.allreduce(np.ones(2000, np.float32), "x"), backend.job
+
+        results = run(2, work, switch_addr=address)
+        np.testing.assert_array_equal(results[0][0], np.full(2000, 2.0, np.float32))
+        cli = [sys.executable, "-m", "commlib.switch"]
+        out = subprocess.run(cli + ["simulate", address, "--ingress", "0.02"], capture_output=True, text=True,
+                             timeout=20)
+        assert out.returncode == 0, out.stderr
+        out = subprocess.run(cli + ["status", address], capture_output=True, text=True, timeout=20)
+        assert '"ingress": 0.02' in out.stdout and '"free_slots": 1000' in out.stdout
+        out = subprocess.run(cli + ["counters", address], capture_output=True, text=True, timeout=20)
+        assert '"rx"' in out.stdout and '"drop_unknown_job"' in out.stdout
+        out = subprocess.run(cli + ["counters", address, "--job", "999"], capture_output=True, text=True, timeout=20)
+        assert out.returncode == 1 and "not registered" in out.stderr
+    finally:
+        proc.kill()

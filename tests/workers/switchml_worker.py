@@ -1,0 +1,35 @@
+"""One rank of a job through commlib.init() with algorithm='switchml': closed-form sums.
+
+Rank r contributes (r + 1) * x, so the sum is n(n+1)/2 * x: exact for int32, within the
+quantization bound for float32. argv[1]: 'embedded' (no switch configured: rank 0 runs one on
+loopback) or 'external' (COMMLIB_SWITCH_ADDR points at a commlib-switch the test started)."""
+import sys
+
+import numpy as np
+import torch
+
+import commlib
+
+mode = sys.argv[1]
+commlib.init(policy="*=switchml")
+r, n = commlib.rank(), commlib.size()
+total = n * (n + 1) // 2
+for length in (0, 1, 7, 300, 70001):
+    xi = (r + 1) * np.arange(length, dtype=np.int32)
+    got = commlib.allreduce(xi, name=f"i{length}", op=commlib.Sum, algorithm="switchml")
+    assert got.dtype == np.int32 and np.array_equal(got, total * np.arange(length, dtype=np.int32)), got[:10]
+    xf = (r + 1) * np.linspace(-1, 1, length, dtype=np.float32)
+    got = commlib.allreduce(xf, name=f"f{length}", op=commlib.Sum, algorithm="switchml")
+    exact = sum(((k + 1) * np.linspace(-1, 1, length, dtype=np.float32)).astype(np.float64) for k in range(n))
+    # |x| <= n per block, so e <= ceil(log2(n)) + 1: error <= n^2 2^(e-1) / (2^31 - 1) + rounding
+    bound = n * n * 2.0 ** (np.ceil(np.log2(n)) + 1) / (2 ** 31 - 1) + np.abs(exact) * 2.0 ** -24
+    assert got.dtype == np.float32 and np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact))
+t = torch.full((3, 4), float(r + 1))
+out = commlib.allreduce(t, name="torch.avg")              # Average, through the policy: switchml
+assert isinstance(out, torch.Tensor) and torch.allclose(out, torch.full((3, 4), total / n), atol=1e-5)
+stats = commlib.backend_stats()["switchml"]
+assert stats["received"] > 0 and stats["embedded"] == (mode == "embedded" and r == 0), stats
+used = {rec["algorithm"] for rec in commlib.records().values()}
+assert used == {"switchml"}, used
+commlib.shutdown()
+print("OK", r, stats["switch"], stats["sent"], flush=True)
