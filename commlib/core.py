@@ -253,18 +253,13 @@ class Runtime:
                                 f"tensors of {meta.nbytes} bytes (it reduces {kinds}); cast it or choose 'ring'")
 
     def _compressed_algorithm(self, entry, requested):
-        allowed = entry.compression.allowed_algorithms()
-        if requested == "auto":
-            # a summable payload keeps its own dtype on the ring (switchml would re-widen fp16 to int32)
-            preference = ("ring",) if entry.compression.payload == "summable" else ("omnireduce", "allgather")
-            return next(a for a in preference if a == "allgather" or a in self.backends)
-        if requested not in allowed:
-            raise ConfigError(f"tensor {entry.name!r}: compression {entry.compression!r} produces a "
-                              f"{entry.compression.payload} payload, which {requested!r} cannot carry; "
-                              f"use one of {sorted(allowed)} or leave algorithm unset")
-        if requested != "allgather":
-            self.backend(requested)
-        return requested
+        """The compressor's payload decides which algorithms can carry it (compressors' one table)."""
+        from commlib import compressors
+        algorithm = compressors.pick_algorithm(entry.compression, set(self.backends) | {"allgather"},
+                                               None if requested == "auto" else requested)
+        if algorithm != "allgather":
+            self.backend(algorithm)   # unavailable: BackendUnavailable with the reason
+        return algorithm
 
     # -- the background thread ------------------------------------------------------------------
     def _loop(self):

@@ -1,0 +1,27 @@
+"""signum: signSGD of a momentum, m = (1 - b) * g + b * m, with majority vote (Bernstein et al.)."""
+import torch
+
+from commlib.compressors.base import register
+from commlib.compressors.signsgd import SignSGD
+from commlib.errors import ConfigError
+
+
+@register
+class Signum(SignSGD):
+    """momentum b: 0.9 as in the paper; the momentum lives here, per tensor name, and is
+    checkpointed. Sends 1 bit per element, aggregates by vote (not divided by the ranks)."""
+    name = "signum"
+    state_attrs = SignSGD.state_attrs + ("momentums",)
+
+    def __init__(self, momentum=0.9, **common):
+        super().__init__(**common)
+        if not 0 <= momentum < 1:
+            raise ConfigError(f"signum momentum must be in [0, 1), got {momentum!r}")
+        self.momentum = float(momentum)
+        self.momentums = {}
+
+    def encode(self, x, name):
+        previous = self.momentums.get(name)
+        m = (1 - self.momentum) * x if previous is None else torch.lerp(x, previous.to(x), self.momentum)
+        self.momentums[name] = m
+        return super().encode(m, name)
