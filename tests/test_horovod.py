@@ -24,6 +24,18 @@ def test_distributed_optimizer_matches_horovod_on_4_ranks():
     assert out.returncode == 0 and out.stdout.count("OPTIMIZER-OK") == 4, out.stdout
 
 
+@pytest.mark.parametrize("compression, tolerance", [("hvd.fp16", 2e-3), ("fp16", 2e-3), ("powersgd(rank=4)", 0.05)])
+def test_distributed_optimizer_with_compression(compression, tolerance):
+    out = horovodrun(2, "torch_optimizer.py", "*=ring", tolerance, compression, timeout=240)
+    assert out.returncode == 0 and out.stdout.count("OPTIMIZER-OK") == 2, out.stdout
+    assert "fp16" in out.stdout if "fp16" in compression else "powersgd" in out.stdout
+
+
+def test_switchml_optimizer_within_quantization_bound():
+    out = horovodrun(2, "torch_optimizer.py", "*=switchml", "1e-4", timeout=240)
+    assert out.returncode == 0 and out.stdout.count("OPTIMIZER-OK") == 2 and "switchml" in out.stdout, out.stdout
+
+
 def test_demo_trains_and_loss_decreases():
     out = horovodrun(2, "-m commlib.demo", "--steps", "60", timeout=240)
     assert out.returncode == 0, out.stdout

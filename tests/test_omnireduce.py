@@ -1,0 +1,491 @@
+"""The omnireduce backend: N ranks as threads of this process (commlib.context.LocalGroup) over
+loopback UDP, with colocated aggregator threads or dedicated aggregators (in-process endpoints or
+`commlib-aggregator` processes).
+
+Tolerances. int32 results are exact (wrapping like numpy's int32 sum). float32 blocks are added
+by the aggregator in arrival order, so per element
+    |omnireduce - exact| <= n * 2^-24 * sum_r |x_r|
+(n-1 float32 additions, each rounding by at most 2^-24 of a partial sum bounded by sum_r |x_r|,
+plus the final rounding). Integer-valued floats are exact in any order: the loss tests use them so
+that lossy and lossless runs must agree to the bit.
+"""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from commlib.context import LocalGroup
+from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, InvalidTensor, PeerFailure
+from commlib.settings import Settings
+
+om = pytest.importorskip("commlib.backends.omnireduce")
+if om.lib is None:
+    pytest.skip(om.IMPORT_ERROR, allow_module_level=True)
+from commlib.switch.aggregator import Aggregator                   # noqa: E402
+from commlib.switch.omnireduce_model import paper_model, wire_model   # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+DENSITIES = [0.0, 0.01, 0.1, 0.5, 1.0]
+
+
+def settings(**kw):
+    return Settings({"timeout_s": 10.0, "omnireduce_retransmit_ms": 5.0, **kw})
+
+
+def _threads(n, target, timeout, what):
+    errors = [None] * n
+
+    def main(rank):
+        try:
+            target(rank)
+        except BaseException as exc:   # reported below, per rank
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    assert not stuck, f"ranks {stuck} hung in {what} past {timeout}s"
+    return errors
+
+
+def run(n, work, join_timeout=45.0, token="local-test-token", **kw):
+    """Start n backends (their set-up exchanges, so in parallel), run work(rank, backend) on each
+    rank's thread, close them all; return the per-rank results and the backends."""
+    group = LocalGroup(n, settings(**kw), job_token=token)
+    backends, results = [None] * n, [None] * n
+
+    def start(rank):
+        backends[rank] = om.OmniReduceBackend(group.contexts[rank])
+
+    def main(rank):
+        results[rank] = work(rank, backends[rank])
+
+    errors = _threads(n, start, 30.0, "set-up")
+    if not any(errors):
+        errors = _threads(n, main, join_timeout, "allreduce")
+    _threads(n, lambda rank: backends[rank] and backends[rank].close(), 20.0, "close")
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results, backends
+
+
+def sparse_inputs(n, size, density, placement="independent", dtype=np.float32, block=32, seed=0):
+    """Per-rank arrays with exactly round(density * blocks) non-zero blocks each (at least one
+    when density > 0): the same blocks on every rank ("overlap") or drawn independently."""
+    rng = np.random.default_rng(seed)
+    nb = -(-size // block)
+    k = 0 if density == 0 or nb == 0 else max(1, round(density * nb))
+    shared = rng.choice(nb, k, replace=False)
+    out = np.zeros((n, nb * block), dtype=dtype)
+    for r in range(n):
+        chosen = shared if placement == "overlap" else rng.choice(nb, k, replace=False)
+        rows = out[r].reshape(nb, block)
+        if dtype == np.int32:
+            rows[chosen] = rng.integers(-2**31, 2**31, size=(k, block), dtype=np.int64).astype(np.int32)
+        else:
+            rows[chosen] = rng.standard_normal((k, block)).astype(np.float32)
+        rows[chosen, 0] = 1 if dtype == np.int32 else 1.5      # every chosen block is really non-zero
+    return out[:, :size].copy()
+
+
+def check_sum(out, inputs):
+    n = inputs.shape[0]
+    if inputs.dtype == np.int32:
+        assert out.dtype == np.int32
+        np.testing.assert_array_equal(out, inputs.sum(axis=0, dtype=np.int32))
+    else:
+        assert out.dtype == np.float32
+        exact = inputs.astype(np.float64).sum(axis=0)
+        bound = n * 2.0 ** -24 * np.abs(inputs.astype(np.float64)).sum(axis=0)
+        err = np.abs(out.astype(np.float64) - exact)
+        assert (err <= bound).all(), f"max error {err.max()} beyond n*2^-24*sum|x| at {np.argmax(err - bound)}"
+
+
+def workload():
+    """(name, inputs-maker) for every density x placement x dtype."""
+    cases = []
+    for density in DENSITIES:
+        for placement in ("independent", "overlap"):
+            for dtype in (np.float32, np.int32):
+                cases.append((f"{placement}-{density}-{np.dtype(dtype).name}", density, placement, dtype))
+    return cases
+
+
+# -- sums equal the dense sum ---------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["colocated", "dedicated"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_sums_equal_dense_sum(n, mode):
+    """Densities 0/1%/10%/50%/100%, independent and overlapping placement, float32 and int32, one
+    backend (and one set of aggregators) for all 20 tensors. 200 blocks in 16 columns: chains of
+    up to 13 rounds, longer than the shadow sets (8), so acknowledgements gate the slots."""
+    size = 200 * 32 - 5
+    cases = [(name, sparse_inputs(n, size, d, p, t, seed=i)) for i, (name, d, p, t) in enumerate(workload())]
+
+    def work(rank, backend):
+        return [backend.allreduce(inputs[rank], name) for name, inputs in cases]
+
+    results, backends = run(n, work, omnireduce_mode=mode, omnireduce_block_size=32, omnireduce_columns=16,
+                            omnireduce_num_aggregators=3 if mode == "dedicated" else 0)
+    for i, (name, inputs) in enumerate(cases):
+        for rank in range(n):
+            check_sum(results[rank][i], inputs)
+            assert results[rank][i].tobytes() == results[0][i].tobytes(), f"{name}: ranks disagree"
+        stats = backends[0].stats()["tensors"][name]
+        mask_union = np.zeros(-(-size // 32), dtype=bool)
+        for rank in range(n):
+            mask = om.block_mask(inputs[rank], 32) > 0
+            mask_union |= mask
+            assert backends[rank].stats()["tensors"][name]["density"] == pytest.approx(mask.mean())
+        # the union density counts result blocks with a payload, the bootstrap ones included
+        assert stats["union_density"] == pytest.approx(mask_union.mean())
+    assert len(backends[0].stats()["aggregators"]) == (3 if mode == "dedicated" else n)
+
+
+@pytest.mark.parametrize("size,block,columns", [
+    (1, 256, 256),            # a single element
+    (256, 256, 256),          # a single full block
+    (255, 256, 4),            # a single partial block
+    (257, 256, 256),          # one element into the second block
+    (5 * 256 + 3, 256, 2),    # not a multiple; more blocks than columns
+    (7 * 64, 64, 7),          # blocks == columns
+    (1000, 64, 1),            # one column: the whole tensor is one chain
+    (0, 256, 256),            # empty
+])
+def test_block_size_edges(size, block, columns):
+    n = 3
+    cases = [(d, sparse_inputs(n, size, d, "independent", t, block=block, seed=7))
+             for d in (0.0, 0.5, 1.0) for t in (np.float32, np.int32)]
+
+    def work(rank, backend):
+        return [backend.allreduce(inputs[rank], f"edge{i}") for i, (_, inputs) in enumerate(cases)]
+
+    results, _ = run(n, work, omnireduce_block_size=block, omnireduce_columns=columns)
+    for i, (_, inputs) in enumerate(cases):
+        for rank in range(n):
+            assert results[rank][i].shape == (size,)
+            check_sum(results[rank][i], inputs)
+
+
+def test_threshold_drops_small_blocks_only():
+    n, block = 2, 16
+    x = np.zeros((n, 8 * block), dtype=np.float32)
+    x[0, :block] = 1e-4            # below the threshold on rank 0 only: dropped
+    x[1, :block] = 5.0
+    x[0, 2 * block:3 * block] = 1e-4   # below on every rank: dropped
+    x[1, 5 * block] = -3.0
+    results, _ = run(n, lambda rank, b: b.allreduce(x[rank], "t"), omnireduce_block_size=block,
+                     omnireduce_threshold=1e-3)
+    expected = np.where(np.repeat(om.block_mask(x[0], block, 1e-3), block) > 0, x[0], 0) + \
+        np.where(np.repeat(om.block_mask(x[1], block, 1e-3), block) > 0, x[1], 0)
+    for out in results:
+        np.testing.assert_array_equal(out, expected)
+
+
+# -- traffic --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("placement", ["independent", "overlap"])
+def test_bytes_match_traffic_model(placement):
+    """Per worker and tensor: measured bytes equal the protocol's exact wire model to the byte
+    (recovery traffic, if the loaded host made a timer fire, is counted apart and subtracted),
+    and stay within OMNIREDUCE.md's model (own non-zero blocks + 4 bytes each up, the union down)
+    times 1.10 up / 1.04 down, plus 40 bytes per column: our 40-byte header instead of 4 bytes of
+    `next` (3.5% up, 3.9% down), silent workers' ACKs (a header per 4 silent rounds: ~3% at 4
+    workers), and one header-only bootstrap packet per column whose first block is zero."""
+    n, block, columns, size = 4, 256, 32, 2048 * 256
+    cases = [(d, sparse_inputs(n, size, d, placement, block=block, seed=3)) for d in (0.01, 0.1, 0.5, 1.0)]
+
+    def work(rank, backend):
+        return [backend.allreduce(inputs[rank], f"traffic{d}") for d, inputs in cases]
+
+    _, backends = run(n, work, omnireduce_block_size=block, omnireduce_columns=columns,
+                      omnireduce_retransmit_ms=200.0)
+    for d, inputs in cases:
+        masks = [om.block_mask(inputs[r], block) for r in range(n)]
+        model = wire_model(masks, size, block, columns)
+        union = int(np.any(masks, axis=0).sum())
+        for rank in range(n):
+            st = backends[rank].stats()["tensors"][f"traffic{d}"]
+            sent = st["bytes_sent"] - st["resend_bytes"]
+            recv = st["bytes_recv"] - st["extra_recv_bytes"]
+            assert (sent, recv) == model[rank], (d, rank, st)
+            up, down = paper_model(int(masks[rank].sum()), union, block * 4)
+            assert up <= sent <= 1.10 * up + 40 * columns, (d, rank, sent, up)
+            assert down <= recv <= 1.04 * down + 40 * columns, (d, rank, recv, down)
+            assert st["union_blocks"] == union
+
+
+# -- loss and duplication ---------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["colocated", "dedicated"])
+def test_loss_and_duplication_give_identical_results(mode):
+    """5% of all packets (data, ACK, PULL, results, STATUS, replays) dropped and 5% duplicated, on
+    workers and aggregators: results are bit-identical to the exact sum; nothing hangs."""
+    n, block = 4, 32
+    cases = []
+    for i, (d, t) in enumerate([(0.01, np.float32), (0.1, np.int32), (0.5, np.float32), (1.0, np.int32),
+                                (0.1, np.float32)]):
+        x = sparse_inputs(n, 300 * block + 11, d, "independent", t, block=block, seed=11 + i)
+        if t == np.float32:
+            x = np.round(x * 64) + 0.0       # integer-valued floats (no -0.0): exact in any order
+        cases.append(x)
+
+    def work(rank, backend):
+        return [backend.allreduce(x[rank], f"lossy{i}") for i, x in enumerate(cases)]
+
+    results, backends = run(n, work, join_timeout=50.0, omnireduce_mode=mode, omnireduce_block_size=block,
+                            omnireduce_columns=24, omnireduce_sim_loss=0.05, omnireduce_sim_dup=0.05,
+                            omnireduce_retransmit_ms=3.0, omnireduce_num_aggregators=2)
+    for i, x in enumerate(cases):
+        expected = x.sum(axis=0, dtype=x.dtype)
+        for rank in range(n):
+            assert results[rank][i].tobytes() == expected.tobytes(), f"tensor {i} rank {rank}"
+    totals = [b.stats() for b in backends]
+    assert sum(t["sim_dropped"] for t in totals) > 0 and sum(t["sim_duplicated"] for t in totals) > 0
+    assert sum(t["resends"] for t in totals) > 0
+
+
+# -- aggregators: dedicated endpoints, several jobs, no restarts -----------------------------------
+def test_dedicated_aggregators_interleave_and_serve_several_jobs():
+    """Three aggregators serve two concurrent jobs (different tokens, 4 and 3 ranks) and then a
+    third job after the first two closed; columns are interleaved across all three."""
+    aggs = [Aggregator("127.0.0.1", 0).start() for _ in range(3)]
+    try:
+        addresses = ",".join(a.address_str for a in aggs)
+        x4 = sparse_inputs(4, 100 * 16, 0.3, block=16, seed=1)
+        x3 = sparse_inputs(3, 77 * 16, 0.6, dtype=np.int32, block=16, seed=2)
+        out = {}
+
+        def job(name, x, token):
+            results, _ = run(x.shape[0], lambda rank, b: [b.allreduce(x[rank], f"{name}{k}") for k in range(3)],
+                             token=token, omnireduce_mode="dedicated", omnireduce_aggregators=addresses,
+                             omnireduce_block_size=16, omnireduce_columns=9)
+            out[name] = results
+
+        jobs = [threading.Thread(target=job, args=("a", x4, "token-a")),
+                threading.Thread(target=job, args=("b", x3, "token-b"))]
+        for t in jobs:
+            t.start()
+        for t in jobs:
+            t.join(50)
+        job("c", x4, "token-c")
+        for name, x in (("a", x4), ("b", x3), ("c", x4)):
+            for per_rank in out[name]:
+                for result in per_rank:
+                    check_sum(result, x)
+        stats = [a.stats() for a in aggs]
+        assert all(s["rounds"] > 0 for s in stats), stats          # every aggregator took columns
+        assert all(s["jobs"] == 0 for s in stats), stats            # deregistered at close
+        assert all(s["refused"] == 0 and s["bad_recv"] == 0 for s in stats), stats
+    finally:
+        for a in aggs:
+            a.close()
+
+
+def test_registration_rejects_mismatched_settings():
+    agg = Aggregator("127.0.0.1", 0).start()
+    try:
+        group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=agg.address_str))
+        ctx0, ctx1 = group.contexts
+        # rank 1 claims a different block size: the exchange catches it before registration
+        ctx1.settings = settings(omnireduce_mode="dedicated", omnireduce_aggregators=agg.address_str,
+                                 omnireduce_block_size=64)
+        errors = _threads(2, lambda r: om.OmniReduceBackend(group.contexts[r]), 20, "set-up")
+        assert all(isinstance(e, ConfigError) and "differ across ranks" in str(e) for e in errors), errors
+    finally:
+        agg.close()
+
+
+def test_restarted_aggregator_is_a_clear_error():
+    agg = Aggregator("127.0.0.1", 0).start()
+    port = agg.address[1]
+    group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=agg.address_str,
+                                   timeout_s=3.0))
+    backends = [None, None]
+    _threads(2, lambda r: backends.__setitem__(r, om.OmniReduceBackend(group.contexts[r])), 20, "set-up")
+    agg.close()
+    agg = Aggregator("127.0.0.1", port).start()          # same address, no memory of the job
+    try:
+        errors = _threads(2, lambda r: backends[r].allreduce(np.ones(100, np.float32), "x"), 20, "allreduce")
+        for e in errors:
+            assert isinstance(e, PeerFailure) and "does not know this job" in str(e), e
+        with pytest.raises(PeerFailure, match="unusable after an earlier failure"):
+            backends[0].allreduce(np.ones(100, np.float32), "y")
+    finally:
+        _threads(2, lambda r: backends[r].close(), 20, "close")
+        agg.close()
+
+
+# -- failures -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["colocated", "dedicated"])
+def test_rank_that_stops_is_named_within_the_timeout(mode):
+    """Rank 1 does the first tensor, then never calls again: the others raise PeerFailure naming
+    rank 1 within the timeout (its aggregator, if colocated, is still up and says whom it waits for)."""
+    n, timeout = 3, 2.0
+    group = LocalGroup(n, settings(omnireduce_mode=mode, timeout_s=timeout, omnireduce_num_aggregators=2))
+    backends = [None] * n
+    _threads(n, lambda r: backends.__setitem__(r, om.OmniReduceBackend(group.contexts[r])), 20, "set-up")
+    elapsed = [None] * n
+    x = np.ones(5000, np.float32)
+
+    def work(rank):
+        backends[rank].allreduce(x, "first")
+        if rank == 1:
+            return
+        start = time.monotonic()
+        try:
+            backends[rank].allreduce(x, "second")
+        finally:
+            elapsed[rank] = time.monotonic() - start
+
+    errors = _threads(n, work, 20, "allreduce")
+    try:
+        assert errors[1] is None
+        for r in (0, 2):
+            assert isinstance(errors[r], PeerFailure), errors[r]
+            assert "rank 1" in str(errors[r]) and "'second'" in str(errors[r]), errors[r]
+            assert timeout <= elapsed[r] < timeout + 2.0, elapsed[r]
+    finally:
+        _threads(n, lambda r: backends[r].close(), 20, "close")
+
+
+def test_dead_dedicated_aggregator_is_named_within_the_timeout():
+    proc = subprocess.Popen([sys.executable, "-m", "commlib.switch.aggregator_main", "--host", "127.0.0.1",
+                             "--port", "0", "--quiet"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()
+        assert line[0] == "READY", line
+        address = line[1]
+        group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=address, timeout_s=2.0))
+        backends = [None, None]
+        _threads(2, lambda r: backends.__setitem__(r, om.OmniReduceBackend(group.contexts[r])), 20, "set-up")
+        x = np.ones(3000, np.float32)
+        assert _threads(2, lambda r: backends[r].allreduce(x, "before"), 20, "allreduce") == [None, None]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        start = time.monotonic()
+        errors = _threads(2, lambda r: backends[r].allreduce(x, "after"), 20, "allreduce")
+        assert time.monotonic() - start < 2.0 + 2.0
+        for e in errors:
+            assert isinstance(e, CommTimeout) and address in str(e) and "commlib-aggregator" in str(e), e
+        _threads(2, lambda r: backends[r].close(), 20, "close")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_unreachable_aggregator_fails_registration_on_every_rank():
+    free = Aggregator("127.0.0.1", 0)
+    address = free.address_str
+    free.close()                                            # nobody listens there now
+    group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=address, timeout_s=1.0))
+    errors = _threads(2, lambda r: om.OmniReduceBackend(group.contexts[r]), 20, "set-up")
+    for e in errors:
+        assert isinstance(e, BackendUnavailable) and address in str(e) and "did not answer" in str(e), e
+
+
+# -- inputs, helpers, settings ----------------------------------------------------------------------
+def test_block_mask_and_density():
+    x = np.zeros(1000, np.float32)
+    x[3] = 1.0                  # block 0
+    x[300] = np.nan             # block 1: NaN counts as non-zero
+    x[999] = -0.5               # block 3 (partial)
+    x[600] = -0.0               # negative zero is zero
+    assert om.block_mask(x, 256).tolist() == [1, 1, 0, 1]
+    assert om.block_mask(x, 256, threshold=0.75).tolist() == [1, 1, 0, 0]
+    assert om.block_density(x, 256) == 0.75
+    assert om.block_density(np.zeros(0, np.float32)) == 0.0
+    i = np.zeros(513, np.int32)
+    i[512] = -7
+    assert om.block_mask(i, 256).tolist() == [0, 0, 1]
+    assert om.block_mask(np.array([0, 0, 2], np.float64), 2).tolist() == [0, 1]   # numpy fallback
+
+
+def test_sparse_inputs_torch_coo_and_compressor_output():
+    torch = pytest.importorskip("torch")
+    n, rows, dim = 3, 20000, 16
+    grads, dense = [], []
+    for rank in range(n):
+        emb = torch.nn.Embedding(rows, dim, sparse=True)
+        torch.manual_seed(rank)
+        ids = torch.randint(0, rows, (20,)) // (rank + 1)
+        emb(ids).sum().backward()
+        grads.append(emb.weight.grad)
+        dense.append(emb.weight.grad.to_dense().numpy().reshape(-1))
+    assert grads[0].is_sparse
+    values, idx = [], []
+    for rank in range(n):                   # a top-k compressor's output: values at flat indices
+        flat = np.arange(4000, dtype=np.float32) * (rank + 1)
+        top = np.argsort(-np.abs(flat))[:40]
+        values.append(flat[top])
+        idx.append(top)
+
+    def work(rank, backend):
+        dense_out = backend.allreduce_sparse(grads[rank], "emb")
+        sparse_out = backend.allreduce_sparse(grads[rank], "emb2", dense=False)
+        topk = backend.allreduce(om.densify(values[rank], idx[rank], 4000), "topk")
+        return dense_out, sparse_out, topk
+
+    results, backends = run(n, work)
+    exact = np.sum(dense, axis=0)
+    topk_exact = sum(om.densify(values[r], idx[r], 4000) for r in range(n))
+    for dense_out, sparse_out, topk in results:
+        assert dense_out.shape == (rows, dim) and not dense_out.is_sparse
+        np.testing.assert_allclose(dense_out.numpy().reshape(-1), exact, rtol=1e-6, atol=1e-6)
+        assert sparse_out.is_sparse and sparse_out.sparse_dim() == 1
+        np.testing.assert_allclose(sparse_out.to_dense().numpy().reshape(-1), exact, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(topk, topk_exact)
+    assert 0 < backends[0].density("emb")[0] <= 20 / 1250      # 20 rows of 16 floats: at most 20 blocks
+
+
+def test_stats_and_invalid_inputs():
+    def work(rank, backend):
+        backend.allreduce(np.ones(10, np.float32), "a")
+        with pytest.raises(InvalidTensor, match="float32 and int32"):
+            backend.allreduce(np.ones(10, np.float64), "b")
+        return backend.stats()
+
+    results, _ = run(2, work)
+    st = results[0]
+    for key in ("bytes_sent", "bytes_recv", "packets_sent", "packets_recv", "resends", "density", "union_density",
+                "tensors", "aggregators", "aggregator"):
+        assert key in st, key
+    assert st["tensors"]["a"]["density"] == 1.0 and st["bytes_sent"] > 0 and st["tensors"]["a"]["bytes_recv"] > 0
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"omnireduce_block_size": 0}, "omnireduce_block_size"),
+    ({"omnireduce_block_size": 20000}, "omnireduce_block_size"),
+    ({"omnireduce_threshold": -1.0}, "omnireduce_threshold"),
+    ({"omnireduce_sim_loss": 0.9}, "omnireduce_sim_loss"),
+])
+def test_invalid_settings(overrides, match):
+    group = LocalGroup(1, settings(**overrides))
+    with pytest.raises(ConfigError, match=match):
+        om.OmniReduceBackend(group.contexts[0])
+
+
+def test_available():
+    ok = LocalGroup(2, settings()).contexts[0]
+    assert om.OmniReduceBackend.available(ok) == (True, "")
+    remote = LocalGroup(2, settings(omnireduce_mode="dedicated")).contexts[0]
+    remote.local_size = 1                                   # ranks on several hosts, nothing configured
+    good, why = om.OmniReduceBackend.available(remote)
+    assert not good and "COMMLIB_OMNIREDUCE_AGGREGATORS" in why and "commlib-aggregator" in why
+    bad = LocalGroup(2, settings(omnireduce_mode="nope")).contexts[0]
+    assert not om.OmniReduceBackend.available(bad)[0]
+
+
+def test_env_overrides(monkeypatch):
+    monkeypatch.setenv("COMMLIB_OMNIREDUCE_BLOCK_SIZE", "64")
+    monkeypatch.setenv("COMMLIB_OMNIREDUCE_MODE", "dedicated")
+    s = Settings()
+    assert s.omnireduce_block_size == 64 and s.omnireduce_mode == "dedicated"
