@@ -1,0 +1,445 @@
+"""OmniReduce: block-sparse allreduce where only non-zero blocks travel.
+
+The tensor is cut into blocks of `omnireduce_block_size` elements; a block is zero when every
+|x| <= `omnireduce_threshold` (0: exact). Blocks are dealt to columns (block mod C); each column
+is a lock-step chain driven by an aggregator with the "next non-zero block" protocol
+(switch/csrc/omnireduce.h): every worker bootstraps each column with its first block and the
+index of its own next non-zero block, the aggregator completes a block once the minimum of the
+announced `next` values lies beyond it, sends the sum to every worker with that minimum, and
+only the workers whose next block it is send again. A worker uploads its own non-zero blocks
+(density d) and downloads the union (density D). Transport: UDP with per-column timers (adaptive,
+from the measured round trip), shadow sets and replay of finished results (idempotent under loss
+and duplication); datagrams to one peer leave in UDP GSO batches and arrive GRO-coalesced.
+
+Aggregators
+  colocated (default)  every worker runs an aggregator thread for a 1/N share of the columns; no
+                       extra process. Bound vs ring allreduce: ~2 / (d + D).
+  dedicated            A `commlib-aggregator` processes (COMMLIB_OMNIREDUCE_AGGREGATORS=host:port,...),
+                       columns interleaved across them; when nothing is configured and every rank
+                       is on this host, rank 0 starts omnireduce_num_aggregators of them on
+                       loopback. Bound: ~2(N-1) / (N D).
+
+Tuning guide
+  omnireduce_block_size     256 elements (1 KiB + a 40-byte header per packet). Larger blocks cost
+                            fewer packets but see fewer all-zero blocks.
+  omnireduce_window_bytes   bytes in flight per worker: each column moves one block per round trip,
+                            so throughput <= window / RTT. 512 KiB (512 columns of 1 KiB) covers
+                            10 Gbps x 400 us or 40 Gbps x 100 us, and is the best of 256..1024
+                            columns on loopback; omnireduce_columns overrides the column count.
+  omnireduce_retransmit_ms  per-column timer (doubles per resend): a few times the RTT; too small
+                            only costs duplicate packets.
+  omnireduce_threshold      > 0 turns blocks with all |x| <= threshold into zeros (lossy, like a
+                            sparsifier without error feedback).
+
+Inputs: float32 and int32 (int32 exact, wrapping; float32 sums are added in arrival order, so they
+match a dense sum to float32 rounding). Dense arrays that are mostly zero, torch sparse COO
+gradients (`allreduce_sparse`, e.g. nn.Embedding(sparse=True)) and the output of sparsifying
+compressors (`densify`) all become a dense array and its block bitmap. The result is dense unless
+`allreduce_sparse(..., dense=False)` asks for a sparse tensor.
+"""
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from commlib.backends import Backend, register
+from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, PeerFailure
+from commlib.settings import define
+
+try:
+    from commlib.switch import aggregator as agg
+    from commlib.switch._omnireduce import ffi, lib
+    IMPORT_ERROR = ""
+except ImportError as exc:   # the C extension is not built
+    agg = ffi = lib = None
+    IMPORT_ERROR = (f"the omnireduce C extension is not built ({exc}); build it with "
+                    f"`python setup.py build_ext --inplace` (or `make develop`)")
+
+log = logging.getLogger("commlib.omnireduce")
+
+define("omnireduce_mode", "colocated", "omnireduce aggregators: 'colocated' (a 1/N share in every worker) or "
+       "'dedicated' (commlib-aggregator processes)")
+define("omnireduce_block_size", 256, "omnireduce block: elements per block (and per packet)")
+define("omnireduce_threshold", 0.0, "omnireduce: a block is zero when every |x| <= this (0 = exact)")
+define("omnireduce_window_bytes", 512 * 1024, "omnireduce window: bytes in flight per worker (one block per "
+       "column); cover bandwidth x RTT, e.g. 10 Gbps x 400 us or 40 Gbps x 100 us = 512 KiB")
+define("omnireduce_columns", 0, "omnireduce columns (blocks in flight per worker); 0 = omnireduce_window_bytes / "
+       "block bytes")
+define("omnireduce_aggregators", "", "dedicated omnireduce aggregators 'host:port,host:port' (commlib-aggregator); "
+       "empty: rank 0 starts them on loopback when every rank is on this host")
+define("omnireduce_num_aggregators", 0, "dedicated omnireduce: aggregators rank 0 starts when none are "
+       "configured (0 = one per worker)")
+define("omnireduce_host", "", "address omnireduce workers and colocated aggregators bind and advertise "
+       "(default: 127.0.0.1 when every rank is local, else the default route's interface)")
+define("omnireduce_retransmit_ms", 20.0, "omnireduce per-column retransmission timer (ms); doubles per resend")
+define("omnireduce_sim_loss", 0.0, "testing: omnireduce workers and aggregators drop each packet they send with "
+       "this probability")
+define("omnireduce_sim_dup", 0.0, "testing: omnireduce workers and aggregators send each packet twice with this "
+       "probability")
+
+F32, I32 = np.dtype("float32"), np.dtype("int32")
+_DTYPE_CODE = {F32: 0, I32: 1}
+_MAX_TENSOR_STATS = 4096
+
+
+# -- sparse inputs ---------------------------------------------------------------------------------
+def block_mask(array, block=256, threshold=0.0):
+    """uint8 per block: 1 when any |x| > threshold (NaN counts as non-zero)."""
+    array = np.ascontiguousarray(array).reshape(-1)
+    nblocks = -(-array.size // block)
+    if lib is not None and array.dtype in _DTYPE_CODE:
+        mask = np.empty(nblocks, dtype=np.uint8)
+        lib.omr_block_mask(ffi.from_buffer(array), array.size, _DTYPE_CODE[array.dtype], block, threshold,
+                           ffi.from_buffer(mask))
+        return mask
+    padded = np.zeros(nblocks * block, dtype=np.float64)
+    padded[:array.size] = array
+    return (~(np.abs(padded.reshape(-1, block)) <= threshold)).any(axis=1).astype(np.uint8)
+
+
+def block_density(array, block=256, threshold=0.0):
+    """Fraction of blocks that omnireduce would send (the policy's `auto` reads it)."""
+    mask = block_mask(array, block, threshold)
+    return float(mask.mean()) if mask.size else 0.0
+
+
+def densify(values, indices, numel, dtype=None):
+    """Dense 1-D array from a sparsifier's output (values at flat indices; repeats are summed)."""
+    values = np.asarray(values).reshape(-1)
+    out = np.zeros(numel, dtype=dtype or values.dtype)
+    np.add.at(out, np.asarray(indices, dtype=np.int64).reshape(-1), values.astype(out.dtype, copy=False))
+    return out
+
+
+def torch_to_array(tensor):
+    """(1-D numpy array, shape) of a dense or sparse COO torch tensor (hybrid COO included)."""
+    t = tensor.detach()
+    if t.is_sparse:
+        t = t.coalesce().to_dense()
+    return np.ascontiguousarray(t.cpu().numpy()).reshape(-1), tuple(tensor.shape)
+
+
+# -- the backend -----------------------------------------------------------------------------------
+@register
+class OmniReduceBackend(Backend):
+    """Sparse block allreduce over UDP; one instance per job on every rank (see module docstring)."""
+
+    name = "omnireduce"
+    dtypes = (F32, I32)
+
+    __slots__ = (
+        # hyperparameters
+        "block", "threshold", "columns", "mode", "retransmit_ms", "timeout_s",
+        # internal state
+        "_prefix", "_sock", "_worker", "_colocated", "_processes", "_aggregators", "_agg_desc", "_job_hash",
+        "_epoch", "_seq", "_broken", "_closed", "_lock", "_call_lock",
+        # stats
+        "_tensors", "_totals", "_last")
+
+    @classmethod
+    def available(cls, ctx):
+        if lib is None:
+            return False, IMPORT_ERROR
+        s = ctx.settings
+        if s.omnireduce_mode not in ("colocated", "dedicated"):
+            return False, (f"COMMLIB_OMNIREDUCE_MODE={s.omnireduce_mode!r}: use 'colocated' or 'dedicated'")
+        if s.omnireduce_mode == "dedicated" and not s.omnireduce_aggregators and not ctx.all_local:
+            return False, ("dedicated mode with ranks on several hosts needs aggregators: start "
+                           "`commlib-aggregator --host 0.0.0.0 --port 9200` on some hosts and set "
+                           "COMMLIB_OMNIREDUCE_AGGREGATORS=host:9200,..., or use COMMLIB_OMNIREDUCE_MODE=colocated")
+        if ctx.size > lib.OMR_MAX_WORKERS:
+            return False, f"omnireduce supports at most {lib.OMR_MAX_WORKERS} ranks"
+        return True, ""
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        s = ctx.settings
+        self.block = int(s.omnireduce_block_size)
+        self.threshold = float(s.omnireduce_threshold)
+        if not 1 <= self.block <= lib.OMR_MAX_BLOCK:
+            raise ConfigError(f"omnireduce_block_size={self.block}: use 1..{lib.OMR_MAX_BLOCK} elements "
+                              f"(a block and its header must fit one UDP datagram)")
+        self.columns = int(s.omnireduce_columns) or max(1, int(s.omnireduce_window_bytes) // (4 * self.block))
+        self.mode = s.omnireduce_mode
+        self.retransmit_ms = float(s.omnireduce_retransmit_ms)
+        self.timeout_s = float(s.timeout_s)
+        if self.columns < 1:
+            raise ConfigError(f"omnireduce_columns={self.columns}: use 0 (from omnireduce_window_bytes) or >= 1")
+        if self.threshold < 0:
+            raise ConfigError(f"omnireduce_threshold={self.threshold}: must be >= 0 (0 = exact)")
+        if self.retransmit_ms < 0.1:
+            raise ConfigError(f"omnireduce_retransmit_ms={self.retransmit_ms}: must be >= 0.1")
+        for name in ("omnireduce_sim_loss", "omnireduce_sim_dup"):
+            if not 0.0 <= getattr(s, name) < 0.5:
+                raise ConfigError(f"{name}={getattr(s, name)}: a probability in [0, 0.5)")
+        # exchange keys must be unique per backend instance and equal across ranks
+        instance = ctx.counters.get("omnireduce.instances", 0)
+        ctx.counters["omnireduce.instances"] = instance + 1
+        self._prefix = f"omnireduce/{instance}"
+        self._sock = self._worker = self._colocated = None
+        self._processes, self._aggregators, self._agg_desc = [], [], []
+        self._job_hash = agg.token_hash(ctx.job_token or "no-token")
+        self._seq, self._broken, self._closed = 0, None, False
+        self._lock = threading.Lock()          # stats
+        self._call_lock = threading.Lock()     # one tensor at a time on the socket
+        self._tensors, self._last = OrderedDict(), {}
+        self._totals = dict.fromkeys(("tensors", "bytes_sent", "bytes_recv", "packets_sent", "packets_recv",
+                                      "resends", "sim_dropped", "sim_duplicated"), 0)
+        try:
+            self._start()
+        except BaseException:
+            self._release()
+            raise
+
+    # -- set-up: sockets, aggregators, registration -----------------------------------------------
+    def _start(self):
+        ctx, s = self.ctx, self.ctx.settings
+        host = s.omnireduce_host or ("127.0.0.1" if ctx.all_local else _primary_ip())
+        mine = {"error": None, "epoch": secrets.randbits(31),
+                "params": [self.block, self.columns, self.mode, self.threshold]}
+        try:   # local set-up; a failure is shared with every rank so none waits for us
+            self._sock = agg.make_socket("0.0.0.0" if host != "127.0.0.1" else host)
+            if self.mode == "colocated":
+                self._colocated = agg.Aggregator("0.0.0.0" if host != "127.0.0.1" else host).start(
+                    f"omnireduce-aggregator-rank{ctx.rank}")
+                mine["agg"] = f"{host}:{self._colocated.address[1]}"
+            elif not s.omnireduce_aggregators and ctx.rank == 0:
+                mine["spawned"] = self._spawn_aggregators(s.omnireduce_num_aggregators or ctx.size)
+        except CommError as exc:
+            mine["error"] = str(exc)
+        except OSError as exc:
+            mine["error"] = f"omnireduce set-up failed: {exc}"
+        everyone = ctx.exchange(f"{self._prefix}/setup", mine)
+        errors = [f"rank {r}: {v['error']}" for r, v in enumerate(everyone) if v["error"]]
+        if errors:
+            raise BackendUnavailable("; ".join(errors))
+        if any(v["params"] != everyone[0]["params"] for v in everyone):
+            raise ConfigError(f"omnireduce settings differ across ranks (block, columns, mode, threshold): "
+                              f"{[v['params'] for v in everyone]}; set them identically everywhere")
+        self._epoch = everyone[0]["epoch"]
+        if self.mode == "colocated":
+            addresses = [v["agg"] for v in everyone]
+            self._agg_desc = [f"{a} (colocated in rank {r})" for r, a in enumerate(addresses)]
+        else:
+            addresses = (s.omnireduce_aggregators.split(",") if s.omnireduce_aggregators
+                         else everyone[0]["spawned"])
+            self._agg_desc = [f"{a} (commlib-aggregator)" for a in addresses]
+        self._aggregators = [agg.parse_address(a) for a in addresses]
+
+        request = {"job": self._job_hash, "epoch": self._epoch, "rank": ctx.rank, "size": ctx.size,
+                   "columns": self.columns, "aggregators": len(self._aggregators), "block": self.block,
+                   "loss": s.omnireduce_sim_loss, "dup": s.omnireduce_sim_dup}
+        error = None
+        try:
+            jobs = agg.register(self._sock, self._aggregators, request, self.timeout_s,
+                                retry_s=max(0.05, 10 * self.retransmit_ms / 1000))
+            seed = secrets.randbits(63) | 1
+            self._worker = lib.omr_worker_new(self._sock.fileno(), ctx.rank, ctx.size, self.columns,
+                                              len(self._aggregators), self.block, int(self.retransmit_ms * 1000),
+                                              s.omnireduce_sim_loss, s.omnireduce_sim_dup, seed)
+            if self._worker == ffi.NULL:
+                raise BackendUnavailable("omnireduce: cannot create the worker (invalid settings or out of memory)")
+            for index, ((ip, port), (job, key)) in enumerate(zip(self._aggregators, jobs)):
+                lib.omr_worker_set_agg(self._worker, index, ip.encode(), port, job, key)
+        except CommError as exc:
+            error = f"rank {ctx.rank}: {exc}"
+        verdicts = ctx.exchange(f"{self._prefix}/registered", error)
+        if any(verdicts):
+            raise BackendUnavailable("; ".join(v for v in verdicts if v))
+
+    def _spawn_aggregators(self, count):
+        """Rank 0, all ranks local, nothing configured: start `count` commlib-aggregator processes."""
+        cmd = [sys.executable, "-m", "commlib.switch.aggregator_main", "--host", "127.0.0.1", "--port", "0",
+               "--exit-with-parent", "--quiet"]
+        for _ in range(count):
+            self._processes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                                    stdin=subprocess.DEVNULL, text=True))
+        addresses, deadline = [], time.monotonic() + max(self.timeout_s, 30.0)   # a start on a busy host is slow
+        for proc in self._processes:
+            line = _read_line(proc, deadline)
+            if not line.startswith("READY "):
+                raise BackendUnavailable(f"omnireduce: an embedded commlib-aggregator did not start "
+                                         f"(exit code {proc.poll()}, said {line!r})")
+            addresses.append(line.split()[1])
+        return addresses
+
+    # -- the collective -------------------------------------------------------------------------
+    def allreduce(self, array, name, mask=None):
+        """Elementwise sum over ranks; `mask` (uint8 per block) skips the bitmap scan when known."""
+        if self._broken is not None:
+            raise type(self._broken)(f"omnireduce is unusable after an earlier failure: {self._broken}")
+        if self._closed:
+            raise BackendUnavailable("omnireduce backend is closed")
+        x = np.ascontiguousarray(array).reshape(-1)
+        if x.dtype not in _DTYPE_CODE:
+            raise InvalidTensor(f"tensor {name!r}: omnireduce sums float32 and int32, not {x.dtype}")
+        if mask is None:
+            mask = block_mask(x, self.block, self.threshold)
+        elif mask.dtype != np.uint8 or mask.size != -(-x.size // self.block):
+            raise InvalidTensor(f"tensor {name!r}: mask must be uint8 with one entry per block of {self.block}")
+        out = np.zeros(x.size, dtype=x.dtype)      # calloc: only pages of union blocks get touched
+        st = ffi.new("omr_wstats *")
+        with self._call_lock:
+            seq, self._seq = self._seq, self._seq + 1
+            start = time.perf_counter()
+            rc = lib.omr_worker_allreduce(self._worker, seq, ffi.from_buffer(x), ffi.from_buffer(out), x.size,
+                                          _DTYPE_CODE[x.dtype], ffi.from_buffer(mask), self.timeout_s, st)
+            seconds = time.perf_counter() - start
+        self._record(name, st, seconds)
+        if rc != lib.OMR_OK:
+            self._broken = self._error(rc, st, name)
+            raise self._broken
+        return out
+
+    def allreduce_sparse(self, tensor, name, dense=True):
+        """Sum a torch tensor, dense or sparse COO (nn.Embedding(sparse=True) gradients): the result
+        is a dense tensor, or with dense=False a sparse COO tensor of the same sparse dims."""
+        import torch
+        x, shape = torch_to_array(tensor)
+        if x.dtype not in _DTYPE_CODE:
+            x = x.astype(np.float32)
+        out = torch.from_numpy(self.allreduce(x, name)).reshape(shape).to(tensor.dtype)
+        if dense:
+            return out
+        return out.to_sparse(tensor.sparse_dim() if tensor.is_sparse else out.dim())
+
+    # -- errors and stats --------------------------------------------------------------------------
+    def _error(self, rc, st, name):
+        where = self._agg_desc[st.err_agg] if 0 <= st.err_agg < len(self._agg_desc) else "an aggregator"
+        head = f"omnireduce on rank {self.ctx.rank}, tensor {name!r}"
+        if rc == lib.OMR_ETIMEOUT:
+            if st.agg_silent_s > 0:
+                if self.mode == "colocated":
+                    hint = (f"rank {st.err_agg} probably died or hung (its aggregator runs inside it); "
+                            f"check that rank's log")
+                else:
+                    hint = "check that commlib-aggregator is running and reachable (COMMLIB_OMNIREDUCE_AGGREGATORS)"
+                return CommTimeout(f"{head}: no progress for {self.timeout_s:.1f}s; aggregator {where} has not "
+                                   f"answered for {st.agg_silent_s:.1f}s: {hint}")
+            if st.err_rank >= 0:
+                what = "acknowledgements" if st.err_code else "blocks"
+                more = f" and {st.err_nwaiting - 1} other rank(s)" if st.err_nwaiting > 1 else ""
+                return PeerFailure(f"{head}: no progress for {self.timeout_s:.1f}s; aggregator {where} is waiting "
+                                   f"for the {what} of rank {st.err_rank}{more}: that rank died, hung or stopped "
+                                   f"calling allreduce for this tensor; check its log")
+            return CommTimeout(f"{head}: no progress for {self.timeout_s:.1f}s ({st.cols_left} of {st.ncols} "
+                               f"columns unfinished, aggregator {where}); a rank or aggregator died or the network "
+                               f"drops every packet; raise COMMLIB_TIMEOUT_S if the link is just slow")
+        if rc == lib.OMR_EREFUSED:
+            why = {lib.OMR_ERR_JOB: "does not know this job (it was restarted or the job was closed)",
+                   lib.OMR_ERR_KEY: "has this job under another key (it was restarted)",
+                   lib.OMR_ERR_SLOT: "does not serve that column (ranks disagree on the aggregator list)"}
+            return PeerFailure(f"{head}: aggregator {where} {why.get(st.err_code, 'refused our packets')}; "
+                               f"restart the job")
+        if rc == lib.OMR_EPROTO:
+            return PeerFailure(f"{head}: inconsistent result from aggregator {where} (column {st.err_col}): ranks "
+                               f"disagree on the tensor (size or dtype) or two jobs share a token")
+        if rc == lib.OMR_ESYS:
+            return PeerFailure(f"{head}: socket error: {os.strerror(st.err_code)}")
+        return InvalidTensor(f"{head}: invalid arguments (code {rc})")
+
+    def _record(self, name, st, seconds):
+        entry = {"bytes_sent": st.bytes_sent, "bytes_recv": st.bytes_recv, "packets_sent": st.pkts_sent,
+                 "packets_recv": st.pkts_recv, "resends": st.resends, "acks_sent": st.acks_sent,
+                 "pulls_sent": st.pulls_sent, "resend_bytes": st.resend_bytes, "extra_recv_bytes": st.extra_recv_bytes, "blocks": st.nblocks,
+                 "columns": st.ncols, "own_blocks": st.own_blocks, "union_blocks": st.union_blocks,
+                 "density": st.own_blocks / st.nblocks if st.nblocks else 0.0,
+                 "union_density": st.union_blocks / st.nblocks if st.nblocks else 0.0,
+                 "sim_dropped": st.sim_dropped, "sim_duplicated": st.sim_duplicated,
+                 "dup_recv": st.dup_recv, "ooo_recv": st.ooo_recv, "srtt_ms": st.srtt_us / 1e3, "rto_ms": st.rto_us / 1e3,
+                 "seconds": seconds}
+        with self._lock:
+            self._tensors.pop(name, None)
+            self._tensors[name] = entry
+            while len(self._tensors) > _MAX_TENSOR_STATS:
+                self._tensors.popitem(last=False)
+            self._last = dict(entry, name=name)
+            t = self._totals
+            t["tensors"] += 1
+            for key in ("bytes_sent", "bytes_recv", "packets_sent", "packets_recv", "resends", "sim_dropped",
+                        "sim_duplicated"):
+                t[key] += entry[key]
+
+    def density(self, name):
+        """Measured block density of the last `name` (this rank's own, and of the union)."""
+        entry = self._tensors.get(name)
+        return None if entry is None else (entry["density"], entry["union_density"])
+
+    def stats(self):
+        """Bytes/packets per tensor and in total (UDP payload: 40-byte header + block), measured block
+        density of the last tensor (own: this rank's; union: identical on every rank), resends."""
+        with self._lock:
+            out = dict(self._totals)
+            out.update(mode=self.mode, block_size=self.block, columns=self.columns, threshold=self.threshold,
+                       aggregators=[f"{h}:{p}" for h, p in self._aggregators],
+                       last=dict(self._last), density=self._last.get("density"),
+                       union_density=self._last.get("union_density"),
+                       tensors={k: dict(v) for k, v in self._tensors.items()})
+        if self._colocated is not None:
+            out["aggregator"] = self._colocated.stats()
+        return out
+
+    # -- tear-down ------------------------------------------------------------------------------
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        # the others may still need replays from our aggregator: wait until every rank is done
+        try:
+            self.ctx.exchange(f"{self._prefix}/close", None, timeout=1.0 if self._broken else None)
+            done = True
+        except CommError as exc:
+            log.warning("omnireduce rank %d: closing without the others (%s)", self.ctx.rank, exc)
+            done = False
+        if done and self.mode == "dedicated" and self._sock is not None:
+            agg.deregister(self._sock, self._aggregators, self._job_hash, self._epoch)
+        self._release()
+
+    def _release(self):
+        if self._colocated is not None:
+            self._colocated.close()
+            self._colocated = None
+        for proc in self._processes:
+            proc.terminate()
+        for proc in self._processes:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._processes = []
+        if self._worker is not None and self._worker != ffi.NULL:
+            lib.omr_worker_free(self._worker)
+        self._worker = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _read_line(proc, deadline):
+    """First stdout line of a child, waiting no later than `deadline`."""
+    import select
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, min(0.5, deadline - time.monotonic())))
+        if ready:
+            return proc.stdout.readline().strip()
+        if proc.poll() is not None:
+            return ""
+    return ""
+
+
+def _primary_ip():
+    """The address other hosts reach this one by (the interface of the default route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))   # TEST-NET-1: connect() on UDP sends nothing
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())

@@ -1,0 +1,213 @@
+"""OmniReduce block-sparse allreduce vs the dense ring allreduce, in the same processes.
+
+N workers (default 4) on loopback reduce one float32 tensor (default 64 MiB) whose non-zero
+256-element blocks are placed independently on each rank at block densities 1%, 10% and 100%.
+For each density it reports the median time of omnireduce (colocated and/or dedicated
+aggregators) and of the core's ring backend on the same tensor (Horovod's Gloo allreduce under
+horovodrun when Horovod is built, else torch.distributed's Gloo), the MEASURED block density
+(own and union), and the bytes each worker sent and received against the traffic models:
+OMNIREDUCE.md's (own blocks + 4 B up, the union down), commlib's exact wire model, and the ring's
+2(N-1)/N * S each way.
+
+    python benchmarks/bench_omnireduce.py [--quick] [--workers 4] [--mib 64] [--densities 0.01,0.1,1]
+                                          [--modes colocated,dedicated] [--runs 5]
+Results: benchmarks/results/omnireduce.json (and RESULTS.md).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
+
+BLOCK = 256
+
+
+def masks_of(rank, nblocks, density, seed=1234):
+    """Which blocks rank holds (exactly round(density * nblocks) of them, independent placement)."""
+    import numpy as np
+    k = max(1, round(density * nblocks))
+    mask = np.zeros(nblocks, dtype=np.uint8)
+    mask[np.random.default_rng([seed, rank, int(density * 1e6)]).choice(nblocks, k, replace=False)] = 1
+    return mask
+
+
+# -- inside each rank --------------------------------------------------------------------------------
+def worker(args):
+    import numpy as np
+
+    import commlib
+    from commlib.core import runtime
+    from commlib.switch.omnireduce_model import paper_model, wire_model
+
+    commlib.init(policy="*=omnireduce")
+    rt = runtime()
+    ctx, rank, n = rt.ctx, rt.ctx.rank, rt.ctx.size
+    elements = args.mib * (1 << 20) // 4
+    nblocks = -(-elements // BLOCK)
+    omni = rt.backend("omnireduce")
+    try:
+        ring, engine = rt.backend("ring"), None
+    except commlib.CommError as exc:
+        ring, engine = None, f"unavailable: {exc}"
+
+    def timed(backend, x, tag):
+        backend.allreduce(x, f"{tag}.warmup")
+        samples, out = [], None
+        for i in range(args.runs):
+            ctx.barrier(f"bench/{tag}/{i}")
+            start = time.perf_counter()
+            out = backend.allreduce(x, f"{tag}")
+            samples.append(max(ctx.exchange(f"bench/{tag}/{i}/s", time.perf_counter() - start)))
+        return samples, out
+
+    results = {}
+    for density in args.densities:
+        masks = [masks_of(r, nblocks, density) for r in range(n)]
+        x = np.zeros(nblocks * BLOCK, dtype=np.float32)
+        x.reshape(nblocks, BLOCK)[masks[rank] > 0] = rank + 1           # closed-form sum, checked below
+        x = x[:elements]
+        omni_s, out = timed(omni, x, f"omni{density}")
+        expected = (np.stack(masks) * np.arange(1, n + 1)[:, None]).sum(axis=0).astype(np.float32)
+        assert np.array_equal(out.reshape(-1)[: (elements // BLOCK) * BLOCK].reshape(-1, BLOCK)[:, 0],
+                              expected[: elements // BLOCK]), "omnireduce sum is wrong"
+        st = omni.stats()["tensors"][f"omni{density}"]
+        per_rank = ctx.exchange(f"bench/bytes/{density}", [st["bytes_sent"], st["bytes_recv"], st["resends"],
+                                                            st["density"], st["union_density"]])
+        ring_s = timed(ring, x, f"ring{density}")[0] if ring is not None else None
+        if engine is None and ring is not None:
+            engine = ring.stats().get("engine", "ring")
+        if rank == 0:
+            wire = wire_model(masks, elements, BLOCK, omni.columns)
+            union = int(np.any(masks, axis=0).sum())
+            paper = [paper_model(int(m.sum()), union, BLOCK * 4) for m in masks]
+            results[str(density)] = {
+                "omnireduce_s": omni_s, "ring_s": ring_s,
+                "bytes_sent": [p[0] for p in per_rank], "bytes_recv": [p[1] for p in per_rank],
+                "resends": [p[2] for p in per_rank],
+                "measured_density": [p[3] for p in per_rank], "measured_union_density": per_rank[0][4],
+                "paper_model": paper, "wire_model": wire,
+                "ring_model_bytes": 2 * (n - 1) / n * elements * 4,
+            }
+    if rank == 0:
+        common.emit({"engine": engine, "size": n, "columns": omni.columns, "mode": omni.mode,
+                     "elements": elements, "results": results})
+    commlib.shutdown()
+
+
+# -- the launcher ------------------------------------------------------------------------------------
+def _horovod_built():
+    return subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode == 0
+
+
+def _run_workers(n, args, env):
+    forwarded = ["--worker", "--mib", str(args.mib), "--runs", str(args.runs),
+                 "--densities", ",".join(map(str, args.densities))]
+    if _horovod_built():   # the dense peer is then Horovod's own Gloo allreduce
+        return common.launch(n, Path(__file__), *forwarded, env=env, timeout=args.timeout)[0]
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(n):
+        rank_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(n),
+                        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port), **env)
+        procs.append(subprocess.Popen([sys.executable, __file__, *forwarded], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=rank_env, cwd=ROOT))
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=args.timeout)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    payloads = [json.loads(line.split(common.RESULT_MARK, 1)[1]) for out in outs for line in out.splitlines()
+                if common.RESULT_MARK in line]
+    if not payloads or any(p.returncode for p in procs):
+        raise RuntimeError("benchmark ranks failed:\n" + "\n".join(o[-3000:] for o in outs))
+    return payloads[0]
+
+
+def _mib(b):
+    return b / 2 ** 20
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="4 MiB, 2 runs, colocated only: seconds (CI)")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--mib", type=int, default=None, help="tensor size in MiB (float32)")
+    parser.add_argument("--densities", default="0.01,0.1,1.0")
+    parser.add_argument("--modes", default=None, help="colocated,dedicated")
+    parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.mib = args.mib or (4 if args.quick else 64)
+    args.runs = args.runs or (2 if args.quick else 5)
+    args.densities = [float(d) for d in args.densities.split(",")]
+    if args.worker:
+        return worker(args)
+    modes = (args.modes or ("colocated" if args.quick else "colocated,dedicated")).split(",")
+
+    n, results, rows = args.workers, {}, []
+    load_before = os.getloadavg()
+    for mode in modes:
+        print(f"== omnireduce {mode}, {n} workers, {args.mib} MiB float32, block {BLOCK}", flush=True)
+        payload = _run_workers(n, args, {"COMMLIB_OMNIREDUCE_MODE": mode, "COMMLIB_TIMEOUT_S": "120",
+                                         "COMMLIB_FUSION_THRESHOLD": "0"})
+        results[mode] = payload
+        engine = payload["engine"]
+        for density, r in payload["results"].items():
+            omni, ring = statistics.median(r["omnireduce_s"]), (statistics.median(r["ring_s"]) if r["ring_s"] else None)
+            own = statistics.fmean(r["measured_density"])
+            sent, recv = statistics.fmean(r["bytes_sent"]), statistics.fmean(r["bytes_recv"])
+            up = statistics.fmean(p[0] for p in r["paper_model"])
+            down = statistics.fmean(p[1] for p in r["paper_model"])
+            wire_up = statistics.fmean(w[0] for w in r["wire_model"])
+            wire_down = statistics.fmean(w[1] for w in r["wire_model"])
+            r.update(omnireduce=common.summarize(r["omnireduce_s"]),
+                     ring=common.summarize(r["ring_s"]) if r["ring_s"] else None,
+                     speedup_vs_ring=ring / omni if ring else None,
+                     sent_vs_paper=sent / up, recv_vs_paper=recv / down,
+                     sent_vs_wire=sent / wire_up, recv_vs_wire=recv / wire_down)
+            print(f"  density {float(density):>5.0%}: measured own {own:.4f} union {r['measured_union_density']:.4f} | "
+                  f"omnireduce {omni * 1e3:8.1f} ms | {engine} {ring * 1e3 if ring else float('nan'):8.1f} ms | "
+                  f"speedup {ring / omni if ring else float('nan'):5.2f}x | "
+                  f"sent {_mib(sent):7.2f} MiB (paper {_mib(up):7.2f}, wire {_mib(wire_up):7.2f}) | "
+                  f"recv {_mib(recv):7.2f} MiB (paper {_mib(down):7.2f}, wire {_mib(wire_down):7.2f}) | "
+                  f"ring {_mib(r['ring_model_bytes']):.2f} MiB each way | resends {sum(r['resends'])}", flush=True)
+            rows.append(f"| {mode} | {float(density):.0%} | {own:.4f} / {r['measured_union_density']:.4f} | "
+                        f"{omni * 1e3:.1f} | {ring * 1e3 if ring else float('nan'):.1f} | "
+                        f"{ring / omni if ring else float('nan'):.2f}x | {_mib(sent):.2f} / {_mib(up):.2f} | "
+                        f"{_mib(recv):.2f} / {_mib(down):.2f} | {_mib(r['ring_model_bytes']):.2f} |")
+    engine = next(iter(results.values()))["engine"] if results else "?"
+    markdown = (f"{n} workers on loopback, {args.mib} MiB float32, 256-element blocks placed independently per "
+                f"rank; median of {args.runs} runs after a warm-up; dense peer = {engine} allreduce in the same "
+                f"processes. Bytes are per worker (UDP payload, mean over ranks) vs OMNIREDUCE.md's model "
+                f"(own blocks + 4 B up, union down); the ring moves 2(N-1)/N*S each way. Load average "
+                f"{load_before[0]:.1f} on {os.cpu_count()} CPUs at the start.\n\n"
+                "| aggregators | nominal density | measured own / union | omnireduce ms | ring ms | ring/omni | "
+                "sent / model MiB | recv / model MiB | ring MiB each way |\n"
+                "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    settings = {"workers": n, "mib": args.mib, "runs": args.runs, "densities": args.densities, "modes": modes,
+                "block": BLOCK, "quick": args.quick, "loadavg": load_before}
+    common.save("omnireduce", settings, results, markdown)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""OmniReduce aggregator: a UDP socket served by the C loop (switch/csrc/omnireduce_aggregator.c),
+and the registration handshake that admits workers to a job.
+
+One `Aggregator` serves any number of jobs and tensors without restarting: a job is the pair
+(job token hash, epoch) a worker presents in its REGISTER packet; the reply gives the worker the
+job id and a random key that every data packet must carry (the token check), and records the
+worker's address under its rank (so several workers on one host work). Jobs leave when a rank
+deregisters after the job's closing barrier, or after `job_idle_s` without a packet.
+
+Used three ways: `commlib-aggregator` processes (dedicated mode, switch/aggregator_main.py),
+a thread inside every worker (colocated mode), or a role of another daemon (`serve()`).
+"""
+import hashlib
+import json
+import logging
+import secrets
+import socket
+import struct
+import threading
+import time
+
+from commlib.errors import BackendUnavailable, CommTimeout, ConfigError
+from commlib.switch._omnireduce import ffi, lib
+
+log = logging.getLogger("commlib.omnireduce")
+
+HEADER = struct.Struct("<BBHIIIIIIIII")   # omr_hdr: type flags rank job key seq col round block next ack csum
+assert HEADER.size == lib.OMR_HDR_BYTES
+SOCKET_BUFFER = 4 << 20                  # bytes; the kernel caps it at net.core.rmem_max
+_PARAMS = ("size", "columns", "aggregators", "index", "block")
+
+
+def token_hash(token):
+    """What workers present instead of the job token itself (the token stays on the hosts)."""
+    return hashlib.sha256(f"commlib-omnireduce:{token}".encode()).hexdigest()[:32]
+
+
+def pack(kind, body=None, rank=0, job=0, key=0):
+    """A control packet: header + JSON body, checksummed like data packets."""
+    payload = json.dumps(body or {}, separators=(",", ":")).encode()
+    raw = HEADER.pack(kind, 0, rank, job, key, 0, 0, 0, 0, 0, 0, 0) + payload
+    return raw[:36] + struct.pack("<I", lib.omr_checksum(raw, len(raw))) + raw[40:]
+
+
+def unpack(data):
+    """(header fields, JSON body) of a control packet, or None if it is not one."""
+    if len(data) < HEADER.size:
+        return None
+    fields = HEADER.unpack_from(data)
+    raw = data[:36] + b"\0\0\0\0" + data[40:]
+    if lib.omr_checksum(raw, len(raw)) != fields[-1]:
+        return None
+    try:
+        return fields, json.loads(data[HEADER.size:] or b"{}")
+    except ValueError:
+        return None
+
+
+def make_socket(host, port=0):
+    """A bound UDP socket with buffers for a full window of blocks."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise BackendUnavailable(f"omnireduce: cannot bind UDP {host}:{port}: {exc}; "
+                                 f"set COMMLIB_OMNIREDUCE_HOST to an address of this host") from None
+    return sock
+
+
+def parse_address(text):
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"omnireduce aggregator address {text!r} is not host:port "
+                          f"(COMMLIB_OMNIREDUCE_AGGREGATORS=host:port,host:port)")
+    try:
+        return socket.gethostbyname(host), int(port)
+    except OSError as exc:
+        raise ConfigError(f"omnireduce aggregator {text!r}: cannot resolve {host!r}: {exc}") from None
+
+
+class _Job:
+    __slots__ = ("id", "key", "params", "ranks")
+
+    def __init__(self, job_id, key, params):
+        self.id, self.key, self.params, self.ranks = job_id, key, params, set()
+
+
+class Aggregator:
+    """One aggregator endpoint. `start()` serves it from a thread; `serve(stop)` from the caller."""
+
+    def __init__(self, host="127.0.0.1", port=0, job_idle_s=600.0):
+        self.sock = make_socket(host, port)
+        self.address = self.sock.getsockname()
+        self.job_idle_s = job_idle_s
+        self._agg = lib.omr_agg_new(self.sock.fileno(), secrets.randbits(63) | 1)
+        if self._agg == ffi.NULL:
+            self.sock.close()
+            raise MemoryError("omnireduce: cannot allocate an aggregator")
+        self._jobs = {}                  # (token hash, epoch) -> _Job
+        self._stop = threading.Event()
+        self._thread = None
+        self._lock = threading.Lock()    # serve() vs close()/stats() from other threads
+        self._ctrl = ffi.new("uint8_t[]", 4096)
+        self._ip = ffi.new("char[]", 64)
+        self._port = ffi.new("int *")
+
+    @property
+    def address_str(self):
+        return f"{self.address[0]}:{self.address[1]}"
+
+    def start(self, name=None):
+        self._thread = threading.Thread(target=self.serve, name=name or f"omnireduce-aggregator-{self.address[1]}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def serve(self, stop=None, poll_ms=50):
+        """Run the data path until `stop` (or our own stop event) is set."""
+        stop = stop or self._stop
+        last_gc = time.monotonic()
+        while not stop.is_set() and not self._stop.is_set():
+            with self._lock:
+                if self._agg == ffi.NULL:
+                    return
+                waiting = lib.omr_agg_run(self._agg, poll_ms)      # GIL released while it runs
+                if waiting < 0:
+                    log.warning("omnireduce aggregator %s: receive failed (errno %d)", self.address_str, -waiting)
+                    time.sleep(poll_ms / 1000)
+                elif waiting > 0:
+                    self._control()
+                if time.monotonic() - last_gc > 1.0:
+                    last_gc = time.monotonic()
+                    self._collect_idle()
+
+    def close(self):
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        with self._lock:
+            if self._agg != ffi.NULL:
+                lib.omr_agg_free(self._agg)
+                self._agg = ffi.NULL
+        self.sock.close()
+
+    def stats(self):
+        st = ffi.new("omr_astats *")
+        with self._lock:
+            if self._agg != ffi.NULL:
+                lib.omr_agg_stats(self._agg, st)
+        out = {field: getattr(st, field) for field, _ in ffi.typeof("omr_astats").fields}
+        out["jobs"] = len(self._jobs)
+        return out
+
+    # -- control packets (registration) --------------------------------------------------------
+    def _control(self):
+        while True:
+            n = lib.omr_agg_pop_ctrl(self._agg, self._ctrl, 4096, self._ip, self._port)
+            if n < 0:
+                return
+            packet = unpack(bytes(ffi.buffer(self._ctrl, n)))
+            if packet is None:
+                continue
+            (kind, *_), body = packet
+            source = (ffi.string(self._ip).decode(), self._port[0])
+            if kind == lib.OMR_REGISTER:
+                reply = self._register(body, source)
+                self.sock.sendto(pack(lib.OMR_REGISTERED, reply, job=reply.get("job", 0), key=reply.get("key", 0)),
+                                 source)
+            elif kind == lib.OMR_DEREGISTER:
+                job = self._jobs.pop((body.get("job"), body.get("epoch")), None)
+                if job is not None:
+                    lib.omr_agg_remove_job(self._agg, job.id)
+                    log.info("omnireduce aggregator %s: job %s closed", self.address_str, job.id)
+
+    def _register(self, body, source):
+        try:
+            params = {name: int(body[name]) for name in _PARAMS}
+            rank, key = int(body["rank"]), (str(body["job"]), int(body["epoch"]))
+            loss, dup = float(body.get("loss", 0.0)), float(body.get("dup", 0.0))
+        except (KeyError, TypeError, ValueError):
+            return {"error": f"malformed registration {body!r}"}
+        if not 0 <= rank < params["size"]:
+            return {"error": f"rank {rank} is outside the job's size {params['size']}"}
+        job = self._jobs.get(key)
+        if job is None:
+            secret = secrets.randbits(32)
+            job_id = lib.omr_agg_add_job(self._agg, secret, params["size"], params["columns"], params["aggregators"],
+                                         params["index"], params["block"], loss, dup)
+            if job_id < 0:
+                return {"error": f"aggregator {self.address_str} cannot take the job (it serves {len(self._jobs)} "
+                                 f"jobs, at most {lib.OMR_MAX_JOBS}; or invalid parameters {params})"}
+            job = self._jobs[key] = _Job(job_id, secret, params)
+            log.info("omnireduce aggregator %s: job %d registered %s", self.address_str, job_id, params)
+        elif job.params != params:
+            return {"error": f"rank {rank} registered with {params}, but the job's other ranks with {job.params}: "
+                             f"every rank must use the same omnireduce settings"}
+        lib.omr_agg_set_worker(self._agg, job.id, rank, source[0].encode(), source[1])
+        job.ranks.add(rank)
+        return {"ok": True, "job": job.id, "key": job.key}
+
+    def _collect_idle(self):
+        for key, job in list(self._jobs.items()):
+            if lib.omr_agg_job_idle_s(self._agg, job.id) > self.job_idle_s:
+                del self._jobs[key]
+                lib.omr_agg_remove_job(self._agg, job.id)
+                log.info("omnireduce aggregator %s: job %d idle for %.0fs, dropped", self.address_str, job.id,
+                         self.job_idle_s)
+
+
+def register(sock, aggregators, request, timeout_s, retry_s=0.2):
+    """Register this worker (its socket) with every aggregator [(ip, port), ...]: [(job, key), ...].
+
+    REGISTER is retried until each aggregator answers; an aggregator that never answers is a
+    CommTimeout that names it, a refusal a ConfigError with the aggregator's reason."""
+    pending = {address: index for index, address in enumerate(aggregators)}
+    answers = [None] * len(aggregators)
+    deadline = time.monotonic() + timeout_s
+    previous = sock.gettimeout()
+    try:
+        while pending:
+            for address, index in pending.items():
+                try:
+                    sock.sendto(pack(lib.OMR_REGISTER, dict(request, index=index), rank=request["rank"]), address)
+                except OSError:
+                    pass    # ECONNREFUSED from an earlier attempt: nobody listens there (yet)
+            resend_at = min(time.monotonic() + retry_s, deadline)
+            while pending and time.monotonic() < resend_at:
+                sock.settimeout(max(0.001, resend_at - time.monotonic()))
+                try:
+                    data, source = sock.recvfrom(65536)
+                except (socket.timeout, BlockingIOError, InterruptedError):
+                    continue
+                except ConnectionRefusedError:
+                    continue        # ICMP for a REGISTER sent to a port nobody listens on: keep trying
+                packet = unpack(data)
+                if packet is None or packet[0][0] != lib.OMR_REGISTERED or source not in pending:
+                    continue
+                body = packet[1]
+                if "error" in body:
+                    raise ConfigError(f"omnireduce aggregator {source[0]}:{source[1]} refused rank "
+                                      f"{request['rank']}: {body['error']}")
+                answers[pending.pop(source)] = (int(body["job"]), int(body["key"]))
+            if pending and time.monotonic() >= deadline:
+                missing = ", ".join(f"{h}:{p}" for h, p in pending)
+                raise CommTimeout(f"omnireduce: aggregator(s) {missing} did not answer registration within "
+                                  f"{timeout_s:.0f}s; start them (commlib-aggregator) or fix "
+                                  f"COMMLIB_OMNIREDUCE_AGGREGATORS")
+    finally:
+        sock.settimeout(previous)
+    return answers
+
+
+def deregister(sock, aggregators, job_hash, epoch):
+    """Best effort: tell the aggregators the job is over (they also drop idle jobs)."""
+    for address in aggregators:
+        try:
+            sock.sendto(pack(lib.OMR_DEREGISTER, {"job": job_hash, "epoch": epoch}), address)
+        except OSError:
+            pass

@@ -1,0 +1,123 @@
+/* OmniReduce over UDP: the whole interface of commlib.switch._omnireduce.
+ *
+ * A tensor is cut into blocks of `block` elements; block b belongs to column b mod C. Each
+ * column is an independent lock-step chain of rounds served by aggregator (column mod A) in
+ * its slot (column / A). Round 0 is the bootstrap: every worker sends block `column` (as a
+ * header-only ZERO packet when it is all zero) with `next` = its own next non-zero block in
+ * the column (or OMR_INF). The aggregator adds what it gets and records each worker's `next`;
+ * a round is complete when every worker whose `next` named its block has contributed, i.e.
+ * min over workers of next > block. It then sends the sum to all workers with
+ * next = min(next); the workers whose next equals it send that block in the next round, the
+ * others stay silent. OMR_INF ends the column.
+ *
+ * Loss recovery (every packet is idempotent): workers resend their data packet, or a PULL
+ * carrying how many results they hold, when a column is silent for `retransmit`; the
+ * aggregator keeps the last OMR_SETS finished results of every slot (the shadow sets; the
+ * paper keeps two) and replays the missing ones by unicast. A result may only overwrite a set
+ * once every worker has acknowledged it: workers acknowledge in their data packets, and a
+ * silent worker sends a header-only ACK every OMR_SETS/2 rounds, so uploads stay at the
+ * worker's own non-zero blocks. Each slot keeps two tensor states (by sequence parity): a
+ * packet of tensor t+1 proves that every worker finished tensor t-1.
+ *
+ * Packets are little-endian (hosts, not network order): a 40-byte omr_hdr, then the block
+ * (absent with OMR_F_ZERO). csum covers header (csum = 0) and payload. */
+#ifndef COMMLIB_OMNIREDUCE_H
+#define COMMLIB_OMNIREDUCE_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define OMR_INF 0xFFFFFFFFu       /* `next` of a column with nothing left */
+#define OMR_SETS 8                /* finished results kept per slot (even): bounds how far a slot runs ahead of a silent worker */
+#define OMR_HDR_BYTES 40
+#define OMR_MAX_BLOCK 16000       /* elements: a block and its header fit in one datagram */
+#define OMR_MAX_WORKERS 4096
+#define OMR_MAX_JOBS 256          /* per aggregator */
+
+/* message types: data path (C) */
+#define OMR_DATA 1                /* worker -> aggregator: a block of a round */
+#define OMR_RESULT 2              /* aggregator -> worker: a finished round */
+#define OMR_ACK 3                 /* worker -> aggregator: `ack` results received (no reply) */
+#define OMR_PULL 4                /* worker -> aggregator: ack, replay what I miss, or say whom you wait for */
+#define OMR_STATUS 5              /* aggregator -> worker: waiting for rank `ack` (`next` ranks in all) */
+#define OMR_ERROR 6               /* aggregator -> worker: packet refused; `next` = OMR_ERR_* */
+/* message types: control (JSON payload, handled in Python) */
+#define OMR_REGISTER 16
+#define OMR_REGISTERED 17
+#define OMR_DEREGISTER 18
+
+#define OMR_F_ZERO 1              /* the block is all zero: no payload */
+#define OMR_F_INT32 2             /* payload is int32 (else float32) */
+#define OMR_F_ACKWAIT 4           /* STATUS: waiting for acknowledgements, not for blocks */
+#define OMR_F_RESEND 8            /* DATA sent again by the timer: answer with a replay or a STATUS */
+
+#define OMR_FLOAT32 0
+#define OMR_INT32 1
+
+#define OMR_ERR_JOB 1             /* unknown job (aggregator restarted or job closed) */
+#define OMR_ERR_KEY 2             /* wrong key for the job */
+#define OMR_ERR_SLOT 3            /* column not served here or rank out of range */
+
+/* return codes of omr_worker_allreduce */
+#define OMR_OK 0
+#define OMR_ETIMEOUT (-1)         /* no progress for timeout_s: see err_* in the stats */
+#define OMR_EREFUSED (-2)         /* an aggregator refused our packets (err_agg, err_code) */
+#define OMR_EPROTO (-3)           /* inconsistent result (err_agg, err_col) */
+#define OMR_ESYS (-4)             /* socket error (err_code = errno) */
+#define OMR_EARG (-5)
+
+typedef struct {
+    uint8_t type, flags;
+    uint16_t rank;
+    uint32_t job, key, seq, col, round, block, next, ack, csum;
+} omr_hdr;
+
+typedef struct {
+    uint64_t pkts_sent, bytes_sent, pkts_recv, bytes_recv;      /* UDP payload bytes */
+    uint64_t data_sent, acks_sent, pulls_sent, resends, resend_bytes;     /* resend_bytes: all recovery uploads */
+    uint64_t extra_recv_bytes;                                  /* duplicates, replays out of order, STATUS */
+    uint64_t results_recv, status_recv, dup_recv, ooo_recv, bad_recv;
+    uint64_t sim_dropped, sim_duplicated;
+    uint64_t nblocks, ncols, own_blocks, union_blocks;          /* union: results with a payload */
+    int32_t err_agg, err_rank, err_col, err_code;               /* why it failed */
+    uint32_t cols_left, err_nwaiting;
+    double agg_silent_s;                                        /* how long err_agg has been silent */
+    double srtt_us, rto_us;                                     /* round-trip estimate, timer */
+} omr_wstats;
+
+typedef struct {
+    uint64_t pkts_recv, bytes_recv, pkts_sent, bytes_sent;
+    uint64_t data_recv, results_sent, replays, status_sent, acks_recv, pulls_recv;
+    uint64_t dup_recv, stale_recv, bad_recv, refused, ctrl_recv, rounds, sim_dropped, sim_duplicated;
+} omr_astats;
+
+/* which blocks have any |x| > threshold (NaN counts); returns their number */
+size_t omr_block_mask(const void *x, size_t n, int dtype, size_t block, double threshold, uint8_t *mask);
+uint32_t omr_checksum(const void *buf, size_t len);
+
+/* worker: fd is a bound UDP socket owned by the caller */
+typedef struct omr_worker omr_worker;
+omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs, int block,
+                           int retransmit_us, double loss, double dup, uint64_t seed);
+int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint32_t job, uint32_t key);
+/* out must be zeroed; mask from omr_block_mask. One call per tensor, GIL released. */
+int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype,
+                         const uint8_t *mask, double timeout_s, omr_wstats *st);
+void omr_worker_free(omr_worker *w);
+
+/* aggregator: fd is a bound UDP socket owned by the caller */
+typedef struct omr_agg omr_agg;
+omr_agg *omr_agg_new(int fd, uint64_t seed);
+/* returns the job id, or -1 (table full, out of memory, bad arguments) */
+int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs, int agg_index, int block,
+                    double loss, double dup);
+int omr_agg_set_worker(omr_agg *a, int job, int rank, const char *ip, int port);
+void omr_agg_remove_job(omr_agg *a, int job);
+double omr_agg_job_idle_s(omr_agg *a, int job);
+/* serve for up to timeout_ms; returns the number of control packets waiting (>0: return early), <0 on error */
+int omr_agg_run(omr_agg *a, int timeout_ms);
+/* the oldest waiting control packet: its length (-1 if none); ip gets at least 64 bytes */
+int omr_agg_pop_ctrl(omr_agg *a, uint8_t *buf, int cap, char *ip, int *port);
+void omr_agg_stats(omr_agg *a, omr_astats *st);
+void omr_agg_free(omr_agg *a);
+
+#endif

@@ -1,0 +1,414 @@
+/* OmniReduce aggregator: a purely reactive loop (no timers: workers drive recovery).
+ *
+ * Jobs are registered from Python (which also answers the control packets this loop hands
+ * up); each job has nslots = its share of the columns, and every slot two tensor states
+ * (sequence parity). A state accumulates its current round, then publishes it into one of
+ * OMR_SETS shadow sets, which it may only overwrite once every worker acknowledged the round
+ * held there; duplicates of published rounds are answered by replaying the missing results. */
+#include "omnireduce_internal.h"
+
+#include <stdio.h>
+
+typedef struct {
+    uint32_t round, block, next, len;     /* len: payload bytes, 0 for a zero block */
+    uint8_t flags, valid;
+} omr_set;
+
+typedef struct {
+    uint32_t seq, round, block, published, min_next, acc_len;
+    uint8_t used, finished, pending, acc_has, acc_flags;
+    int expected, arrived;
+    uint32_t *next, *ack;                 /* per worker */
+    uint8_t *seen;
+    uint8_t *acc, *data;                  /* accumulator, OMR_SETS finished results */
+    omr_set sets[OMR_SETS];
+} omr_state;
+
+typedef struct {
+    int used;
+    uint32_t key;
+    int nworkers, ncols, naggs, index, block, nslots;
+    size_t bbytes;
+    double loss, dup;
+    struct sockaddr_in *addr;
+    uint8_t *has_addr;
+    omr_state *states;                    /* nslots * 2 */
+    uint32_t *nexts, *acks;
+    uint8_t *seens, *accs, *datas;
+    uint64_t last_active;
+} omr_job;
+
+#define OMR_CTRL_QUEUE 32
+#define OMR_CTRL_MAX 4096
+
+typedef struct {
+    int len, port;
+    char ip[64];
+    uint8_t buf[OMR_CTRL_MAX];
+} omr_ctrl;
+
+struct omr_agg {
+    int fd;
+    uint64_t rng;
+    omr_job jobs[OMR_MAX_JOBS];
+    omr_sendq sq;
+    omr_recvq rq;
+    omr_ctrl ctrl[OMR_CTRL_QUEUE];
+    int nctrl, ctrl_head;
+    omr_astats st;
+};
+
+omr_agg *omr_agg_new(int fd, uint64_t seed) {
+    omr_agg *a = calloc(1, sizeof *a);
+    if (!a) return NULL;
+    a->fd = fd;
+    a->rng = seed ? seed : 0xD1B54A32D192ED03ULL;
+    if (omr_sendq_init(&a->sq, fd, 1, &a->rng) || omr_recvq_init(&a->rq, fd)) {
+        omr_agg_free(a);
+        return NULL;
+    }
+    return a;
+}
+
+static void free_job(omr_job *j) {
+    free(j->addr); free(j->has_addr); free(j->states);
+    free(j->nexts); free(j->acks); free(j->seens); free(j->accs); free(j->datas);
+    memset(j, 0, sizeof *j);
+}
+
+void omr_agg_free(omr_agg *a) {
+    if (!a) return;
+    for (int i = 0; i < OMR_MAX_JOBS; i++)
+        if (a->jobs[i].used) free_job(&a->jobs[i]);
+    omr_sendq_free(&a->sq);
+    omr_recvq_free(&a->rq);
+    free(a);
+}
+
+int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs, int agg_index, int block,
+                    double loss, double dup) {
+    if (nworkers < 1 || nworkers > OMR_MAX_WORKERS || ncols < 1 || naggs < 1 || agg_index < 0 ||
+        agg_index >= naggs || block < 1 || block > OMR_MAX_BLOCK)
+        return -1;
+    int id = -1;
+    for (int i = 0; i < OMR_MAX_JOBS && id < 0; i++)
+        if (!a->jobs[i].used) id = i;
+    if (id < 0) return -1;
+    omr_job *j = &a->jobs[id];
+    memset(j, 0, sizeof *j);
+    j->key = key; j->nworkers = nworkers; j->ncols = ncols; j->naggs = naggs; j->index = agg_index;
+    j->block = block; j->bbytes = (size_t)block * 4; j->loss = loss; j->dup = dup;
+    j->nslots = agg_index < ncols ? (ncols - agg_index + naggs - 1) / naggs : 0;
+    size_t nst = (size_t)j->nslots * 2, nw = (size_t)nworkers;
+    j->addr = calloc(nw, sizeof *j->addr);
+    j->has_addr = calloc(nw, 1);
+    j->states = calloc(nst ? nst : 1, sizeof *j->states);
+    j->nexts = calloc(nst * nw + 1, 4);
+    j->acks = calloc(nst * nw + 1, 4);
+    j->seens = calloc(nst * nw + 1, 1);
+    j->accs = calloc(nst * j->bbytes + 1, 1);                  /* calloc: pages arrive on first use */
+    j->datas = calloc(nst * OMR_SETS * j->bbytes + 1, 1);
+    if (!j->addr || !j->has_addr || !j->states || !j->nexts || !j->acks || !j->seens || !j->accs || !j->datas) {
+        free_job(j);
+        return -1;
+    }
+    for (size_t s = 0; s < nst; s++) {
+        omr_state *S = &j->states[s];
+        S->next = j->nexts + s * nw;
+        S->ack = j->acks + s * nw;
+        S->seen = j->seens + s * nw;
+        S->acc = j->accs + s * j->bbytes;
+        S->data = j->datas + s * OMR_SETS * j->bbytes;
+    }
+    j->used = 1;
+    j->last_active = omr_now_us();
+    return id;
+}
+
+int omr_agg_set_worker(omr_agg *a, int job, int rank, const char *ip, int port) {
+    if (job < 0 || job >= OMR_MAX_JOBS || !a->jobs[job].used || rank < 0 || rank >= a->jobs[job].nworkers) return -1;
+    omr_job *j = &a->jobs[job];
+    if (omr_parse_addr(ip, port, &j->addr[rank])) return -1;
+    j->has_addr[rank] = 1;
+    j->last_active = omr_now_us();
+    return 0;
+}
+
+void omr_agg_remove_job(omr_agg *a, int job) {
+    if (job >= 0 && job < OMR_MAX_JOBS && a->jobs[job].used) free_job(&a->jobs[job]);
+}
+
+double omr_agg_job_idle_s(omr_agg *a, int job) {
+    if (job < 0 || job >= OMR_MAX_JOBS || !a->jobs[job].used) return -1.0;
+    return (double)(omr_now_us() - a->jobs[job].last_active) / 1e6;
+}
+
+void omr_agg_stats(omr_agg *a, omr_astats *st) {
+    *st = a->st;
+    st->pkts_sent = a->sq.pkts;
+    st->bytes_sent = a->sq.bytes;
+    st->sim_dropped = a->sq.sim_dropped;
+    st->sim_duplicated = a->sq.sim_duplicated;
+}
+
+int omr_agg_pop_ctrl(omr_agg *a, uint8_t *buf, int cap, char *ip, int *port) {
+    if (a->nctrl == 0) return -1;
+    omr_ctrl *c = &a->ctrl[a->ctrl_head];
+    a->ctrl_head = (a->ctrl_head + 1) % OMR_CTRL_QUEUE;
+    a->nctrl--;
+    int len = c->len < cap ? c->len : cap;
+    memcpy(buf, c->buf, (size_t)len);
+    memcpy(ip, c->ip, sizeof c->ip);
+    *port = c->port;
+    return len;
+}
+
+/* ---- the data path ---------------------------------------------------------------------- */
+
+static void reset_state(omr_job *j, omr_state *S, uint32_t seq, uint32_t col) {
+    size_t nw = (size_t)j->nworkers;
+    memset(S->ack, 0, nw * 4);
+    memset(S->seen, 0, nw);
+    memset(S->sets, 0, sizeof S->sets);
+    S->seq = seq;
+    S->used = 1;
+    S->round = 0;
+    S->block = col;                       /* round 0: every worker sends the column's first block */
+    S->published = 0;
+    S->finished = S->pending = S->acc_has = 0;
+    S->acc_len = 0;
+    S->expected = j->nworkers;
+    S->arrived = 0;
+}
+
+static void send_to(omr_agg *a, omr_job *j, int rank, const omr_hdr *h, const void *payload, size_t len) {
+    if (!j->has_addr[rank]) return;
+    a->sq.loss = j->loss;
+    a->sq.dup = j->dup;
+    omr_sendq_push_ready(&a->sq, &j->addr[rank], h, payload, len);
+}
+
+static omr_hdr result_hdr(int job_id, omr_job *j, omr_state *S, uint32_t col, uint32_t r) {
+    omr_set *set = &S->sets[r % OMR_SETS];
+    omr_hdr h = {OMR_RESULT, set->flags, (uint16_t)j->index, (uint32_t)job_id, j->key, S->seq, col, r,
+                 set->block, set->next, 0, 0};
+    h.csum = omr_hdr_csum(&h, S->data + (size_t)(r % OMR_SETS) * j->bbytes, set->len);
+    return h;
+}
+
+/* unicast the published rounds [from, published) that `rank` lacks */
+static void replay(omr_agg *a, int job_id, omr_job *j, omr_state *S, uint32_t col, int rank, uint32_t from) {
+    uint32_t lo = S->published > OMR_SETS ? S->published - OMR_SETS : 0;
+    if (from < lo) from = lo;             /* cannot happen: a set is only reused once everyone acked it */
+    for (uint32_t r = from; r < S->published; r++) {
+        omr_set *set = &S->sets[r % OMR_SETS];
+        if (!set->valid || set->round != r) continue;
+        omr_hdr h = result_hdr(job_id, j, S, col, r);
+        send_to(a, j, rank, &h, S->data + (size_t)(r % OMR_SETS) * j->bbytes, set->len);
+        a->st.replays++;
+    }
+}
+
+static void send_status(omr_agg *a, int job_id, omr_job *j, omr_state *S, uint32_t col, int rank) {
+    uint32_t first = OMR_INF, count = 0;
+    uint8_t flags = 0;
+    if (S->pending) {                     /* waiting for acknowledgements to free a set */
+        flags = OMR_F_ACKWAIT;
+        uint32_t need = S->round + 1 - OMR_SETS;
+        for (int w = 0; w < j->nworkers; w++)
+            if (S->ack[w] < need) { if (first == OMR_INF) first = (uint32_t)w; count++; }
+    } else if (!S->finished) {            /* waiting for blocks */
+        for (int w = 0; w < j->nworkers; w++) {
+            int expected = S->round == 0 || S->next[w] == S->block;
+            if (expected && !S->seen[w]) { if (first == OMR_INF) first = (uint32_t)w; count++; }
+        }
+    }
+    omr_hdr h = {OMR_STATUS, flags, (uint16_t)j->index, (uint32_t)job_id, j->key, S->seq, col, S->round,
+                 S->block, count, first, 0};
+    h.csum = omr_hdr_csum(&h, NULL, 0);
+    send_to(a, j, rank, &h, NULL, 0);
+    a->st.status_sent++;
+}
+
+static void try_publish(omr_agg *a, int job_id, omr_job *j, omr_state *S, uint32_t col) {
+    uint32_t q = S->round;
+    if (q >= OMR_SETS) {                  /* the set holds round q - OMR_SETS: has everyone got it? */
+        uint32_t need = q + 1 - OMR_SETS;
+        for (int w = 0; w < j->nworkers; w++)
+            if (S->ack[w] < need) return;
+    }
+    omr_set *set = &S->sets[q % OMR_SETS];
+    set->round = q;
+    set->block = S->block;
+    set->next = S->min_next;
+    set->len = S->acc_has ? S->acc_len : 0;
+    set->flags = (uint8_t)(S->acc_flags | (S->acc_has ? 0 : OMR_F_ZERO));
+    set->valid = 1;
+    uint8_t *data = S->data + (size_t)(q % OMR_SETS) * j->bbytes;
+    if (set->len) memcpy(data, S->acc, set->len);
+    omr_hdr h = result_hdr(job_id, j, S, col, q);
+    for (int w = 0; w < j->nworkers; w++) send_to(a, j, w, &h, data, set->len);
+    a->st.results_sent += (uint64_t)j->nworkers;
+    a->st.rounds++;
+    S->published = q + 1;
+    S->pending = 0;
+    if (S->min_next == OMR_INF) {
+        S->finished = 1;
+        return;
+    }
+    /* the next round: only the workers whose next is the minimum will send */
+    S->round = q + 1;
+    S->block = S->min_next;
+    S->expected = 0;
+    for (int w = 0; w < j->nworkers; w++) S->expected += S->next[w] == S->min_next;
+    S->arrived = 0;
+    memset(S->seen, 0, (size_t)j->nworkers);
+    S->acc_has = 0;
+    S->acc_len = 0;
+}
+
+static void accumulate(omr_state *S, const uint8_t *payload, size_t len, int int32) {
+    if (!S->acc_has) {
+        memcpy(S->acc, payload, len);
+        S->acc_has = 1;
+        S->acc_len = (uint32_t)len;
+        return;
+    }
+    size_t n = len / 4;
+    if (int32) {
+        uint32_t *d = (uint32_t *)S->acc;
+        const uint8_t *p = payload;
+        for (size_t i = 0; i < n; i++) {
+            uint32_t v;
+            memcpy(&v, p + 4 * i, 4);
+            d[i] += v;                    /* wraps like the switch's int32 adders */
+        }
+    } else {
+        float *d = (float *)S->acc;
+        for (size_t i = 0; i < n; i++) {
+            float v;
+            memcpy(&v, payload + 4 * i, 4);
+            d[i] += v;
+        }
+    }
+}
+
+static void refuse(omr_agg *a, const struct sockaddr_in *to, const omr_hdr *in, uint32_t code) {
+    omr_hdr h = {OMR_ERROR, 0, 0, in->job, in->key, in->seq, in->col, in->round, in->block, code, 0, 0};
+    a->sq.loss = a->sq.dup = 0;
+    omr_sendq_push(&a->sq, to, &h, NULL, 0);
+    a->st.refused++;
+}
+
+static void handle(omr_agg *a, int i, uint64_t now) {
+    omr_hdr hb;
+    const uint8_t *payload;
+    size_t plen;
+    a->st.pkts_recv++;
+    a->st.bytes_recv += a->rq.seg_len[i];
+    const omr_hdr *h = omr_recvq_get(&a->rq, i, &hb, &payload, &plen);
+    if (!h) {
+        a->st.bad_recv++;
+        return;
+    }
+    if (h->type >= OMR_REGISTER) {        /* control: Python answers it */
+        a->st.ctrl_recv++;
+        if (a->nctrl == OMR_CTRL_QUEUE || plen + sizeof *h > OMR_CTRL_MAX) return;   /* the sender retries */
+        omr_ctrl *c = &a->ctrl[(a->ctrl_head + a->nctrl) % OMR_CTRL_QUEUE];
+        c->len = (int)(plen + sizeof *h);
+        memcpy(c->buf, a->rq.seg[i], (size_t)c->len);
+        inet_ntop(AF_INET, &omr_recvq_from(&a->rq, i)->sin_addr, c->ip, sizeof c->ip);
+        c->port = ntohs(omr_recvq_from(&a->rq, i)->sin_port);
+        a->nctrl++;
+        return;
+    }
+    if (h->type != OMR_DATA && h->type != OMR_ACK && h->type != OMR_PULL) {
+        a->st.bad_recv++;
+        return;
+    }
+    const struct sockaddr_in *from = omr_recvq_from(&a->rq, i);
+    if (h->job >= OMR_MAX_JOBS || !a->jobs[h->job].used) return refuse(a, from, h, OMR_ERR_JOB);
+    int job_id = (int)h->job;
+    omr_job *j = &a->jobs[job_id];
+    if (h->key != j->key) return refuse(a, from, h, OMR_ERR_KEY);
+    uint32_t col = h->col, slot = col / (uint32_t)j->naggs;
+    int w = h->rank;
+    if (w >= j->nworkers || col % (uint32_t)j->naggs != (uint32_t)j->index || slot >= (uint32_t)j->nslots)
+        return refuse(a, from, h, OMR_ERR_SLOT);
+    j->last_active = now;
+    omr_state *S = &j->states[slot * 2 + (h->seq & 1)];
+    if (!S->used || S->seq != h->seq) {
+        /* a tensor this state never saw: only a bootstrap data packet may start it, and only when
+         * the state holds tensor seq-2 or older (a packet of seq proves everyone finished seq-2) */
+        if (h->type != OMR_DATA || h->round != 0 || (S->used && (int32_t)(h->seq - S->seq) < 0)) {
+            a->st.stale_recv++;
+            return;
+        }
+        reset_state(j, S, h->seq, col);
+    }
+    if (h->ack > S->ack[w] && h->ack <= S->published) S->ack[w] = h->ack;
+
+    if (h->type == OMR_DATA) {
+        a->st.data_recv++;
+        uint32_t q = h->round;
+        int resent = (h->flags & OMR_F_RESEND) != 0;   /* network duplicates get no answer */
+        if (q < S->published) {           /* it lacks round q (or is a duplicate): replay */
+            a->st.dup_recv++;
+            if (resent) replay(a, job_id, j, S, col, w, h->ack < q ? h->ack : q);
+        } else if (q == S->round && !S->finished && !S->pending) {
+            int expected = q == 0 || S->next[w] == S->block;
+            int zero = (h->flags & OMR_F_ZERO) != 0, int32 = (h->flags & OMR_F_INT32) != 0;
+            if (S->seen[w]) {
+                a->st.dup_recv++;
+                if (resent) send_status(a, job_id, j, S, col, w);
+            } else if (!expected || h->block != S->block ||
+                       (h->next != OMR_INF && (h->next <= h->block || (h->next - col) % (uint32_t)j->ncols)) ||
+                       (zero ? plen != 0 : (plen == 0 || plen > j->bbytes || plen % 4 ||
+                                            (S->acc_has && (plen != S->acc_len ||
+                                                            (S->acc_flags & OMR_F_INT32) != (h->flags & OMR_F_INT32)))))) {
+                a->st.bad_recv++;
+            } else {
+                if (!zero) {
+                    if (!S->acc_has) S->acc_flags = (uint8_t)(h->flags & OMR_F_INT32);
+                    accumulate(S, payload, plen, int32);
+                } else if (!S->acc_has) {
+                    S->acc_flags = (uint8_t)(h->flags & OMR_F_INT32);
+                }
+                S->next[w] = h->next;
+                S->seen[w] = 1;
+                if (++S->arrived == S->expected) {
+                    uint32_t m = OMR_INF;
+                    for (int v = 0; v < j->nworkers; v++) m = S->next[v] < m ? S->next[v] : m;
+                    S->min_next = m;
+                    S->pending = 1;
+                }
+            }
+        } else if (q == S->round && S->pending) {
+            a->st.dup_recv++;
+            if (resent) send_status(a, job_id, j, S, col, w);
+        } else {
+            a->st.stale_recv++;
+        }
+    } else if (h->type == OMR_PULL) {
+        a->st.pulls_recv++;
+        if (h->ack < S->published) replay(a, job_id, j, S, col, w, h->ack);
+        else send_status(a, job_id, j, S, col, w);
+    } else {
+        a->st.acks_recv++;
+    }
+    if (S->pending) try_publish(a, job_id, j, S, col);
+}
+
+int omr_agg_run(omr_agg *a, int timeout_ms) {
+    uint64_t deadline = omr_now_us() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000u;
+    for (;;) {
+        omr_sendq_flush(&a->sq);
+        if (a->nctrl > 0) return a->nctrl;
+        uint64_t now = omr_now_us();
+        if (now >= deadline) return 0;
+        int k = omr_recvq_recv(&a->rq, (int)((deadline - now + 999) / 1000));
+        if (k < 0) return k;
+        now = omr_now_us();
+        for (int i = 0; i < k; i++) handle(a, i, now);
+    }
+}
