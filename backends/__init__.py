@@ -15,10 +15,11 @@ def register(cls):
 
 
 def registry():
-    if not _REGISTRY:
-        for module in pkgutil.iter_modules(__path__):
-            if module.name != "base" and not module.name.startswith("_"):
-                importlib.import_module(f"{__name__}.{module.name}")
+    """Every backend, after importing each module of this package once (a module imported on
+    its own before, e.g. by a test, must not hide the others)."""
+    for module in pkgutil.iter_modules(__path__):
+        if module.name != "base" and not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
     return dict(_REGISTRY)
 
 

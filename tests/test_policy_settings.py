@@ -62,3 +62,11 @@ def test_auto_uses_the_densest_rank():
     assert resolve_auto({0: _meta(density=0.01), 1: _meta(density=0.02)}, 0.25) == "omnireduce"
     assert resolve_auto({0: _meta(density=0.01), 1: _meta(density=0.9)}, 0.25) == "switchml"
     assert resolve_auto({0: _meta(algorithm="ring")}, 0.25) == "ring"
+
+
+def test_registry_finds_every_backend_whatever_was_imported_first():
+    import subprocess
+    import sys
+    code = "import commlib.backends.switchml; from commlib.backends import registry; print(sorted(registry()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "['omnireduce', 'ring', 'switchml']", out.stdout + out.stderr
