@@ -1,5 +1,6 @@
 """What a backend sees of the job: who it is, the settings, the engine, and `exchange`."""
 import threading
+import time
 from dataclasses import dataclass, field
 
 from commlib.errors import CommTimeout
@@ -30,6 +31,13 @@ class Context:
     def barrier(self, key):
         self.exchange(f"barrier/{key}", None)
 
+    def scope(self, name):
+        """A prefix for one backend instance's exchange keys, the same on every rank (ranks
+        build backends in the same order), distinct from every other instance's."""
+        number = self.counters.get(("scope", name), 0)
+        self.counters[("scope", name)] = number + 1
+        return f"{name}/{number}"
+
 
 class LocalGroup:
     """`size` contexts for ranks that are threads of one process (unit tests of backends)."""
@@ -40,6 +48,30 @@ class LocalGroup:
         self._values = {}
         self.contexts = [Context(rank, size, rank, size, settings, self._exchanger(rank), job_token=job_token)
                          for rank in range(size)]
+
+    def run(self, fn, timeout=60.0):
+        """fn(ctx) on every rank, each in its own thread; the results by rank. The first rank's
+        exception is re-raised; a rank still running after `timeout` is a CommTimeout."""
+        results, errors = [None] * self.size, [None] * self.size
+
+        def rank_main(rank):
+            try:
+                results[rank] = fn(self.contexts[rank])
+            except BaseException as exc:   # handed to the caller below
+                errors[rank] = exc
+        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(self.size)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [r for r, thread in enumerate(threads) if thread.is_alive()]
+        if stuck:
+            raise CommTimeout(f"ranks {stuck} still running after {timeout}s")
+        for error in errors:
+            if error is not None:
+                raise error
+        return results
 
     def _exchanger(self, rank):
         def exchange(key, value, timeout):

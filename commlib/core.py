@@ -10,7 +10,6 @@ import atexit
 import itertools
 import json
 import logging
-import socket
 import threading
 import time
 
@@ -135,13 +134,12 @@ class Runtime:
     def _start_controller(self):
         s, t = self.settings, self.topology
         all_local = t.local_size == t.size
-        host = s.controller_host or ("127.0.0.1" if all_local else _primary_ip())
+        host = s.controller_host or ("127.0.0.1" if all_local else topology.primary_ip())
         server = None
         if s.controller_addr:
-            addr_host, _, port = s.controller_addr.rpartition(":")
-            address = (addr_host, int(port))
+            address = topology.parse_address(s.controller_addr, "COMMLIB_CONTROLLER_ADDR")
             if t.rank == 0:
-                server = controller.ControllerServer(t.size, addr_host, int(port), s.timeout_s,
+                server = controller.ControllerServer(t.size, *address, s.timeout_s,
                                                      s.cycle_time_ms, s.auto_sparse_density)
         else:
             if t.rank == 0:
@@ -373,16 +371,6 @@ def _fuse(entries, threshold):
     if group:
         yield group
 
-
-
-def _primary_ip():
-    """The address other hosts reach this one by (the interface of the default route)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))   # TEST-NET-1: no packet is sent by connect() on UDP
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
 
 
 # -- the module-level API (commlib/__init__.py re-exports it) ---------------------------------------
