@@ -147,16 +147,26 @@ def test_inceptionn_error_bound_and_classes():
 
 
 def test_natural_rounds_to_neighbouring_powers_of_two():
-    x = torch.tensor([0.0, 1.0, -2.0, 0.75, 3.0, 1e-35, -1e30, 2.0 ** -100, 2.0 ** 26])
+    x = torch.tensor([0.0, 1.0, -2.0, 0.75, 3.0, 1e-35, -1e30, 2.0 ** -99, 2.0 ** 26])
     c = C.build("natural")
     y = c.decompress(*c.compress(x, "n"))
-    assert y[0] == 0 and y[1] == 1 and y[2] == -2 and y[7] == 2.0 ** -100 and y[8] == 2.0 ** 26
-    assert y[3] in (0.5, 1.0) and y[4] in (2.0, 4.0) and y[5] == 0         # below 2**-100: flushed
+    assert y[0] == 0 and y[1] == 1 and y[2] == -2 and y[7] == 2.0 ** -99 and y[8] == 2.0 ** 26
+    assert y[3] in (0.5, 1.0) and y[4] in (2.0, 4.0) and y[5] == 0         # below 2**-99: flushed
     assert y[6] == -(2.0 ** natural.EMAX)                 # beyond the range: clamped
     codes = torch.arange(256, dtype=torch.uint8)
     values = natural.decode_powers(codes)
-    exact = natural.encode_powers(values, gen(0))        # powers of two encode to themselves
-    assert torch.equal(natural.decode_powers(exact), values)
+    exact = natural.encode_powers(values, gen(0))        # powers of two (and Inf, NaN) encode to themselves
+    decoded = natural.decode_powers(exact)
+    assert torch.equal(decoded.isnan(), values.isnan()) and torch.equal(decoded[~values.isnan()], values[~values.isnan()])
+
+
+def test_natural_keeps_inf_and_nan():
+    """An overflowed gradient must stay non-finite (AMP's GradScaler skips the step on it)."""
+    x = torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, -(2.0 ** -120), 5.0])
+    c = C.build("natural")
+    y = c.decompress(*c.compress(x, "n"))
+    assert y[0] == float("inf") and y[1] == -float("inf") and y[2].isnan()
+    assert y[3] == 0 and y[4] == 0 and y[5] in (4.0, 8.0)     # a flushed negative is zero, not NaN
 
 
 def test_u8bit_relative_error():
