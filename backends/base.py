@@ -13,13 +13,11 @@ import numpy as np
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """What the policy and `enabled()` may look at. density is the measured fraction of
-    non-zero blocks (None when the policy did not need it)."""
+    """What `enabled()` may look at: the tensor as the backend would receive it."""
     name: str
     shape: tuple
     dtype: str
     nbytes: int
-    density: float = None
 
 
 class Backend(abc.ABC):
@@ -27,7 +25,7 @@ class Backend(abc.ABC):
     dtypes = ()          # numpy dtypes reduced natively, e.g. (np.dtype("float32"),)
 
     def __init__(self, ctx):
-        """ctx is a commlib.core.Context: rank, size, local_rank, local_size, settings, engine,
+        """ctx is a commlib.context.Context: rank, size, local_rank, local_size, settings, engine,
         exchange(key, value) (allgather of small JSON values across ranks), job_token, counters."""
         self.ctx = ctx
 
@@ -40,6 +38,11 @@ class Backend(abc.ABC):
     def enabled(self, meta):
         """Horovod's Enabled(): will this backend take this tensor? Same answer on every rank."""
         return np.dtype(meta.dtype) in self.dtypes
+
+    def density(self, array):
+        """The density of `array` as this backend would see it (a sparse algorithm's own block size
+        and threshold), for the `auto` policy; None for dense algorithms."""
+        return None
 
     @abc.abstractmethod
     def allreduce(self, array, name):

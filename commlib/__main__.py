@@ -6,7 +6,6 @@ from commlib.backends import registry
 
 def main():
     registry()                       # backends declare their settings on import
-    import commlib.compressors       # noqa: F401  (and so do compressors)
     resolved = settings.Settings()
     print("settings (keyword argument of commlib.init, or environment variable):")
     for name, setting in sorted(settings.defined().items()):

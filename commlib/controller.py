@@ -5,12 +5,15 @@ Ranks submit the metadata of tensors as they become ready; once all ranks submit
 and agree on it, the server releases it in a `go` batch, once per cycle. Every client receives
 the same batches in the same order, so all ranks run the same tensors in the same order (and
 fuse them identically). Disagreement is a `Mismatch`, a tensor some ranks never submit is a
-`CommTimeout`, a rank that vanishes is a `PeerFailure`: all raised on every rank, never a hang.
+`CommTimeout` (after a stall warning), a rank that vanishes is a `PeerFailure`: all raised on every
+rank. An error that arrives while a collective is running takes effect when that collective
+returns or hits its own timeout (the backends' `timeout_s`).
 
 The same channel carries `exchange` (an allgather of small JSON values) for backends' set-up.
 Messages are length-prefixed JSON: the channel never unpickles what a peer sends.
 """
 import json
+import logging
 import queue
 import secrets
 import selectors
@@ -21,6 +24,7 @@ import time
 
 from commlib.errors import CommTimeout, Mismatch, PeerFailure
 
+log = logging.getLogger("commlib")
 _HEADER = struct.Struct("!I")
 # Fields all ranks must agree on for a tensor (besides its name).
 AGREED_FIELDS = ("shape", "dtype", "op", "algorithm", "compression", "prescale", "postscale")
@@ -81,16 +85,19 @@ def resolve_auto(metas, sparse_density):
 class ControllerServer:
     """Rank 0's coordinator. Single thread: accept all ranks, then a select loop per cycle."""
 
-    def __init__(self, size, host, port, timeout_s, cycle_time_ms, sparse_density):
+    def __init__(self, size, host, port, timeout_s, cycle_time_ms, sparse_density,
+                 negotiation_timeout_s=None, stall_warning_s=None):
         self.size = size
         self.timeout_s = timeout_s
+        self.negotiation_timeout_s = negotiation_timeout_s or timeout_s
+        self.stall_warning_s = stall_warning_s or self.negotiation_timeout_s
         self.cycle_s = cycle_time_ms / 1000.0
         self.sparse_density = sparse_density
         self.token = secrets.token_hex(16)
         self._listener = socket.create_server((host, port))
         self.address = self._listener.getsockname()[:2]
         self._clients = {}        # rank -> socket
-        self._pending = {}        # tensor name -> {"metas": {rank: meta}, "since": t}
+        self._pending = {}        # tensor name -> {"metas": {rank: meta}, "since": t, "warned": bool}
         self._gathers = {}        # key -> {"values": {rank: value}, "since": t}
         self._ready = []          # [{"name", "algorithm"}] released at the next cycle
         self._done = set()        # ranks that said bye
@@ -121,14 +128,19 @@ class ControllerServer:
                 self._broadcast_error("CommTimeout", f"{_ranks_text(missing)} did not connect to the controller "
                                       f"within {self.timeout_s}s; check that every rank calls commlib.init()")
                 return False
-            sock.settimeout(self.timeout_s)
-            hello = recv_msg(sock)
-            sock.settimeout(None)
-            if not hello or hello.get("t") != "hello":
+            sock.settimeout(5.0)
+            try:
+                hello = recv_msg(sock)
+                rank = hello["rank"] if hello and hello.get("t") == "hello" else None
+            except (OSError, ValueError, TypeError, KeyError):   # a stray or broken connection
+                rank = None
+            if not isinstance(rank, int) or not 0 <= rank < self.size or rank in self._clients:
+                log.warning("commlib controller: dropped a connection that is not a new rank of this job (%r)", rank)
                 sock.close()
                 continue
+            sock.settimeout(self.timeout_s)   # a rank that stops reading cannot stall the others forever
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._clients[hello["rank"]] = sock
+            self._clients[rank] = sock
         for sock in self._clients.values():
             send_msg(sock, {"t": "welcome", "token": self.token})
         return True
@@ -148,7 +160,7 @@ class ControllerServer:
                                               f"to the controller; see that rank's output for the cause")
                     continue
                 self._handle(key.data, msg)
-            if time.monotonic() >= next_cycle:
+            if time.monotonic() >= next_cycle and not self._failed:
                 self._release()
                 self._expire()
                 next_cycle = time.monotonic() + self.cycle_s
@@ -157,7 +169,7 @@ class ControllerServer:
         kind = msg["t"]
         if kind == "submit":
             for meta in msg["metas"]:
-                entry = self._pending.setdefault(meta["name"], {"metas": {}, "since": time.monotonic()})
+                entry = self._pending.setdefault(meta["name"], {"metas": {}, "since": time.monotonic(), "warned": False})
                 entry["metas"][rank] = meta
                 if len(entry["metas"]) == self.size:
                     self._complete(meta["name"], self._pending.pop(meta["name"])["metas"])
@@ -185,13 +197,19 @@ class ControllerServer:
     def _expire(self):
         now = time.monotonic()
         for name, entry in list(self._pending.items()):
-            if now - entry["since"] > self.timeout_s:
+            waited = now - entry["since"]
+            missing = sorted(set(range(self.size)) - set(entry["metas"]))
+            if waited > self.negotiation_timeout_s:
                 del self._pending[name]
-                missing = sorted(set(range(self.size)) - set(entry["metas"]))
                 self._broadcast({"t": "error", "kind": "CommTimeout", "names": [name], "message": (
                     f"tensor {name!r} was submitted by {_ranks_text(sorted(entry['metas']))} but not by "
-                    f"{_ranks_text(missing)} within {self.timeout_s}s; every rank must reduce the same tensors "
-                    f"(raise COMMLIB_TIMEOUT_S if a rank is just slow)")})
+                    f"{_ranks_text(missing)} within {self.negotiation_timeout_s}s; every rank must reduce the same "
+                    f"tensors (raise COMMLIB_NEGOTIATION_TIMEOUT_S if a rank is just slow)")})
+            elif waited > self.stall_warning_s and not entry["warned"]:
+                entry["warned"] = True
+                self._broadcast({"t": "stall", "message": (
+                    f"tensor {name!r} has waited {waited:.0f}s for {_ranks_text(missing)}; it fails after "
+                    f"{self.negotiation_timeout_s:.0f}s (COMMLIB_NEGOTIATION_TIMEOUT_S)")})
         for key, entry in list(self._gathers.items()):
             if now - entry["since"] > self.timeout_s:
                 del self._gathers[key]
@@ -235,7 +253,11 @@ class ControllerClient:
         self._sock = self._connect(tuple(address), timeout_s)
         send_msg(self._sock, {"t": "hello", "rank": rank})
         self._sock.settimeout(timeout_s + 5)
-        welcome = recv_msg(self._sock)
+        try:
+            welcome = recv_msg(self._sock)
+        except socket.timeout:
+            raise CommTimeout(f"rank {rank}: the controller at {address} did not admit this rank within "
+                              f"{timeout_s}s (are all ranks started?)") from None
         self._sock.settimeout(None)
         if welcome is None or welcome.get("t") == "error":
             raise error_from(welcome) if welcome else PeerFailure(

@@ -8,19 +8,18 @@ runs the backend (or the compressor pipeline), scales, splits and resolves the h
 """
 import atexit
 import itertools
-import json
 import logging
 import threading
 import time
 
 import numpy as np
 
-from commlib import controller, engine as engines, kernels, topology
+from commlib import compressors, controller, engine as engines, topology
 from commlib.backends import TensorMeta, registry
 from commlib.context import Context
-from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor
+from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, Mismatch
 from commlib.policy import Policy
-from commlib.settings import Settings
+from commlib.settings import Settings, defined
 from commlib.tensors import Staged
 from commlib.timeline import Timeline
 
@@ -29,7 +28,6 @@ log = logging.getLogger("commlib")
 Sum = "sum"
 Average = "average"
 _OPS = (Sum, Average)
-DENSITY_BLOCK = 256   # block size used to measure density for the `auto` policy (OmniReduce's default)
 _STOP = {"t": "stop"}
 
 
@@ -55,7 +53,7 @@ class Handle:
             raise CommTimeout(f"tensor {self.name!r} got no result within {self._timeout:.0f}s; "
                               f"a peer, the switch or an aggregator is stuck (see the other ranks' output)")
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(None)   # one error may fail many handles: no piling tracebacks
         return self._result
 
 
@@ -72,18 +70,7 @@ class _Entry:
     def fusion_key(self):
         if self.compression is not None:
             return None
-        return (self.algorithm, self.staged.array.dtype, self.op, self.prescale, self.postscale)
-
-
-def block_density(array, block=DENSITY_BLOCK):
-    """Fraction of blocks of `block` elements that hold any non-zero value."""
-    if array.size == 0:
-        return 0.0
-    if array.dtype == np.float32:
-        return float(kernels.nonzero_blocks(array, block).mean())
-    padded = np.zeros(kernels.nblocks(array.size, block) * block, dtype=array.dtype)
-    padded[:array.size] = array
-    return float(np.any(padded.reshape(-1, block) != 0, axis=1).mean())
+        return (self.algorithm, self.staged.travel_dtype, self.op, self.prescale, self.postscale)
 
 
 class Communicator:
@@ -113,16 +100,16 @@ class Runtime:
         self.settings = settings
         self.policy = policy
         self.topology = topology.detect()
-        self.engine = engines.create(settings.ring_engine, self.topology)
+        self.engine = engines.create(settings.ring_engine, self.topology, settings.timeout_s)
         self.topology = topology.detect()   # creating the engine may have initialized Horovod
         self.timeline = Timeline(settings.timeline, self.topology.rank)
         self._server, self.client = self._start_controller()
         t = self.topology
         self.ctx = Context(t.rank, t.size, t.local_rank, t.local_size, settings, self.client.exchange,
                            engine=self.engine, job_token=self.client.token)
+        self._check_settings_agree()
         self.backends, self.unavailable = self._start_backends()
         self._entries = {}
-        self._compressions = {}
         self._lock = threading.Lock()
         self._names = itertools.count()
         self._broken = None
@@ -139,17 +126,34 @@ class Runtime:
         if s.controller_addr:
             address = topology.parse_address(s.controller_addr, "COMMLIB_CONTROLLER_ADDR")
             if t.rank == 0:
-                server = controller.ControllerServer(t.size, *address, s.timeout_s,
-                                                     s.cycle_time_ms, s.auto_sparse_density)
+                server = controller.ControllerServer(t.size, *address, **self._controller_settings())
         else:
             if t.rank == 0:
-                server = controller.ControllerServer(t.size, host if all_local else "0.0.0.0", 0, s.timeout_s,
-                                                     s.cycle_time_ms, s.auto_sparse_density)
+                server = controller.ControllerServer(t.size, host if all_local else "0.0.0.0", 0,
+                                                     **self._controller_settings())
                 address = (host, server.address[1])
             else:
                 address = None
             address = self.engine.broadcast_object(address)
         return server, controller.ControllerClient(address, t.rank, s.timeout_s)
+
+    def _controller_settings(self):
+        s = self.settings
+        return dict(timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms, sparse_density=s.auto_sparse_density,
+                    negotiation_timeout_s=s.negotiation_timeout_s, stall_warning_s=s.stall_warning_s)
+
+    def _check_settings_agree(self):
+        """Settings that shape communication must be equal on every rank, or ranks would stream
+        different packet sizes, fuse differently, or raise on some ranks only."""
+        shared = {name: value for name, value in self.settings.as_dict().items() if not defined()[name].per_rank}
+        everyone = self.ctx.exchange("init/settings", shared)
+        differ = {name: [ranks[name] for ranks in everyone] for name in shared
+                  if any(ranks.get(name) != shared[name] for ranks in everyone)}
+        if differ:
+            self.client.close()
+            details = "; ".join(f"{name}: {values}" for name, values in sorted(differ.items()))
+            raise Mismatch(f"ranks disagree on settings (values by rank) {details}; set COMMLIB_* the same "
+                           f"on every rank (e.g. export them before horovodrun, or pass -x to mpirun)")
 
     def _start_backends(self):
         """Build every available backend on every rank, and agree on which ones work."""
@@ -187,13 +191,14 @@ class Runtime:
             raise ConfigError(f"op={op!r}: use commlib.Sum or commlib.Average")
         name = name or f"allreduce.noname.{next(self._names)}"
         staged = Staged(tensor)
-        array = staged.array
-        if op == Average and array.dtype.kind in "iub":
-            raise InvalidTensor(f"tensor {name!r}: op=Average on {array.dtype} would truncate; use op=commlib.Sum")
+        if op == Average and staged.travel_dtype.kind in "iu":
+            raise InvalidTensor(f"tensor {name!r}: op=Average on {staged.dtype_name} would truncate; use op=commlib.Sum")
         if algorithm is None and compression is None:
-            algorithm, compression = self.policy.choose(name, array.nbytes, array.dtype)
-        entry = _Entry(tensor, staged, name, op, self._compression(compression), prescale, postscale,
-                       Handle(name, 3 * self.settings.timeout_s + 10))
+            algorithm, compression = self.policy.choose(name, staged.nbytes, staged.dtype_name)
+        s = self.settings
+        # resolve() hands out one object per spec: memories (error feedback, PowerSGD's Q) persist
+        entry = _Entry(tensor, staged, name, op, compressors.resolve(compression), prescale, postscale,
+                       Handle(name, s.negotiation_timeout_s + 3 * s.timeout_s + 10))
         meta = self._plan(entry, algorithm or "auto")
         with self._lock:
             if name in self._entries:
@@ -202,23 +207,11 @@ class Runtime:
         self.client.submit([meta])
         return entry.handle
 
-    def _compression(self, spec):
-        """One compressor object per spec for the whole run: its memories (error feedback,
-        PowerSGD's Q) are keyed by tensor name inside and must survive from step to step."""
-        if spec is None or (isinstance(spec, str) and spec.strip().lower() == "none"):
-            return None
-        from commlib import compressors
-        if not isinstance(spec, (str, dict)):
-            return compressors.resolve(spec)   # an object the caller built and keeps
-        key = spec.strip() if isinstance(spec, str) else json.dumps(spec, sort_keys=True, default=str)
-        if key not in self._compressions:
-            self._compressions[key] = compressors.resolve(spec)
-        return self._compressions[key]
-
     def _plan(self, entry, requested):
         """The negotiation metadata; `auto` is settled by the controller from every rank's density."""
-        array = entry.staged.array
-        meta = TensorMeta(entry.name, tuple(entry.staged.shape), str(array.dtype), array.nbytes)
+        staged = entry.staged
+        meta = TensorMeta(entry.name, tuple(staged.shape), str(staged.travel_dtype),
+                          staged.numel * staged.travel_dtype.itemsize)
         if entry.compression is not None:
             algorithm = self._compressed_algorithm(entry, requested)
             density, dense, sparse = None, algorithm, algorithm
@@ -226,15 +219,18 @@ class Runtime:
             if requested == "allgather":
                 raise ConfigError(f"tensor {entry.name!r}: algorithm 'allgather' carries compressed payloads; "
                                   f"give a compression= or choose ring, switchml or omnireduce")
-            dense = self._first_enabled(("switchml", "ring"), meta) or "ring"
+            dense = self._first_enabled(("switchml", "ring"), meta)
+            if dense is None:
+                raise InvalidTensor(f"tensor {entry.name!r}: no algorithm here reduces {staged.dtype_name}; "
+                                    f"cast it to float32, float64 or an int dtype")
             sparse = self._first_enabled(("omnireduce",), meta) or dense
             if requested == "auto":
                 algorithm = "auto" if sparse != dense else dense
             else:
                 algorithm = requested
                 self._check_enabled(algorithm, meta)
-            density = block_density(array) if algorithm == "auto" else None
-        entry.meta = {"name": entry.name, "shape": list(meta.shape), "dtype": meta.dtype, "op": entry.op,
+            density = self.backends[sparse].density(staged.array) if algorithm == "auto" else None
+        entry.meta = {"name": entry.name, "shape": list(meta.shape), "dtype": staged.dtype_name, "op": entry.op,
                       "algorithm": algorithm, "auto_dense": dense, "auto_sparse": sparse, "density": density,
                       "compression": repr(entry.compression) if entry.compression is not None else None,
                       "prescale": entry.prescale, "postscale": entry.postscale}
@@ -252,7 +248,6 @@ class Runtime:
 
     def _compressed_algorithm(self, entry, requested):
         """The compressor's payload decides which algorithms can carry it (compressors' one table)."""
-        from commlib import compressors
         algorithm = compressors.pick_algorithm(entry.compression, set(self.backends) | {"allgather"},
                                                None if requested == "auto" else requested)
         if algorithm != "allgather":
@@ -265,10 +260,16 @@ class Runtime:
             msg = self.client.events.get()
             if msg is _STOP:
                 return
-            if msg["t"] == "go":
-                self._execute(msg["batch"])
-            elif msg["t"] == "error":
-                self._fail(msg["names"], controller.error_from(msg))
+            try:
+                if msg["t"] == "go":
+                    self._execute(msg["batch"])
+                elif msg["t"] == "error":
+                    self._fail(msg["names"], controller.error_from(msg))
+                elif msg["t"] == "stall":
+                    log.warning("commlib: %s", msg["message"])
+            except Exception as exc:   # never leave callers waiting on a dead thread
+                log.exception("commlib: background thread failed")
+                self._fail(None, CommError(f"commlib's background thread failed: {exc!r}"))
 
     def _fail(self, names, error):
         with self._lock:
@@ -281,11 +282,13 @@ class Runtime:
 
     def _execute(self, batch):
         now = time.monotonic()
+        entries = []
         with self._lock:
-            entries = [self._entries.pop(item["name"]) for item in batch]
-        for entry, item in zip(entries, batch):
-            entry.algorithm = item["algorithm"]
-            entry.times["go"] = now
+            for item in batch:
+                entry = self._entries.pop(item["name"], None)
+                if entry is not None:   # None: failed by a fatal error (or shutdown) that raced this batch
+                    entry.algorithm, entry.times["go"] = item["algorithm"], now
+                    entries.append(entry)
         for group in _fuse(entries, self.settings.fusion_threshold):
             try:
                 self._run(group)
@@ -325,9 +328,7 @@ class Runtime:
         return [e.staged.restore(part) for e, part in zip(group, parts)]
 
     def _run_compressed(self, entry):
-        tensor = entry.tensor
-        if getattr(tensor, "is_sparse", False):
-            tensor = tensor.to_dense()
+        tensor = entry.staged.dense()
         if entry.prescale != 1.0:
             tensor = tensor * entry.prescale
         comm = Communicator(self, entry.algorithm, entry.name)
@@ -338,14 +339,19 @@ class Runtime:
         t = entry.times
         self.records[entry.name] = {
             "algorithm": entry.algorithm, "compression": entry.meta["compression"], "dtype": entry.meta["dtype"],
-            "nbytes": entry.staged.array.nbytes, "density": entry.meta["density"], "fused_with": fused - 1,
+            "nbytes": entry.staged.nbytes, "density": entry.meta["density"], "fused_with": fused - 1,
             "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start}
         self.timeline.tensor(entry.name, t["enqueue"], t["go"], start, end, entry.algorithm)
 
     # -- shutdown ----------------------------------------------------------------------------
     def shutdown(self):
+        self._fail(None, CommError("commlib was shut down while this tensor was waiting for the other ranks"))
         self.client.events.put(_STOP)
         self._thread.join(self.settings.timeout_s)
+        if self._thread.is_alive():   # still inside a collective: its native state must outlive it
+            log.warning("commlib: shutdown while a collective is still running; backends left open")
+            self.client.close()
+            return
         for backend in self.backends.values():
             try:
                 backend.close()
@@ -361,7 +367,7 @@ def _fuse(entries, threshold):
     """Consecutive entries of the same kind, each group at most `threshold` bytes."""
     group, size = [], 0
     for entry in entries:
-        nbytes = entry.staged.array.nbytes
+        nbytes = entry.staged.nbytes
         key = entry.fusion_key()
         if group and (key is None or key != group[0].fusion_key() or size + nbytes > threshold):
             yield group
@@ -386,7 +392,6 @@ def init(policy=None, **settings):
         if _runtime is not None:
             return
         registry()                       # backends declare their settings on import
-        import commlib.compressors       # noqa: F401  (and so do compressors)
         resolved = Settings(settings)
         if policy is None:
             policy = resolved.policy

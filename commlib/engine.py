@@ -5,6 +5,8 @@ Each engine sums, allgathers and broadcasts numpy arrays across all ranks. Which
 else MPI through mpi4py under mpirun, else torch.distributed (gloo) under torchrun, else a single
 process.
 """
+import datetime
+
 import numpy as np
 
 from commlib.errors import BackendUnavailable, ConfigError
@@ -96,10 +98,10 @@ class MPIEngine(Engine):
 class TorchEngine(Engine):
     name = "torch"
 
-    def __init__(self):
+    def __init__(self, timeout_s=None):
         import torch.distributed as dist
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
+        if not dist.is_initialized():   # gloo's own timeout bounds every collective on a dead peer
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s or 1800))
         self.dist = dist
         super().__init__(dist.get_world_size())
 
@@ -142,7 +144,7 @@ def _auto(topology):
     raise BackendUnavailable(f"no collective engine for launcher {topology.launcher!r}; set COMMLIB_RING_ENGINE")
 
 
-def create(choice, topology):
+def create(choice, topology, timeout_s=None):
     name = _auto(topology) if choice == "auto" else choice
     if name not in ENGINES:
         raise ConfigError(f"ring_engine={choice!r}: choose one of auto, {', '.join(ENGINES)}")
@@ -151,7 +153,7 @@ def create(choice, topology):
             raise ConfigError(f"ring_engine=local only works with one rank, not {topology.size}")
         return LocalEngine(1)
     try:
-        engine = ENGINES[name]()
+        engine = TorchEngine(timeout_s) if name == "torch" else ENGINES[name]()
     except ImportError as exc:
         raise BackendUnavailable(f"ring engine {name!r} is not installed ({exc}); run `make install`") from exc
     if engine.size != topology.size:

@@ -14,6 +14,7 @@ class Setting:
     name: str
     default: object
     help: str
+    per_rank: bool = False   # may differ between ranks (a path, a local address); others must agree
 
     def parse(self, text):
         kind = type(self.default)
@@ -32,9 +33,10 @@ class Setting:
 _DEFINED = {}
 
 
-def define(name, default, help):
-    """Declare a setting (idempotent for identical re-definitions)."""
-    setting = Setting(name, default, help)
+def define(name, default, help, per_rank=False):
+    """Declare a setting (idempotent for identical re-definitions). Settings must be equal on
+    every rank (commlib.init checks) unless per_rank=True."""
+    setting = Setting(name, default, help, per_rank)
     if _DEFINED.get(name, setting) != setting:
         raise ConfigError(f"setting {name!r} is defined twice with different defaults")
     _DEFINED[name] = setting
@@ -83,9 +85,14 @@ class Settings:
 define("policy", "*=auto", "dispatch rules 'pattern=algorithm[:compressor];...' (see commlib.Policy)")
 define("fusion_threshold", 64 * 1024 * 1024, "bytes: small tensors are fused into buckets up to this size (0 disables)")
 define("cycle_time_ms", 1.0, "how often the controller releases a batch of negotiated tensors")
-define("timeout_s", 60.0, "every wait (negotiation, data, switch) gives up after this many seconds")
+define("timeout_s", 60.0, "every wait on the network (data, switch, aggregators, set-up) gives up after this many seconds")
+define("negotiation_timeout_s", 600.0, "a tensor some ranks submitted but others did not within this many seconds "
+       "is an error on every rank (a rank that never calls)")
+define("stall_warning_s", 60.0, "warn (naming the missing ranks) when a tensor waits this long for other ranks")
 define("controller_addr", "", "host:port of the negotiation controller (default: rendezvous through the launcher)")
-define("controller_host", "", "address rank 0 binds the controller to (default: 127.0.0.1 when all ranks are local)")
+define("controller_host", "", "address rank 0 binds the controller to (default: 127.0.0.1 when all ranks are local)",
+       per_rank=True)
 define("ring_engine", "auto", "engine for the ring backend: auto, horovod, mpi, torch or local")
 define("auto_sparse_density", 0.25, "policy 'auto': tensors whose block density is below this go to omnireduce")
-define("timeline", "", "path of a Chrome trace (chrome://tracing) of every tensor's stages")
+define("timeline", "", "path of a Chrome trace (chrome://tracing) of every tensor's stages; '{rank}' in the path "
+       "gives one file per rank, else rank 0 writes it", per_rank=True)

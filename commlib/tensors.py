@@ -2,38 +2,61 @@
 
 Backends only see contiguous 1-D numpy arrays on the host. torch CPU tensors are viewed without
 a copy; CUDA tensors are staged through pinned host memory; sparse COO tensors are densified
-(the result is dense); bfloat16, which numpy lacks, travels as float32.
+(the result is dense); bfloat16, which numpy lacks, travels as float32. The host array is made
+only when asked for: a compressor works on the caller's tensor where it lives.
 """
+from functools import cached_property
+
 import numpy as np
 
 from commlib.errors import InvalidTensor
 
 
 class Staged:
-    """A tensor's host view for the backends, and the way back to the caller's type."""
+    """A tensor's description (for the policy and negotiation) and, on demand, its host view."""
 
     def __init__(self, tensor):
+        self.tensor = tensor
         self.torch = _is_torch(tensor)
         if self.torch:
             import torch
             self.device, self.dtype, self.shape = tensor.device, tensor.dtype, tuple(tensor.shape)
-            t = tensor.detach()
-            if t.is_sparse:
-                t = t.to_dense()
-            if t.dtype == torch.bfloat16:
-                t = t.float()
-            if t.device.type != "cpu":
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-                host.copy_(t)   # synchronous: the host copy is complete when it returns
-                t = host
-            self.array = t.contiguous().view(-1).numpy()
+            if tensor.is_complex() or tensor.dtype == torch.bool:
+                raise InvalidTensor(f"dtype {tensor.dtype} cannot be reduced; use a float or integer dtype")
+            self.dtype_name = str(tensor.dtype).replace("torch.", "")
+            self.numel = tensor.numel()
+            self.nbytes = self.numel * tensor.element_size()
+            travel = torch.float32 if tensor.dtype == torch.bfloat16 else tensor.dtype
+            self.travel_dtype = torch.empty(0, dtype=travel).numpy().dtype
         elif isinstance(tensor, np.ndarray):
             self.shape, self.dtype = tensor.shape, tensor.dtype
-            self.array = np.ascontiguousarray(tensor).reshape(-1)
+            if tensor.dtype.kind not in "fiu":
+                raise InvalidTensor(f"dtype {tensor.dtype} cannot be reduced; use a float or integer dtype")
+            self.dtype_name, self.travel_dtype = tensor.dtype.name, tensor.dtype
+            self.numel, self.nbytes = tensor.size, tensor.nbytes
         else:
             raise InvalidTensor(f"commlib reduces numpy arrays and torch tensors, not {type(tensor).__name__}")
-        if self.array.dtype.kind not in "fiub":
-            raise InvalidTensor(f"dtype {self.array.dtype} cannot be reduced; use a float or integer dtype")
+
+    @cached_property
+    def array(self):
+        """The contiguous 1-D host array of `travel_dtype` the backends reduce."""
+        if not self.torch:
+            return np.ascontiguousarray(self.tensor).reshape(-1)
+        import torch
+        t = self.tensor.detach()
+        if t.is_sparse:
+            t = t.to_dense()
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        if t.device.type != "cpu":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            host.copy_(t)   # synchronous: the host copy is complete when it returns
+            t = host
+        return t.contiguous().view(-1).numpy()
+
+    def dense(self):
+        """The caller's tensor, densified if it is sparse (what compressors work on)."""
+        return self.tensor.to_dense() if self.torch and self.tensor.is_sparse else self.tensor
 
     def restore(self, flat):
         """The reduced 1-D host array back in the caller's type, dtype, device and shape."""

@@ -53,8 +53,8 @@ def test_async_handles_and_records(runtime):
 def test_timeline_is_a_chrome_trace(runtime):
     commlib.allreduce(np.ones(3, np.float32), name="traced")
     commlib.shutdown()
-    events = json.loads(runtime.read_text())["traceEvents"]
-    assert {e["name"] for e in events if e["tid"] == "traced"} == {"NEGOTIATE", "QUEUE", "RING"}
+    events = json.loads(runtime.read_text())
+    assert {e["name"] for e in events if e.get("tid") == "traced"} == {"NEGOTIATE", "QUEUE", "RING"}
 
 
 @pytest.mark.parametrize("kwargs, error, text", [

@@ -28,3 +28,8 @@ def test_dead_rank_is_a_peer_failure():
     assert ranks[1].returncode == 3
     for r in (0, 2):
         assert ranks[r].returncode == 0 and "DEAD-OK" in ranks[r].stdout, ranks.output
+
+
+def test_settings_that_differ_between_ranks_fail_init_everywhere():
+    ranks = spawn(3, "errors.py", "settings", timeout=90).check()
+    assert all("SETTINGS-OK" in p.stdout for p in ranks), ranks.output

@@ -15,14 +15,18 @@ subclassed, and no Horovod file is patched.
 import types
 
 import commlib
-from commlib.errors import ConfigError
+from commlib.errors import BackendUnavailable, ConfigError
 from commlib.policy import Policy
+from commlib.tensors import Staged
 
 try:
     from horovod.torch import (broadcast_object, broadcast_optimizer_state,  # noqa: F401  (re-exported)
                                broadcast_parameters)
 except ImportError:   # horovod is optional for commlib.allreduce; only this front-end needs it
-    pass
+    def __getattr__(name):
+        if name in ("broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"):
+            raise BackendUnavailable(f"commlib.torch.{name} needs horovod; run `make install`")
+        raise AttributeError(name)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
@@ -77,8 +81,8 @@ def _reducer(hvd, compression, policy, algorithm):
         average = self.op == hvd.Average
         chosen_algorithm, chosen_compression = algorithm, compression
         if policy is not None and algorithm is None and compression is None:
-            chosen_algorithm, chosen_compression = policy.choose(name, grad.numel() * grad.element_size(),
-                                                                 str(grad.dtype).replace("torch.", ""))
+            described = Staged(grad)   # the same size and dtype name the core's policy sees
+            chosen_algorithm, chosen_compression = policy.choose(name, described.nbytes, described.dtype_name)
         handle = commlib.allreduce_async(
             grad, name=name, op=commlib.Average if average else commlib.Sum, algorithm=chosen_algorithm,
             compression=chosen_compression,

@@ -3,6 +3,7 @@
 mismatch: rank 1 reduces a tensor of the wrong shape -> Mismatch on every rank naming both shapes.
 timeout:  rank 1 never submits a tensor -> CommTimeout on the others naming rank 1, within the timeout.
 dead:     rank 1 exits abruptly -> PeerFailure on the others naming rank 1.
+settings: rank 1 has another fusion_threshold -> Mismatch at init on every rank naming it.
 """
 import os
 import sys
@@ -13,7 +14,16 @@ import numpy as np
 import commlib
 
 mode = sys.argv[1]
-commlib.init(policy="*=ring", timeout_s=4.0)
+if mode == "settings":
+    rank = int(os.environ["RANK"])
+    try:
+        commlib.init(policy="*=ring", timeout_s=4.0, fusion_threshold=1024 if rank == 1 else 4096)
+        raise SystemExit("no error raised")
+    except commlib.Mismatch as exc:
+        assert "fusion_threshold: [4096, 1024, 4096]" in str(exc), str(exc)
+        print("SETTINGS-OK", rank, exc)
+        sys.exit(0)
+commlib.init(policy="*=ring", timeout_s=4.0, negotiation_timeout_s=4.0, stall_warning_s=2.0)
 r, n = commlib.rank(), commlib.size()
 commlib.allreduce(np.ones(3, np.float32), name="warmup")
 
