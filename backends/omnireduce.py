@@ -40,7 +40,6 @@ compressors (`densify`) all become a dense array and its block bitmap. The resul
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -49,9 +48,11 @@ from collections import OrderedDict
 
 import numpy as np
 
+from commlib import topology
 from commlib.backends import Backend, register
 from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, PeerFailure
 from commlib.settings import define
+from commlib.tensors import Staged
 
 try:
     from commlib.switch import aggregator as agg
@@ -77,7 +78,7 @@ define("omnireduce_aggregators", "", "dedicated omnireduce aggregators 'host:por
 define("omnireduce_num_aggregators", 0, "dedicated omnireduce: aggregators rank 0 starts when none are "
        "configured (0 = one per worker)")
 define("omnireduce_host", "", "address omnireduce workers and colocated aggregators bind and advertise "
-       "(default: 127.0.0.1 when every rank is local, else the default route's interface)")
+       "(default: 127.0.0.1 when every rank is local, else the default route's interface)", per_rank=True)
 define("omnireduce_retransmit_ms", 20.0, "omnireduce per-column retransmission timer (ms); doubles per resend")
 define("omnireduce_sim_loss", 0.0, "testing: omnireduce workers and aggregators drop each packet they send with "
        "this probability")
@@ -105,7 +106,7 @@ def block_mask(array, block=256, threshold=0.0):
 
 
 def block_density(array, block=256, threshold=0.0):
-    """Fraction of blocks that omnireduce would send (the policy's `auto` reads it)."""
+    """Fraction of blocks that omnireduce would send (OmniReduceBackend.density, for `auto`)."""
     mask = block_mask(array, block, threshold)
     return float(mask.mean()) if mask.size else 0.0
 
@@ -116,14 +117,6 @@ def densify(values, indices, numel, dtype=None):
     out = np.zeros(numel, dtype=dtype or values.dtype)
     np.add.at(out, np.asarray(indices, dtype=np.int64).reshape(-1), values.astype(out.dtype, copy=False))
     return out
-
-
-def torch_to_array(tensor):
-    """(1-D numpy array, shape) of a dense or sparse COO torch tensor (hybrid COO included)."""
-    t = tensor.detach()
-    if t.is_sparse:
-        t = t.coalesce().to_dense()
-    return np.ascontiguousarray(t.cpu().numpy()).reshape(-1), tuple(tensor.shape)
 
 
 # -- the backend -----------------------------------------------------------------------------------
@@ -179,10 +172,7 @@ class OmniReduceBackend(Backend):
         for name in ("omnireduce_sim_loss", "omnireduce_sim_dup"):
             if not 0.0 <= getattr(s, name) < 0.5:
                 raise ConfigError(f"{name}={getattr(s, name)}: a probability in [0, 0.5)")
-        # exchange keys must be unique per backend instance and equal across ranks
-        instance = ctx.counters.get("omnireduce.instances", 0)
-        ctx.counters["omnireduce.instances"] = instance + 1
-        self._prefix = f"omnireduce/{instance}"
+        self._prefix = ctx.scope("omnireduce")      # this instance's exchange keys
         self._sock = self._worker = self._colocated = None
         self._processes, self._aggregators, self._agg_desc = [], [], []
         self._job_hash = agg.token_hash(ctx.job_token or "no-token")
@@ -201,7 +191,7 @@ class OmniReduceBackend(Backend):
     # -- set-up: sockets, aggregators, registration -----------------------------------------------
     def _start(self):
         ctx, s = self.ctx, self.ctx.settings
-        host = s.omnireduce_host or ("127.0.0.1" if ctx.all_local else _primary_ip())
+        host = s.omnireduce_host or ("127.0.0.1" if ctx.all_local else topology.primary_ip())
         mine = {"error": None, "epoch": secrets.randbits(31),
                 "params": [self.block, self.columns, self.mode, self.threshold]}
         try:   # local set-up; a failure is shared with every rank so none waits for us
@@ -231,7 +221,7 @@ class OmniReduceBackend(Backend):
             addresses = (s.omnireduce_aggregators.split(",") if s.omnireduce_aggregators
                          else everyone[0]["spawned"])
             self._agg_desc = [f"{a} (commlib-aggregator)" for a in addresses]
-        self._aggregators = [agg.parse_address(a) for a in addresses]
+        self._aggregators = [agg.resolve_address(a) for a in addresses]
 
         request = {"job": self._job_hash, "epoch": self._epoch, "rank": ctx.rank, "size": ctx.size,
                    "columns": self.columns, "aggregators": len(self._aggregators), "block": self.block,
@@ -301,11 +291,11 @@ class OmniReduceBackend(Backend):
     def allreduce_sparse(self, tensor, name, dense=True):
         """Sum a torch tensor, dense or sparse COO (nn.Embedding(sparse=True) gradients): the result
         is a dense tensor, or with dense=False a sparse COO tensor of the same sparse dims."""
-        import torch
-        x, shape = torch_to_array(tensor)
+        staged = Staged(tensor)
+        x = staged.array
         if x.dtype not in _DTYPE_CODE:
             x = x.astype(np.float32)
-        out = torch.from_numpy(self.allreduce(x, name)).reshape(shape).to(tensor.dtype)
+        out = staged.restore(self.allreduce(x, name))
         if dense:
             return out
         return out.to_sparse(tensor.sparse_dim() if tensor.is_sparse else out.dim())
@@ -367,7 +357,11 @@ class OmniReduceBackend(Backend):
                         "sim_duplicated"):
                 t[key] += entry[key]
 
-    def density(self, name):
+    def density(self, array):
+        """Fraction of `array`'s blocks this backend would send, with its own block size and threshold."""
+        return block_density(array, self.block, self.threshold)
+
+    def measured_density(self, name):
         """Measured block density of the last `name` (this rank's own, and of the union)."""
         entry = self._tensors.get(name)
         return None if entry is None else (entry["density"], entry["union_density"])
@@ -433,13 +427,3 @@ def _read_line(proc, deadline):
         if proc.poll() is not None:
             return ""
     return ""
-
-
-def _primary_ip():
-    """The address other hosts reach this one by (the interface of the default route)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))   # TEST-NET-1: connect() on UDP sends nothing
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())

@@ -26,7 +26,8 @@ Numbers
       n * 0.5 / f = n^2 * 2^(e-1) / (2^31 - 1)       (plus float32 rounding of the result),
   i.e. about n^2 * 2^-31 relative to the block's largest magnitude. All-zero blocks stay exactly
   zero. Finite values with |x| >= 2^127 cannot be quantized: every rank raises InvalidTensor.
-  float16 / bfloat16 are summed as float32 and converted back; other dtypes are rejected.
+  float16 is widened to float32 (exactly), summed as float32 and rounded back to float16 (the
+  core hands bfloat16 over as float32 already); other dtypes are rejected.
 """
 import logging
 import os
@@ -39,7 +40,9 @@ from commlib.backends import Backend, register
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor,
                             PeerFailure)
 from commlib.settings import define
+from commlib.switch import net
 from commlib.switch import switchml as sw
+from commlib.topology import parse_address
 
 log = logging.getLogger("commlib.switchml")
 
@@ -57,21 +60,14 @@ define("switch_drop_probability", 0.0, "testing: the embedded switch drops each 
        "on ingress and each result on egress")
 define("switch_duplicate_probability", 0.0, "testing: the embedded switch duplicates packets with this probability")
 
-F32, I32 = np.dtype("float32"), np.dtype("int32")
+F16, F32, I32 = np.dtype("float16"), np.dtype("float32"), np.dtype("int32")
 _ERRORS = {-1: "timeout", -2: "refused", -3: "nack", -4: "socket", -5: "nomem"}
-
-
-def _widened(dtype):
-    """float16 / bfloat16 go through float32 exactly; None for dtypes switchml does not take."""
-    if dtype == np.float16 or dtype.name == "bfloat16":
-        return F32
-    return None
 
 
 @register
 class SwitchMLBackend(Backend):
     name = "switchml"
-    dtypes = (F32, I32)
+    dtypes = (F32, F16, I32)
 
     @classmethod
     def available(cls, ctx):
@@ -104,12 +100,12 @@ class SwitchMLBackend(Backend):
         self._sock = None
         self._worker = None
         self._broken = None
-        self._session_tag = None
+        self._scope = ctx.scope("switchml")   # this instance's exchange keys
 
     # -- set-up: collective, on the first allreduce (every rank reaches it in the same order) ----------
     def _exchange_checked(self, key, value, error):
         """Allgather (value, error); raise the first rank's error on every rank."""
-        got = self.ctx.exchange(f"{self._session_tag}/{key}", [value, error])
+        got = self.ctx.exchange(f"{self._scope}/{key}", [value, error])
         errors = [(rank, e) for rank, (_, e) in enumerate(got) if e]
         if errors:
             rank, text = errors[0]
@@ -118,9 +114,6 @@ class SwitchMLBackend(Backend):
 
     def _setup(self):
         ctx, s = self.ctx, self.ctx.settings
-        n = getattr(ctx, "_switchml_sessions", 0)
-        ctx._switchml_sessions = n + 1
-        self._session_tag = f"switchml/{n}"
         # 1. the switch: configured, or embedded in rank 0
         error, address = None, s.switch_addr
         if not address and ctx.rank == 0:
@@ -137,8 +130,8 @@ class SwitchMLBackend(Backend):
         # 2. every rank's UDP address, as the switch will see it
         error = mine = None
         try:
-            host, port = sw.parse_addr(address)
-            self._sock = sw.udp_socket(4 << 20)
+            host, port = parse_address(address, "switch address")
+            self._sock = net.udp_socket(buffer_bytes=4 << 20)
             self._sock.connect((socket.gethostbyname(host), port))
             mine = list(self._sock.getsockname()[:2])
         except (OSError, CommError) as exc:
@@ -165,12 +158,11 @@ class SwitchMLBackend(Backend):
         array = np.ascontiguousarray(array).reshape(-1)
         dtype = array.dtype
         if dtype not in self.dtypes:
-            wide = _widened(dtype)
-            if wide is None:
-                raise InvalidTensor(f"switchml cannot reduce tensor {name!r} of dtype {dtype}: it sums float32 "
-                                    f"(quantized to int32 on the switch) and int32 (exactly); convert it, or use "
-                                    f"algorithm='ring'")
-            return self.allreduce(array.astype(wide), name).astype(dtype)
+            raise InvalidTensor(f"switchml cannot reduce tensor {name!r} of dtype {dtype}: it sums float32 and "
+                                f"float16 (quantized to int32 on the switch) and int32 (exactly); convert it, or "
+                                f"use algorithm='ring'")
+        if dtype == F16:   # float32 holds every float16 exactly
+            return self.allreduce(array.astype(F32), name).astype(F16)
         out = np.empty_like(array)
         if array.size == 0:
             return out
@@ -251,7 +243,7 @@ class SwitchMLBackend(Backend):
     def close(self):
         if self._worker is not None:
             try:   # nobody may still wait for a result when rank 0 ends the job
-                self.ctx.exchange(f"{self._session_tag}/close", None, min(self.ctx.settings.timeout_s, 10.0))
+                self.ctx.exchange(f"{self._scope}/close", None, min(self.ctx.settings.timeout_s, 10.0))
             except CommError as exc:
                 log.warning("switchml: closing without every rank (%s)", exc)
             if self.ctx.rank == 0 and self.server is None:

@@ -14,16 +14,13 @@ OMNIREDUCE.md's (own blocks + 4 B up, the union down), commlib's exact wire mode
 Results: benchmarks/results/omnireduce.json (and RESULTS.md).
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
@@ -104,40 +101,9 @@ def worker(args):
 
 
 # -- the launcher ------------------------------------------------------------------------------------
-def _horovod_built():
-    return subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode == 0
-
-
 def _run_workers(n, args, env):
-    forwarded = ["--worker", "--mib", str(args.mib), "--runs", str(args.runs),
-                 "--densities", ",".join(map(str, args.densities))]
-    if _horovod_built():   # the dense peer is then Horovod's own Gloo allreduce
-        return common.launch(n, Path(__file__), *forwarded, env=env, timeout=args.timeout)[0]
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(n):
-        rank_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(n),
-                        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port), **env)
-        procs.append(subprocess.Popen([sys.executable, __file__, *forwarded], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, env=rank_env, cwd=ROOT))
-    outs = []
-    try:
-        for proc in procs:
-            outs.append(proc.communicate(timeout=args.timeout)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    payloads = [json.loads(line.split(common.RESULT_MARK, 1)[1]) for out in outs for line in out.splitlines()
-                if common.RESULT_MARK in line]
-    if not payloads or any(p.returncode for p in procs):
-        raise RuntimeError("benchmark ranks failed:\n" + "\n".join(o[-3000:] for o in outs))
-    return payloads[0]
+    forwarded = ["--worker", "--mib", args.mib, "--runs", args.runs, "--densities", ",".join(map(str, args.densities))]
+    return common.launch(n, Path(__file__), *forwarded, env=env, timeout=args.timeout)[0]
 
 
 def _mib(b):

@@ -16,8 +16,6 @@ time of the timed runs; well below 1 means the switch is not the bottleneck).
 Results: benchmarks/results/switchml.json (and RESULTS.md).
 """
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -107,37 +105,9 @@ def _start_switch(extra):
     return proc, port_file.read_text()
 
 
-def _horovod_built():
-    return subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode == 0
-
-
 def _run_workers(n, args, env):
-    forwarded = ["--worker", "--elements", str(args.elements), "--runs", str(args.runs)]
-    if _horovod_built():   # the baseline is then Horovod's own Gloo allreduce
-        return common.launch(n, Path(__file__), *forwarded, env=env, timeout=args.timeout)[0]
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(n):
-        rank_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(n),
-                        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port), **env)
-        procs.append(subprocess.Popen([sys.executable, __file__, *forwarded], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, env=rank_env, cwd=ROOT))
-    outs = []
-    try:
-        for proc in procs:
-            outs.append(proc.communicate(timeout=args.timeout)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
-    payloads = [json.loads(line.split(common.RESULT_MARK, 1)[1]) for out in outs for line in out.splitlines()
-                if common.RESULT_MARK in line]
-    if not payloads or any(p.returncode for p in procs):
-        raise RuntimeError(f"benchmark ranks failed:\n" + "\n".join(o[-3000:] for o in outs))
-    return payloads[0]
+    forwarded = ["--worker", "--elements", args.elements, "--runs", args.runs]
+    return common.launch(n, Path(__file__), *forwarded, env=env, timeout=args.timeout)[0]
 
 
 def main(argv=None):

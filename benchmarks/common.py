@@ -18,6 +18,9 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 RESULT_MARK = "RESULT-JSON "
 
+sys.path.insert(0, str(ROOT / "tests"))
+from launch import horovodrun, spawn  # noqa: E402  tests/launch.py: process groups killed on timeout
+
 
 def timeit(fn, repeats, warmup=1):
     """Seconds per call of fn(), `repeats` samples after `warmup` unmeasured calls."""
@@ -86,15 +89,24 @@ def emit(payload):
     print(RESULT_MARK + json.dumps(payload, default=float), flush=True)
 
 
+def horovod_built():
+    """Horovod with its torch ops is installed (tried in a child process, so this one stays light)."""
+    return subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode == 0
+
+
 def launch(nprocs, script, *args, timeout=600, env=None):
-    """Run `script` on nprocs ranks under horovodrun (Gloo) and return the payloads they emit()."""
-    python = sys.executable
-    cmd = [str(Path(python).parent / "horovodrun"), "-np", str(nprocs), "-H", f"localhost:{nprocs}", "--gloo"]
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
-    proc = subprocess.run(cmd + [python, str(script), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=ROOT)
-    payloads = [json.loads(line.split(RESULT_MARK, 1)[1]) for line in proc.stdout.splitlines() if RESULT_MARK in line]
-    if proc.returncode != 0 or not payloads:
-        raise RuntimeError(f"{script} on {nprocs} ranks failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-                           f"\n{proc.stderr[-4000:]}")
+    """Run `script` on nprocs local ranks and return the payloads they emit(): under horovodrun
+    (Gloo) when Horovod is built, so the ring peer is Horovod's own allreduce, else as plain
+    processes with torchrun's environment (the core's ring then runs on torch.distributed's Gloo).
+    A launch that outlives `timeout` has its process groups killed and waited for, and raises."""
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    if horovod_built():
+        ranks = [horovodrun(nprocs, str(script), *args, timeout=timeout, env=env)]
+    else:
+        ranks = spawn(nprocs, str(script), *args, timeout=timeout, env=env)
+    output = "\n".join(rank.stdout for rank in ranks)
+    payloads = [json.loads(line.split(RESULT_MARK, 1)[1]) for line in output.splitlines() if RESULT_MARK in line]
+    if any(rank.returncode for rank in ranks) or not payloads:
+        raise RuntimeError(f"{script} on {nprocs} ranks failed (exit {[rank.returncode for rank in ranks]}):\n"
+                           f"{output[-6000:]}")
     return payloads

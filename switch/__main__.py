@@ -5,7 +5,8 @@
     commlib-switch simulate 10.0.0.5:9099 --ingress 0.01 --egress 0.01 [--duplicate 0.01]
     commlib-switch status 10.0.0.5:9099
 
-Workers find it through COMMLIB_SWITCH_ADDR=host:port.
+Workers find it through COMMLIB_SWITCH_ADDR=host:port. `simulate` changes the drop simulator of
+every job on the switch, so only a switch started with --testing accepts it.
 """
 import argparse
 import json
@@ -30,6 +31,8 @@ def _serve(argv):
     parser.add_argument("--drop-egress", type=float, default=0.0, help="drop simulator: P(drop a result)")
     parser.add_argument("--duplicate", type=float, default=0.0, help="drop simulator: P(duplicate a packet)")
     parser.add_argument("--seed", type=int, default=0, help="drop simulator seed (0: random)")
+    parser.add_argument("--testing", action="store_true", help="accept the control command `simulate` (it "
+                        "changes the drop simulator for every job: test switches only)")
     parser.add_argument("--no-offload", action="store_true", help="one datagram per system call (no UDP "
                         "GSO/GRO batching)")
     parser.add_argument("--port-file", default="", help="write the bound host:port to this file once serving")
@@ -39,7 +42,8 @@ def _serve(argv):
                         format="%(asctime)s commlib-switch %(message)s")
     from commlib.switch.switchml import SwitchServer
     server = SwitchServer(args.host, args.port, args.slots, args.slot_group, args.drop_ingress,
-                          args.drop_egress, args.duplicate, args.seed, offload=not args.no_offload).start()
+                          args.drop_egress, args.duplicate, args.seed, offload=not args.no_offload,
+                          testing=args.testing).start()
     signal.signal(signal.SIGTERM, lambda *_: server._stopping.set())
     print(f"commlib-switch: serving on {server.address} (UDP data, TCP control), {args.slots} slots", flush=True)
     if args.port_file:

@@ -20,13 +20,15 @@ import threading
 import time
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError
+from commlib.switch import net
 from commlib.switch._omnireduce import ffi, lib
+from commlib.topology import parse_address
 
 log = logging.getLogger("commlib.omnireduce")
 
 HEADER = struct.Struct("<BBHIIIIIIIII")   # omr_hdr: type flags rank job key seq col round block next ack csum
 assert HEADER.size == lib.OMR_HDR_BYTES
-SOCKET_BUFFER = 4 << 20                  # bytes; the kernel caps it at net.core.rmem_max
+SOCKET_BUFFER = 4 << 20                  # bytes: a window of blocks
 _PARAMS = ("size", "columns", "aggregators", "index", "block")
 
 
@@ -58,28 +60,18 @@ def unpack(data):
 
 def make_socket(host, port=0):
     """A bound UDP socket with buffers for a full window of blocks."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        except OSError:
-            pass
     try:
-        sock.bind((host, port))
+        return net.udp_socket(host, port, SOCKET_BUFFER)
     except OSError as exc:
-        sock.close()
         raise BackendUnavailable(f"omnireduce: cannot bind UDP {host}:{port}: {exc}; "
                                  f"set COMMLIB_OMNIREDUCE_HOST to an address of this host") from None
-    return sock
 
 
-def parse_address(text):
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"omnireduce aggregator address {text!r} is not host:port "
-                          f"(COMMLIB_OMNIREDUCE_AGGREGATORS=host:port,host:port)")
+def resolve_address(text):
+    """An aggregator's 'host:port' -> (IPv4 address, port), as the C worker wants it."""
+    host, port = parse_address(text, "omnireduce aggregator address (COMMLIB_OMNIREDUCE_AGGREGATORS entry)")
     try:
-        return socket.gethostbyname(host), int(port)
+        return socket.gethostbyname(host), port
     except OSError as exc:
         raise ConfigError(f"omnireduce aggregator {text!r}: cannot resolve {host!r}: {exc}") from None
 

@@ -14,6 +14,8 @@ job of SwitchML's controller: newline-delimited JSON requests, one JSON line per
 
 Only the registered address of each rank, with the job's token, can touch the job's slots;
 anything else is dropped and counted. Several jobs share one switch, each in its own slots.
+The drop simulator acts on every job at once, so `simulate` answers only on a switch started
+for testing (`commlib-switch --testing`, `SwitchServer(testing=True)`); elsewhere it is refused.
 """
 import hashlib
 import json
@@ -25,6 +27,8 @@ import struct
 import threading
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFailure
+from commlib.switch import net
+from commlib.topology import parse_address
 
 log = logging.getLogger("commlib.switch")
 
@@ -37,24 +41,21 @@ except ImportError as exc:   # not built: say how to build it where it is used
                     f"`python setup.py build_ext --inplace` (or `make install`)")
 
 # Header: type, flags, job, rank, packet id, pool index (bit 15 = set), exponent, code, token,
-# reserved, checksum; then 0/64/256 big-endian int32 and, with FLAG_NONFINITE, one flag byte per value.
+# reserved, checksum; then 0/64/256 big-endian int32 and, with SML_F_NONFINITE, one flag byte per
+# value. The constants and counters are switch/csrc/switchml.h's, read through cffi.
 HEADER = struct.Struct("!BBBBIHbBIHH")
 HDR_LEN = HEADER.size
-DATA, RESULT, NACK = 1, 2, 3
-FLAG_NONFINITE = 4
-SIZE_CODES = {0: 0, 1: 64, 2: 256}
-EXP_NONE = -128
-NACK_UNKNOWN_JOB = 1
-NF_NAN, NF_POSINF, NF_NEGINF, NF_RANGE = 1, 2, 4, 8
-MAX_WORKERS, MAX_JOBS, MAX_SLOTS = 64, 256, 32767
 
-COUNTERS = ("rx", "aggregated", "results", "replays", "drop_incomplete", "drop_token", "drop_sender",
-            "drop_malformed", "drop_sim_ingress", "drop_sim_egress", "dup_sim")
-GLOBAL_COUNTERS = ("rx", "tx", "drop_short", "drop_checksum", "drop_type", "drop_unknown_job", "nacks",
-                   "batches", "busy_ns", "idle_ns", "send_errors", "gso_messages",
-                   "cpu_ns", "run_ns")
-WORKER_COUNTERS = ("sent", "received", "duplicates", "resends", "ignored", "tensors", "elements",
-                   "wait_ns", "busy_ns", "cpu_ns", "srtt_ns", "rto_ns")
+
+def _fields(struct_name):
+    return tuple(name for name, _ in ffi.typeof(struct_name).fields)
+
+
+if lib is not None:
+    assert HDR_LEN == lib.SML_HDR_LEN
+    MAX_WORKERS, MAX_JOBS, MAX_SLOTS = lib.SML_MAX_WORKERS, lib.SML_MAX_JOBS, lib.SML_MAX_SLOTS
+    COUNTERS, GLOBAL_COUNTERS = _fields("sml_counters"), _fields("sml_global")
+    WORKER_COUNTERS = _fields("sml_worker_counters")
 
 
 def checksum(header):
@@ -77,34 +78,6 @@ def token32(job_token):
     return int.from_bytes(hashlib.sha256(str(job_token).encode()).digest()[:4], "big")
 
 
-def parse_addr(text, what="switch address"):
-    host, sep, port = str(text).strip().rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ConfigError(f"{what} {text!r} is not host:port (e.g. 10.0.0.5:9099)")
-    return host.strip("[]"), int(port)
-
-
-def _big_buffers(sock, nbytes):
-    for opt in (getattr(socket, "SO_RCVBUFFORCE", 33), socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)
-            break
-        except OSError:
-            continue
-    for opt in (getattr(socket, "SO_SNDBUFFORCE", 32), socket.SO_SNDBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, nbytes)
-            break
-        except OSError:
-            continue
-
-
-def udp_socket(buffer_bytes=4 << 20):
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    _big_buffers(sock, buffer_bytes)
-    return sock
-
-
 def _counters_dict(c):
     return {name: int(getattr(c, name)) for name in COUNTERS}
 
@@ -118,10 +91,11 @@ class SwitchServer:
     """A software switch: `start()` binds UDP and TCP host:port and serves until `stop()`.
 
     slots: capacity of the pool shared by all jobs (each job takes its window); slot_group: slots
-    per counter group; ingress/egress/duplicate: the drop simulator's probabilities."""
+    per counter group; ingress/egress/duplicate: the drop simulator's probabilities; testing: the
+    control command `simulate` may change them (for every job) while the switch runs."""
 
     def __init__(self, host="127.0.0.1", port=0, slots=8192, slot_group=64, ingress=0.0, egress=0.0,
-                 duplicate=0.0, seed=0, run_ms=50, offload=True):
+                 duplicate=0.0, seed=0, run_ms=50, offload=True, testing=False):
         if lib is None:
             raise BackendUnavailable(IMPORT_ERROR)
         if not 1 <= slots <= MAX_SLOTS * MAX_JOBS:
@@ -130,6 +104,7 @@ class SwitchServer:
         self.sim = (ingress, egress, duplicate, seed)
         self.run_ms = run_ms
         self.offload = offload
+        self.testing = testing
         self.epoch = f"{random.getrandbits(32):08x}"
         self._jobs = {}
         self._next_job = random.randrange(MAX_JOBS)
@@ -157,16 +132,17 @@ class SwitchServer:
     def _bind(self):
         """UDP and TCP on the same port number (a free one when port is 0)."""
         for _ in range(20):
-            udp = udp_socket(8 << 20)
+            udp = None
             tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                udp.bind((self.host, self.port))
+                udp = net.udp_socket(self.host, self.port, 8 << 20)
                 tcp.bind((self.host, udp.getsockname()[1]))
                 tcp.listen(64)
                 return udp, tcp
             except OSError as exc:
-                udp.close()
+                if udp is not None:
+                    udp.close()
                 tcp.close()
                 if self.port:
                     raise PeerFailure(f"commlib-switch cannot listen on {self.host}:{self.port} ({exc}); "
@@ -225,7 +201,11 @@ class SwitchServer:
             for line in stream:
                 try:
                     request = json.loads(line)
+                    if not isinstance(request, dict):
+                        raise ValueError('a request is one JSON object per line, e.g. {"op": "status"}')
                     reply = {"ok": True, **self.handle(request)}
+                except OverflowError as exc:   # cffi: a number beyond its C type that no check caught
+                    reply = {"ok": False, "error": f"a number in the request is out of range ({exc})"}
                 except (ValueError, KeyError, TypeError, ConfigError) as exc:
                     reply = {"ok": False, "error": str(exc)}
                 stream.write(json.dumps(reply).encode() + b"\n")
@@ -248,6 +228,9 @@ class SwitchServer:
         if op == "counters":
             return self.counters(request.get("job"), request.get("token"))
         if op == "simulate":
+            if not self.testing:
+                raise ConfigError("the drop simulator acts on every job of this switch, so 'simulate' is refused; "
+                                  "start commlib-switch with --testing to allow it")
             self.simulate(float(request.get("ingress", 0)), float(request.get("egress", 0)),
                           float(request.get("duplicate", 0)), int(request.get("seed", 0)))
             return {}
@@ -257,6 +240,8 @@ class SwitchServer:
 
     def register(self, token, workers, slots, elems):
         """Add a job; returns its job number. workers[rank] = [ipv4, port]."""
+        if not 0 <= token < 2 ** 32:
+            raise ConfigError(f"token {token} is not a 32-bit unsigned integer (see token32())")
         if not 1 <= len(workers) <= MAX_WORKERS:
             raise ConfigError(f"a job has 1..{MAX_WORKERS} workers, got {len(workers)}")
         if not 1 <= slots <= MAX_SLOTS or elems not in (64, 256):
@@ -267,6 +252,8 @@ class SwitchServer:
                 addrs.append((struct.unpack("!I", socket.inet_aton(socket.gethostbyname(host)))[0], int(port)))
             except OSError:
                 raise ConfigError(f"worker address {host}:{port} is not an IPv4 address") from None
+            if not 0 < addrs[-1][1] < 65536:
+                raise ConfigError(f"worker address {host}:{port}: the port is not in 1..65535")
         with self._lock:
             free = [n for n in ((self._next_job + i) % MAX_JOBS for i in range(MAX_JOBS)) if n not in self._jobs]
             if not free:
@@ -328,8 +315,8 @@ class SwitchServer:
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"drop simulator probability {p} is not in [0, 1)")
         with self._lock:
-            self.sim = (ingress, egress, duplicate, seed)
             lib.sml_switch_set_sim(self._sw, ingress, egress, duplicate, seed or random.getrandbits(63) | 1)
+            self.sim = (ingress, egress, duplicate, seed)
         return {}
 
     def status(self):
@@ -346,7 +333,7 @@ class SwitchClient:
 
     def __init__(self, address, timeout=10.0):
         self.address = address if isinstance(address, str) else f"{address[0]}:{address[1]}"
-        self.host, self.port = parse_addr(self.address)
+        self.host, self.port = parse_address(self.address, "switch address")
         self.timeout = timeout
 
     def request(self, op, **fields):

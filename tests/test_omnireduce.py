@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -38,45 +37,32 @@ def settings(**kw):
     return Settings({"timeout_s": 10.0, "omnireduce_retransmit_ms": 5.0, **kw})
 
 
-def _threads(n, target, timeout, what):
-    errors = [None] * n
-
-    def main(rank):
+def errors_of(fn):
+    """fn(ctx) for LocalGroup.run where ranks are meant to fail: each rank's exception, or None."""
+    def rank_main(ctx):
         try:
-            target(rank)
-        except BaseException as exc:   # reported below, per rank
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
-    assert not stuck, f"ranks {stuck} hung in {what} past {timeout}s"
-    return errors
+            fn(ctx)
+        except Exception as exc:   # the test looks at every rank's
+            return exc
+        return None
+    return rank_main
 
 
 def run(n, work, join_timeout=45.0, token="local-test-token", **kw):
-    """Start n backends (their set-up exchanges, so in parallel), run work(rank, backend) on each
-    rank's thread, close them all; return the per-rank results and the backends."""
+    """On each of n rank threads: start a backend (set-up is collective), run work(rank, backend),
+    close it. Returns the per-rank results and the backends; raises the first error (a CommTimeout
+    if a rank hangs: its backend stays open, closing it under that rank would free its state)."""
     group = LocalGroup(n, settings(**kw), job_token=token)
-    backends, results = [None] * n, [None] * n
+    backends = [None] * n
 
-    def start(rank):
-        backends[rank] = om.OmniReduceBackend(group.contexts[rank])
+    def main(ctx):
+        backend = backends[ctx.rank] = om.OmniReduceBackend(ctx)
+        try:
+            return work(ctx.rank, backend)
+        finally:
+            backend.close()                 # waits for every rank: others may need our aggregator
 
-    def main(rank):
-        results[rank] = work(rank, backends[rank])
-
-    errors = _threads(n, start, 30.0, "set-up")
-    if not any(errors):
-        errors = _threads(n, main, join_timeout, "allreduce")
-    _threads(n, lambda rank: backends[rank] and backends[rank].close(), 20.0, "close")
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results, backends
+    return group.run(main, 30.0 + join_timeout), backends
 
 
 def sparse_inputs(n, size, density, placement="independent", dtype=np.float32, block=32, seed=0):
@@ -269,12 +255,8 @@ def test_dedicated_aggregators_interleave_and_serve_several_jobs():
                              omnireduce_block_size=16, omnireduce_columns=9)
             out[name] = results
 
-        jobs = [threading.Thread(target=job, args=("a", x4, "token-a")),
-                threading.Thread(target=job, args=("b", x3, "token-b"))]
-        for t in jobs:
-            t.start()
-        for t in jobs:
-            t.join(50)
+        jobs = [("a", x4, "token-a"), ("b", x3, "token-b")]
+        LocalGroup(len(jobs), settings()).run(lambda ctx: job(*jobs[ctx.rank]), 50)   # a thread per job
         job("c", x4, "token-c")
         for name, x in (("a", x4), ("b", x3), ("c", x4)):
             for per_rank in out[name]:
@@ -297,7 +279,7 @@ def test_registration_rejects_mismatched_settings():
         # rank 1 claims a different block size: the exchange catches it before registration
         ctx1.settings = settings(omnireduce_mode="dedicated", omnireduce_aggregators=agg.address_str,
                                  omnireduce_block_size=64)
-        errors = _threads(2, lambda r: om.OmniReduceBackend(group.contexts[r]), 20, "set-up")
+        errors = group.run(errors_of(om.OmniReduceBackend), 20)
         assert all(isinstance(e, ConfigError) and "differ across ranks" in str(e) for e in errors), errors
     finally:
         agg.close()
@@ -308,18 +290,17 @@ def test_restarted_aggregator_is_a_clear_error():
     port = agg.address[1]
     group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=agg.address_str,
                                    timeout_s=3.0))
-    backends = [None, None]
-    _threads(2, lambda r: backends.__setitem__(r, om.OmniReduceBackend(group.contexts[r])), 20, "set-up")
+    backends = group.run(om.OmniReduceBackend, 20)
     agg.close()
     agg = Aggregator("127.0.0.1", port).start()          # same address, no memory of the job
     try:
-        errors = _threads(2, lambda r: backends[r].allreduce(np.ones(100, np.float32), "x"), 20, "allreduce")
+        errors = group.run(errors_of(lambda ctx: backends[ctx.rank].allreduce(np.ones(100, np.float32), "x")), 20)
         for e in errors:
             assert isinstance(e, PeerFailure) and "does not know this job" in str(e), e
         with pytest.raises(PeerFailure, match="unusable after an earlier failure"):
             backends[0].allreduce(np.ones(100, np.float32), "y")
     finally:
-        _threads(2, lambda r: backends[r].close(), 20, "close")
+        group.run(lambda ctx: backends[ctx.rank].close(), 20)
         agg.close()
 
 
@@ -330,8 +311,7 @@ def test_rank_that_stops_is_named_within_the_timeout(mode):
     rank 1 within the timeout (its aggregator, if colocated, is still up and says whom it waits for)."""
     n, timeout = 3, 2.0
     group = LocalGroup(n, settings(omnireduce_mode=mode, timeout_s=timeout, omnireduce_num_aggregators=2))
-    backends = [None] * n
-    _threads(n, lambda r: backends.__setitem__(r, om.OmniReduceBackend(group.contexts[r])), 20, "set-up")
+    backends = group.run(om.OmniReduceBackend, 20)
     elapsed = [None] * n
     x = np.ones(5000, np.float32)
 
@@ -345,7 +325,7 @@ def test_rank_that_stops_is_named_within_the_timeout(mode):
         finally:
             elapsed[rank] = time.monotonic() - start
 
-    errors = _threads(n, work, 20, "allreduce")
+    errors = group.run(errors_of(lambda ctx: work(ctx.rank)), 20)
     try:
         assert errors[1] is None
         for r in (0, 2):
@@ -353,7 +333,7 @@ def test_rank_that_stops_is_named_within_the_timeout(mode):
             assert "rank 1" in str(errors[r]) and "'second'" in str(errors[r]), errors[r]
             assert timeout <= elapsed[r] < timeout + 2.0, elapsed[r]
     finally:
-        _threads(n, lambda r: backends[r].close(), 20, "close")
+        group.run(lambda ctx: backends[ctx.rank].close(), 20)
 
 
 def test_dead_dedicated_aggregator_is_named_within_the_timeout():
@@ -364,18 +344,17 @@ def test_dead_dedicated_aggregator_is_named_within_the_timeout():
         assert line[0] == "READY", line
         address = line[1]
         group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=address, timeout_s=2.0))
-        backends = [None, None]
-        _threads(2, lambda r: backends.__setitem__(r, om.OmniReduceBackend(group.contexts[r])), 20, "set-up")
+        backends = group.run(om.OmniReduceBackend, 20)
         x = np.ones(3000, np.float32)
-        assert _threads(2, lambda r: backends[r].allreduce(x, "before"), 20, "allreduce") == [None, None]
+        assert group.run(errors_of(lambda ctx: backends[ctx.rank].allreduce(x, "before")), 20) == [None, None]
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         start = time.monotonic()
-        errors = _threads(2, lambda r: backends[r].allreduce(x, "after"), 20, "allreduce")
+        errors = group.run(errors_of(lambda ctx: backends[ctx.rank].allreduce(x, "after")), 20)
         assert time.monotonic() - start < 2.0 + 2.0
         for e in errors:
             assert isinstance(e, CommTimeout) and address in str(e) and "commlib-aggregator" in str(e), e
-        _threads(2, lambda r: backends[r].close(), 20, "close")
+        group.run(lambda ctx: backends[ctx.rank].close(), 20)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -387,7 +366,7 @@ def test_unreachable_aggregator_fails_registration_on_every_rank():
     address = free.address_str
     free.close()                                            # nobody listens there now
     group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=address, timeout_s=1.0))
-    errors = _threads(2, lambda r: om.OmniReduceBackend(group.contexts[r]), 20, "set-up")
+    errors = group.run(errors_of(om.OmniReduceBackend), 20)
     for e in errors:
         assert isinstance(e, BackendUnavailable) and address in str(e) and "did not answer" in str(e), e
 
@@ -407,6 +386,16 @@ def test_block_mask_and_density():
     i[512] = -7
     assert om.block_mask(i, 256).tolist() == [0, 0, 1]
     assert om.block_mask(np.array([0, 0, 2], np.float64), 2).tolist() == [0, 1]   # numpy fallback
+
+
+def test_density_with_the_backends_own_block_and_threshold():
+    """What the core's `auto` policy reads: the fraction of blocks this backend would send."""
+    x = np.zeros(64, np.float32)
+    x[3] = 1.0                  # block 0 of 16
+    x[40] = 0.25                # block 2: not above the threshold, so zero
+    results, _ = run(1, lambda rank, b: b.density(x), omnireduce_block_size=16, omnireduce_threshold=0.25)
+    assert results[0] == 0.25 == om.block_density(x, 16, 0.25)
+    assert om.block_density(x) == 1.0                       # a fixed 256-element estimate would say dense
 
 
 def test_sparse_inputs_torch_coo_and_compressor_output():
@@ -443,7 +432,7 @@ def test_sparse_inputs_torch_coo_and_compressor_output():
         assert sparse_out.is_sparse and sparse_out.sparse_dim() == 1
         np.testing.assert_allclose(sparse_out.to_dense().numpy().reshape(-1), exact, rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(topk, topk_exact)
-    assert 0 < backends[0].density("emb")[0] <= 20 / 1250      # 20 rows of 16 floats: at most 20 blocks
+    assert 0 < backends[0].measured_density("emb")[0] <= 20 / 1250      # 20 rows of 16 floats: at most 20 blocks
 
 
 def test_stats_and_invalid_inputs():

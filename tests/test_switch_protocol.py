@@ -7,6 +7,8 @@ import struct
 
 import pytest
 
+from commlib.errors import ConfigError
+
 sw = pytest.importorskip("commlib.switch.switchml")
 if sw.lib is None:
     pytest.skip(sw.IMPORT_ERROR, allow_module_level=True)
@@ -57,7 +59,7 @@ def parse(packet):
 
 @pytest.fixture
 def switch():
-    server = sw.SwitchServer("127.0.0.1", 0, slots=256, slot_group=4).start()
+    server = sw.SwitchServer("127.0.0.1", 0, slots=256, slot_group=4, testing=True).start()
     yield server
     server.stop()
 
@@ -304,3 +306,31 @@ def test_drop_simulator_counts(switch, job2):
     job2.silent(0)
     c = job2.counters()
     assert 5 < c["drop_sim_ingress"] < 35 and c["drop_sim_ingress"] + c["rx"] == 40
+
+
+def test_simulate_is_refused_unless_the_switch_is_for_testing():
+    with sw.SwitchServer("127.0.0.1", 0, slots=16) as server:
+        with pytest.raises(ConfigError, match="--testing"):
+            sw.SwitchClient(server.address).simulate(ingress=0.5)
+        assert server.status()["simulate"]["ingress"] == 0.0
+
+
+def test_out_of_range_numbers_get_an_error_reply(switch):
+    client = sw.SwitchClient(switch.address)
+    with pytest.raises(ConfigError, match="32-bit"):
+        client.register(2 ** 32, [["127.0.0.1", 9]], 8, E)
+    with pytest.raises(ConfigError, match="port"):
+        client.register(TOKEN, [["127.0.0.1", 70000]], 8, E)
+    with pytest.raises(ConfigError, match="out of range"):          # caught from cffi: uint64_t seed
+        client.simulate(seed=2 ** 64)
+    assert switch.status()["free_slots"] == 256 and switch.status()["jobs"] == {}   # nothing half-registered
+    assert client.status()["slots"] == 256                                         # the switch still answers
+
+
+def test_job_pool_limit_is_the_headers():
+    assert sw.MAX_SLOTS == 1 << 15                  # the pool index carries 15 bits of slot
+    with sw.SwitchServer("127.0.0.1", 0, slots=sw.MAX_SLOTS + 1, slot_group=1024) as server:
+        client = sw.SwitchClient(server.address)
+        client.register(TOKEN, [["127.0.0.1", 9]], sw.MAX_SLOTS, E)
+        with pytest.raises(ConfigError, match="slots="):
+            client.register(TOKEN, [["127.0.0.1", 9]], sw.MAX_SLOTS + 1, E)

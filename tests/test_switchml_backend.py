@@ -35,34 +35,19 @@ def settings(**kw):
 
 
 def run(n, work, join_timeout=45.0, **kw):
-    """Run work(rank, backend) on n rank threads; returns the per-rank results, raises the first error."""
+    """Run work(rank, backend) on n rank threads, each closing its backend after it; returns the
+    per-rank results, raises the first error (a CommTimeout if a rank hangs: its backend stays open,
+    closing it would free the state that rank is still streaming with)."""
     group = LocalGroup(n, settings(**kw))
     backends = [sml.SwitchMLBackend(ctx) for ctx in group.contexts]
-    results, errors = [None] * n, [None] * n
 
-    def main(rank):
+    def main(ctx):
         try:
-            results[rank] = work(rank, backends[rank])
-        except Exception as exc:   # reported below, per rank
-            errors[rank] = exc
+            return work(ctx.rank, backends[ctx.rank])
+        finally:
+            backends[ctx.rank].close()      # collective: waits for the other ranks' work
 
-    _threads(n, main, join_timeout, "allreduce")
-    _threads(n, lambda rank: backends[rank].close(), 20.0, "close")
-    for exc in errors:
-        if exc is not None:
-            raise exc
-    return results
-
-
-def _threads(n, target, timeout, what):
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, t in enumerate(threads) if t.is_alive()]
-    assert not hung, f"ranks {hung} hung in {what} past {timeout}s"
+    return group.run(main, join_timeout)
 
 
 def float_data(rank, size, seed=0):
@@ -165,11 +150,8 @@ def test_two_jobs_share_one_switch():
                         backend.allreduce(int_data(rank, 9000, seed), "i"), backend.job]
             outs[tag] = run(n, work, switch_addr=server.address, switch_window=64)
 
-        jobs = [threading.Thread(target=job, args=("a", 2, 1)), threading.Thread(target=job, args=("b", 3, 2))]
-        for t in jobs:
-            t.start()
-        for t in jobs:
-            t.join(50)
+        jobs = [("a", 2, 1), ("b", 3, 2)]
+        LocalGroup(len(jobs), settings()).run(lambda ctx: job(*jobs[ctx.rank]), 50)   # a thread per job
         assert set(outs) == {"a", "b"}
         assert outs["a"][0][2] != outs["b"][0][2]
         for tag, n, seed in (("a", 2, 1), ("b", 3, 2)):
@@ -252,12 +234,17 @@ def test_dtypes_converted_or_rejected():
     backend = sml.SwitchMLBackend(LocalGroup(1, settings()).contexts[0])
     assert backend.enabled(TensorMeta("x", (3,), "float32", 12))
     assert backend.enabled(TensorMeta("x", (3,), "int32", 12))
+    assert backend.enabled(TensorMeta("x", (3,), "float16", 6))       # the core may send it: widened here
     assert not backend.enabled(TensorMeta("x", (3,), "float64", 24))
 
 
 def test_settings_validated():
     ctx = LocalGroup(1, settings(switch_packet_elems=100)).contexts[0]
     with pytest.raises(ConfigError, match="64 or 256"):
+        sml.SwitchMLBackend(ctx)
+    sml.SwitchMLBackend(LocalGroup(1, settings(switch_window=sw.MAX_SLOTS)).contexts[0])   # the header's limit
+    ctx = LocalGroup(1, settings(switch_window=sw.MAX_SLOTS + 1)).contexts[0]
+    with pytest.raises(ConfigError, match="switch_window"):
         sml.SwitchMLBackend(ctx)
     ctx = LocalGroup(1, settings(switch_nonfinite="ignore")).contexts[0]
     with pytest.raises(ConfigError, match="propagate"):
@@ -368,7 +355,7 @@ def test_switch_killed_mid_job_is_refused_quickly():
 
 
 def test_cli_counters_and_simulate():
-    proc, address = _switch_process(extra=["--slots", "1000"])
+    proc, address = _switch_process(extra=["--slots", "1000", "--testing"])
     try:
         def work(rank, backend):
             return backend.allreduce(np.ones(2000, np.float32), "x"), backend.job

@@ -139,9 +139,6 @@ sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworke
                            uint32_t elems, double rto_ms, double rto_max_ms, int offload);
 void sml_worker_free(sml_worker *w);
 void sml_worker_counters_get(sml_worker *w, sml_worker_counters *out);
-/* Where the next tensor starts: worker packet id and pool shift (identical on every rank). */
-uint32_t sml_worker_next_packet(sml_worker *w);
-uint32_t sml_worker_shift(sml_worker *w);
 
 /* Results of sml_worker_allreduce: >= 0 success, SML_R_* bits say what the result holds. */
 #define SML_R_NONFINITE 1       /* Inf/NaN from some rank, propagated into `out` */

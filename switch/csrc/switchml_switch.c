@@ -1,7 +1,9 @@
 /* The software switch: SwitchML's data plane over UDP (see switchml.h for the packet and the
  * per-packet rules). One thread runs sml_switch_run(); control calls (jobs, counters, the drop
- * simulator) come from other threads and take the same mutex, held only while a batch is
- * processed, never across a system call. */
+ * simulator) come from other threads and take the same mutex. The data-plane thread holds it
+ * while it processes a received batch and sends the batch's results (sendmmsg in
+ * sml_txq_flush, which can wait for room in the socket's send buffer), so a control call may
+ * wait for one batch; it never holds it while waiting for packets (poll, recvmmsg). */
 #define _GNU_SOURCE
 #include "switchml.h"
 #include "switchml_common.h"

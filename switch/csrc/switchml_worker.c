@@ -68,6 +68,7 @@ typedef struct {
     const uint8_t *nf;
     int8_t *mexp;
     int status;
+    uint64_t next_timer;  /* no later than the earliest deadline of an outstanding packet, ns */
 } tensor_t;
 
 sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworkers, uint32_t window,
@@ -119,8 +120,6 @@ void sml_worker_counters_get(sml_worker *w, sml_worker_counters *out) {
     out->srtt_ns = w->srtt;
     out->rto_ns = w->rto;
 }
-uint32_t sml_worker_next_packet(sml_worker *w) { return w->pkt_base; }
-uint32_t sml_worker_shift(sml_worker *w) { return w->shift; }
 int sml_worker_errno(sml_worker *w) { return w->err; }
 
 static int flush(sml_worker *w) {
@@ -219,6 +218,7 @@ static int send_packet(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c, uint6
     ch->sent = now;
     ch->resent = 0;
     ch->deadline = now + ch->rto;
+    if (ch->deadline < t->next_timer) t->next_timer = ch->deadline;  /* its rto may be the smallest */
     return queue(w, w->bufs + c * PKT_STRIDE, ch->len);
 }
 
@@ -325,17 +325,17 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
                          const uint8_t *nf, int8_t *mexp, int timeout_ms) {
     if (n == 0) return 0;
     uint64_t t_start = sml_now_ns(), wait_ns = 0, cpu0 = sml_cpu_ns();
-    tensor_t t = {.is_int = is_int, .x = x, .out = out, .n = n, .exps = exps, .nf = nf, .mexp = mexp};
+    tensor_t t = {.is_int = is_int, .x = x, .out = out, .n = n, .exps = exps, .nf = nf, .mexp = mexp,
+                  .next_timer = UINT64_MAX};
     t.B = (n + w->elems - 1) / w->elems;
     t.wc = t.B < w->window ? t.B : w->window;
     t.P = is_int ? t.B : t.B + t.wc;
     uint64_t timeout = (uint64_t)(timeout_ms > 0 ? timeout_ms : 1) * 1000000u;
-    uint64_t now = sml_now_ns(), progress = now, next_timer = UINT64_MAX, active = t.wc;
+    uint64_t now = sml_now_ns(), progress = now, active = t.wc;
     int rc = 0;
     w->tx.n = 0;
     for (uint64_t c = 0; c < t.wc && !rc; c++) rc = send_packet(w, &t, c, c, now);
     if (!rc) rc = flush(w);
-    next_timer = now + w->rto;
     while (!rc && active > 0) {
         int got = sml_rxq_recv(&w->rx);
         now = sml_now_ns();
@@ -356,7 +356,7 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
             if (rc >= 0) rc = flush(w);
             if (rc) break;
             /* timers only once the socket is drained: results waiting in it are not losses */
-            if (got == RX_BATCH || now < next_timer) continue;
+            if (got == RX_BATCH || now < t.next_timer) continue;
         } else if (got < 0) {
             w->err = -got;
             rc = got == -ECONNREFUSED ? SML_E_REFUSED : SML_E_SOCKET;
@@ -367,8 +367,8 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
             rc = SML_E_TIMEOUT;
             break;
         }
-        if (now >= next_timer) {  /* resend every expired packet, identical, to the same slot */
-            next_timer = UINT64_MAX;
+        if (now >= t.next_timer) {  /* resend every expired packet, identical, to the same slot */
+            t.next_timer = UINT64_MAX;
             for (uint64_t c = 0; c < t.wc && !rc; c++) {
                 chain_t *ch = &w->ch[c];
                 if (ch->p < 0) continue;
@@ -379,13 +379,13 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
                     w->c.resends++;
                     rc = queue(w, w->bufs + c * PKT_STRIDE, ch->len);
                 }
-                if (ch->deadline < next_timer) next_timer = ch->deadline;
+                if (ch->deadline < t.next_timer) t.next_timer = ch->deadline;
             }
             if (!rc) rc = flush(w);
             if (rc) break;
         }
         if (got > 0) continue;
-        uint64_t until = next_timer < progress + timeout ? next_timer : progress + timeout;
+        uint64_t until = t.next_timer < progress + timeout ? t.next_timer : progress + timeout;
         int ms = until > now ? (int)((until - now + 999999) / 1000000) : 0;
         struct pollfd pfd = {.fd = w->fd, .events = POLLIN};
         uint64_t t0 = sml_now_ns();

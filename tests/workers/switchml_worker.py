@@ -27,6 +27,12 @@ for length in (0, 1, 7, 300, 70001):
 t = torch.full((3, 4), float(r + 1))
 out = commlib.allreduce(t, name="torch.avg")              # Average, through the policy: switchml
 assert isinstance(out, torch.Tensor) and torch.allclose(out, torch.full((3, 4), total / n), atol=1e-5)
+# float16 is summed as float32 and rounded back: small integers stay exact
+half = commlib.allreduce(np.full(300, r + 1, np.float16), name="half", op=commlib.Sum, algorithm="switchml")
+assert half.dtype == np.float16 and np.all(half == total), half[:5]
+t = torch.full((5,), 0.5 * (r + 1), dtype=torch.float16)
+out = commlib.allreduce(t, name="torch.half", op=commlib.Sum, algorithm="switchml")
+assert out.dtype == torch.float16 and torch.equal(out, torch.full((5,), 0.5 * total, dtype=torch.float16)), out
 stats = commlib.backend_stats()["switchml"]
 assert stats["received"] > 0 and stats["embedded"] == (mode == "embedded" and r == 0), stats
 used = {rec["algorithm"] for rec in commlib.records().values()}

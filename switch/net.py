@@ -1,0 +1,26 @@
+"""UDP sockets of the data planes: SwitchML's switch and workers, OmniReduce's workers and aggregators."""
+import socket
+
+# (privileged option that may exceed net.core.rmem_max / wmem_max, the plain one the kernel caps)
+_BUFFER_OPTIONS = ((getattr(socket, "SO_RCVBUFFORCE", 33), socket.SO_RCVBUF),
+                   (getattr(socket, "SO_SNDBUFFORCE", 32), socket.SO_SNDBUF))
+
+
+def udp_socket(host=None, port=0, buffer_bytes=4 << 20):
+    """An IPv4 UDP socket whose receive and send buffers hold `buffer_bytes` (a window of packets),
+    bound to (host, port) when a host is given. Raises OSError (the socket closed) if it cannot bind."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for options in _BUFFER_OPTIONS:
+            for option in options:   # the forced size where we may, else what the kernel allows
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, option, buffer_bytes)
+                    break
+                except OSError:
+                    continue
+        if host is not None:
+            sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
