@@ -27,7 +27,7 @@ from commlib.errors import CommTimeout, Mismatch, PeerFailure
 log = logging.getLogger("commlib")
 _HEADER = struct.Struct("!I")
 # Fields all ranks must agree on for a tensor (besides its name).
-AGREED_FIELDS = ("shape", "dtype", "op", "algorithm", "compression", "prescale", "postscale")
+AGREED_FIELDS = ("shape", "dtype", "op", "algorithm", "bands", "compression", "prescale", "postscale")
 
 
 def send_msg(sock, msg):
@@ -71,28 +71,29 @@ def check_agreement(name, metas):
     return None
 
 
-def resolve_auto(metas, sparse_density):
-    """`auto`: the sparse algorithm when the densest rank's block density is below the bound."""
+def resolve_auto(metas):
+    """`auto` (and density rules): the first band whose bound is above the densest rank's block
+    density; the last band (bound None) otherwise."""
     meta = next(iter(metas.values()))
     if meta["algorithm"] != "auto":
         return meta["algorithm"]
     densities = [m.get("density") for m in metas.values()]
-    if None not in densities and max(densities) < sparse_density:
-        return meta["auto_sparse"]
-    return meta["auto_dense"]
+    densest = None if None in densities else max(densities)
+    for bound, algorithm in meta["bands"]:
+        if bound is None or (densest is not None and densest < bound):
+            return algorithm
+    raise AssertionError("unreachable: the last band has no bound")
 
 
 class ControllerServer:
     """Rank 0's coordinator. Single thread: accept all ranks, then a select loop per cycle."""
 
-    def __init__(self, size, host, port, timeout_s, cycle_time_ms, sparse_density,
-                 negotiation_timeout_s=None, stall_warning_s=None):
+    def __init__(self, size, host, port, timeout_s, cycle_time_ms, negotiation_timeout_s=None, stall_warning_s=None):
         self.size = size
         self.timeout_s = timeout_s
         self.negotiation_timeout_s = negotiation_timeout_s or timeout_s
         self.stall_warning_s = stall_warning_s or self.negotiation_timeout_s
         self.cycle_s = cycle_time_ms / 1000.0
-        self.sparse_density = sparse_density
         self.token = secrets.token_hex(16)
         self._listener = socket.create_server((host, port))
         self.address = self._listener.getsockname()[:2]
@@ -152,7 +153,10 @@ class ControllerServer:
         next_cycle = time.monotonic() + self.cycle_s
         while len(self._done) < self.size and not self._failed:
             for key, _ in selector.select(max(0.0, next_cycle - time.monotonic())):
-                msg = recv_msg(key.fileobj)
+                try:
+                    msg = recv_msg(key.fileobj)
+                except (OSError, ValueError):   # reset, timed out mid-message or garbled: that rank is gone
+                    msg = None
                 if msg is None:
                     selector.unregister(key.fileobj)
                     if key.data not in self._done:
@@ -187,7 +191,7 @@ class ControllerServer:
         if problem:
             self._broadcast({"t": "error", "kind": "Mismatch", "names": [name], "message": problem})
         else:
-            self._ready.append({"name": name, "algorithm": resolve_auto(metas, self.sparse_density)})
+            self._ready.append({"name": name, "algorithm": resolve_auto(metas)})
 
     def _release(self):
         if self._ready:

@@ -9,6 +9,7 @@ runs the backend (or the compressor pipeline), scales, splits and resolves the h
 import atexit
 import itertools
 import logging
+import os
 import threading
 import time
 
@@ -18,7 +19,7 @@ from commlib import compressors, controller, engine as engines, topology
 from commlib.backends import TensorMeta, registry
 from commlib.context import Context
 from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, Mismatch
-from commlib.policy import Policy
+from commlib.policy import DensityChoice, Policy
 from commlib.settings import Settings, defined
 from commlib.tensors import Staged
 from commlib.timeline import Timeline
@@ -88,7 +89,7 @@ class Communicator:
         array = np.ascontiguousarray(array).reshape(-1)
         native = array.dtype in backend.dtypes
         out = backend.allreduce(array if native else array.astype(np.float32), f"{self._name}.{next(self._calls)}")
-        return out if native else out.astype(array.dtype)
+        return out.astype(array.dtype, copy=False)
 
     def allgather(self, array):
         """Every rank's 1-D array (lengths may differ), index = rank."""
@@ -134,12 +135,13 @@ class Runtime:
                 address = (host, server.address[1])
             else:
                 address = None
-            address = self.engine.broadcast_object(address)
+            address = _within(s.timeout_s, "sharing the controller's address (commlib.init)",
+                              self.engine.broadcast_object, address)
         return server, controller.ControllerClient(address, t.rank, s.timeout_s)
 
     def _controller_settings(self):
         s = self.settings
-        return dict(timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms, sparse_density=s.auto_sparse_density,
+        return dict(timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms,
                     negotiation_timeout_s=s.negotiation_timeout_s, stall_warning_s=s.stall_warning_s)
 
     def _check_settings_agree(self):
@@ -189,12 +191,15 @@ class Runtime:
             raise self._broken
         if op not in _OPS:
             raise ConfigError(f"op={op!r}: use commlib.Sum or commlib.Average")
-        name = name or f"allreduce.noname.{next(self._names)}"
+        named, name = name is not None, name or f"allreduce.noname.{next(self._names)}"
         staged = Staged(tensor)
         if op == Average and staged.travel_dtype.kind in "iu":
             raise InvalidTensor(f"tensor {name!r}: op=Average on {staged.dtype_name} would truncate; use op=commlib.Sum")
         if algorithm is None and compression is None:
             algorithm, compression = self.policy.choose(name, staged.nbytes, staged.dtype_name)
+        if compression is not None and not named:
+            raise ConfigError(f"compressed tensors need a name= that is the same at every step: error feedback "
+                              f"and random streams are kept per name (compression {compression!r})")
         s = self.settings
         # resolve() hands out one object per spec: memories (error feedback, PowerSGD's Q) persist
         entry = _Entry(tensor, staged, name, op, compressors.resolve(compression), prescale, postscale,
@@ -212,9 +217,9 @@ class Runtime:
         staged = entry.staged
         meta = TensorMeta(entry.name, tuple(staged.shape), str(staged.travel_dtype),
                           staged.numel * staged.travel_dtype.itemsize)
+        bands, density = None, None
         if entry.compression is not None:
             algorithm = self._compressed_algorithm(entry, requested)
-            density, dense, sparse = None, algorithm, algorithm
         else:
             if requested == "allgather":
                 raise ConfigError(f"tensor {entry.name!r}: algorithm 'allgather' carries compressed payloads; "
@@ -223,18 +228,31 @@ class Runtime:
             if dense is None:
                 raise InvalidTensor(f"tensor {entry.name!r}: no algorithm here reduces {staged.dtype_name}; "
                                     f"cast it to float32, float64 or an int dtype")
-            sparse = self._first_enabled(("omnireduce",), meta) or dense
-            if requested == "auto":
-                algorithm = "auto" if sparse != dense else dense
-            else:
-                algorithm = requested
-                self._check_enabled(algorithm, meta)
-            density = self.backends[sparse].density(staged.array) if algorithm == "auto" else None
+            sparse = self._first_enabled(("omnireduce",), meta)
+            bands = self._bands(requested, dense, sparse, meta)
+            if len(bands) == 1:
+                algorithm, bands = bands[0][1], None
+            else:   # settled by the controller from every rank's density
+                algorithm, density = "auto", self.backends[sparse].density(staged.array)
         entry.meta = {"name": entry.name, "shape": list(meta.shape), "dtype": staged.dtype_name, "op": entry.op,
-                      "algorithm": algorithm, "auto_dense": dense, "auto_sparse": sparse, "density": density,
+                      "algorithm": algorithm, "bands": bands, "density": density,
                       "compression": repr(entry.compression) if entry.compression is not None else None,
                       "prescale": entry.prescale, "postscale": entry.postscale}
         return entry.meta
+
+    def _bands(self, requested, dense, sparse, meta):
+        """[[density bound or None, algorithm], ...]: the controller takes the first band whose bound is
+        above the densest rank's block density (measured by omnireduce: none without it)."""
+        if isinstance(requested, DensityChoice):
+            *conditional, fallback = requested
+            for _, algorithm in conditional:
+                self._check_enabled(algorithm, meta)
+            rest = self._bands(fallback, dense, sparse, meta)
+            return rest if sparse is None else [list(band) for band in conditional] + rest
+        if requested == "auto":
+            return [[None, dense]] if sparse is None else [[self.settings.auto_sparse_density, sparse], [None, dense]]
+        self._check_enabled(requested, meta)
+        return [[None, requested]]
 
     def _first_enabled(self, names, meta):
         return next((n for n in names if n in self.backends and self.backends[n].enabled(meta)), None)
@@ -363,6 +381,28 @@ class Runtime:
         self.timeline.close()
 
 
+def _within(timeout_s, what, fn, *args):
+    """fn(*args) for an engine call that has no timeout of its own (Horovod's and MPI's broadcasts
+    wait forever for a rank that never joins): CommTimeout after timeout_s instead of a hang."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:   # handed to the caller below
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="commlib-bounded-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise CommTimeout(f"{what} did not finish within {timeout_s:.0f}s: some rank did not call commlib.init() "
+                          f"(or hvd.init()); every rank must (raise COMMLIB_TIMEOUT_S if one is just slow)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def _fuse(entries, threshold):
     """Consecutive entries of the same kind, each group at most `threshold` bytes."""
     group, size = [], 0
@@ -386,16 +426,22 @@ _init_lock = threading.Lock()
 
 def init(policy=None, **settings):
     """Start commlib on this rank (idempotent). `policy`: a Policy or its text; other keyword
-    arguments are settings (see commlib.settings; each is overridable by COMMLIB_<NAME>)."""
+    arguments are settings (see commlib.settings). COMMLIB_<NAME> variables override both."""
     global _runtime
+    args = (policy, settings)
     with _init_lock:
         if _runtime is not None:
+            if args != _runtime.init_args and (policy is not None or settings):
+                log.warning("commlib.init() was called again with other arguments, which are ignored: "
+                            "call commlib.shutdown() first to change them")
             return
         registry()                       # backends declare their settings on import
-        resolved = Settings(settings)
-        if policy is None:
-            policy = resolved.policy
-        _runtime = Runtime(resolved, Policy.parse(policy) if isinstance(policy, str) else policy)
+        text = policy if isinstance(policy, str) else None
+        resolved = Settings(settings if text is None else dict(settings, policy=text))
+        if not isinstance(policy, Policy) or "COMMLIB_POLICY" in os.environ:
+            policy = Policy.parse(resolved.policy)
+        _runtime = Runtime(resolved, policy)
+        _runtime.init_args = args
         atexit.register(shutdown)
 
 

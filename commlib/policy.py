@@ -8,6 +8,11 @@ or as text (COMMLIB_POLICY): ``embedding.*=omnireduce;*.weight[min=1MiB]=topk(ra
 A rule matches a name by glob (``re:`` prefix for a regular expression), optionally by size and
 dtype. The first matching rule wins; ``auto`` lets the core choose from the measured block
 density (sparse -> omnireduce, dense -> switchml, else ring) among the enabled backends.
+
+A rule may also ask for the measured block density, ``*[density<0.05]=omnireduce;*=ring`` (or
+``Rule("*", "omnireduce", max_density=0.05)``): each rank measures its own tensor, so such a rule
+cannot be settled alone; the controller settles it from the densest rank, and otherwise the next
+matching rule applies (which must not compress).
 """
 import fnmatch
 import re
@@ -34,10 +39,16 @@ class Rule:
     min_bytes: int = 0
     max_bytes: int = None
     dtypes: tuple = ()
+    max_density: float = None        # matches when the densest rank's block density is below this
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"rule {self.pattern!r}: unknown algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
+        if self.max_density is not None and (self.compression is not None or self.algorithm in ("auto", "allgather")
+                                             or not 0 < self.max_density <= 1):
+            raise ConfigError(f"rule {self.pattern!r}: a density condition needs a bound in (0, 1] and an "
+                              f"uncompressed algorithm (ring, switchml or omnireduce), not {self.algorithm!r}"
+                              + (f" with {self.compression!r}" if self.compression is not None else ""))
         if self.pattern.startswith("re:"):
             try:
                 re.compile(self.pattern[3:])
@@ -60,10 +71,21 @@ class Policy:
         self.rules = list(rules) + [Rule("*", default)]
 
     def choose(self, name, nbytes, dtype):
-        """(algorithm, compression spec) of the first rule that matches."""
+        """(algorithm, compression spec) of the first rule that matches; where density rules match
+        first, the algorithm is a DensityChoice that the core settles from the measured density."""
+        bands = []
         for rule in self.rules:
-            if rule.matches(name, nbytes, dtype):
+            if not rule.matches(name, nbytes, dtype):
+                continue
+            if rule.max_density is not None:
+                bands.append((rule.max_density, rule.algorithm))
+                continue
+            if not bands:
                 return rule.algorithm, rule.compression
+            if rule.compression is not None:
+                raise ConfigError(f"policy: tensor {name!r} matches a density rule whose fallback {rule.pattern!r} "
+                                  f"compresses; put an uncompressed rule between them")
+            return DensityChoice(bands + [rule.algorithm]), None
         raise AssertionError("unreachable: the last rule matches everything")
 
     @classmethod
@@ -73,6 +95,11 @@ class Policy:
 
     def __repr__(self):
         return f"Policy({self.rules[:-1]})"
+
+
+class DensityChoice(tuple):
+    """((bound, algorithm), ..., fallback algorithm): the first bound above the densest rank's
+    measured block density wins, else the fallback (itself maybe `auto`)."""
 
 
 def _split_top(text, sep):
@@ -114,12 +141,19 @@ def _parse_conditions(text, rule):
     kwargs = {}
     for condition in filter(None, (c.strip() for c in text.split(","))):
         key, _, value = condition.partition("=")
-        if key == "min":
+        density = re.fullmatch(r"density\s*<\s*([0-9.eE+-]+)", condition)
+        if density:
+            try:
+                kwargs["max_density"] = float(density.group(1))
+            except ValueError:
+                raise ConfigError(f"policy rule {rule!r}: {condition!r} needs a number, e.g. density<0.05") from None
+        elif key == "min":
             kwargs["min_bytes"] = parse_bytes(value)
         elif key == "max":
             kwargs["max_bytes"] = parse_bytes(value)
         elif key == "dtype":
             kwargs["dtypes"] = tuple(value.split("|"))
         else:
-            raise ConfigError(f"policy rule {rule!r}: unknown condition {key!r}; use min=, max= or dtype=")
+            raise ConfigError(f"policy rule {rule!r}: unknown condition {key!r}; use min=, max=, dtype= or "
+                              f"density<")
     return kwargs

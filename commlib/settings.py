@@ -1,12 +1,15 @@
-"""Settings: keyword arguments, overridable by COMMLIB_<NAME> environment variables.
+"""Settings: keyword arguments, overridden by COMMLIB_<NAME> environment variables.
 
 Each module declares the settings it reads with `define()` at import time (the core here, each
 backend in its own module), so there is one place per setting and unknown names are an error.
 """
+import logging
 import os
 from dataclasses import dataclass
 
 from commlib.errors import ConfigError
+
+log = logging.getLogger("commlib")
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,8 @@ def defined():
 
 
 class Settings:
-    """Resolved values: explicit keyword > COMMLIB_<NAME> > default. Read as attributes."""
+    """Resolved values: COMMLIB_<NAME> > keyword > default, so a launcher's environment (exported
+    before horovodrun, or mpirun -x) can retune a script without editing it. Read as attributes."""
 
     def __init__(self, overrides=None, environ=None):
         environ = os.environ if environ is None else environ
@@ -56,14 +60,18 @@ class Settings:
         unknown = sorted(set(overrides) - set(_DEFINED))
         if unknown:
             raise ConfigError(f"unknown setting(s) {unknown}; known settings: {sorted(_DEFINED)}")
+        stray = sorted(key for key in environ if key.startswith("COMMLIB_") and key[8:].lower() not in _DEFINED)
+        if stray:   # a misspelt variable would otherwise be ignored without a word
+            log.warning("commlib: ignoring unknown environment variable(s) %s; `python -m commlib` lists the "
+                        "settings", ", ".join(stray))
         values = {}
         for name, setting in _DEFINED.items():
-            if name in overrides:
+            if f"COMMLIB_{name.upper()}" in environ:
+                value = setting.parse(environ[f"COMMLIB_{name.upper()}"])
+            elif name in overrides:
                 value = overrides[name]
                 if isinstance(value, str) and not isinstance(setting.default, str):
                     value = setting.parse(value)
-            elif f"COMMLIB_{name.upper()}" in environ:
-                value = setting.parse(environ[f"COMMLIB_{name.upper()}"])
             else:
                 value = setting.default
             values[name] = value

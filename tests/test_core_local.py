@@ -8,10 +8,14 @@ import torch
 import commlib
 
 
+def _single_process(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "COMMLIB_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+
+
 @pytest.fixture
 def runtime(tmp_path, monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        monkeypatch.delenv(var, raising=False)
+    _single_process(monkeypatch)
     timeline = tmp_path / "trace.json"
     commlib.init(policy="*=ring", timeout_s=5.0, timeline=str(timeline))
     yield timeline
@@ -21,6 +25,39 @@ def runtime(tmp_path, monkeypatch):
 def test_not_initialized_says_what_to_do():
     with pytest.raises(commlib.CommError, match="commlib.init"):
         commlib.allreduce(np.ones(2))
+
+
+def test_environment_overrides_the_policy_keyword(monkeypatch, caplog):
+    _single_process(monkeypatch)
+    monkeypatch.setenv("COMMLIB_POLICY", "*=ring")
+    commlib.init(policy="*=omnireduce", timeout_s=5.0)
+    try:
+        commlib.allreduce(np.ones(3, np.float32), name="x")
+        assert commlib.records()["x"]["algorithm"] == "ring"
+        with caplog.at_level("WARNING", logger="commlib"):
+            commlib.init(policy="*=omnireduce", timeout_s=5.0)   # the same arguments: nothing to say
+            assert "called again" not in caplog.text
+            commlib.init(policy="*=switchml")
+        assert "called again with other arguments" in caplog.text
+    finally:
+        commlib.shutdown()
+
+
+def test_density_rule_dispatches_by_measured_density(monkeypatch):
+    _single_process(monkeypatch)
+    commlib.init(policy="grad.*[density<0.05]=omnireduce; *=ring", timeout_s=5.0)
+    try:
+        sparse = np.zeros(256 * 100, np.float32)
+        sparse[:256] = 1.0                               # one block of 100 non-zero
+        dense = np.ones(256 * 100, np.float32)
+        for name, x in (("grad.sparse", sparse), ("grad.dense", dense), ("other", sparse)):
+            np.testing.assert_array_equal(commlib.allreduce(x, name=name), x)
+        records = commlib.records()
+        assert [records[n]["algorithm"] for n in ("grad.sparse", "grad.dense", "other")] == \
+            ["omnireduce", "ring", "ring"], records
+        assert records["grad.sparse"]["density"] == pytest.approx(0.01)
+    finally:
+        commlib.shutdown()
 
 
 def test_types_dtypes_shapes_round_trip(runtime):
@@ -65,6 +102,11 @@ def test_timeline_is_a_chrome_trace(runtime):
 def test_bad_arguments_are_clear_errors(runtime, kwargs, error, text):
     with pytest.raises(error, match=text):
         commlib.allreduce(np.ones(3, np.float32), name="bad", **kwargs)
+
+
+def test_compression_needs_a_stable_name(runtime):
+    with pytest.raises(commlib.ConfigError, match="name= that is the same at every step"):
+        commlib.allreduce(np.ones(3, np.float32), compression="topk")
 
 
 def test_average_of_integers_and_unsupported_types(runtime):

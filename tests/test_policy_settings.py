@@ -3,7 +3,7 @@ import pytest
 
 from commlib import ConfigError, Policy, Rule
 from commlib.controller import check_agreement, resolve_auto
-from commlib.policy import parse_bytes
+from commlib.policy import DensityChoice, parse_bytes
 from commlib.settings import Settings
 
 
@@ -22,7 +22,20 @@ def test_policy_default_is_auto():
     assert Policy([Rule("a*", "ring")]).choose("b", 1, "float32") == ("auto", None)
 
 
-@pytest.mark.parametrize("text", ["*=bogus", "*=", "noequals", "*[size=3]=ring", "re:(=ring"])
+def test_density_rules_wait_for_the_measured_density():
+    p = Policy.parse("emb.*[density<0.05]=omnireduce; emb.*[density<0.5]=ring; emb.*=switchml; *=auto")
+    choice, compression = p.choose("emb.users", 100, "float32")
+    assert isinstance(choice, DensityChoice) and compression is None
+    assert list(choice) == [(0.05, "omnireduce"), (0.5, "ring"), "switchml"]
+    assert p.choose("fc.weight", 100, "float32") == ("auto", None)
+    assert Policy([Rule("*", "omnireduce", max_density=0.1)]).choose("x", 1, "float32") == (
+        DensityChoice([(0.1, "omnireduce"), "auto"]), None)
+    with pytest.raises(ConfigError, match="fallback"):
+        Policy.parse("*[density<0.1]=omnireduce; *=topk").choose("x", 1, "float32")
+
+
+@pytest.mark.parametrize("text", ["*=bogus", "*=", "noequals", "*[size=3]=ring", "re:(=ring", "*[density<0.1]=auto",
+                                  "*[density<2]=omnireduce", "*[density<x]=ring", "*[density<0.1]=ring:fp16"])
 def test_bad_policy_is_a_clear_error(text):
     with pytest.raises(ConfigError):
         Policy.parse(text)
@@ -34,10 +47,14 @@ def test_parse_bytes():
         parse_bytes("lots")
 
 
-def test_settings_keyword_beats_environment_beats_default():
+def test_settings_environment_beats_keyword_beats_default(caplog):
     assert Settings().timeout_s == 60.0
     assert Settings(environ={"COMMLIB_TIMEOUT_S": "5"}).timeout_s == 5.0
-    assert Settings({"timeout_s": 2}, environ={"COMMLIB_TIMEOUT_S": "5"}).timeout_s == 2
+    assert Settings({"timeout_s": 2}, environ={}).timeout_s == 2
+    assert Settings({"timeout_s": 2}, environ={"COMMLIB_TIMEOUT_S": "5"}).timeout_s == 5.0
+    with caplog.at_level("WARNING", logger="commlib"):
+        Settings(environ={"COMMLIB_TIMOUT_S": "5"})
+    assert "COMMLIB_TIMOUT_S" in caplog.text
     with pytest.raises(ConfigError, match="unknown setting"):
         Settings({"timout_s": 2})
     with pytest.raises(ConfigError, match="COMMLIB_FUSION_THRESHOLD"):
@@ -46,8 +63,8 @@ def test_settings_keyword_beats_environment_beats_default():
 
 def _meta(**kw):
     base = {"name": "w", "shape": [4], "dtype": "float32", "op": "average", "algorithm": "auto",
-            "compression": None, "prescale": 1.0, "postscale": 1.0, "auto_dense": "switchml",
-            "auto_sparse": "omnireduce", "density": 0.5}
+            "compression": None, "prescale": 1.0, "postscale": 1.0,
+            "bands": [[0.25, "omnireduce"], [None, "switchml"]], "density": 0.5}
     base.update(kw)
     return base
 
@@ -59,9 +76,13 @@ def test_agreement_names_the_field_and_ranks():
 
 
 def test_auto_uses_the_densest_rank():
-    assert resolve_auto({0: _meta(density=0.01), 1: _meta(density=0.02)}, 0.25) == "omnireduce"
-    assert resolve_auto({0: _meta(density=0.01), 1: _meta(density=0.9)}, 0.25) == "switchml"
-    assert resolve_auto({0: _meta(algorithm="ring")}, 0.25) == "ring"
+    assert resolve_auto({0: _meta(density=0.01), 1: _meta(density=0.02)}) == "omnireduce"
+    assert resolve_auto({0: _meta(density=0.01), 1: _meta(density=0.9)}) == "switchml"
+    assert resolve_auto({0: _meta(density=0.01), 1: _meta(density=None)}) == "switchml"   # not measured
+    assert resolve_auto({0: _meta(algorithm="ring", bands=None)}) == "ring"
+    bands = [[0.05, "omnireduce"], [0.5, "ring"], [None, "switchml"]]
+    assert [resolve_auto({0: _meta(density=d, bands=bands)}) for d in (0.01, 0.05, 0.3, 0.9)] == [
+        "omnireduce", "ring", "ring", "switchml"]
 
 
 def test_registry_finds_every_backend_whatever_was_imported_first():

@@ -4,6 +4,8 @@ mismatch: rank 1 reduces a tensor of the wrong shape -> Mismatch on every rank n
 timeout:  rank 1 never submits a tensor -> CommTimeout on the others naming rank 1, within the timeout.
 dead:     rank 1 exits abruptly -> PeerFailure on the others naming rank 1.
 settings: rank 1 has another fusion_threshold -> Mismatch at init on every rank naming it.
+noinit:   (under horovodrun) rank 1 joins Horovod but never calls commlib.init() -> CommTimeout at
+          init on the others, within the timeout, instead of waiting forever in Horovod's broadcast.
 """
 import os
 import sys
@@ -23,18 +25,36 @@ if mode == "settings":
         assert "fusion_threshold: [4096, 1024, 4096]" in str(exc), str(exc)
         print("SETTINGS-OK", rank, exc)
         sys.exit(0)
+if mode == "noinit":
+    import horovod.torch as hvd
+    hvd.init()
+    start = time.monotonic()
+    if hvd.rank() == 1:
+        time.sleep(10.0)
+    else:
+        try:
+            commlib.init(policy="*=ring", timeout_s=4.0)
+            raise SystemExit("no error raised")
+        except commlib.CommTimeout as exc:
+            elapsed = time.monotonic() - start
+            assert "commlib.init()" in str(exc) and elapsed < 4.0 + 3.0, (elapsed, str(exc))
+            print("NOINIT-OK", hvd.rank(), f"{elapsed:.1f}s", exc)
+    print("NOINIT-DONE", hvd.rank(), flush=True)
+    os._exit(0)   # Horovod still waits inside the broadcast rank 1 never joined: skip its teardown
 commlib.init(policy="*=ring", timeout_s=4.0, negotiation_timeout_s=4.0, stall_warning_s=2.0)
 r, n = commlib.rank(), commlib.size()
 commlib.allreduce(np.ones(3, np.float32), name="warmup")
 
 if mode == "mismatch":
     shape = 5 if r == 1 else 4
+    start = time.monotonic()
     try:
         commlib.allreduce(np.ones(shape, np.float32), name="grad.w")
         raise SystemExit("no error raised")
     except commlib.Mismatch as exc:
         msg = str(exc)
         assert "'grad.w'" in msg and "shape" in msg and "rank 1 gave [5]" in msg, msg
+        assert time.monotonic() - start < 4.0, f"took {time.monotonic() - start:.1f}s, past the 4s timeout"
         print("MISMATCH-OK", r, msg)
 elif mode == "timeout":
     start = time.monotonic()
