@@ -177,6 +177,7 @@ class OmniReduceBackend(Backend):
         self._processes, self._aggregators, self._agg_desc = [], [], []
         self._job_hash = agg.token_hash(ctx.job_token or "no-token")
         self._seq, self._broken, self._closed = 0, None, False
+        self._stopping, self._keepalive = threading.Event(), None
         self._lock = threading.Lock()          # stats
         self._call_lock = threading.Lock()     # one tensor at a time on the socket
         self._tensors, self._last = OrderedDict(), {}
@@ -197,7 +198,9 @@ class OmniReduceBackend(Backend):
         try:   # local set-up; a failure is shared with every rank so none waits for us
             self._sock = agg.make_socket("0.0.0.0" if host != "127.0.0.1" else host)
             if self.mode == "colocated":
-                self._colocated = agg.Aggregator("0.0.0.0" if host != "127.0.0.1" else host).start(
+                # it lives exactly as long as this backend: it never collects its job as idle
+                self._colocated = agg.Aggregator("0.0.0.0" if host != "127.0.0.1" else host,
+                                                 job_idle_s=float("inf")).start(
                     f"omnireduce-aggregator-rank{ctx.rank}")
                 mine["agg"] = f"{host}:{self._colocated.address[1]}"
             elif not s.omnireduce_aggregators and ctx.rank == 0:
@@ -236,13 +239,24 @@ class OmniReduceBackend(Backend):
                                               s.omnireduce_sim_loss, s.omnireduce_sim_dup, seed)
             if self._worker == ffi.NULL:
                 raise BackendUnavailable("omnireduce: cannot create the worker (invalid settings or out of memory)")
-            for index, ((ip, port), (job, key)) in enumerate(zip(self._aggregators, jobs)):
+            for index, ((ip, port), (job, key, _)) in enumerate(zip(self._aggregators, jobs)):
                 lib.omr_worker_set_agg(self._worker, index, ip.encode(), port, job, key)
+            idle_s = min(idle for _, _, idle in jobs)
+            if ctx.rank == 0 and idle_s != float("inf"):   # one rank's keepalives hold the job's state
+                self._keepalive = threading.Thread(target=self._keep_alive, args=(idle_s / 4,),
+                                                   name="omnireduce-keepalive", daemon=True)
+                self._keepalive.start()
         except CommError as exc:
             error = f"rank {ctx.rank}: {exc}"
         verdicts = ctx.exchange(f"{self._prefix}/registered", error)
         if any(verdicts):
             raise BackendUnavailable("; ".join(v for v in verdicts if v))
+
+    def _keep_alive(self, every_s):
+        """Dedicated aggregators drop a job that is silent for their idle time: while this backend
+        is open, tell them it lives (a job may reduce nothing for a long evaluation)."""
+        while not self._stopping.wait(every_s):
+            agg.keepalive(self._sock, self._aggregators, self._job_hash, self._epoch)
 
     def _spawn_aggregators(self, count):
         """Rank 0, all ranks local, nothing configured: start `count` commlib-aggregator processes."""
@@ -397,6 +411,10 @@ class OmniReduceBackend(Backend):
         self._release()
 
     def _release(self):
+        self._stopping.set()
+        if self._keepalive is not None:
+            self._keepalive.join()
+            self._keepalive = None
         if self._colocated is not None:
             self._colocated.close()
             self._colocated = None

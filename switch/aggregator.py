@@ -5,7 +5,9 @@ One `Aggregator` serves any number of jobs and tensors without restarting: a job
 (job token hash, epoch) a worker presents in its REGISTER packet; the reply gives the worker the
 job id and a random key that every data packet must carry (the token check), and records the
 worker's address under its rank (so several workers on one host work). Jobs leave when a rank
-deregisters after the job's closing barrier, or after `job_idle_s` without a packet.
+deregisters after the job's closing barrier, or after `job_idle_s` without a packet: workers of a
+live job that has nothing to reduce for a while (evaluation, checkpointing) send KEEPALIVEs, so
+only a job whose workers died is collected.
 
 Used three ways: `commlib-aggregator` processes (dedicated mode, switch/aggregator_main.py),
 a thread inside every worker (colocated mode), or a role of another daemon (`serve()`).
@@ -77,10 +79,11 @@ def resolve_address(text):
 
 
 class _Job:
-    __slots__ = ("id", "key", "params", "ranks")
+    __slots__ = ("id", "key", "params", "ranks", "alive")
 
     def __init__(self, job_id, key, params):
         self.id, self.key, self.params, self.ranks = job_id, key, params, set()
+        self.alive = time.monotonic()   # the last registration or keepalive
 
 
 class Aggregator:
@@ -164,6 +167,10 @@ class Aggregator:
                 reply = self._register(body, source)
                 self.sock.sendto(pack(lib.OMR_REGISTERED, reply, job=reply.get("job", 0), key=reply.get("key", 0)),
                                  source)
+            elif kind == lib.OMR_KEEPALIVE:
+                job = self._jobs.get((body.get("job"), body.get("epoch")))
+                if job is not None:
+                    job.alive = time.monotonic()
             elif kind == lib.OMR_DEREGISTER:
                 job = self._jobs.pop((body.get("job"), body.get("epoch")), None)
                 if job is not None:
@@ -194,11 +201,13 @@ class Aggregator:
                              f"every rank must use the same omnireduce settings"}
         lib.omr_agg_set_worker(self._agg, job.id, rank, source[0].encode(), source[1])
         job.ranks.add(rank)
-        return {"ok": True, "job": job.id, "key": job.key}
+        job.alive = time.monotonic()
+        return {"ok": True, "job": job.id, "key": job.key, "idle_s": self.job_idle_s}
 
     def _collect_idle(self):
         for key, job in list(self._jobs.items()):
-            if lib.omr_agg_job_idle_s(self._agg, job.id) > self.job_idle_s:
+            silent = min(lib.omr_agg_job_idle_s(self._agg, job.id), time.monotonic() - job.alive)
+            if silent > self.job_idle_s:
                 del self._jobs[key]
                 lib.omr_agg_remove_job(self._agg, job.id)
                 log.info("omnireduce aggregator %s: job %d idle for %.0fs, dropped", self.address_str, job.id,
@@ -206,7 +215,8 @@ class Aggregator:
 
 
 def register(sock, aggregators, request, timeout_s, retry_s=0.2):
-    """Register this worker (its socket) with every aggregator [(ip, port), ...]: [(job, key), ...].
+    """Register this worker (its socket) with every aggregator [(ip, port), ...]:
+    [(job, key, idle_s), ...], idle_s being how long that aggregator keeps a silent job.
 
     REGISTER is retried until each aggregator answers; an aggregator that never answers is a
     CommTimeout that names it, a refusal a ConfigError with the aggregator's reason."""
@@ -237,7 +247,8 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2):
                 if "error" in body:
                     raise ConfigError(f"omnireduce aggregator {source[0]}:{source[1]} refused rank "
                                       f"{request['rank']}: {body['error']}")
-                answers[pending.pop(source)] = (int(body["job"]), int(body["key"]))
+                answers[pending.pop(source)] = (int(body["job"]), int(body["key"]),
+                                                float(body.get("idle_s", float("inf"))))
             if pending and time.monotonic() >= deadline:
                 missing = ", ".join(f"{h}:{p}" for h, p in pending)
                 raise CommTimeout(f"omnireduce: aggregator(s) {missing} did not answer registration within "
@@ -250,8 +261,17 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2):
 
 def deregister(sock, aggregators, job_hash, epoch):
     """Best effort: tell the aggregators the job is over (they also drop idle jobs)."""
+    _tell(lib.OMR_DEREGISTER, sock, aggregators, job_hash, epoch)
+
+
+def keepalive(sock, aggregators, job_hash, epoch):
+    """Best effort: the job is alive though it sends no data (its aggregators keep its state)."""
+    _tell(lib.OMR_KEEPALIVE, sock, aggregators, job_hash, epoch)
+
+
+def _tell(kind, sock, aggregators, job_hash, epoch):
     for address in aggregators:
         try:
-            sock.sendto(pack(lib.OMR_DEREGISTER, {"job": job_hash, "epoch": epoch}), address)
+            sock.sendto(pack(kind, {"job": job_hash, "epoch": epoch}), address)
         except OSError:
             pass

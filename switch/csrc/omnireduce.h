@@ -44,6 +44,7 @@
 #define OMR_REGISTER 16
 #define OMR_REGISTERED 17
 #define OMR_DEREGISTER 18
+#define OMR_KEEPALIVE 19         /* worker -> aggregator: the job lives on while it sends nothing (no reply) */
 
 #define OMR_F_ZERO 1              /* the block is all zero: no payload */
 #define OMR_F_INT32 2             /* payload is int32 (else float32) */
