@@ -2,8 +2,9 @@
 
 The core hands a backend contiguous 1-D numpy arrays of a dtype it declared, already negotiated
 (every rank calls `allreduce` for the same tensors in the same order from the core's single
-background thread), and expects the elementwise SUM back as a new array; averaging, scaling,
-fusion and framework conversion are the core's job.
+background thread), and expects the elementwise SUM back as a new array, of the input's dtype or a
+wider one (a float16 sum may come back as float32 so that averaging happens before rounding);
+averaging, scaling, fusion and framework conversion are the core's job.
 """
 import abc
 from dataclasses import dataclass

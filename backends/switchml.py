@@ -161,8 +161,8 @@ class SwitchMLBackend(Backend):
             raise InvalidTensor(f"switchml cannot reduce tensor {name!r} of dtype {dtype}: it sums float32 and "
                                 f"float16 (quantized to int32 on the switch) and int32 (exactly); convert it, or "
                                 f"use algorithm='ring'")
-        if dtype == F16:   # float32 holds every float16 exactly
-            return self.allreduce(array.astype(F32), name).astype(F16)
+        if dtype == F16:   # float32 holds every float16 exactly; the sum stays float32 so that a sum
+            return self.allreduce(array.astype(F32), name)   # beyond 65504 is averaged before the core rounds it
         out = np.empty_like(array)
         if array.size == 0:
             return out

@@ -20,10 +20,11 @@ from commlib.context import LocalGroup
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, InvalidTensor, PeerFailure
 from commlib.settings import Settings
 
-sml = pytest.importorskip("commlib.backends.switchml")
+import commlib.backends.switchml as sml   # noqa: E402
+
 sw = sml.sw
-if sw.lib is None:
-    pytest.skip(sw.IMPORT_ERROR, allow_module_level=True)
+if sw.lib is None:   # not built: a failure of the suite, never a quiet skip
+    raise ImportError(sw.IMPORT_ERROR)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -230,7 +231,7 @@ def test_dtypes_converted_or_rejected():
         return half
 
     half = run(2, work)[0]
-    assert half.dtype == np.float16 and np.all(half == 3.0)
+    assert half.dtype == np.float32 and np.all(half == 3.0)   # widened: the core averages, then rounds
     backend = sml.SwitchMLBackend(LocalGroup(1, settings()).contexts[0])
     assert backend.enabled(TensorMeta("x", (3,), "float32", 12))
     assert backend.enabled(TensorMeta("x", (3,), "int32", 12))

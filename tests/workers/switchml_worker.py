@@ -30,6 +30,9 @@ assert isinstance(out, torch.Tensor) and torch.allclose(out, torch.full((3, 4), 
 # float16 is summed as float32 and rounded back: small integers stay exact
 half = commlib.allreduce(np.full(300, r + 1, np.float16), name="half", op=commlib.Sum, algorithm="switchml")
 assert half.dtype == np.float16 and np.all(half == total), half[:5]
+# n * 40000 overflows float16 (max 65504), the average does not: the sum stays float32 until averaged
+big = commlib.allreduce(np.full(10, 40000, np.float16), name="half.avg", algorithm="switchml")
+assert big.dtype == np.float16 and np.all(big == 40000), big
 t = torch.full((5,), 0.5 * (r + 1), dtype=torch.float16)
 out = commlib.allreduce(t, name="torch.half", op=commlib.Sum, algorithm="switchml")
 assert out.dtype == torch.float16 and torch.equal(out, torch.full((5,), 0.5 * total, dtype=torch.float16)), out
