@@ -70,6 +70,10 @@ def from_params(params):
     if not isinstance(params, dict):
         raise ConfigError(f"from_params expects a dict of GRACE params, got {type(params).__name__}")
     params = dict(params)
+    params.pop("world_size", None)   # GRACE's communicators needed it; commlib takes the size from the job
+    if params.pop("gradient_clipping", False):
+        raise ConfigError("gradient_clipping=True (GRACE's dgc memory) is not done by commlib: clip in the "
+                          "training loop (torch.nn.utils.clip_grad_norm_) and leave gradient_clipping unset")
     name = params.pop("compressor", "none")
     memory = params.pop("memory", "none")
     communicator = params.pop("communicator", None)

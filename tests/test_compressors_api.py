@@ -59,8 +59,11 @@ def test_grace_from_params():
     assert ef.lr == 0.05 and ef.memory.lr == 0.05                             # lr shared by both roles
     assert C.from_params({"compressor": "efsignsgd"}).memory.name == "none"
     assert C.build("efsignsgd", {"lr": 0.02}).memory.lr == 0.02               # default memory follows lr
-    d = C.from_params({"compressor": "dgc", "memory": "dgc", "momentum": 0.8, "compress_ratio": 0.001})
+    d = C.from_params({"compressor": "dgc", "memory": "dgc", "momentum": 0.8, "compress_ratio": 0.001,
+                       "world_size": 4, "gradient_clipping": False})          # a whole GRACE config
     assert d.memory.momentum == 0.8 and d.ratio == 0.001
+    with pytest.raises(ConfigError, match="clip_grad_norm_"):
+        C.from_params({"compressor": "dgc", "memory": "dgc", "gradient_clipping": True})
     p = C.from_params({"compressor": "powersgd", "memory": "powersgd", "communicator": "allreduce", "compress_rank": 4})
     assert p.rank == 4 and p.allowed_algorithms() == {"ring", "switchml"}
     assert C.from_params({"compressor": "threshold", "threshold": 0.2}).tau == 0.2
