@@ -2,7 +2,9 @@
 
 After a few steps with different data per rank: parameters are identical on all ranks and equal
 to plain Horovod's within `tolerance` (tight for ring, the quantization bound for switchml, the
-compressor's error for a lossy `compression`)."""
+compressor's error for a lossy `compression`). argv: policy tolerance [compression|none [options]],
+options e.g. "op=sum,passes=2" (Horovod's op and backward_passes_per_step, on both optimizers).
+Every rank also checks that what commlib does not support is a clear ConfigError."""
 import sys
 
 import torch
@@ -12,8 +14,12 @@ import commlib
 import commlib.torch as cl
 
 policy, tolerance = sys.argv[1], float(sys.argv[2])
-compression = sys.argv[3] if len(sys.argv) > 3 else None   # a commlib spec, or "hvd.fp16" for Horovod's
+compression = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "none" else None   # or "hvd.fp16"
+options = dict(kv.split("=") for kv in sys.argv[4].split(",")) if len(sys.argv) > 4 else {}
+passes = int(options.get("passes", 1))
 hvd.init()
+op = {"average": hvd.Average, "sum": hvd.Sum}[options.get("op", "average")]
+predivide = 2.0 if op == hvd.Average else 1.0   # Horovod allows a predivide factor with Average only
 commlib.init(policy=policy)
 torch.set_num_threads(1)
 
@@ -24,22 +30,32 @@ def train(make_optimizer, extra=None):
     opt = make_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
     g = torch.Generator().manual_seed(100 + hvd.rank())
     for _ in range(5):
-        x = torch.randn(32, 20, generator=g)
         opt.zero_grad()
-        model(x).pow(2).mean().backward()
+        for _ in range(passes):   # gradients accumulate locally; the last pass reduces them
+            model(torch.randn(32, 20, generator=g)).pow(2).mean().backward()
         opt.step()
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 if compression == "hvd.fp16":
     compression = hvd.Compression.fp16
-ours = train(lambda o, named: cl.DistributedOptimizer(o, named_parameters=named, backward_passes_per_step=1,
-                                                      gradient_predivide_factor=2.0, compression=compression))
-theirs = train(lambda o, named: hvd.DistributedOptimizer(o, named_parameters=named, gradient_predivide_factor=2.0))
+ours = train(lambda o, named: cl.DistributedOptimizer(o, named_parameters=named, backward_passes_per_step=passes,
+                                                      op=op, gradient_predivide_factor=predivide,
+                                                      compression=compression))
+theirs = train(lambda o, named: hvd.DistributedOptimizer(o, named_parameters=named, backward_passes_per_step=passes,
+                                                         op=op, gradient_predivide_factor=predivide))
 everyone = hvd.allgather(ours.unsqueeze(0), name="check.params")
 assert all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size())), "ranks diverged"
 diff = (ours - theirs).abs().max().item()
 assert diff <= tolerance, f"commlib vs horovod differ by {diff} > {tolerance}"
+unsupported = {"op=Adasum": dict(op=hvd.Adasum), "groups": dict(groups=2),
+               "process_set": dict(process_set=hvd.ProcessSet([0]))}
+for label, kwargs in unsupported.items():
+    try:
+        cl.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), **kwargs)
+        raise SystemExit(f"{label}: no error raised")
+    except commlib.ConfigError as exc:
+        assert "commlib" in str(exc), str(exc)
 algorithms = {(r["algorithm"], r["compression"]) for r in commlib.records().values()}
 print(f"OPTIMIZER-OK rank {hvd.rank()} max|diff| {diff:.3g} algorithms {sorted(algorithms)}")
 commlib.shutdown()
