@@ -1,4 +1,4 @@
-"""Compressor throughput, bytes on the wire and error, per method and tensor size (CPU).
+"""Compressor throughput, bytes on the wire and error, per method and tensor size (CPU, or a GPU).
 
 For every registered method (default hyperparameters) and size n (a float32 matrix of about
 sqrt(n) x sqrt(n), so PowerSGD has a matrix to factor):
@@ -12,7 +12,8 @@ sqrt(n) x sqrt(n), so PowerSGD has a matrix to factor):
     vote in {-1, +1}, so their "error" measures scale too.
 
     python benchmarks/bench_compressors.py [--quick] [--sizes 1M,25M] [--runs 5] [--methods topk,dgc]
-Results: benchmarks/results/compressors.json (and RESULTS.md).
+                                           [--device cuda]
+Results: benchmarks/results/compressors.json (compressors_cuda.json with --device cuda) and RESULTS.md.
 """
 import argparse
 import math
@@ -56,6 +57,8 @@ def throughput(spec, x, runs):
         payload, ctx = c.compress(x, "bench")
         c.decompress(payload, ctx)
         last["payload"] = payload
+        if x.is_cuda:   # kernels run asynchronously: time them, not their launch
+            torch.cuda.synchronize(x.device)
 
     samples = common.timeit(roundtrip, runs, warmup=1)
     return samples, packing.nbytes(last["payload"])
@@ -78,7 +81,9 @@ def main():
     parser.add_argument("--runs", type=int, default=5, help="timed runs per point (median; >= 5)")
     parser.add_argument("--methods", help="comma-separated specs (default: every registered method)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="cpu", help="where the compressors run, e.g. cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)).split(",")]
@@ -89,12 +94,13 @@ def main():
     rows, results = [], []
     header = (f"{'method':<22} {'elements':>9} {'Melem/s':>8} {'median ms':>10} {'best ms':>9} {'wire bytes':>11} "
               f"{'x fp32':>7} {'rel.err':>7}")
-    print(f"# compress+decompress on CPU ({torch.get_num_threads()} torch threads), median of {runs} runs; "
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} torch threads)"
+    print(f"# compress+decompress on {where}, median of {runs} runs; "
           f"error vs the mean of {RANKS} ranks")
     print(header)
     for n in sizes:
         shape = matrix_shape(n)
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(n))
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(n)).to(device)
         for spec in specs:
             samples, nbytes = throughput(spec, x, runs)   # noisy on a shared machine: see best ms
             stats = common.summarize(samples)
@@ -107,16 +113,17 @@ def main():
                      f"{stats['min'] * 1e3:.2f}", nbytes, f"{row['ratio_vs_fp32']:.1f}", f"{error:.3f}")
             print("{:<22} {:>9} {:>8} {:>10} {:>9} {:>11} {:>7} {:>7}".format(*cells), flush=True)
             rows.append("| " + " | ".join(map(str, cells)) + " |")
-    markdown = ("Compress + decompress on CPU, one tensor (a float32 matrix of about sqrt(n) x sqrt(n)), "
+    markdown = (f"Compress + decompress on {where}, one tensor (a float32 matrix of about sqrt(n) x sqrt(n)), "
                 f"median of {runs} runs after a warm-up; wire bytes are the payload of one call; relative error of "
                 f"the {RANKS}-rank compressed mean vs the exact mean, i.i.d. Gaussian inputs, first step.\n\n"
                 "| method | elements | Melem/s (median) | median ms | best ms | wire bytes | x fp32 | rel. error |\n"
                 "|---|---|---|---|---|---|---|---|\n"
                 + "\n".join(rows))
-    settings = {"quick": args.quick, "sizes": sizes, "runs": runs, "ranks": RANKS,
+    settings = {"quick": args.quick, "sizes": sizes, "runs": runs, "ranks": RANKS, "device": where,
                 "torch_threads": torch.get_num_threads()}
-    common.save("compressors", settings, results, markdown)
-    print(f"saved {common.RESULTS / 'compressors.json'}")
+    suite = "compressors" if device.type == "cpu" else f"compressors_{device.type}"
+    common.save(suite, settings, results, markdown)
+    print(f"saved {common.RESULTS / (suite + '.json')}")
 
 
 if __name__ == "__main__":
