@@ -13,7 +13,8 @@ NP ?= 4
 install: apt venv deps horovod develop
 
 apt:
-	@if ! command -v mpirun >/dev/null || ! command -v ip >/dev/null || ! command -v tc >/dev/null; then \
+	@if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null || ! command -v cmake >/dev/null || \
+	    ! command -v c++ >/dev/null || ! command -v ip >/dev/null || ! command -v tc >/dev/null; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    openmpi-bin libopenmpi-dev iproute2 build-essential cmake; fi
 

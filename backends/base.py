@@ -49,6 +49,11 @@ class Backend(abc.ABC):
     def allreduce(self, array, name):
         """Return the elementwise sum over ranks of `array` (1-D, contiguous) as a new array."""
 
+    def measured_density(self, name):
+        """(this rank's, the union's) block density a sparse algorithm measured on its last call
+        named `name`, for commlib.records(); None for dense algorithms."""
+        return None
+
     def stats(self):
         """Counters for users (bytes, packets, resends, ...)."""
         return {}

@@ -338,7 +338,12 @@ class Runtime:
         if first.prescale != 1.0:
             buf = (buf * first.prescale).astype(buf.dtype)
         name = first.name if len(group) == 1 else f"{first.name}+{len(group) - 1}"
-        out = self.backend(first.algorithm).allreduce(buf, name)
+        backend = self.backend(first.algorithm)
+        out = backend.allreduce(buf, name)
+        measured = backend.measured_density(name)   # of the fused buffer when fused
+        if measured is not None:
+            for entry in group:
+                entry.meta["density"] = measured[0]
         scale = first.postscale / (self.topology.size if first.op == Average else 1)
         if scale != 1.0:
             out = (out * scale).astype(buf.dtype)
@@ -503,7 +508,8 @@ def allreduce(tensor, name=None, op=Average, algorithm=None, compression=None,
 
 
 def records():
-    """Per tensor name, the last dispatch: algorithm, compression, bytes, density, timings."""
+    """Per tensor name, the last dispatch: algorithm, compression, bytes, block density (as `auto`
+    measured it, or as omnireduce saw it: of the fused buffer when fused), timings."""
     return dict(runtime().records)
 
 

@@ -56,6 +56,8 @@ def test_density_rule_dispatches_by_measured_density(monkeypatch):
         assert [records[n]["algorithm"] for n in ("grad.sparse", "grad.dense", "other")] == \
             ["omnireduce", "ring", "ring"], records
         assert records["grad.sparse"]["density"] == pytest.approx(0.01)
+        commlib.allreduce(sparse, name="explicit", algorithm="omnireduce")   # measured by the backend itself
+        assert commlib.records()["explicit"]["density"] == pytest.approx(0.01)
     finally:
         commlib.shutdown()
 
