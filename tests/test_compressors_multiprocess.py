@@ -16,6 +16,14 @@ def test_compressed_allreduce_four_processes():
     assert all(f"COMPRESSED-OK {r} {len(CASES)}" in p.stdout for r, p in enumerate(ranks)), ranks.output
 
 
+def test_every_other_method_four_processes():
+    """The methods the cases above leave out: each through the real core equals its reference."""
+    cases = ["none@ring", "signum@allgather", "onebit@allgather", "natural@allgather", "terngrad@allgather",
+             "adaq@allgather", "inceptionn@allgather", "sketch@allgather", "u8bit@allgather", "dgc@allgather"]
+    ranks = spawn(4, "compressed_allreduce.py", "|".join(cases), timeout=240).check()
+    assert all(f"COMPRESSED-OK {r} {len(cases)}" in p.stdout for r, p in enumerate(ranks)), ranks.output
+
+
 def test_sparse_payloads_ride_omnireduce():
     """Top-k, threshold and DGC outputs through the sparse collective (decoded to dense, zeros skipped)."""
     cases = ["topk(ratio=0.1)@omnireduce", "threshold(tau=1.5)@omnireduce", "dgc@omnireduce",
