@@ -1,0 +1,85 @@
+"""commlib across emulated hosts: a network namespace per worker and one for the switch or the
+aggregators, links shaped by tc (benchmarks/netem.py). Correctness over real interfaces, each
+worker its own host (no loopback shortcuts, no embedded switch); speed is bench_network.py's job."""
+import json
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import netem  # noqa: E402
+
+AVAILABLE, WHY = netem.available()
+pytestmark = [pytest.mark.netns, pytest.mark.multiprocess, pytest.mark.timeout(240),
+              pytest.mark.skipif(not AVAILABLE, reason=WHY)]
+
+
+def _ready_line(proc, seconds=30):
+    """commlib-aggregator's `READY host:port,...` line, or a failure that says why."""
+    ready, _, _ = select.select([proc.stdout], [], [], seconds)
+    line = proc.stdout.readline().strip() if ready else ""
+    assert line.startswith("READY "), f"daemon did not start (exit {proc.poll()}): {line!r}"
+    return line.split()[1]
+
+
+def _run(cluster, hosts, script, *args, env=None):
+    ranks = cluster.run(hosts, [sys.executable, str(WORKERS / script), *args], env or {}, timeout=180, cwd=ROOT)
+    for rank, (code, out) in enumerate(ranks):
+        assert code == 0, f"rank {rank} exited {code}:\n{out}"
+    return [out for _, out in ranks]
+
+
+def test_ring_across_hosts():
+    with netem.Cluster(["w0", "w1", "w2"], rate="1gbit") as cluster:
+        outs = _run(cluster, ["w0", "w1", "w2"], "basic.py")
+    assert all(f"OK {r}" in out for r, out in enumerate(outs)), outs
+
+
+def test_switchml_through_a_switch_on_its_own_host(tmp_path):
+    hosts = ["w0", "w1", "w2"]
+    with netem.Cluster(hosts + ["switch"], rate="1gbit", unshaped={"switch"}) as cluster:
+        port_file = tmp_path / "switch"
+        switch = cluster.popen("switch", [sys.executable, "-m", "commlib.switch", "--host", cluster.address("switch"),
+                                          "--port", "0", "--port-file", str(port_file)], cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 30
+            while not port_file.exists() and switch.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert port_file.exists(), f"commlib-switch did not start (exit {switch.poll()})"
+            address = port_file.read_text()
+            assert address.startswith(cluster.address("switch"))
+            outs = _run(cluster, hosts, "switchml_worker.py", "external", env={"COMMLIB_SWITCH_ADDR": address})
+            counters = subprocess.run(["ip", "netns", "exec", cluster.namespace("w0"), sys.executable, "-m",
+                                       "commlib.switch", "counters", address], capture_output=True, text=True,
+                                      cwd=ROOT, timeout=30)
+        finally:
+            cluster.kill([switch])
+    assert all(f"OK {r}" in out for r, out in enumerate(outs)), outs
+    assert counters.returncode == 0, counters.stderr
+    seen = json.loads(counters.stdout)
+    assert seen["switch"]["rx"] > 0 and seen["switch"]["drop_checksum"] == 0, seen
+    assert seen["jobs"] == {}, seen   # the job ended at shutdown and gave its slots back
+
+
+@pytest.mark.parametrize("mode", ["colocated", "dedicated"])
+def test_omnireduce_across_hosts(mode):
+    hosts = ["w0", "w1", "w2"]
+    with netem.Cluster(hosts + ["aggregators"], rate="1gbit", unshaped={"aggregators"}) as cluster:
+        env, procs = {}, []
+        try:
+            if mode == "dedicated":
+                procs.append(cluster.popen("aggregators", [
+                    sys.executable, "-m", "commlib.switch.aggregator_main", "--host", cluster.address("aggregators"),
+                    "--port", "0", "--count", "2", "--quiet"], stdout=subprocess.PIPE, text=True, cwd=ROOT))
+                env["COMMLIB_OMNIREDUCE_AGGREGATORS"] = _ready_line(procs[0])
+            start = time.monotonic()
+            outs = _run(cluster, hosts, "omnireduce_worker.py", "sums", mode, env=env)
+        finally:
+            cluster.kill(procs)
+    assert all(f"OK {r}" in out for r, out in enumerate(outs)), (time.monotonic() - start, outs)
