@@ -133,7 +133,9 @@ def _parse_rule(text):
         algorithm, compression = "auto", action     # '*.weight=topk(ratio=0.01)'
     if compression.strip():
         from commlib import compressors
-        compressors.resolve(compression.strip())     # an unknown compressor fails here, not mid-training
+        compressor = compressors.resolve(compression.strip())   # unknown or incompatible: fails here,
+        if compressor is not None and algorithm.strip() != "auto":  # not mid-training
+            compressors.check_algorithm(compressor, algorithm.strip())
     return Rule(pattern.strip() or "*", algorithm.strip(), compression.strip() or None, **kwargs)
 
 

@@ -35,7 +35,8 @@ def test_density_rules_wait_for_the_measured_density():
 
 
 @pytest.mark.parametrize("text", ["*=bogus", "*=", "noequals", "*[size=3]=ring", "re:(=ring", "*[density<0.1]=auto",
-                                  "*[density<2]=omnireduce", "*[density<x]=ring", "*[density<0.1]=ring:fp16"])
+                                  "*[density<2]=omnireduce", "*[density<x]=ring", "*[density<0.1]=ring:fp16",
+                                  "*=ring:topk", "*=switchml:signsgd"])
 def test_bad_policy_is_a_clear_error(text):
     with pytest.raises(ConfigError):
         Policy.parse(text)
