@@ -36,6 +36,10 @@ class Backend(abc.ABC):
         Returns (True, "") or (False, "why, and what to do")."""
         return True, ""
 
+    def start(self):
+        """Collective set-up once every rank built this backend (a switch, registrations), at
+        commlib.init(): every rank calls it, in the same order. Raise to make the backend unavailable."""
+
     def enabled(self, meta):
         """Horovod's Enabled(): will this backend take this tensor? Same answer on every rank."""
         return np.dtype(meta.dtype) in self.dtypes

@@ -102,7 +102,16 @@ class SwitchMLBackend(Backend):
         self._broken = None
         self._scope = ctx.scope("switchml")   # this instance's exchange keys
 
-    # -- set-up: collective, on the first allreduce (every rank reaches it in the same order) ----------
+    # -- set-up: collective, at commlib.init() (or the first allreduce of a backend made by hand) -------
+    def start(self):
+        """The switch (embedded in rank 0 unless configured), every rank's address, the job's registration."""
+        try:
+            self._setup()
+        except Exception as exc:   # the same failure on every rank: do not retry half set up
+            self._broken = f"set-up failed: {exc}"
+            self._release()
+            raise
+
     def _exchange_checked(self, key, value, error):
         """Allgather (value, error); raise the first rank's error on every rank."""
         got = self.ctx.exchange(f"{self._scope}/{key}", [value, error])
@@ -170,12 +179,7 @@ class SwitchMLBackend(Backend):
             raise PeerFailure(f"switchml: tensor {name!r} not reduced: an earlier error left this job's stream "
                               f"out of step with the switch ({self._broken}); restart the job")
         if self._worker is None:
-            try:
-                self._setup()
-            except Exception as exc:   # the same failure on every rank: do not retry half set up
-                self._broken = f"set-up failed: {exc}"
-                self._release()
-                raise
+            self.start()
         ffi, lib = sw.ffi, sw.lib
         timeout_ms = int(self.ctx.settings.timeout_s * 1000)
         if dtype == I32:

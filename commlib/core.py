@@ -162,18 +162,26 @@ class Runtime:
         backends, unavailable = {}, {}
         for name, cls in sorted(registry().items()):
             ok, why = cls.available(self.ctx)
-            if ok:
-                try:
-                    backends[name] = cls(self.ctx)
-                except Exception as exc:   # one rank's failure must not split the job
-                    log.warning("commlib: backend %s failed to start on rank %d: %s", name, self.topology.rank, exc)
-                    why = f"failed to start on rank {self.topology.rank}: {exc}"
-            verdicts = self.ctx.exchange(f"init/backend/{name}", why or "")
-            reasons = [v for v in verdicts if v]
-            if reasons:
-                unavailable[name] = reasons[0]
-                if name in backends:
-                    backends.pop(name).close()
+            backend = None
+            for stage in ("build", "start"):   # every rank agrees on each stage before the next
+                if ok and not why:
+                    try:
+                        if stage == "build":
+                            backend = cls(self.ctx)
+                        else:
+                            backend.start()
+                    except Exception as exc:   # one rank's failure must not split the job
+                        log.warning("commlib: backend %s failed to %s on rank %d: %s", name, stage,
+                                    self.topology.rank, exc)
+                        why = f"failed to {stage} on rank {self.topology.rank}: {exc}"
+                reasons = [v for v in self.ctx.exchange(f"init/backend/{name}/{stage}", why or "") if v]
+                if reasons:
+                    unavailable[name] = reasons[0]
+                    if backend is not None:
+                        backend.close()
+                    break
+            else:
+                backends[name] = backend
         return backends, unavailable
 
     def backend(self, name):

@@ -3,6 +3,7 @@
 Rank r contributes (r + 1) * x, so the sum is n(n+1)/2 * x: exact for int32, within the
 quantization bound for float32. argv[1]: 'embedded' (no switch configured: rank 0 runs one on
 loopback) or 'external' (COMMLIB_SWITCH_ADDR points at a commlib-switch the test started)."""
+import socket
 import sys
 
 import numpy as np
@@ -13,6 +14,8 @@ import commlib
 mode = sys.argv[1]
 commlib.init(policy="*=switchml")
 r, n = commlib.rank(), commlib.size()
+at_init = commlib.backend_stats()["switchml"]   # init started the switch (embedded) and registered the job
+assert at_init["job"] is not None and at_init["embedded"] == (mode == "embedded" and r == 0), at_init
 total = n * (n + 1) // 2
 for length in (0, 1, 7, 300, 70001):
     xi = (r + 1) * np.arange(length, dtype=np.int32)
@@ -40,5 +43,13 @@ stats = commlib.backend_stats()["switchml"]
 assert stats["received"] > 0 and stats["embedded"] == (mode == "embedded" and r == 0), stats
 used = {rec["algorithm"] for rec in commlib.records().values()}
 assert used == {"switchml"}, used
+host, port = stats["switch"].rsplit(":", 1)
+socket.create_connection((host, int(port)), timeout=5).close()   # its control port answers while it runs
 commlib.shutdown()
+if stats["embedded"]:   # shutdown stopped the embedded switch
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        raise SystemExit(f"the embedded switch at {stats['switch']} still answers after shutdown")
+    except ConnectionRefusedError:
+        pass
 print("OK", r, stats["switch"], stats["sent"], flush=True)
