@@ -4,7 +4,8 @@ Every host is a network namespace with one interface, `eth0`, whose veth peer si
 a fabric namespace; each host link is shaped in both directions with tc (tbf at `rate`, behind an
 optional netem for delay and loss), so a host's uplink and downlink are its port on the emulated
 switch. Nothing touches the root namespace: addresses (10.201.0.0/24) exist only inside these
-namespaces, and everything is removed on exit, also on failure.
+namespaces (each with its own /etc/hosts, see _add_host), and everything is removed on exit, also
+on failure.
 
     with Cluster(["w0", "w1", "switch"], rate="1gbit") as cluster:
         proc = cluster.popen("w0", ["python", "worker.py"])
@@ -13,9 +14,12 @@ namespaces, and everything is removed on exit, also on failure.
 Needs root and iproute2 (`make install` brings it).
 """
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import time
+from pathlib import Path
 
 SUBNET = "10.201.0"
 
@@ -88,7 +92,10 @@ class Cluster:
         """Kill each process group still running, and reap it."""
         for proc in procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:   # it ended meanwhile
+                    pass
                 proc.wait()
 
     def counters(self, host):
@@ -113,6 +120,7 @@ class Cluster:
     def __exit__(self, *exc):
         for namespace in reversed(self._made):   # deleting a namespace deletes its veth ends
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
         self._made = []
 
     def _add_namespace(self, namespace):
@@ -129,6 +137,11 @@ class Cluster:
         _ip("-n", namespace, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
         _ip("-n", namespace, "link", "set", "eth0", "up")
         _ip("-n", namespace, "route", "add", "default", "dev", "eth0")   # so a host finds its own address
+        # `ip netns exec` mounts /etc/netns/<ns>/hosts on /etc/hosts: inside, this machine's hostname is
+        # the host's own address (Horovod's Gloo process sets look their address up by hostname)
+        etc = Path("/etc/netns") / namespace
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{self.address(host)} {socket.gethostname()} {host}\n")
         if host not in self.unshaped:
             self._shape(namespace, "eth0")       # uplink: host -> fabric
             self._shape(self.fabric, port)       # downlink: fabric -> host

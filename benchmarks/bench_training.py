@@ -1,0 +1,284 @@
+"""End-to-end data-parallel training on the emulated network, with and without commlib.
+
+N emulated hosts (benchmarks/netem.py, every worker link shaped to --rate each way), one Horovod job
+(Gloo controller, a rendezvous server like horovodrun's on an unshaped host beside the switch). Every
+configuration trains the same model from the same start in the same processes, one after the other:
+  dense:  an MLP on a teacher task (labels of a fixed random network):
+          Horovod's DistributedOptimizer, with fp16 compression, and commlib's over switchml, `auto`
+          and PowerSGD (rank 4);
+  sparse: an EmbeddingBag(sparse=True) recommendation model whose feature ids follow a Zipf law
+          (a few thousand hot rows take most updates, as in the IMC'20 measurements):
+          Horovod with sparse_as_dense (dense allreduce), Horovod's own sparse path (allgather of
+          the sparse gradients), and commlib's omnireduce (the embedding) + switchml (the rest).
+Rank 0 prints each in the Horovod synthetic-benchmark format; the loss curve of each configuration is
+kept, so a configuration that is fast but does not learn is visible (results/training.png).
+
+    python benchmarks/bench_training.py [--quick] [--workers 4] [--rate 500mbit] [--steps 30]
+Results: benchmarks/results/training.json, training.png and RESULTS.md. Needs root (namespaces, tc).
+"""
+import argparse
+import json
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
+import netem  # noqa: E402
+
+# (workload, label, how): how = ("horovod", kwargs) or ("commlib", policy, compression)
+CONFIGS = [
+    ("dense", "horovod", ("horovod", {})),
+    ("dense", "horovod fp16", ("horovod", {"compression": "fp16"})),
+    ("dense", "commlib switchml", ("commlib", "*=switchml", None)),
+    ("dense", "commlib auto", ("commlib", "*=auto", None)),
+    ("dense", "commlib powersgd(rank=4)", ("commlib", "*.weight=ring:powersgd(rank=4);*=ring", None)),
+    ("sparse", "horovod sparse_as_dense", ("horovod", {"sparse_as_dense": True})),
+    ("sparse", "horovod sparse (allgather)", ("horovod", {})),
+    ("sparse", "commlib omnireduce", ("commlib", "embedding.*=omnireduce;*=switchml", None)),
+]
+
+RENDEZVOUS = """
+import sys, time
+from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+from horovod.runner.http.http_server import RendezvousServer
+hosts = sys.argv[1]
+size = hosts.count(":")
+server = RendezvousServer(verbose=0)
+port = server.start()
+server.init(get_host_assignments(parse_hosts(hosts), size))
+print("READY", port, flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+# -- inside each rank (its own namespace) -------------------------------------------------------------
+def models(args, torch):
+    """(workload -> (build_model(), make_batch(step) -> (inputs, targets), loss_fn)), the same on every
+    rank except the data, which is per rank."""
+    import horovod.torch as hvd
+    gen = torch.Generator().manual_seed(1234)                 # the teacher: the same on every rank
+    teacher = torch.randn(args.features, 10, generator=gen)
+    row_weight = torch.randn(args.vocab, generator=gen)
+    zipf = 1.0 / torch.arange(1, args.vocab + 1, dtype=torch.float64) ** 1.1
+    perm = torch.randperm(args.vocab, generator=gen)          # hot rows scattered over the table
+
+    def dense_model():
+        h = args.hidden
+        return torch.nn.Sequential(torch.nn.Linear(args.features, h), torch.nn.ReLU(), torch.nn.Linear(h, h),
+                                   torch.nn.ReLU(), torch.nn.Linear(h, 10))
+
+    def dense_batch(step):
+        x = torch.randn(args.batch, args.features, generator=torch.Generator().manual_seed(step * 1000 + hvd.rank()))
+        return x, (x @ teacher).argmax(dim=1)
+
+    class Recommender(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.EmbeddingBag(args.vocab, 32, mode="mean", sparse=True)
+            self.head = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+        def forward(self, ids):
+            return self.head(self.embedding(ids)).squeeze(1)
+
+    def sparse_batch(step):
+        g = torch.Generator().manual_seed(step * 1000 + hvd.rank())
+        ids = perm[torch.multinomial(zipf, args.batch * 8, replacement=True, generator=g)].view(args.batch, 8)
+        return ids, torch.tanh(2 * row_weight[ids].mean(dim=1))
+
+    # workload -> (model, batch, loss, SGD's lr and momentum)
+    return {"dense": (dense_model, dense_batch, torch.nn.functional.cross_entropy, 0.05, 0.9),
+            "sparse": (Recommender, sparse_batch, torch.nn.functional.mse_loss, 0.5, 0.0)}
+
+
+def worker(args):
+    import torch
+
+    import horovod.torch as hvd
+    import commlib
+    import commlib.torch as cl
+
+    hvd.init()
+    torch.set_num_threads(1)
+    commlib.init()
+    workloads = models(args, torch)
+    out = {}
+    for workload, label, how in CONFIGS:
+        build, batch, loss_fn, lr, momentum = workloads[workload]
+        torch.manual_seed(0)
+        model = build()
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        if how[0] == "horovod":
+            kwargs = dict(how[1])
+            if kwargs.get("compression") == "fp16":
+                kwargs["compression"] = hvd.Compression.fp16
+            optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), **kwargs)
+        else:
+            optimizer = cl.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), policy=how[1],
+                                                compression=how[2])
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        rates, losses = [], []
+        for step in range(args.warmup + args.steps):
+            inputs, targets = batch(step)
+            hvd.allreduce(torch.zeros(1), name=f"{label}.sync.{step}")   # every rank starts the step together
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            elapsed = time.perf_counter() - start
+            losses.append(hvd.allreduce(loss.detach(), name=f"{label}.loss.{step}").item())
+            if step >= args.warmup:
+                rates.append(args.batch / elapsed)
+        records = commlib.records()
+        algorithms = sorted({records[name]["algorithm"] + (":" + records[name]["compression"].split("(")[0]
+                                                           if records[name]["compression"] else "")
+                             for name, _ in model.named_parameters() if name in records})
+        if hvd.rank() == 0:
+            params = sum(p.numel() for p in model.parameters())
+            print(f"Model: {workload} {type(model).__name__} ({params:,} parameters), {label}")
+            print(f"Batch size: {args.batch}")
+            print(f"Number of CPUs: {hvd.size()}")
+            for i, rate in enumerate(rates):
+                print(f"Iter #{i}: {rate:.1f} img/sec per CPU")
+            mean, std = statistics.fmean(rates), statistics.pstdev(rates)
+            print(f"Img/sec per CPU: {mean:.1f} +-{1.96 * std:.1f}")
+            print(f"Total img/sec on {hvd.size()} CPU(s): {hvd.size() * mean:.1f} +-{1.96 * std * hvd.size() ** 0.5:.1f}",
+                  flush=True)
+            out[label] = {"workload": workload, "parameters": params, "rates": rates, "losses": losses,
+                          "commlib_algorithms": algorithms if how[0] == "commlib" else []}
+    if hvd.rank() == 0:
+        common.emit({"size": hvd.size(), "results": out})
+    commlib.shutdown()
+
+
+# -- the launcher -------------------------------------------------------------------------------------
+def _read_ready(proc, what, seconds=60):
+    ready, _, _ = select.select([proc.stdout], [], [], seconds)
+    line = proc.stdout.readline().strip() if ready else ""
+    if not line.startswith("READY "):
+        raise RuntimeError(f"{what} did not start (exit {proc.poll()}): {line!r}")
+    return line.split()[1]
+
+
+def _run(args, n):
+    hosts = [f"w{r}" for r in range(n)]
+    with netem.Cluster(hosts + ["switch"], rate=args.rate, unshaped={"switch"}) as cluster:
+        port_file = Path(tempfile.mkdtemp()) / "port"
+        daemons = [cluster.popen("switch", [sys.executable, "-m", "commlib.switch", "--host", cluster.address("switch"),
+                                            "--port", "0", "--port-file", str(port_file)],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT),
+                   cluster.popen("switch", [sys.executable, "-c", RENDEZVOUS, ",".join(f"{h}:1" for h in hosts)],
+                                 stdout=subprocess.PIPE, text=True, cwd=ROOT)]
+        try:
+            rendezvous_port = _read_ready(daemons[1], "Horovod's rendezvous server")
+            deadline = time.monotonic() + 30
+            while not port_file.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            env = {"COMMLIB_SWITCH_ADDR": port_file.read_text(), "COMMLIB_TIMEOUT_S": "120",
+                   # what horovodrun --gloo sets for each process (horovod/runner/gloo_run.py)
+                   "HOROVOD_GLOO_RENDEZVOUS_ADDR": cluster.address("switch"),
+                   "HOROVOD_GLOO_RENDEZVOUS_PORT": rendezvous_port, "HOROVOD_CONTROLLER": "gloo",
+                   "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": "eth0", "HOROVOD_SIZE": str(n),
+                   "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1", "HOROVOD_CROSS_SIZE": str(n)}
+            forwarded = ["--worker", *[f"--{k}={getattr(args, k)}" for k in
+                                       ("steps", "warmup", "batch", "hidden", "features", "vocab")]]
+            script = ["bash", "-c", 'HOROVOD_RANK=$RANK HOROVOD_CROSS_RANK=$RANK HOROVOD_HOSTNAME=w$RANK exec "$@"',
+                      "rank", sys.executable, str(Path(__file__)), *forwarded]
+            ranks = cluster.run(hosts, script, env, args.timeout, cwd=ROOT)
+        finally:
+            cluster.kill(daemons)
+    output = ranks[0][1]
+    payloads = [json.loads(line.split(common.RESULT_MARK, 1)[1]) for line in output.splitlines()
+                if common.RESULT_MARK in line]
+    if any(code for code, _ in ranks) or not payloads:
+        raise RuntimeError(f"workers failed (exit {[code for code, _ in ranks]}):\n" + "\n".join(
+            f"--- rank {r} ---\n{out[-4000:]}" for r, (_, out) in enumerate(ranks)))
+    print("\n".join(line for line in output.splitlines() if common.RESULT_MARK not in line))
+    return payloads[0]
+
+
+def _plot(results, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, workload in zip(axes, ("dense", "sparse")):
+        for label, r in results.items():
+            if r["workload"] == workload:
+                total = len(r["rates"]) and statistics.fmean(r["rates"]) * r["size"]
+                ax.plot(r["losses"], label=f"{label}: {total:.0f} samples/s")
+        ax.set_title(f"{workload} model", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (mean over ranks)")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small models, few steps: seconds")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--rate", default="500mbit", help="each worker link, both directions (tc tbf)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 30)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=None, help="MLP width (default 2048; quick 256)")
+    parser.add_argument("--features", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=None, help="embedding rows (default 400000; quick 20000)")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (3 if args.quick else 30)
+    args.hidden = args.hidden or (256 if args.quick else 2048)
+    args.vocab = args.vocab or (20000 if args.quick else 400000)
+    if args.worker:
+        return worker(args)
+    ok, why = netem.available()
+    if not ok:
+        raise SystemExit(f"bench_training: {why}")
+
+    print(f"== {args.workers} emulated hosts, links {args.rate} each way, {len(CONFIGS)} configurations", flush=True)
+    payload = _run(args, args.workers)
+    n, results = payload["size"], payload["results"]
+    rows, baseline = [], {}
+    for workload, label, _ in CONFIGS:
+        r = results[label]
+        r["size"] = n
+        total = statistics.fmean(r["rates"]) * n
+        baseline.setdefault(workload, total)
+        r["total_samples_per_s"] = total
+        losses = r["losses"]
+        rows.append(f"| {workload} | {label} | {r['parameters']:,} | {total:.0f} | {total / baseline[workload]:.2f}x | "
+                    f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | "
+                    f"{', '.join(r['commlib_algorithms']) or '-'} |")
+    title = (f"{n} emulated hosts, links {args.rate} each way, batch {args.batch} per worker, "
+             f"{args.steps} timed steps after {args.warmup}")
+    common.RESULTS.mkdir(exist_ok=True)
+    _plot(results, common.RESULTS / "training.png", title)
+    markdown = (f"Data-parallel SGD through Horovod's DistributedOptimizer, with and without commlib; {title}. "
+                "Samples/s = mean over the timed steps x workers (the Horovod synthetic-benchmark figure); ratios "
+                "against the first configuration of each model, measured in the same job. The loss is the mean "
+                "over ranks at the first step and over the last three.\n\n"
+                "| model | configuration | parameters | samples/s | vs first | loss first -> last | commlib algorithms |\n"
+                "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n![training](results/training.png)\n")
+    settings = {k: getattr(args, k) for k in ("quick", "workers", "rate", "steps", "warmup", "batch", "hidden",
+                                              "features", "vocab")}
+    common.save("training", settings, results, markdown)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
