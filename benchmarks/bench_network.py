@@ -17,9 +17,7 @@ Results: benchmarks/results/network.json, network.png and RESULTS.md. Needs root
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -92,26 +90,13 @@ def worker(args):
 
 
 # -- the launcher -------------------------------------------------------------------------------------
-def _wait_for(path, proc, what, seconds=30):
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not start")
-        time.sleep(0.05)
-    return path.read_text()
-
-
 def _run(args, n):
     """One job of n workers on a fresh cluster: the payload rank 0 emits."""
     hosts = [f"w{r}" for r in range(n)]
     with netem.Cluster(hosts + ["switch"], rate=args.rate, delay_ms=args.delay_ms, unshaped={"switch"}) as cluster:
-        port_file = Path(tempfile.mkdtemp()) / "port"
-        switch = cluster.popen("switch", [sys.executable, "-m", "commlib.switch", "--host", cluster.address("switch"),
-                                          "--port", "0", "--port-file", str(port_file)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT)
+        switch, address = cluster.start_switch("switch", cwd=ROOT)
         try:
-            env = {"COMMLIB_SWITCH_ADDR": _wait_for(port_file, switch, "commlib-switch"), "COMMLIB_TIMEOUT_S": "60",
-                   "COMMLIB_FUSION_THRESHOLD": "0"}
+            env = {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "60", "COMMLIB_FUSION_THRESHOLD": "0"}
             forwarded = ["--worker", "--elements", str(args.elements), "--runs", str(args.runs),
                          "--densities", ",".join(map(str, args.densities))]
             ranks = cluster.run(hosts, [sys.executable, str(Path(__file__)), *forwarded], env, args.timeout, cwd=ROOT)

@@ -22,7 +22,6 @@ import select
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -172,18 +171,12 @@ def _read_ready(proc, what, seconds=60):
 def _run(args, n):
     hosts = [f"w{r}" for r in range(n)]
     with netem.Cluster(hosts + ["switch"], rate=args.rate, unshaped={"switch"}) as cluster:
-        port_file = Path(tempfile.mkdtemp()) / "port"
-        daemons = [cluster.popen("switch", [sys.executable, "-m", "commlib.switch", "--host", cluster.address("switch"),
-                                            "--port", "0", "--port-file", str(port_file)],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT),
-                   cluster.popen("switch", [sys.executable, "-c", RENDEZVOUS, ",".join(f"{h}:1" for h in hosts)],
-                                 stdout=subprocess.PIPE, text=True, cwd=ROOT)]
+        switch, address = cluster.start_switch("switch", cwd=ROOT)
+        daemons = [switch, cluster.popen("switch", [sys.executable, "-c", RENDEZVOUS, ",".join(f"{h}:1" for h in hosts)],
+                                         stdout=subprocess.PIPE, text=True, cwd=ROOT)]
         try:
             rendezvous_port = _read_ready(daemons[1], "Horovod's rendezvous server")
-            deadline = time.monotonic() + 30
-            while not port_file.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            env = {"COMMLIB_SWITCH_ADDR": port_file.read_text(), "COMMLIB_TIMEOUT_S": "120",
+            env = {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "120",
                    # what horovodrun --gloo sets for each process (horovod/runner/gloo_run.py)
                    "HOROVOD_GLOO_RENDEZVOUS_ADDR": cluster.address("switch"),
                    "HOROVOD_GLOO_RENDEZVOUS_PORT": rendezvous_port, "HOROVOD_CONTROLLER": "gloo",

@@ -18,6 +18,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -97,6 +99,20 @@ class Cluster:
                 except ProcessLookupError:   # it ended meanwhile
                     pass
                 proc.wait()
+
+    def start_switch(self, host, cwd=None, seconds=30):
+        """A commlib-switch serving on `host`'s address: (its process, 'address:port')."""
+        port_file = Path(tempfile.mkdtemp()) / "port"
+        proc = self.popen(host, [sys.executable, "-m", "commlib.switch", "--host", self.address(host), "--port", "0",
+                                 "--port-file", str(port_file)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.STDOUT, cwd=cwd)
+        deadline = time.monotonic() + seconds
+        while not port_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                self.kill([proc])
+                raise RuntimeError(f"commlib-switch did not start on {host} (exit {proc.poll()})")
+            time.sleep(0.05)
+        return proc, port_file.read_text()
 
     def counters(self, host):
         """(tx_bytes, rx_bytes) of the host's link, as its kernel counts them."""

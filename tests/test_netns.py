@@ -41,18 +41,11 @@ def test_ring_across_hosts():
     assert all(f"OK {r}" in out for r, out in enumerate(outs)), outs
 
 
-def test_switchml_through_a_switch_on_its_own_host(tmp_path):
+def test_switchml_through_a_switch_on_its_own_host():
     hosts = ["w0", "w1", "w2"]
     with netem.Cluster(hosts + ["switch"], rate="1gbit", unshaped={"switch"}) as cluster:
-        port_file = tmp_path / "switch"
-        switch = cluster.popen("switch", [sys.executable, "-m", "commlib.switch", "--host", cluster.address("switch"),
-                                          "--port", "0", "--port-file", str(port_file)], cwd=ROOT)
+        switch, address = cluster.start_switch("switch", cwd=ROOT)
         try:
-            deadline = time.monotonic() + 30
-            while not port_file.exists() and switch.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert port_file.exists(), f"commlib-switch did not start (exit {switch.poll()})"
-            address = port_file.read_text()
             assert address.startswith(cluster.address("switch"))
             outs = _run(cluster, hosts, "switchml_worker.py", "external", env={"COMMLIB_SWITCH_ADDR": address})
             counters = subprocess.run(["ip", "netns", "exec", cluster.namespace("w0"), sys.executable, "-m",
