@@ -209,7 +209,9 @@ class OmniReduceBackend(Backend):
             mine["error"] = str(exc)
         except OSError as exc:
             mine["error"] = f"omnireduce set-up failed: {exc}"
-        everyone = ctx.exchange(f"{self._prefix}/setup", mine)
+        # set-up waits on process starts (a spawned aggregator, registration retries): slower than data
+        setup_s = max(self.timeout_s, 30.0)
+        everyone = ctx.exchange(f"{self._prefix}/setup", mine, setup_s)
         errors = [f"rank {r}: {v['error']}" for r, v in enumerate(everyone) if v["error"]]
         if errors:
             raise BackendUnavailable("; ".join(errors))
@@ -248,7 +250,7 @@ class OmniReduceBackend(Backend):
                 self._keepalive.start()
         except CommError as exc:
             error = f"rank {ctx.rank}: {exc}"
-        verdicts = ctx.exchange(f"{self._prefix}/registered", error)
+        verdicts = ctx.exchange(f"{self._prefix}/registered", error, setup_s)
         if any(verdicts):
             raise BackendUnavailable("; ".join(v for v in verdicts if v))
 
