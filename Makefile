@@ -44,7 +44,7 @@ develop:
 
 # The main job on the embedded default: 4 local workers, a local software switch, no configuration.
 demo:
-	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo $(PY) -m commlib.demo
+	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo --gloo-timeout-seconds 120 $(PY) -m commlib.demo
 
 test:
 	$(PY) -m pytest -q -p no:cacheprovider tests
