@@ -181,7 +181,8 @@ def _run(args, n):
                    "HOROVOD_GLOO_RENDEZVOUS_ADDR": cluster.address("switch"),
                    "HOROVOD_GLOO_RENDEZVOUS_PORT": rendezvous_port, "HOROVOD_CONTROLLER": "gloo",
                    "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": "eth0", "HOROVOD_SIZE": str(n),
-                   "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1", "HOROVOD_CROSS_SIZE": str(n)}
+                   "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1", "HOROVOD_CROSS_SIZE": str(n),
+                   "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}   # horovodrun --gloo-timeout-seconds, as in tests
             forwarded = ["--worker", *[f"--{k}={getattr(args, k)}" for k in
                                        ("steps", "warmup", "batch", "hidden", "features", "vocab")]]
             script = ["bash", "-c", 'HOROVOD_RANK=$RANK HOROVOD_CROSS_RANK=$RANK HOROVOD_HOSTNAME=w$RANK exec "$@"',
