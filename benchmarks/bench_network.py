@@ -118,20 +118,15 @@ def _rate_bps(text):
     raise SystemExit(f"--rate {text!r}: write e.g. 500mbit or 1gbit")
 
 
-def _plot(rows, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _plot(rows, title):
     labels = [f"N={r['workers']}\n{r['workload']}\n{r['algorithm']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
+    fig, ax = common.figure(figsize=(max(6, 0.9 * len(rows)), 4))
     colors = {"ring": "#888888", "switchml": "#1f77b4", "omnireduce": "#2ca02c"}
     ax.bar(range(len(rows)), [r["median_ms"] for r in rows], color=[colors[r["algorithm"]] for r in rows])
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("median allreduce time (ms)")
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(fig, "network")
 
 
 def main(argv=None):
@@ -181,8 +176,7 @@ def main(argv=None):
     engine = next(iter(results.values()))["engine"] if results else "?"
     title = (f"{args.elements:,} float32 per worker, links {args.rate} each way; ring = {engine} "
              f"allreduce; median of {args.runs} runs")
-    common.RESULTS.mkdir(exist_ok=True)
-    _plot(rows, common.RESULTS / "network.png", title)
+    _plot(rows, title)
     table = "\n".join(f"| {r['workers']} | {r['workload']} | {r['algorithm']} | {r['median_ms']:.1f} | "
                       f"{r['goodput_gbps']:.3f} | {r['vs_ring']:.2f}x | {r['tx_mib']:.2f} | "
                       f"{r['link_utilization']:.0%} |" for r in rows)

@@ -200,11 +200,8 @@ def _run(args, n):
     return payloads[0]
 
 
-def _plot(results, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+def _plot(results, title):
+    fig, axes = common.figure(1, 2, figsize=(11, 4))
     for ax, workload in zip(axes, ("dense", "sparse")):
         for label, r in results.items():
             if r["workload"] == workload:
@@ -215,9 +212,7 @@ def _plot(results, path, title):
         ax.set_ylabel("loss (mean over ranks)")
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(fig, "training")
 
 
 def main(argv=None):
@@ -259,8 +254,7 @@ def main(argv=None):
                     f"{', '.join(r['commlib_algorithms']) or '-'} |")
     title = (f"{n} emulated hosts, links {args.rate} each way, batch {args.batch} per worker, "
              f"{args.steps} timed steps after {args.warmup}")
-    common.RESULTS.mkdir(exist_ok=True)
-    _plot(results, common.RESULTS / "training.png", title)
+    _plot(results, title)
     markdown = (f"Data-parallel SGD through Horovod's DistributedOptimizer, with and without commlib; {title}. "
                 "Samples/s = mean over the timed steps x workers (the Horovod synthetic-benchmark figure); ratios "
                 "against the first configuration of each model, measured in the same job. The loss is the mean "

@@ -84,6 +84,25 @@ def regenerate():
     (HERE / "RESULTS.md").write_text("\n".join(sections))
 
 
+def figure(*args, **kwargs):
+    """matplotlib's (figure, axes) for a results plot, drawn without a display."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt.subplots(*args, **kwargs)
+
+
+def save_figure(fig, name):
+    """Write results/<name>.png and release the figure; returns the path."""
+    import matplotlib.pyplot as plt
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def emit(payload):
     """From inside a rank: hand a JSON result to the launching benchmark (rank 0 prints it)."""
     print(RESULT_MARK + json.dumps(payload, default=float), flush=True)
