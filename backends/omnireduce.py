@@ -48,7 +48,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from commlib import topology
+from commlib.net import primary_ip
 from commlib.backends import Backend, register
 from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, PeerFailure
 from commlib.settings import define
@@ -192,7 +192,7 @@ class OmniReduceBackend(Backend):
     # -- set-up: sockets, aggregators, registration -----------------------------------------------
     def _start(self):
         ctx, s = self.ctx, self.ctx.settings
-        host = s.omnireduce_host or ("127.0.0.1" if ctx.all_local else topology.primary_ip())
+        host = s.omnireduce_host or ("127.0.0.1" if ctx.all_local else primary_ip())
         mine = {"error": None, "epoch": secrets.randbits(31),
                 "params": [self.block, self.columns, self.mode, self.threshold]}
         try:   # local set-up; a failure is shared with every rank so none waits for us

@@ -42,7 +42,7 @@ from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigEr
 from commlib.settings import define
 from commlib.switch import net
 from commlib.switch import switchml as sw
-from commlib.topology import parse_address
+from commlib.net import parse_address
 
 log = logging.getLogger("commlib.switchml")
 

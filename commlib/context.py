@@ -1,9 +1,15 @@
-"""What a backend sees of the job: who it is, the settings, the engine, and `exchange`."""
-import threading
-import time
+"""Who this rank is in the job, and what a backend sees of the job: one Context.
+
+`detect()` fills in the placement (rank, size, local rank and size, launcher) from Horovod, the
+launcher's environment or mpi4py; commlib's bootstrap then adds the job: settings, the ring
+engine, `exchange` (an allgather of small JSON values through the controller) and a job token.
+"""
+import dataclasses
+import os
+import sys
 from dataclasses import dataclass, field
 
-from commlib.errors import CommTimeout
+from commlib.errors import CommError
 
 
 @dataclass
@@ -12,11 +18,16 @@ class Context:
     size: int
     local_rank: int
     local_size: int
-    settings: object                 # commlib.settings.Settings
-    exchange_fn: object              # (key, value, timeout) -> list of every rank's value
-    engine: object = None            # commlib.engine.Engine: the existing ring engine (may be None in unit tests)
+    launcher: str = "single"         # horovod, horovodrun, mpi, torchrun, single, threads
+    settings: object = None          # commlib.settings.Settings
+    exchange_fn: object = None       # (key, value, timeout) -> list of every rank's value
+    engine: object = None            # commlib.engine.Engine: the existing ring engine (None in unit tests)
     job_token: str = ""              # random hex, identical on every rank of the job
     counters: dict = field(default_factory=dict)
+
+    def joined(self, **job):
+        """This placement with the job's fields (settings, exchange_fn, engine, job_token) set."""
+        return dataclasses.replace(self, **job)
 
     @property
     def all_local(self):
@@ -31,6 +42,22 @@ class Context:
     def barrier(self, key):
         self.exchange(f"barrier/{key}", None)
 
+    def agree(self, key, fn, *args):
+        """fn(*args) on every rank; if it raised on any rank, every rank raises a CommError naming the
+        first failing rank and its error (so no rank waits for one that gave up). Returns fn's result."""
+        result, why, local = None, "", None
+        try:
+            result = fn(*args)
+        except Exception as exc:   # shared with every rank below; the local traceback is chained
+            why, local = f"{type(exc).__name__}: {exc}", exc
+        reasons = self.exchange(f"agree/{key}", why)
+        failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason]
+        if failed:
+            rank, reason = failed[0]
+            error = CommError(f"{key} failed on rank {rank}: {reason}")
+            raise error from local
+        return result
+
     def scope(self, name):
         """A prefix for one backend instance's exchange keys, the same on every rank (ranks
         build backends in the same order), distinct from every other instance's."""
@@ -39,48 +66,38 @@ class Context:
         return f"{name}/{number}"
 
 
-class LocalGroup:
-    """`size` contexts for ranks that are threads of one process (unit tests of backends)."""
+# (launcher, rank, size, local rank, local size) variables, in the order they are trusted.
+_ENVIRONMENTS = (
+    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+    ("mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+)
 
-    def __init__(self, size, settings, job_token="local-test-token"):
-        self.size = size
-        self._lock = threading.Condition()
-        self._values = {}
-        self.contexts = [Context(rank, size, rank, size, settings, self._exchanger(rank), job_token=job_token)
-                         for rank in range(size)]
 
-    def run(self, fn, timeout=60.0):
-        """fn(ctx) on every rank, each in its own thread; the results by rank. The first rank's
-        exception is re-raised; a rank still running after `timeout` is a CommTimeout."""
-        results, errors = [None] * self.size, [None] * self.size
+def horovod_initialized():
+    hvd = sys.modules.get("horovod.torch")
+    try:
+        return hvd is not None and hvd.is_initialized()
+    except Exception:   # a half-imported or broken horovod counts as absent
+        return False
 
-        def rank_main(rank):
-            try:
-                results[rank] = fn(self.contexts[rank])
-            except BaseException as exc:   # handed to the caller below
-                errors[rank] = exc
-        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(self.size)]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + timeout
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        stuck = [r for r, thread in enumerate(threads) if thread.is_alive()]
-        if stuck:
-            raise CommTimeout(f"ranks {stuck} still running after {timeout}s")
-        for error in errors:
-            if error is not None:
-                raise error
-        return results
 
-    def _exchanger(self, rank):
-        def exchange(key, value, timeout):
-            with self._lock:
-                slot = self._values.setdefault(key, {})
-                slot[rank] = value
-                self._lock.notify_all()
-                if not self._lock.wait_for(lambda: len(slot) == self.size, timeout):
-                    missing = sorted(set(range(self.size)) - set(slot))
-                    raise CommTimeout(f"exchange {key!r}: ranks {missing} did not arrive within {timeout}s")
-                return [slot[r] for r in range(self.size)]
-        return exchange
+def detect(environ=None):
+    """This process's placement: Horovod if initialized, else the launcher's variables, else mpi4py,
+    else a single process."""
+    environ = os.environ if environ is None else environ
+    if horovod_initialized():
+        hvd = sys.modules["horovod.torch"]
+        return Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), "horovod")
+    for launcher, rank, size, local_rank, local_size in _ENVIRONMENTS:
+        if rank in environ and size in environ:
+            n = int(environ[size])
+            return Context(int(environ[rank]), n, int(environ.get(local_rank, environ[rank])),
+                           int(environ.get(local_size, n)), launcher)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized():
+        world = mpi.COMM_WORLD
+        local = world.Split_type(mpi.COMM_TYPE_SHARED)
+        return Context(world.Get_rank(), world.Get_size(), local.Get_rank(), local.Get_size(), "mpi")
+    return Context(0, 1, 0, 1, "single")

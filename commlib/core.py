@@ -15,9 +15,10 @@ import time
 
 import numpy as np
 
-from commlib import compressors, controller, engine as engines, topology
+from commlib import compressors, controller, engine as engines
 from commlib.backends import TensorMeta, registry
-from commlib.context import Context
+from commlib.context import detect
+from commlib.net import parse_address, primary_ip
 from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, Mismatch
 from commlib.policy import DensityChoice, Policy
 from commlib.settings import Settings, defined
@@ -100,14 +101,13 @@ class Runtime:
     def __init__(self, settings, policy):
         self.settings = settings
         self.policy = policy
-        self.topology = topology.detect()
-        self.engine = engines.create(settings.ring_engine, self.topology, settings.timeout_s)
-        self.topology = topology.detect()   # creating the engine may have initialized Horovod
+        self.engine = engines.create(settings.ring_engine, detect(), settings.timeout_s)
+        self.topology = detect()   # creating the engine may have initialized Horovod
         self.timeline = Timeline(settings.timeline, self.topology.rank)
         self._server, self.client = self._start_controller()
         t = self.topology
-        self.ctx = Context(t.rank, t.size, t.local_rank, t.local_size, settings, self.client.exchange,
-                           engine=self.engine, job_token=self.client.token)
+        self.ctx = t.joined(settings=settings, exchange_fn=self.client.exchange, engine=self.engine,
+                            job_token=self.client.token)
         self._check_settings_agree()
         self.backends, self.unavailable = self._start_backends()
         self._entries = {}
@@ -122,10 +122,10 @@ class Runtime:
     def _start_controller(self):
         s, t = self.settings, self.topology
         all_local = t.local_size == t.size
-        host = s.controller_host or ("127.0.0.1" if all_local else topology.primary_ip())
+        host = s.controller_host or ("127.0.0.1" if all_local else primary_ip())
         server = None
         if s.controller_addr:
-            address = topology.parse_address(s.controller_addr, "COMMLIB_CONTROLLER_ADDR")
+            address = parse_address(s.controller_addr, "COMMLIB_CONTROLLER_ADDR")
             if t.rank == 0:
                 server = controller.ControllerServer(t.size, *address, **self._controller_settings())
         else:

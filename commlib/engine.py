@@ -131,31 +131,31 @@ class TorchEngine(Engine):
 ENGINES = {"horovod": HorovodEngine, "mpi": MPIEngine, "torch": TorchEngine, "local": LocalEngine}
 
 
-def _auto(topology):
-    if topology.launcher in ("horovod", "horovodrun"):
+def _auto(placement):
+    if placement.launcher in ("horovod", "horovodrun"):
         return "horovod"
-    if topology.launcher == "mpi":
-        from commlib.topology import horovod_initialized
+    if placement.launcher == "mpi":
+        from commlib.context import horovod_initialized
         return "horovod" if horovod_initialized() else "mpi"
-    if topology.launcher == "torchrun":
+    if placement.launcher == "torchrun":
         return "torch"
-    if topology.size == 1:
+    if placement.size == 1:
         return "local"
-    raise BackendUnavailable(f"no collective engine for launcher {topology.launcher!r}; set COMMLIB_RING_ENGINE")
+    raise BackendUnavailable(f"no collective engine for launcher {placement.launcher!r}; set COMMLIB_RING_ENGINE")
 
 
-def create(choice, topology, timeout_s=None):
-    name = _auto(topology) if choice == "auto" else choice
+def create(choice, placement, timeout_s=None):
+    name = _auto(placement) if choice == "auto" else choice
     if name not in ENGINES:
         raise ConfigError(f"ring_engine={choice!r}: choose one of auto, {', '.join(ENGINES)}")
     if name == "local":
-        if topology.size != 1:
-            raise ConfigError(f"ring_engine=local only works with one rank, not {topology.size}")
+        if placement.size != 1:
+            raise ConfigError(f"ring_engine=local only works with one rank, not {placement.size}")
         return LocalEngine(1)
     try:
         engine = TorchEngine(timeout_s) if name == "torch" else ENGINES[name]()
     except ImportError as exc:
         raise BackendUnavailable(f"ring engine {name!r} is not installed ({exc}); run `make install`") from exc
-    if engine.size != topology.size:
-        raise ConfigError(f"the {name} engine sees {engine.size} ranks but the launcher says {topology.size}")
+    if engine.size != placement.size:
+        raise ConfigError(f"the {name} engine sees {engine.size} ranks but the launcher says {placement.size}")
     return engine

@@ -24,7 +24,7 @@ import time
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError
 from commlib.switch import net
 from commlib.switch._omnireduce import ffi, lib
-from commlib.topology import parse_address
+from commlib.net import parse_address
 
 log = logging.getLogger("commlib.omnireduce")
 

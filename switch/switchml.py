@@ -28,7 +28,7 @@ import threading
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFailure
 from commlib.switch import net
-from commlib.topology import parse_address
+from commlib.net import parse_address
 
 log = logging.getLogger("commlib.switch")
 

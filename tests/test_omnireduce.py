@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from commlib.context import LocalGroup
+from commlib.testing import LocalGroup
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, InvalidTensor, PeerFailure
 from commlib.settings import Settings
 

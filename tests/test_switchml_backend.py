@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from commlib.backends import TensorMeta
-from commlib.context import LocalGroup
+from commlib.testing import LocalGroup
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, InvalidTensor, PeerFailure
 from commlib.settings import Settings
 
