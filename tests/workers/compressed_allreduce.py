@@ -4,7 +4,9 @@ argv[1]: cases "spec@algorithm|spec@auto>expected_algorithm|...". Each rank buil
 case and rank), computes the reference with 4 thread-ranks of fresh compressors (FakeComm), then
 reduces its own input through commlib.allreduce(..., compression=spec, algorithm=algorithm).
 Two steps per case, so memories and warm starts are exercised. A policy rule routes
-'*.weight' through topk without naming a compression at the call."""
+'*.weight' through topk without naming a compression at the call. Three powersgd tensors started
+together are fused into one bucket (a 50 ms negotiation cycle releases them in one batch) and equal
+their tensor-by-tensor reference."""
 import sys
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import commlib.compressors as C                                     # noqa: E402
 from compressor_harness import run_ranks                            # noqa: E402
 
 POLICY_SPEC = "topk(ratio=0.05)"
-commlib.init(policy=f"*.weight=allgather:{POLICY_SPEC};*=ring")
+commlib.init(policy=f"*.weight=allgather:{POLICY_SPEC};*=ring", cycle_time_ms=50)
 rank, size = commlib.rank(), commlib.size()
 torch.set_num_threads(1)
 
@@ -63,6 +65,19 @@ if not torch.allclose(got, expected, atol=1e-5):
 record = commlib.records()["layer.weight"]
 if record["algorithm"] != "allgather" or "topk" not in str(record["compression"]):
     failures.append(f"policy *.weight was dispatched as {record}")
+
+# a bucket of compressed tensors: one reduce_bucket, the same result as one by one
+bucket = [inputs(len(cases) + 1 + i, 0) for i in range(3)]
+spec = "powersgd(rank=2)"
+handles = [commlib.allreduce_async(x[rank], name=f"bucket.{i}", compression=spec, algorithm="ring")
+           for i, x in enumerate(bucket)]
+for i, (x, handle) in enumerate(zip(bucket, handles)):
+    got, expected = commlib.synchronize(handle), reference(spec, "ring", [x], f"bucket.{i}")[0]
+    if not torch.allclose(got, expected, atol=1e-5):
+        failures.append(f"bucket.{i}: max|diff| {(got - expected).abs().max():.3g}")
+fused = [commlib.records()[f"bucket.{i}"]["fused_with"] for i in range(3)]
+if fused != [2, 2, 2]:
+    failures.append(f"the three powersgd tensors were not fused into one bucket: fused_with {fused}")
 
 commlib.shutdown()
 if failures:
