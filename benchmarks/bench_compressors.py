@@ -6,7 +6,7 @@ sqrt(n) x sqrt(n), so PowerSGD has a matrix to factor):
   - bytes on the wire: the payload of one compress (data only; allgather adds a 8 + 16 per part
     byte header), and the ratio fp32 bytes / payload bytes;
   - relative error vs the uncompressed mean: ||allreduce_compressed - mean_r x_r|| / ||mean_r x_r||
-    over 4 ranks (thread-ranks through the tests' FakeComm, so PowerSGD's two allreduces and the
+    over 4 ranks (thread-ranks of commlib.testing.LocalGroup, so PowerSGD's two allreduces and the
     vote/aggregate rules are the real ones) on the first step (no memory yet). Inputs are i.i.d.
     Gaussian: a worst case for low rank (PowerSGD) and for sparsifiers; sign methods return a
     vote in {-1, +1}, so their "error" measures scale too.
@@ -24,12 +24,11 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))   # compressor_harness: the in-process 4-rank FakeComm
 
 import common  # noqa: E402
 import commlib.compressors as C  # noqa: E402
 from commlib.compressors import packing  # noqa: E402
-from compressor_harness import run_ranks  # noqa: E402
+from commlib.testing import run_ranks  # noqa: E402
 
 RANKS = 4
 FULL_SIZES, QUICK_SIZES = "1M,25M", "64K,256K"

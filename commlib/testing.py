@@ -5,6 +5,7 @@ tests of backends and anything else that takes a Context:
 
     group = LocalGroup(4, Settings({"timeout_s": 5}))
     sums = group.run(lambda ctx: MyBackend(ctx).allreduce(np.full(8, ctx.rank, np.int32), "t"))
+    outs = run_ranks(4, lambda rank, channel: compressor[rank].reduce(x[rank], "w", channel, True), "ring")
 
 report: in a multi-process job, each rank prints its result as one JSON line, which the launching
 test parses (`results`) and checks field by field, so a failure says what differed on which rank:
@@ -17,30 +18,43 @@ import re
 import threading
 import time
 
+import numpy as np
+
 from commlib.context import Context
-from commlib.errors import CommTimeout
+from commlib.errors import CommTimeout, Mismatch, PeerFailure
 
 
 class LocalGroup:
-    """`size` contexts whose `exchange` meets in this process; one thread per rank in `run`."""
+    """`size` ranks as threads of this process: contexts whose `exchange` meets here, and channels
+    (what a compressor's reduce sees) whose collectives meet here; the i-th collective call of
+    every rank pairs up. A rank that fails in `run` aborts the group: the others' exchanges and
+    collectives raise PeerFailure at once instead of waiting for their timeout."""
 
-    def __init__(self, size, settings, job_token="local-test-token"):
-        self.size = size
-        self._lock = threading.Condition()
-        self._values = {}
+    def __init__(self, size, settings=None, job_token="local-test-token", algorithm="allgather", timeout=20.0):
+        self.size, self.algorithm, self.timeout = size, algorithm, timeout
+        self._cond = threading.Condition()
+        self._values, self._slots, self._calls = {}, {}, [0] * size
+        self._aborted = None
+        self.log = []   # (rank, op, dtype, nbytes) of every collective: what went on the wire
         self.contexts = [Context(rank, size, rank, size, "threads", settings, self._exchanger(rank),
                                  job_token=job_token) for rank in range(size)]
 
+    def channel(self, rank):
+        return LocalChannel(self, rank)
+
     def run(self, fn, timeout=60.0):
-        """fn(ctx) on every rank, each in its own thread; the results by rank. The first rank's
-        exception is re-raised; a rank still running after `timeout` is a CommTimeout."""
+        """fn(ctx) on every rank, each in its own thread; the results by rank. Re-raises the first
+        rank's error (one that is not just another rank's abort, if there is one); a rank still
+        running after `timeout` is a CommTimeout."""
         results, errors = [None] * self.size, [None] * self.size
+        self._aborted = None   # a group may run again after a run that failed
 
         def rank_main(rank):
             try:
                 results[rank] = fn(self.contexts[rank])
             except BaseException as exc:   # handed to the caller below
                 errors[rank] = exc
+                self.abort(f"rank {rank}: {exc!r}")
         threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(self.size)]
         for thread in threads:
             thread.start()
@@ -49,23 +63,73 @@ class LocalGroup:
             thread.join(max(0.0, deadline - time.monotonic()))
         stuck = [r for r, thread in enumerate(threads) if thread.is_alive()]
         if stuck:
+            self.abort("test timeout")
             raise CommTimeout(f"ranks {stuck} still running after {timeout}s")
-        for error in errors:
-            if error is not None:
-                raise error
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise next((e for e in failed if not isinstance(e, PeerFailure)), failed[0])
         return results
 
+    def abort(self, why):
+        with self._cond:
+            self._aborted = why
+            self._cond.notify_all()
+
+    def _meet(self, table, key, rank, value, timeout, what):
+        """Put this rank's value under key; every rank's values once all arrived."""
+        with self._cond:
+            slot = table.setdefault(key, {})
+            slot[rank] = value
+            self._cond.notify_all()
+            done = self._cond.wait_for(lambda: len(slot) == self.size or self._aborted, timeout)
+            if self._aborted:
+                raise PeerFailure(f"rank {rank}: another rank failed: {self._aborted}")
+            if not done:
+                missing = sorted(set(range(self.size)) - set(slot))
+                raise CommTimeout(f"{what}: ranks {missing} did not arrive within {timeout}s")
+            return [slot[r] for r in range(self.size)]
+
     def _exchanger(self, rank):
-        def exchange(key, value, timeout):
-            with self._lock:
-                slot = self._values.setdefault(key, {})
-                slot[rank] = value
-                self._lock.notify_all()
-                if not self._lock.wait_for(lambda: len(slot) == self.size, timeout):
-                    missing = sorted(set(range(self.size)) - set(slot))
-                    raise CommTimeout(f"exchange {key!r}: ranks {missing} did not arrive within {timeout}s")
-                return [slot[r] for r in range(self.size)]
-        return exchange
+        return lambda key, value, timeout: self._meet(self._values, key, rank, value, timeout, f"exchange {key!r}")
+
+    def collective(self, rank, op, array):
+        if not isinstance(array, np.ndarray) or array.ndim != 1:
+            raise TypeError(f"rank {rank}: channel.{op} takes a 1-D numpy array, got {type(array).__name__} "
+                            f"{getattr(array, 'shape', '')}")
+        with self._cond:
+            seq = self._calls[rank]
+            self._calls[rank] += 1
+            self.log.append((rank, op, array.dtype, array.nbytes))
+        data = self._meet(self._slots, seq, rank, (op, array.copy()), self.timeout, f"collective #{seq} ({op})")
+        ops = {o for o, _ in data}
+        if len(ops) > 1:
+            raise Mismatch(f"collective #{seq}: ranks call different collectives {sorted(ops)}")
+        data = [d for _, d in data]
+        if op == "allgather":
+            return [d.copy() for d in data]
+        if len({(d.dtype, d.size) for d in data}) != 1:
+            raise Mismatch(f"allreduce #{seq}: ranks disagree on dtype/size {[(d.dtype, d.size) for d in data]}")
+        return np.sum(data, axis=0, dtype=data[0].dtype)
+
+
+class LocalChannel:
+    """What the core hands a compressor (commlib.executor.Channel): rank, size, algorithm,
+    allreduce (sum) and allgather, over a LocalGroup."""
+
+    def __init__(self, group, rank):
+        self.group, self.rank, self.size, self.algorithm = group, rank, group.size, group.algorithm
+
+    def allreduce(self, array):
+        return self.group.collective(self.rank, "allreduce", array)
+
+    def allgather(self, array):
+        return self.group.collective(self.rank, "allgather", array)
+
+
+def run_ranks(size, fn, algorithm="allgather", timeout=30.0, group=None):
+    """fn(rank, channel) on `size` thread-ranks of a LocalGroup; their results by rank."""
+    group = group or LocalGroup(size, algorithm=algorithm, timeout=timeout)
+    return group.run(lambda ctx: fn(ctx.rank, group.channel(ctx.rank)), timeout)
 
 
 RESULT = "COMMLIB-RESULT"

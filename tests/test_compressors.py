@@ -1,8 +1,8 @@
 """The conformance checks every registered compressor passes, numbered as the tests below: 1 shapes
 and dtypes round-trip, 2 payload size as promised (expected_bytes), 3 exact cases, 4 unbiasedness
 where promised, 5 aggregation (votes, averaging), 6 error feedback, 7 shared random streams, 8 DGC's
-count band, and 9 the multi-rank check (4 thread-ranks through FakeComm) on every algorithm each
-one allows."""
+count band, and 9 the multi-rank check (4 thread-ranks of commlib.testing.LocalGroup) on every
+algorithm each one allows."""
 import math
 
 import numpy as np
@@ -12,7 +12,7 @@ import torch
 import commlib.compressors as C
 from commlib.compressors import packing
 from commlib.compressors.spec import build, parse
-from compressor_harness import Group, run_ranks
+from commlib.testing import LocalGroup, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,7 +60,7 @@ def test_1_shape_and_dtype(spec):
 
 
 def _single(compressor):
-    return Group(1, sorted(compressor.carriers())[0]).comm(0)
+    return LocalGroup(1, algorithm=sorted(compressor.carriers())[0]).channel(0)
 
 
 # 2. payload size matches the declared ratio ------------------------------------------------------------
@@ -209,7 +209,7 @@ def test_6_powersgd_error_feedback():
     gen = torch.Generator().manual_seed(6)
     c = make("powersgd")
     m = torch.randn(20, 30, generator=gen)
-    out = c.reduce(m, "m", Group(1, "ring").comm(0), True)
+    out = c.reduce(m, "m", LocalGroup(1, algorithm="ring").channel(0), True)
     assert torch.allclose(c.memory.residuals["m"] + out, m, atol=1e-6)
 
 
@@ -291,7 +291,7 @@ def test_9_multirank_equals_reference(spec):
         for average in (True, False):
             expected = reference(spec, inputs, average)
             comps = [make(spec) for _ in range(4)]
-            group = Group(4, algorithm)
+            group = LocalGroup(4, algorithm=algorithm)
             outs = run_ranks(4, lambda r, comm: comps[r].reduce(inputs[r], "w", comm, average), group=group)
             for out in outs:
                 assert torch.allclose(out, expected, rtol=tolerance, atol=tolerance), (spec, algorithm, average)

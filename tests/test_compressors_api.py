@@ -8,7 +8,7 @@ import commlib.compressors as C
 from commlib.compressors import packing
 from commlib.compressors.spec import parse
 from commlib.errors import ConfigError, InvalidTensor
-from compressor_harness import Group, run_ranks
+from commlib.testing import LocalGroup, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,9 +96,9 @@ def test_algorithm_compatibility_is_enforced():
         check_carrier(topk, "ring", "here")
     check_carrier(topk, "omnireduce", "here")
     with pytest.raises(ConfigError):
-        topk.reduce(torch.ones(4), "t", Group(1, "switchml").comm(0), True)
+        topk.reduce(torch.ones(4), "t", LocalGroup(1, algorithm="switchml").channel(0), True)
     with pytest.raises(ConfigError):
-        C.build("signsgd").reduce(torch.ones(4), "t", Group(1, "omnireduce").comm(0), True)
+        C.build("signsgd").reduce(torch.ones(4), "t", LocalGroup(1, algorithm="omnireduce").channel(0), True)
     assert topk.carriers() == ["omnireduce", "allgather"]                 # sparse rides omnireduce first
     assert C.build("topk", algorithm="allgather").carriers() == ["allgather"]
     assert C.build("randomk").carriers() == ["ring", "switchml"]
@@ -109,7 +109,7 @@ def test_algorithm_compatibility_is_enforced():
 
 def test_integer_tensors_rejected():
     with pytest.raises(InvalidTensor, match="floating-point"):
-        C.build("topk").reduce(torch.arange(10), "i", Group(1).comm(0), True)
+        C.build("topk").reduce(torch.arange(10), "i", LocalGroup(1).channel(0), True)
     with pytest.raises(InvalidTensor):
         C.build("qsgd").compress(np.arange(10), "i")
 
@@ -122,7 +122,7 @@ def test_state_dict_resumes_exactly(spec):
     gen = torch.Generator().manual_seed(10)
     xs = torch.randn(5, 12, 20, generator=gen)
     algorithm = sorted(C.build(*parse(spec)).carriers())[0]
-    comm = Group(1, algorithm).comm(0)
+    comm = LocalGroup(1, algorithm=algorithm).channel(0)
     original = C.build(*parse(spec))
     for x in xs[:3]:
         original.reduce(x, "w", comm, True)
@@ -136,7 +136,7 @@ def test_state_dict_resumes_exactly(spec):
 
 def test_package_state_dict():
     c = C.resolve("topk(ratio=0.5)")
-    c.reduce(torch.randn(10), "layer.weight", Group(1).comm(0), True)
+    c.reduce(torch.randn(10), "layer.weight", LocalGroup(1).channel(0), True)
     state = C.state_dict()
     assert "layer.weight" in state["topk(ratio=0.5)"]["memory"]["residuals"]
     C.load_state_dict(state)
@@ -195,7 +195,7 @@ def test_empty_and_uneven_selections_do_not_hang(algorithm):
     def rank_main(rank, comm):
         return [comps[rank].reduce(inputs[rank], "t", comm, True) for _ in range(3)]
 
-    group = Group(4, algorithm, timeout=10)
+    group = LocalGroup(4, algorithm=algorithm, timeout=10)
     for outs in run_ranks(4, rank_main, group=group, timeout=30):
         for out in outs:
             assert torch.allclose(out, expected, atol=1e-6)
@@ -205,7 +205,7 @@ def test_empty_and_uneven_selections_do_not_hang(algorithm):
 
 
 def test_empty_tensor_skips_communication():
-    group = Group(2, "allgather", timeout=5)
+    group = LocalGroup(2, algorithm="allgather", timeout=5)
     comps = [C.build("topk") for _ in range(2)]
     outs = run_ranks(2, lambda r, comm: comps[r].reduce(torch.zeros(0, 3), "e", comm, True), group=group)
     assert all(o.shape == (0, 3) for o in outs) and group.log == []
@@ -228,5 +228,5 @@ def test_efsignsgd_scale_follows_its_memory():
     for params, expected in (({"compressor": "efsignsgd", "lr": 0.1, "memory": "efsignsgd"}, 0.5),
                              ({"compressor": "efsignsgd", "lr": 0.1}, 0.5),
                              ({"compressor": "efsignsgd", "lr": 0.1, "memory": "residual"}, 0.5)):
-        out = C.from_params(params).reduce(x, "e", Group(1).comm(0), True)
+        out = C.from_params(params).reduce(x, "e", LocalGroup(1).channel(0), True)
         assert torch.allclose(out, torch.full((16,), expected)), params

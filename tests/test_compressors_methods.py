@@ -5,7 +5,7 @@ import torch
 
 import commlib.compressors as C
 from commlib.compressors import natural, packing, sidco, topk, u8bit
-from compressor_harness import Group, run_ranks
+from commlib.testing import LocalGroup, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,7 +25,7 @@ def test_powersgd_start_iter_and_small_tensors_use_plain_allreduce():
         small = comps[rank].reduce(inputs[rank][:3, :3], "small", comm, True)   # (3+3)*1*2 >= 9: not worth it
         return outs, vector, small
 
-    group = Group(4, "ring")
+    group = LocalGroup(4, algorithm="ring")
     for outs, vector, small in run_ranks(4, rank_main, group=group):
         assert torch.allclose(outs[0], inputs.mean(0), atol=1e-6)         # steps 0, 1: exact
         assert torch.allclose(outs[1], 2 * inputs.mean(0), atol=1e-6)
@@ -49,7 +49,7 @@ def test_powersgd_bucket_is_two_allreduces_and_equals_tensor_by_tensor():
         many = bucketed[rank].reduce_bucket([mats[0][rank], mats[1][rank], bias[rank]], ["a", "b", "c"], comm, True)
         return one, many, [e for e in group.log if e[0] == rank][start:]
 
-    group = Group(4, "ring")
+    group = LocalGroup(4, algorithm="ring")
     for one, many, calls in run_ranks(4, rank_main, group=group):
         for a, b in zip(one, many):
             assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
@@ -71,7 +71,7 @@ def test_fp16_carries_powersgd_collectives():
         dtypes = [str(dtype) for r, _, dtype, _ in group.log if r == rank][start:]
         return out, plain[rank].reduce(inputs[rank], "m", comm, True), dtypes
 
-    group = Group(4, "ring")
+    group = LocalGroup(4, algorithm="ring")
     for out, reference, dtypes in run_ranks(4, rank_main, group=group):
         assert dtypes[:2] == ["float16", "float16"]
         assert torch.allclose(out, reference, atol=1e-2, rtol=1e-2), (out - reference).abs().max()
@@ -84,7 +84,7 @@ def test_powersgd_warm_start_reuses_q():
     v, _ = torch.linalg.qr(torch.randn(30, 30, generator=gen(3)))
     m = u @ torch.diag(0.7 ** torch.arange(30.0)) @ v.T
     best = float((0.7 ** torch.arange(1, 30.0)).norm())     # Eckart-Young: the tail singular values
-    comm = Group(1, "ring").comm(0)
+    comm = LocalGroup(1, algorithm="ring").channel(0)
     errors = {}
     for warm in (True, False):
         c = C.build("powersgd", {"memory": "none", "warm_start": warm})
@@ -153,7 +153,7 @@ def test_topk_prefilter_selects_the_exact_topk():
 def test_dgc_memory_momentum_correction():
     """u = m*u + g, v += u; sent entries are cleared from u and v (DGC's factor masking)."""
     c = C.build("topk", {"ratio": 0.5, "memory": "dgc", "momentum": 0.5})
-    comm = Group(1).comm(0)
+    comm = LocalGroup(1).channel(0)
     g = torch.tensor([4.0, 1.0, -3.0, 0.5])
     out = c.reduce(g, "d", comm, True)
     assert torch.equal(out, torch.tensor([4.0, 0.0, -3.0, 0.0]))

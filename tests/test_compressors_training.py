@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import commlib.compressors as C
-from compressor_harness import run_ranks
+from commlib.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,22 +2,19 @@
 per case, where the tensor went and how far it was from the reference (the test checks).
 
 argv[1]: cases "spec@algorithm|spec@auto>expected_algorithm|...". Each rank builds every rank's input (seeded by
-case and rank), computes the reference with 4 thread-ranks of fresh compressors (FakeComm), then
+case and rank), computes the reference with 4 thread-ranks of fresh compressors (commlib.testing), then
 reduces its own input through commlib.allreduce(..., compression=spec, algorithm=algorithm).
 Two steps per case, so memories and warm starts are exercised. A policy rule routes
 '*.weight' through topk without naming a compression at the call. Three powersgd tensors started
 together are fused into one bucket (a 50 ms negotiation cycle releases them in one batch) and equal
 their tensor-by-tensor reference."""
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # compressor_harness
-import commlib                                                      # noqa: E402
-import commlib.compressors as C                                     # noqa: E402
-from commlib.testing import report                                  # noqa: E402
-from compressor_harness import run_ranks                            # noqa: E402
+import commlib
+import commlib.compressors as C
+from commlib.testing import report, run_ranks
 
 POLICY_SPEC = "topk(ratio=0.05)"
 commlib.init(policy=f"*.weight=allgather:{POLICY_SPEC};*=ring", cycle_time_ms=50)
