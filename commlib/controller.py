@@ -23,7 +23,8 @@ import threading
 import time
 
 from commlib.dispatch import settle
-from commlib.errors import CommTimeout, Mismatch, PeerFailure
+from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, Mismatch,
+                            PeerFailure)
 
 log = logging.getLogger("commlib")
 _HEADER = struct.Struct("!I")
@@ -174,6 +175,13 @@ class ControllerServer:
             self._done.add(rank)
 
     def _complete(self, name, metas):
+        failed = sorted((rank, meta["error"]) for rank, meta in metas.items() if "error" in meta)
+        if failed:   # a rank refused the tensor before any data moved: every rank raises its error
+            rank, error = failed[0]
+            kind = error.get("kind") if error.get("kind") in _ERRORS else "CommError"
+            self._broadcast({"t": "error", "kind": kind, "names": [name],
+                             "message": f"tensor {name!r} failed on rank {rank}: {error.get('message')}"})
+            return
         problem = check_agreement(name, metas)
         if problem:
             self._broadcast({"t": "error", "kind": "Mismatch", "names": [name], "message": problem})
@@ -223,7 +231,8 @@ class ControllerServer:
                     pass  # that rank's loss is reported when its socket reads EOF
 
 
-_ERRORS = {"Mismatch": Mismatch, "CommTimeout": CommTimeout, "PeerFailure": PeerFailure}
+_ERRORS = {cls.__name__: cls for cls in (CommError, Mismatch, CommTimeout, PeerFailure, ConfigError, InvalidTensor,
+                                          BackendUnavailable)}
 
 
 def error_from(msg):

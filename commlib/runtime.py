@@ -11,7 +11,7 @@ import logging
 from commlib import bootstrap
 from commlib.backends import start_all
 from commlib.dispatch import Dispatcher
-from commlib.errors import ConfigError, InvalidTensor
+from commlib.errors import CommError, ConfigError, InvalidTensor
 from commlib.executor import Average, Entry, Executor, Sum
 from commlib.handles import Handle
 from commlib.tensors import Staged
@@ -40,16 +40,12 @@ class Runtime:
     def allreduce_async(self, tensor, name, op, algorithm, compression, prescale, postscale, policy=None):
         if self.executor.broken:
             raise self.executor.broken
-        if op not in (Sum, Average):
-            raise ConfigError(f"op={op!r}: use commlib.Sum or commlib.Average")
         named, name = name is not None, name or f"allreduce.noname.{next(self._names)}"
-        staged = Staged(tensor)
-        if op == Average and staged.travel_dtype.kind in "iu":
-            raise InvalidTensor(f"tensor {name!r}: op=Average on {staged.dtype_name} would truncate; use op=commlib.Sum")
-        plan, compressor = self.dispatcher.plan(name, staged, algorithm, compression, policy)
-        if compressor is not None and not named:
-            raise ConfigError(f"compressed tensors need a name= that is the same at every step: error feedback "
-                              f"and random streams are kept per name (compression {plan.compression})")
+        try:
+            staged, plan, compressor = self._plan(tensor, name, named, op, algorithm, compression, policy)
+        except CommError as exc:   # the other ranks wait for this tensor: tell them why it never comes
+            self.client.submit([{"name": name, "error": {"kind": type(exc).__name__, "message": str(exc)}}])
+            raise
         s = self.settings
         handle = Handle(name, s.negotiation_timeout_s + 3 * s.timeout_s + 10)
         entry = Entry(staged, name, op, plan, compressor, prescale, postscale, handle)
@@ -58,6 +54,19 @@ class Runtime:
                              "choices": plan.choices, "compression": plan.compression, "density": plan.density,
                              "prescale": prescale, "postscale": postscale}])
         return handle
+
+    def _plan(self, tensor, name, named, op, algorithm, compression, policy):
+        """(Staged, Plan, compressor) for a tensor, or the error that refuses it."""
+        if op not in (Sum, Average):
+            raise ConfigError(f"op={op!r}: use commlib.Sum or commlib.Average")
+        staged = Staged(tensor)
+        if op == Average and staged.travel_dtype.kind in "iu":
+            raise InvalidTensor(f"tensor {name!r}: op=Average on {staged.dtype_name} would truncate; use op=commlib.Sum")
+        plan, compressor = self.dispatcher.plan(name, staged, algorithm, compression, policy)
+        if compressor is not None and not named:
+            raise ConfigError(f"compressed tensors need a name= that is the same at every step: error feedback "
+                              f"and random streams are kept per name (compression {plan.compression})")
+        return staged, plan, compressor
 
     def shutdown(self):
         if not self.executor.stop(self.settings.timeout_s):   # still inside a collective: its native state must outlive it

@@ -5,6 +5,8 @@ mismatch: rank 1 reduces a tensor of the wrong shape -> Mismatch on every rank n
 timeout:  rank 1 never submits a tensor -> CommTimeout on the others naming rank 1, within the timeout.
 dead:     rank 1 exits abruptly -> PeerFailure on the others naming rank 1.
 settings: rank 1 has another fusion_threshold -> Mismatch at init on every rank naming it.
+refused:  rank 1's tensor is refused before it is submitted (op=Average on int32) -> the same
+          InvalidTensor on every rank at once (default timeouts), and the job goes on.
 noinit:   (under horovodrun) rank 1 joins Horovod but never calls commlib.init() -> CommTimeout at
           init on the others, within the timeout, instead of waiting forever in Horovod's broadcast.
 """
@@ -18,15 +20,19 @@ import commlib
 from commlib.testing import report
 
 
-def attempt(rank, fn):
-    """Report fn's error (None if it raised none) with its message and the time it took."""
+def outcome(fn):
+    """fn's error (None if it raised none), its message and the time it took."""
     start = time.monotonic()
     try:
         fn()
         error, message = None, ""
     except commlib.CommError as exc:
         error, message = type(exc).__name__, str(exc)
-    report(rank=rank, error=error, message=message, elapsed_s=round(time.monotonic() - start, 2))
+    return dict(error=error, message=message, elapsed_s=round(time.monotonic() - start, 2))
+
+
+def attempt(rank, fn):
+    report(rank=rank, **outcome(fn))
 
 
 mode = sys.argv[1]
@@ -43,6 +49,14 @@ if mode == "noinit":
     else:
         attempt(hvd.rank(), lambda: commlib.init(policy="*=ring", timeout_s=4.0))
     os._exit(0)   # Horovod still waits inside the broadcast rank 1 never joined: skip its teardown
+if mode == "refused":   # the default timeouts: a rank waiting for the refused tensor would wait 600 s
+    commlib.init(policy="*=ring")
+    r = commlib.rank()
+    refused = outcome(lambda: commlib.allreduce(np.ones(4, np.int32 if r == 1 else np.float32), name="grad.w"))
+    after = commlib.allreduce(np.ones(4, np.float32), name="after", op=commlib.Sum)
+    report(rank=r, after=after.tolist(), **refused)
+    commlib.shutdown()
+    sys.exit(0)
 commlib.init(policy="*=ring", timeout_s=4.0, negotiation_timeout_s=4.0, stall_warning_s=2.0)
 r, n = commlib.rank(), commlib.size()
 commlib.allreduce(np.ones(3, np.float32), name="warmup")
