@@ -151,7 +151,7 @@ class Executor:
         arrays = [e.staged.array for e in bucket]
         buf = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         if first.prescale != 1.0:
-            buf = (buf * first.prescale).astype(buf.dtype)
+            buf = scaled(buf, first.prescale)
         out = backend.allreduce(buf, name)
         measured = backend.measured_density(name)   # of the fused buffer when fused
         if measured is not None:
@@ -159,7 +159,7 @@ class Executor:
                 entry.density = measured[0]
         scale = first.postscale / (self.ctx.size if first.op == Average else 1)
         if scale != 1.0:
-            out = (out * scale).astype(buf.dtype)
+            out = scaled(out, scale)
         parts = np.split(out, np.cumsum([a.size for a in arrays])[:-1]) if len(bucket) > 1 else [out]
         return [e.staged.restore(part) for e, part in zip(bucket, parts)]
 
@@ -179,6 +179,13 @@ class Executor:
             "nbytes": entry.staged.nbytes, "density": entry.density, "fused_with": fused - 1,
             "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start}
         self.timeline.tensor(entry.name, t["enqueue"], t["go"], start, end, entry.algorithm)
+
+
+def scaled(array, factor):
+    """array * factor in the array's dtype, computed in float32 at least (as Horovod scales float16:
+    a factor rounded to float16 would put the result one float16 step off)."""
+    wide = np.promote_types(array.dtype, np.float32) if array.dtype.kind == "f" else np.float64
+    return (array.astype(wide, copy=False) * factor).astype(array.dtype)
 
 
 def fuse(entries, threshold):

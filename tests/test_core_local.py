@@ -81,6 +81,13 @@ def test_scale_factors(runtime):
     np.testing.assert_allclose(out, 3.0)
 
 
+def test_float16_is_scaled_in_float32_as_horovod_does(runtime):
+    x = np.linspace(0.1, 60, 2000).astype(np.float16)
+    out = commlib.allreduce(x, name="h", op=commlib.Sum, prescale_factor=1 / 3, postscale_factor=1.1)
+    expected = ((x.astype(np.float32) * (1 / 3)).astype(np.float16).astype(np.float32) * 1.1).astype(np.float16)
+    np.testing.assert_array_equal(out, expected)   # in float16 arithmetic ~1/3 of them are one step off
+
+
 def test_async_handles_and_records(runtime):
     handles = [commlib.allreduce_async(np.full(3, i, np.int32), name=f"t{i}", op=commlib.Sum) for i in range(5)]
     assert [commlib.synchronize(h)[0] for h in handles] == list(range(5))
