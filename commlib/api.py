@@ -4,6 +4,7 @@ import logging
 import os
 import threading
 
+from commlib import differentiable
 from commlib.backends import registry
 from commlib.errors import CommError
 from commlib.executor import Average, Sum
@@ -78,13 +79,19 @@ def local_size():
 
 def allreduce_async(tensor, name=None, op=Average, algorithm=None, compression=None,
                     prescale_factor=1.0, postscale_factor=1.0, policy=None):
-    """Start reducing `tensor` across ranks; returns a Handle for synchronize()/poll().
+    """Start reducing `tensor` across ranks; returns a Handle for synchronize()/poll(). For a torch
+    tensor that requires grad the result is differentiable, as Horovod's allreduce is.
     `algorithm`/`compression` force a choice; otherwise `policy` (a Policy or its text; default:
     commlib.init's) picks them from the name, size and dtype."""
     if isinstance(policy, str):
         policy = Policy.parse(policy)
-    return runtime().allreduce_async(tensor, name, op, algorithm, compression,
-                                     float(prescale_factor), float(postscale_factor), policy)
+    handle = runtime().allreduce_async(tensor, name, op, algorithm, compression,
+                                       float(prescale_factor), float(postscale_factor), policy)
+    if differentiable.wants_grad(tensor):   # as Horovod's: backward reduces the gradient the same way
+        reduce_grad = lambda grad: allreduce(grad, f"{handle.name}.grad", op, algorithm, compression,
+                                             prescale_factor, postscale_factor, policy)
+        handle.then(lambda out: differentiable.attach(tensor, out, reduce_grad))
+    return handle
 
 
 def synchronize(handle):

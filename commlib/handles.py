@@ -7,16 +7,20 @@ from commlib.errors import CommTimeout
 class Handle:
     """The result of an asynchronous allreduce: `synchronize(handle)` or `poll(handle)`."""
 
-    __slots__ = ("name", "_event", "_result", "_error", "_timeout")
+    __slots__ = ("name", "_event", "_result", "_error", "_timeout", "_then")
 
     def __init__(self, name, timeout):
         self.name, self._timeout = name, timeout
         self._event = threading.Event()
-        self._result = self._error = None
+        self._result = self._error = self._then = None
 
     def set(self, result=None, error=None):
         self._result, self._error = result, error
         self._event.set()
+
+    def then(self, fn):
+        """Apply fn to the result once, when the caller first waits for it."""
+        self._then = fn
 
     def done(self):
         return self._event.is_set()
@@ -27,4 +31,6 @@ class Handle:
                               f"a peer, the switch or an aggregator is stuck (see the other ranks' output)")
         if self._error is not None:
             raise self._error.with_traceback(None)   # one error may fail many handles: no piling tracebacks
+        if self._then is not None:
+            self._result, self._then = self._then(self._result), None
         return self._result

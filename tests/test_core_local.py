@@ -81,6 +81,16 @@ def test_scale_factors(runtime):
     np.testing.assert_allclose(out, 3.0)
 
 
+def test_allreduce_is_differentiable_as_horovods(runtime):
+    x = torch.arange(4.0, requires_grad=True)
+    y = commlib.allreduce(x * 2, name="d", op=commlib.Sum, postscale_factor=3.0)
+    y.sum().backward()                      # backward: the allreduce of ones, with the same scaling
+    assert torch.equal(y.detach(), torch.arange(4.0) * 6) and torch.equal(x.grad, torch.full((4,), 6.0))
+    assert "d.grad" in commlib.records()
+    with torch.no_grad():
+        assert commlib.allreduce(x, name="n").grad_fn is None
+
+
 def test_float16_is_scaled_in_float32_as_horovod_does(runtime):
     x = np.linspace(0.1, 60, 2000).astype(np.float16)
     out = commlib.allreduce(x, name="h", op=commlib.Sum, prescale_factor=1 / 3, postscale_factor=1.1)

@@ -19,7 +19,8 @@ def check_closed_form(results):
                            "sum": float(expected.sum())}, (result["rank"], length)
         assert result["torch"] == {"type": "Tensor", "shape": [3, 4], "values": [total / n]}, result
         assert result["small"] == [[n * (n - 1) // 2] * 5] * 20, result
-        assert result["records"] == 25 and result["fused"] > 0, f"20 small tensors should have been fused: {result}"
+        assert result["grad"] == [(result["rank"] + 1) * (n + 1) / 2] * 3, result   # (r+1) * mean_j (j+1)
+        assert result["records"] == 27 and result["fused"] > 0, f"20 small tensors should have been fused: {result}"
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])

@@ -13,10 +13,14 @@ sums = {length: commlib.allreduce((r + 1) * np.arange(length, dtype=np.float32),
 out = commlib.allreduce(torch.full((3, 4), float(r + 1)), name="torch")
 handles = [commlib.allreduce_async(np.full(5, r, dtype=np.int32), name=f"small{i}", op=commlib.Sum) for i in range(20)]
 small = [commlib.synchronize(h).tolist() for h in handles]
+# differentiable, as Horovod's: y = mean_j (j+1) x_j; backward averages the ranks' upstream (r+1)
+x = torch.ones(3, requires_grad=True)
+y = commlib.allreduce(x * (r + 1), name="differentiable")
+(y * (r + 1)).sum().backward()
 records = commlib.records()
 commlib.shutdown()
 report(rank=r, size=n,
        sums={length: {"dtype": str(s.dtype), "shape": list(s.shape), "values": s[:8].tolist(), "sum": float(s.sum())}
              for length, s in sums.items()},
        torch={"type": type(out).__name__, "shape": list(out.shape), "values": sorted(set(out.reshape(-1).tolist()))},
-       small=small, records=len(records), fused=max(v["fused_with"] for v in records.values()))
+       small=small, grad=x.grad.tolist(), records=len(records), fused=max(v["fused_with"] for v in records.values()))
