@@ -1,4 +1,13 @@
-"""The one error hierarchy of commlib. Every message says what to do about it."""
+"""The one error hierarchy of commlib. Every message says what to do about it.
+
+A collective that failed (a timeout, a mismatch, a peer gone) is also Horovod's
+HorovodInternalError where Horovod is installed: what Horovod users and `hvd.elastic` catch.
+"""
+try:
+    from horovod.common.exceptions import HorovodInternalError as _CollectiveFailure   # pure Python, cheap
+except ImportError:
+    class _CollectiveFailure(RuntimeError):
+        """Stands in for Horovod's HorovodInternalError where Horovod is not installed."""
 
 
 class CommError(RuntimeError):
@@ -9,11 +18,11 @@ class ConfigError(CommError, ValueError):
     """A setting, policy rule or argument is invalid."""
 
 
-class CommTimeout(CommError, TimeoutError):
+class CommTimeout(CommError, TimeoutError, _CollectiveFailure):
     """A wait ran past its timeout (a rank that never calls, a dead peer, a lost switch)."""
 
 
-class Mismatch(CommError):
+class Mismatch(CommError, _CollectiveFailure):
     """Ranks disagree about a tensor (name, shape, dtype, algorithm or op)."""
 
 
@@ -25,5 +34,5 @@ class InvalidTensor(CommError, ValueError):
     """Input the algorithm cannot reduce faithfully: unsupported dtype, NaN/Inf where rejected."""
 
 
-class PeerFailure(CommError):
+class PeerFailure(CommError, _CollectiveFailure):
     """Another rank, the controller, a switch or an aggregator went away."""

@@ -93,3 +93,17 @@ def test_registry_finds_every_backend_whatever_was_imported_first():
     code = "import commlib.backends.switchml; from commlib.backends import registry; print(sorted(registry()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "['allgather', 'omnireduce', 'ring', 'switchml']", out.stdout + out.stderr
+
+
+def test_collective_failures_are_horovods_internal_error_without_needing_horovod():
+    import subprocess
+    import sys
+    from horovod.common.exceptions import HorovodInternalError
+    import commlib
+    for error in (commlib.CommTimeout, commlib.Mismatch, commlib.PeerFailure):
+        assert issubclass(error, HorovodInternalError) and issubclass(error, commlib.CommError), error
+    assert not issubclass(commlib.ConfigError, HorovodInternalError)   # a user's mistake, not a collective's
+    code = ("import sys; sys.modules['horovod'] = None; import commlib; "
+            "print(issubclass(commlib.PeerFailure, commlib.CommError), 'horovod' in str(commlib.PeerFailure.__mro__))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
