@@ -3,7 +3,8 @@
 The ring engine (Horovod, MPI, torch.distributed) starts first, since it may be what knows this
 rank's placement; rank 0 then starts the controller and shares its address through the engine;
 every rank connects, and the settings that shape communication are checked equal on all ranks.
-The result is the job's Context (placement + settings + engine + exchange) and its controller.
+The result is the job's Context (placement + settings + engine + exchange) and its controller;
+its engine is the one that carries the ring's data (commlib.engine.data_engine).
 """
 import threading
 
@@ -22,7 +23,8 @@ def join(settings):
     ctx = placement.joined(settings=settings, exchange_fn=client.exchange, engine=engine, job_token=client.token)
     try:
         _check_settings_agree(ctx)
-    except Mismatch:
+        ctx = ctx.joined(engine=engines.data_engine(settings.ring_engine, ctx))
+    except Exception:
         client.close()
         raise
     return ctx, client, server

@@ -1,15 +1,20 @@
 """Existing collective engines (the `ring` backend and allgather): commlib never hand-rolls a ring.
 
 Each engine sums, allgathers and broadcasts numpy arrays across all ranks. Which one runs is the
-`ring_engine` setting; `auto` takes Horovod when it is (or, under horovodrun, can be) initialized,
-else MPI through mpi4py under mpirun, else torch.distributed (gloo) under torchrun, else a single
-process.
+`ring_engine` setting. The launcher's engine starts the job (it shares the controller's address):
+Horovod when it is (or, under horovodrun, can be) initialized, MPI through mpi4py under mpirun,
+torch.distributed under torchrun, else a single process. `auto` then carries the data of a Horovod
+job over commlib's own Gloo ring (`gloo`, when torch is installed): Horovod would negotiate every
+collective a second time on top of commlib's controller, which made each small collective
+(PowerSGD's factors, compressed payloads) several times slower.
 """
 import datetime
+import importlib.util
 
 import numpy as np
 
 from commlib.errors import BackendUnavailable, ConfigError
+from commlib.net import primary_ip
 
 
 class Engine:
@@ -128,7 +133,67 @@ class TorchEngine(Engine):
         return box[0]
 
 
-ENGINES = {"horovod": HorovodEngine, "mpi": MPIEngine, "torch": TorchEngine, "local": LocalEngine}
+class GlooEngine(Engine):
+    """commlib's own Gloo ring: torch.distributed's ProcessGroupGloo over a store that rank 0
+    serves, made without touching the user's default process group. Every collective is bounded
+    by the `timeout_s` setting."""
+    name = "gloo"
+
+    def __init__(self, ctx):
+        import torch.distributed as dist
+        super().__init__(ctx.size)
+        host = "127.0.0.1" if ctx.all_local else primary_ip()
+        timeout = datetime.timedelta(seconds=ctx.settings.timeout_s)
+        self._store, why = None, ""
+        if ctx.rank == 0:
+            try:
+                self._store = dist.TCPStore(host, 0, ctx.size, True, timeout=timeout, wait_for_workers=False)
+            except Exception as exc:   # every rank raises it, below
+                why = f"rank 0 could not serve the Gloo store: {exc}"
+        served = ctx.exchange("init/gloo", [host, self._store.port] if self._store else why)[0]
+        if isinstance(served, str):
+            raise BackendUnavailable(served)
+        if self._store is None:
+            self._store = dist.TCPStore(served[0], served[1], ctx.size, False, timeout=timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore(f"commlib/{ctx.job_token}", self._store),
+                                           ctx.rank, ctx.size, options)
+        self.ctx = ctx
+
+    def allreduce_sum(self, array, name):
+        import torch
+        out = torch.from_numpy(np.array(array, copy=True))
+        self.group.allreduce([out]).wait()
+        return out.numpy()
+
+    def allgather(self, array, name):
+        import torch
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.group.allgather([lengths], [torch.tensor([array.size])]).wait()
+        lengths = [int(n) for n in lengths]
+        padded = torch.zeros(max(lengths), dtype=torch.from_numpy(array[:0]).dtype)   # equal sizes for gloo
+        padded[:array.size] = torch.from_numpy(np.ascontiguousarray(array))
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self.group.allgather([parts], [padded]).wait()
+        return [p.numpy()[:n] for p, n in zip(parts, lengths)]
+
+    def broadcast_object(self, obj):
+        return self.ctx.exchange("gloo/broadcast", obj)[0]
+
+
+ENGINES = {"horovod": HorovodEngine, "mpi": MPIEngine, "torch": TorchEngine, "local": LocalEngine, "gloo": GlooEngine}
+
+
+def data_engine(choice, ctx):
+    """The engine that carries the ring's data, once the job is up (ctx: its Context): commlib's
+    own Gloo ring where `choice` asks for it, else the launcher's engine the job started with."""
+    if choice == "auto":
+        wanted = ctx.engine.name == "horovod" and importlib.util.find_spec("torch") is not None
+    else:
+        wanted = choice == "gloo"
+    return GlooEngine(ctx) if wanted else ctx.engine
 
 
 def _auto(placement):
@@ -145,7 +210,8 @@ def _auto(placement):
 
 
 def create(choice, placement, timeout_s=None):
-    name = _auto(placement) if choice == "auto" else choice
+    """The launcher's engine (for `gloo`, the one that starts the job: see data_engine)."""
+    name = _auto(placement) if choice in ("auto", "gloo") else choice
     if name not in ENGINES:
         raise ConfigError(f"ring_engine={choice!r}: choose one of auto, {', '.join(ENGINES)}")
     if name == "local":

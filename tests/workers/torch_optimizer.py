@@ -57,5 +57,6 @@ for label, kwargs in unsupported.items():
         errors[label] = f"{type(exc).__name__}: {exc}"
 report(rank=hvd.rank(), same_on_all_ranks=all(torch.equal(everyone[0], everyone[r]) for r in range(hvd.size())),
        max_diff_vs_horovod=(ours - theirs).abs().max().item(), unsupported=errors,
-       algorithms=sorted(f"{r['algorithm']}:{r['compression']}" for r in commlib.records().values()))
+       algorithms=sorted(f"{r['algorithm']}:{r['compression']}" for r in commlib.records().values()),
+       engine=commlib.backend_stats()["ring"]["engine"])
 commlib.shutdown()
