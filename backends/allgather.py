@@ -10,6 +10,7 @@ from commlib.backends.ring import RingBackend
 @register
 class AllgatherBackend(RingBackend):
     name = "allgather"
+    ops = ("sum",)
 
     def allgather(self, array, name):
         return self.ctx.engine.allgather(np.ascontiguousarray(array).reshape(-1), name)

@@ -30,6 +30,7 @@ class TensorMeta:
 class Backend(abc.ABC):
     name = None          # registry key, e.g. "ring"
     dtypes = ()          # numpy dtypes reduced natively, e.g. (np.dtype("float32"),)
+    ops = ("sum",)       # the reductions it does; the core asks for others with allreduce(..., op=)
     sparse = False       # skips zero blocks: `auto` sends block-sparse tensors to it (see density())
 
     def __init__(self, ctx):

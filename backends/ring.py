@@ -9,6 +9,7 @@ from commlib.backends import Backend, register
 @register
 class RingBackend(Backend):
     name = "ring"
+    ops = ("sum", "min", "max", "product")
     dtypes = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int8", "uint8", "int32", "int64"))
 
     @classmethod
@@ -17,8 +18,8 @@ class RingBackend(Backend):
             return False, "no collective engine (Horovod, MPI or torch.distributed) in this job"
         return True, ""
 
-    def allreduce(self, array, name):
-        return self.ctx.engine.allreduce_sum(array, name)
+    def allreduce(self, array, name, op="sum"):
+        return self.ctx.engine.allreduce(array, name, op)
 
     def stats(self):
         return {"engine": self.ctx.engine.name}

@@ -7,7 +7,7 @@ import threading
 from commlib import differentiable
 from commlib.backends import registry
 from commlib.errors import CommError
-from commlib.executor import Average, Sum
+from commlib.executor import Average, Max, Min, Product, Sum
 from commlib.handles import Handle
 from commlib.policy import Policy
 from commlib.runtime import Runtime
@@ -17,7 +17,7 @@ log = logging.getLogger("commlib")
 _runtime = None
 _init_lock = threading.Lock()
 
-__all__ = ["Average", "Sum", "Handle", "init", "shutdown", "is_initialized", "runtime", "rank", "size",
+__all__ = ["Average", "Sum", "Min", "Max", "Product", "Handle", "init", "shutdown", "is_initialized", "runtime", "rank", "size",
            "local_rank", "local_size", "allreduce_async", "synchronize", "poll", "allreduce", "records",
            "backend_stats"]
 

@@ -38,6 +38,7 @@ class Plan:
     choices: tuple            # ((bound or None, algorithm), ...); the last one has no bound
     compression: str = None   # the compressor's canonical text (its repr), None for none
     density: float = None     # this rank's measured block density, when the choices depend on it
+    note: str = None          # why the policy's choice was not taken, for commlib.records()
 
     @property
     def algorithm(self):
@@ -62,16 +63,19 @@ class Dispatcher:
         self.backends, self.unavailable = backends, unavailable
         self.policy, self.settings = policy, settings
 
-    def plan(self, name, staged, algorithm=None, compression=None, policy=None):
+    def plan(self, name, staged, algorithm=None, compression=None, policy=None, op="sum"):
         """(Plan, compressor object or None) for a tensor. `algorithm`/`compression` given by the
         caller win over the policy; `policy` (a Policy) replaces commlib.init's for this tensor."""
         meta = TensorMeta(name, tuple(staged.shape), str(staged.travel_dtype),
                           staged.numel * staged.travel_dtype.itemsize)
-        if algorithm is None and compression is None:
+        chosen_by_caller = algorithm is not None or compression is not None
+        if chosen_by_caller:
+            bounded = ()
+        else:
             rule = (policy or self.policy).choose(name, staged.nbytes, staged.dtype_name)
             algorithm, compression, bounded = rule.algorithm, rule.compression, rule.bounded
-        else:
-            bounded = ()
+        if op not in ("sum", "average"):
+            return self._reduction(meta, op, algorithm or "auto", compression, chosen_by_caller), None
         compressor = compressors.resolve(compression)
         if compressor is not None:
             return Plan(((None, self._compressed(compressor, algorithm or "auto", name)),), repr(compressor)), compressor
@@ -90,6 +94,21 @@ class Dispatcher:
             if name not in registry():
                 raise ConfigError(f"unknown algorithm {name!r}; choose one of {sorted(registry())} or 'auto'") from None
             raise BackendUnavailable(f"algorithm {name!r} is not available: {self.unavailable[name]}") from None
+
+    # -- min, max, product: only algorithms that do that reduction, never a compressor ---------------
+    def _reduction(self, meta, op, requested, compression, chosen_by_caller):
+        able = [name for name in CARRIERS["dense"] if self._enabled(name, meta) and op in self.backends[name].ops]
+        if chosen_by_caller and (compression is not None or (requested != "auto" and requested not in able)):
+            what = f"compression {compression!r}" if compression is not None else f"algorithm {requested!r}"
+            raise ConfigError(f"tensor {meta.name!r}: {what} cannot reduce with op={op}; leave it unset "
+                              f"or choose one of {able}")
+        if not able:
+            raise InvalidTensor(f"tensor {meta.name!r}: no algorithm here reduces {meta.dtype} with op={op}")
+        if requested in able and compression is None:
+            return Plan(((None, requested),))
+        asked = ":".join(filter(None, (None if requested == "auto" else requested, compression)))
+        note = f"the policy's {asked} cannot reduce with op={op}; {able[0]} did" if asked else None
+        return Plan(((None, able[0]),), note=note)
 
     # -- uncompressed tensors ------------------------------------------------------------------------
     def _dense(self, requested, meta):

@@ -23,7 +23,8 @@ class Engine:
     def __init__(self, size):
         self.size = size
 
-    def allreduce_sum(self, array, name):
+    def allreduce(self, array, name, op="sum"):
+        """The elementwise reduction over ranks of a 1-D array: op is sum, min, max or product."""
         raise NotImplementedError
 
     def allgather(self, array, name):
@@ -40,7 +41,7 @@ class Engine:
 class LocalEngine(Engine):
     name = "local"
 
-    def allreduce_sum(self, array, name):
+    def allreduce(self, array, name, op="sum"):
         return array.copy()
 
     def allgather(self, array, name):
@@ -60,9 +61,10 @@ class HorovodEngine(Engine):
         self.hvd = hvd
         super().__init__(hvd.size())
 
-    def allreduce_sum(self, array, name):
+    def allreduce(self, array, name, op="sum"):
         import torch
-        out = self.hvd.allreduce(torch.from_numpy(array), op=self.hvd.Sum, name=f"commlib.{name}")
+        hvd_op = {"sum": self.hvd.Sum, "min": self.hvd.Min, "max": self.hvd.Max, "product": self.hvd.Product}[op]
+        out = self.hvd.allreduce(torch.from_numpy(array), op=hvd_op, name=f"commlib.{name}")
         return out.numpy()
 
     def allgather(self, array, name):
@@ -84,9 +86,10 @@ class MPIEngine(Engine):
         self.comm = MPI.COMM_WORLD.Dup()   # our own communicator: no clash with the user's messages
         super().__init__(self.comm.Get_size())
 
-    def allreduce_sum(self, array, name):
+    def allreduce(self, array, name, op="sum"):
         out = np.array(array, copy=True)
-        self.comm.Allreduce(self.MPI.IN_PLACE, out, op=self.MPI.SUM)
+        mpi_op = {"sum": self.MPI.SUM, "min": self.MPI.MIN, "max": self.MPI.MAX, "product": self.MPI.PROD}[op]
+        self.comm.Allreduce(self.MPI.IN_PLACE, out, op=mpi_op)
         return out
 
     def allgather(self, array, name):
@@ -110,10 +113,10 @@ class TorchEngine(Engine):
         self.dist = dist
         super().__init__(dist.get_world_size())
 
-    def allreduce_sum(self, array, name):
+    def allreduce(self, array, name, op="sum"):
         import torch
         out = torch.from_numpy(np.array(array, copy=True))
-        self.dist.all_reduce(out)
+        self.dist.all_reduce(out, op=reduce_op(op))
         return out.numpy()
 
     def allgather(self, array, name):
@@ -162,10 +165,13 @@ class GlooEngine(Engine):
                                            ctx.rank, ctx.size, options)
         self.ctx = ctx
 
-    def allreduce_sum(self, array, name):
+    def allreduce(self, array, name, op="sum"):
         import torch
+        import torch.distributed as dist
+        options = dist.AllreduceOptions()
+        options.reduceOp = reduce_op(op)
         out = torch.from_numpy(np.array(array, copy=True))
-        self.group.allreduce([out]).wait()
+        self.group.allreduce([out], options).wait()
         return out.numpy()
 
     def allgather(self, array, name):
@@ -181,6 +187,12 @@ class GlooEngine(Engine):
 
     def broadcast_object(self, obj):
         return self.ctx.exchange("gloo/broadcast", obj)[0]
+
+
+def reduce_op(op):
+    """torch.distributed's ReduceOp for an op name."""
+    from torch.distributed import ReduceOp
+    return {"sum": ReduceOp.SUM, "min": ReduceOp.MIN, "max": ReduceOp.MAX, "product": ReduceOp.PRODUCT}[op]
 
 
 ENGINES = {"horovod": HorovodEngine, "mpi": MPIEngine, "torch": TorchEngine, "local": LocalEngine, "gloo": GlooEngine}

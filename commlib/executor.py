@@ -21,6 +21,10 @@ log = logging.getLogger("commlib")
 
 Sum = "sum"
 Average = "average"
+Min, Max, Product = "min", "max", "product"
+OPS = (Sum, Average, Min, Max, Product)
+# Horovod's op constants (horovod.common.basics / mpi_ops: Average=0, Sum=1, Adasum=2, Min=3, ...)
+HOROVOD_OPS = {0: Average, 1: Sum, 3: Min, 4: Max, 5: Product}
 STOP = {"t": "stop"}
 
 
@@ -152,7 +156,7 @@ class Executor:
         buf = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         if first.prescale != 1.0:
             buf = scaled(buf, first.prescale)
-        out = backend.allreduce(buf, name)
+        out = backend.allreduce(buf, name) if first.op in (Sum, Average) else backend.allreduce(buf, name, first.op)
         measured = backend.measured_density(name)   # of the fused buffer when fused
         if measured is not None:
             for entry in bucket:
@@ -177,7 +181,8 @@ class Executor:
         self.records[entry.name] = {
             "algorithm": entry.algorithm, "compression": entry.plan.compression, "dtype": entry.staged.dtype_name,
             "nbytes": entry.staged.nbytes, "density": entry.density, "fused_with": fused - 1,
-            "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start}
+            "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start,
+            "note": entry.plan.note}
         self.timeline.tensor(entry.name, t["enqueue"], t["go"], start, end, entry.algorithm)
 
 

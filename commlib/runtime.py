@@ -8,11 +8,11 @@
 import itertools
 import logging
 
-from commlib import bootstrap
+from commlib import bootstrap, differentiable
 from commlib.backends import start_all
 from commlib.dispatch import Dispatcher
 from commlib.errors import CommError, ConfigError, InvalidTensor
-from commlib.executor import Average, Entry, Executor, Sum
+from commlib.executor import HOROVOD_OPS, OPS, Average, Entry, Executor, Sum
 from commlib.handles import Handle
 from commlib.tensors import Staged
 from commlib.timeline import Timeline
@@ -42,7 +42,7 @@ class Runtime:
             raise self.executor.broken
         named, name = name is not None, name or f"allreduce.noname.{next(self._names)}"
         try:
-            staged, plan, compressor = self._plan(tensor, name, named, op, algorithm, compression, policy)
+            staged, op, plan, compressor = self._plan(tensor, name, named, op, algorithm, compression, policy)
         except CommError as exc:   # the other ranks wait for this tensor: tell them why it never comes
             self.client.submit([{"name": name, "error": {"kind": type(exc).__name__, "message": str(exc)}}])
             raise
@@ -56,17 +56,19 @@ class Runtime:
         return handle
 
     def _plan(self, tensor, name, named, op, algorithm, compression, policy):
-        """(Staged, Plan, compressor) for a tensor, or the error that refuses it."""
-        if op not in (Sum, Average):
-            raise ConfigError(f"op={op!r}: use commlib.Sum or commlib.Average")
+        """(Staged, op name, Plan, compressor) for a tensor, or the error that refuses it."""
+        op = reduction(op)
+        if op not in (Sum, Average) and differentiable.wants_grad(tensor):
+            raise ConfigError(f"tensor {name!r}: op={op} is not differentiable here; reduce tensor.detach(), "
+                              f"or use Sum or Average")
         staged = Staged(tensor)
         if op == Average and staged.travel_dtype.kind in "iu":
             raise InvalidTensor(f"tensor {name!r}: op=Average on {staged.dtype_name} would truncate; use op=commlib.Sum")
-        plan, compressor = self.dispatcher.plan(name, staged, algorithm, compression, policy)
+        plan, compressor = self.dispatcher.plan(name, staged, algorithm, compression, policy, op)
         if compressor is not None and not named:
             raise ConfigError(f"compressed tensors need a name= that is the same at every step: error feedback "
                               f"and random streams are kept per name (compression {plan.compression})")
-        return staged, plan, compressor
+        return staged, op, plan, compressor
 
     def shutdown(self):
         if not self.executor.stop(self.settings.timeout_s):   # still inside a collective: its native state must outlive it
@@ -82,3 +84,14 @@ class Runtime:
         if self._server is not None:
             self._server.join(self.settings.timeout_s)
         self.timeline.close()
+
+
+def reduction(op):
+    """commlib's op name for commlib's constants or Horovod's (hvd.Sum, hvd.Min, ...)."""
+    if op in OPS:
+        return op
+    if isinstance(op, int) and not isinstance(op, bool) and op in HOROVOD_OPS:
+        return HOROVOD_OPS[op]
+    if op == 2:
+        raise ConfigError("op=Adasum is Horovod's own algorithm: use hvd.DistributedOptimizer(op=hvd.Adasum)")
+    raise ConfigError(f"op={op!r}: use commlib.Sum, Average, Min, Max or Product (or Horovod's)")

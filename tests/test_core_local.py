@@ -115,7 +115,8 @@ def test_timeline_is_a_chrome_trace(runtime):
 
 @pytest.mark.parametrize("kwargs, error, text", [
     ({"algorithm": "bogus"}, commlib.ConfigError, "unknown algorithm 'bogus'"),
-    ({"op": "max"}, commlib.ConfigError, "commlib.Sum or commlib.Average"),
+    ({"op": "median"}, commlib.ConfigError, "use commlib.Sum, Average, Min, Max or Product"),
+    ({"op": 2}, commlib.ConfigError, "Adasum is Horovod's own algorithm"),
     ({"algorithm": "allgather"}, commlib.ConfigError, "carries compressed or sparse payloads"),
 ])
 def test_bad_arguments_are_clear_errors(runtime, kwargs, error, text):

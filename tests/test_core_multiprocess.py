@@ -1,5 +1,7 @@
 """The core across real processes (torch.distributed engine), with a hard timeout per launch. Each
 rank reports its result (commlib.testing.report); the checks here say which field differed."""
+import math
+
 import numpy as np
 import pytest
 
@@ -20,7 +22,12 @@ def check_closed_form(results):
         assert result["torch"] == {"type": "Tensor", "shape": [3, 4], "values": [total / n]}, result
         assert result["small"] == [[n * (n - 1) // 2] * 5] * 20, result
         assert result["grad"] == [(result["rank"] + 1) * (n + 1) / 2] * 3, result   # (r+1) * mean_j (j+1)
-        assert result["records"] == 27 and result["fused"] > 0, f"20 small tensors should have been fused: {result}"
+        assert result["ops"] == {"min": [1.0] * 4, "max": [float(n)] * 4, "product": [float(math.factorial(n))] * 4,
+                                 "horovod max": [n] * 2}, result
+        for name in ("op.min", "op.max", "op.product"):   # the policy said switchml, which only sums
+            algorithm, note = result["op_records"][name]
+            assert algorithm == "ring" and "switchml cannot reduce with op=" in note, (name, algorithm, note)
+        assert result["records"] == 31 and result["fused"] > 0, f"20 small tensors should have been fused: {result}"
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])

@@ -12,6 +12,7 @@ from commlib.tensors import Staged
 class FakeBackend:
     def __init__(self, name, dtypes=("float32", "int32"), sparse=False, density=0.5):
         self.name, self.dtypes, self.sparse, self._density = name, tuple(np.dtype(d) for d in dtypes), sparse, density
+        self.ops = ("sum",)
 
     def enabled(self, meta):
         return np.dtype(meta.dtype) in self.dtypes
@@ -91,3 +92,22 @@ def test_unavailable_and_unsupported():
         plan(dispatcher(), np.zeros(8, np.float64), algorithm="switchml")
     with pytest.raises(InvalidTensor, match="no algorithm here reduces uint8"):
         plan(dispatcher(), np.zeros(8, np.uint8))
+
+
+def test_min_max_product_go_where_that_reduction_is_done():
+    d = dispatcher(policy="*=switchml", ring=dict_backend_with_ops())
+    p, _ = plan(d, np.zeros(8, np.float32), op="max")
+    assert p.algorithm == "ring" and "the policy's switchml cannot reduce with op=max; ring did" == p.note
+    assert plan(d, np.zeros(8, np.float32), op="sum")[0].algorithm == "switchml"
+    with pytest.raises(ConfigError, match="algorithm 'switchml' cannot reduce with op=min"):
+        plan(d, np.zeros(8, np.float32), op="min", algorithm="switchml")
+    with pytest.raises(ConfigError, match="compression 'fp16' cannot reduce with op=product"):
+        plan(d, np.zeros(8, np.float32), op="product", compression="fp16")
+    with pytest.raises(InvalidTensor, match="no algorithm here reduces float32 with op=min"):
+        plan(dispatcher(("switchml",)), np.zeros(8, np.float32), op="min")
+
+
+def dict_backend_with_ops():
+    ring = FakeBackend("ring", ("float16", "float32", "float64", "int32"))
+    ring.ops = ("sum", "min", "max", "product")
+    return ring

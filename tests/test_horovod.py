@@ -24,8 +24,9 @@ def check_optimizer(out, size, tolerance, algorithm, engine="gloo"):
         assert any(algorithm in used for used in result["algorithms"]), result
 
 
-def test_closed_form_under_horovodrun_gloo():
-    out = horovodrun(2, "basic.py", timeout=180)
+@pytest.mark.parametrize("engine", ["auto", "horovod"])   # auto: commlib's own Gloo ring
+def test_closed_form_under_horovodrun_gloo(engine):
+    out = horovodrun(2, "basic.py", timeout=180, env={"COMMLIB_RING_ENGINE": engine})
     assert out.returncode == 0, out.stdout
     check_closed_form(results(out.stdout, 2))
 

@@ -17,10 +17,15 @@ small = [commlib.synchronize(h).tolist() for h in handles]
 x = torch.ones(3, requires_grad=True)
 y = commlib.allreduce(x * (r + 1), name="differentiable")
 (y * (r + 1)).sum().backward()
+# min, max, product (commlib's and Horovod's op constants): the ring does them, whatever the policy says
+ops = {op: commlib.allreduce(np.full(4, r + 1, np.float32), name=f"op.{op}", op=op, policy="*=switchml").tolist()
+       for op in (commlib.Min, commlib.Max, commlib.Product)}
+ops["horovod max"] = commlib.allreduce(np.full(2, r + 1, np.int32), name="op.hvd", op=4).tolist()   # hvd.Max
 records = commlib.records()
 commlib.shutdown()
 report(rank=r, size=n,
        sums={length: {"dtype": str(s.dtype), "shape": list(s.shape), "values": s[:8].tolist(), "sum": float(s.sum())}
              for length, s in sums.items()},
        torch={"type": type(out).__name__, "shape": list(out.shape), "values": sorted(set(out.reshape(-1).tolist()))},
-       small=small, grad=x.grad.tolist(), records=len(records), fused=max(v["fused_with"] for v in records.values()))
+       small=small, grad=x.grad.tolist(), ops=ops,
+       op_records={k: [v["algorithm"], v["note"]] for k, v in records.items() if k.startswith("op.")}, records=len(records), fused=max(v["fused_with"] for v in records.values()))
