@@ -56,7 +56,7 @@ from commlib.tensors import Staged
 
 try:
     from commlib.switch import aggregator as agg
-    from commlib.switch._omnireduce import ffi, lib
+    from commlib._native import ffi, lib
     IMPORT_ERROR = ""
 except ImportError as exc:   # the C extension is not built
     agg = ffi = lib = None
@@ -97,7 +97,7 @@ def block_mask(array, block=256, threshold=0.0):
     nblocks = -(-array.size // block)
     if lib is not None and array.dtype in _DTYPE_CODE:
         mask = np.empty(nblocks, dtype=np.uint8)
-        lib.omr_block_mask(ffi.from_buffer(array), array.size, _DTYPE_CODE[array.dtype], block, threshold,
+        lib.tp_block_mask(ffi.from_buffer(array), array.size, _DTYPE_CODE[array.dtype], block, threshold,
                            ffi.from_buffer(mask))
         return mask
     padded = np.zeros(nblocks * block, dtype=np.float64)

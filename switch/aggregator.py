@@ -23,7 +23,7 @@ import time
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError
 from commlib.switch import net
-from commlib.switch._omnireduce import ffi, lib
+from commlib._native import ffi, lib
 from commlib.net import parse_address
 
 log = logging.getLogger("commlib.omnireduce")
@@ -43,7 +43,7 @@ def pack(kind, body=None, rank=0, job=0, key=0):
     """A control packet: header + JSON body, checksummed like data packets."""
     payload = json.dumps(body or {}, separators=(",", ":")).encode()
     raw = HEADER.pack(kind, 0, rank, job, key, 0, 0, 0, 0, 0, 0, 0) + payload
-    return raw[:36] + struct.pack("<I", lib.omr_checksum(raw, len(raw))) + raw[40:]
+    return raw[:36] + struct.pack("<I", lib.tp_checksum(raw, len(raw))) + raw[40:]
 
 
 def unpack(data):
@@ -52,7 +52,7 @@ def unpack(data):
         return None
     fields = HEADER.unpack_from(data)
     raw = data[:36] + b"\0\0\0\0" + data[40:]
-    if lib.omr_checksum(raw, len(raw)) != fields[-1]:
+    if lib.tp_checksum(raw, len(raw)) != fields[-1]:
         return None
     try:
         return fields, json.loads(data[HEADER.size:] or b"{}")

@@ -33,7 +33,7 @@ from commlib.net import parse_address
 log = logging.getLogger("commlib.switch")
 
 try:
-    from commlib.switch._switchml import ffi, lib
+    from commlib._native import ffi, lib
     IMPORT_ERROR = None
 except ImportError as exc:   # not built: say how to build it where it is used
     ffi = lib = None
@@ -41,9 +41,9 @@ except ImportError as exc:   # not built: say how to build it where it is used
                     f"`python setup.py build_ext --inplace` (or `make install`)")
 
 # Header: type, flags, job, rank, packet id, pool index (bit 15 = set), exponent, code, token,
-# reserved, checksum; then 0/64/256 big-endian int32 and, with SML_F_NONFINITE, one flag byte per
-# value. The constants and counters are switch/csrc/switchml.h's, read through cffi.
-HEADER = struct.Struct("!BBBBIHbBIHH")
+# checksum; then 0/64/256 big-endian int32 and, with SML_F_NONFINITE, one flag byte per value.
+# The constants and counters are switch/csrc/switchml.h's, read through cffi.
+HEADER = struct.Struct("!BBBBIHbBII")
 HDR_LEN = HEADER.size
 
 
@@ -52,25 +52,22 @@ def _fields(struct_name):
 
 
 if lib is not None:
-    assert HDR_LEN == lib.SML_HDR_LEN
+    assert HDR_LEN == lib.SML_HDR_LEN and HEADER.size - 4 == lib.SML_CSUM_OFF
     MAX_WORKERS, MAX_JOBS, MAX_SLOTS = lib.SML_MAX_WORKERS, lib.SML_MAX_JOBS, lib.SML_MAX_SLOTS
     COUNTERS, GLOBAL_COUNTERS = _fields("sml_counters"), _fields("sml_global")
     WORKER_COUNTERS = _fields("sml_worker_counters")
 
 
 def checksum(header):
-    """RFC 1071 ones-complement sum of the 20 header bytes, the checksum field (18-19) as zero."""
-    words = struct.unpack("!10H", bytes(header[:18]) + b"\0\0")
-    total = sum(words)
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    return ~total & 0xFFFF
+    """The header's checksum (transport.h's tp_checksum over the 20 header bytes, its own field zero)."""
+    off = lib.SML_CSUM_OFF
+    return lib.tp_checksum(bytes(header[:off]) + bytes(HDR_LEN - off), HDR_LEN)
 
 
 def pack_header(type, flags, job, rank, packet_id, pool, exponent, token, code=0):
     """A sealed header (pool = slot | set << 15)."""
-    raw = HEADER.pack(type, flags, job, rank, packet_id, pool, exponent, code, token, 0, 0)
-    return raw[:18] + struct.pack("!H", checksum(raw))
+    raw = HEADER.pack(type, flags, job, rank, packet_id, pool, exponent, code, token, 0)
+    return raw[:lib.SML_CSUM_OFF] + struct.pack("!I", checksum(raw))
 
 
 def token32(job_token):
@@ -260,7 +257,7 @@ class SwitchServer:
                 raise ConfigError(f"the switch already serves {MAX_JOBS} jobs; end one first")
             number = free[0]
             rc = lib.sml_switch_add_job(self._sw, number, token, len(workers), slots, elems)
-            if rc == -3:
+            if rc == lib.SML_ADD_NO_SLOTS:
                 raise ConfigError(f"the switch has {lib.sml_switch_free_slots(self._sw)} free slots, the job asks "
                                   f"for {slots}: lower COMMLIB_SWITCH_WINDOW or start the switch with more --slots")
             if rc != 0:

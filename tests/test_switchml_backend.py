@@ -107,6 +107,27 @@ def test_int32_exact_and_float_within_bound(n):
             assert_within_bound(floats, results[0][2 * i + 1])
 
 
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_full_scale_blocks_cannot_overflow_and_int32_wraps(n):
+    """Every rank at the top of its block's range, all of one sign: each quantized value is
+    INT32_MAX / n, so the n-way int32 sum on the switch reaches INT32_MAX and no further; int32
+    sums wrap like the switch's adders (moved here from the kernels' tests: the real path)."""
+    top = np.float32(np.nextafter(np.float32(2.0 ** 10), np.float32(0)))     # max|x| < 2^10: e = 10
+    full = np.full(1000, top, np.float32)
+    full[256:512] *= -1                                                       # and the negative edge
+    full[512:768] = 0.0                                                       # a zero block stays zero
+    wrap = np.array([2 ** 31 - 1, -(2 ** 31), 7], np.int32)
+
+    def work(rank, backend):
+        return backend.allreduce(full, "full"), backend.allreduce(wrap if rank == 0 else np.array([1, -1, -9], np.int32), "wrap")
+
+    results = run(n, work)
+    assert_within_bound([full] * n, results[0][0])
+    assert np.all(results[0][0][512:768] == 0.0)
+    expected = (wrap.astype(np.int64) + (n - 1) * np.array([1, -1, -9])) % 2 ** 32
+    np.testing.assert_array_equal(results[0][1], np.where(expected >= 2 ** 31, expected - 2 ** 32, expected).astype(np.int32))
+
+
 def test_packets_of_64_window_of_one_without_offload():
     def work(rank, backend):
         return [backend.allreduce(float_data(rank, 1000, 1), "f"), backend.allreduce(int_data(rank, 130), "i")]
