@@ -261,7 +261,9 @@ class SwitchServer:
                 raise ConfigError(f"the switch has {lib.sml_switch_free_slots(self._sw)} free slots, the job asks "
                                   f"for {slots}: lower COMMLIB_SWITCH_WINDOW or start the switch with more --slots")
             if rc != 0:
-                raise ConfigError(f"the switch could not add the job (code {rc})")
+                why = {lib.SML_ADD_IN_USE: "its job number is in use", lib.SML_ADD_ARG: "invalid parameters",
+                       lib.SML_ADD_NOMEM: "out of memory"}.get(rc, f"code {rc}")
+                raise ConfigError(f"the switch could not add the job: {why}")
             for rank, (ip, port) in enumerate(addrs):
                 lib.sml_switch_set_addr(self._sw, number, rank, ip, port)
             self._jobs[number] = _Job(number, token, [list(w) for w in workers], slots, elems)

@@ -17,7 +17,7 @@ import pytest
 
 from commlib.backends import TensorMeta
 from commlib.testing import LocalGroup
-from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, InvalidTensor, PeerFailure
+from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, PeerFailure
 from commlib.settings import Settings
 
 import commlib.backends.switchml as sml   # noqa: E402
@@ -36,14 +36,16 @@ def settings(**kw):
 
 
 def run(n, work, join_timeout=45.0, **kw):
-    """Run work(rank, backend) on n rank threads, each closing its backend after it; returns the
-    per-rank results, raises the first error (a CommTimeout if a rank hangs: its backend stays open,
-    closing it would free the state that rank is still streaming with)."""
+    """Run work(rank, backend) on n rank threads, each starting its backend before (start() is the
+    collective set-up, as the core calls it) and closing it after; returns the per-rank results,
+    raises the first error (a CommTimeout if a rank hangs: its backend stays open, closing it would
+    free the state that rank is still streaming with)."""
     group = LocalGroup(n, settings(**kw))
-    backends = [sml.SwitchMLBackend(ctx) for ctx in group.contexts]
+    backends = [sml.SwitchMLBackend(ctx) for ctx in group.contexts]   # local work only: no exchange
 
     def main(ctx):
         try:
+            backends[ctx.rank].start()
             return work(ctx.rank, backends[ctx.rank])
         finally:
             backends[ctx.rank].close()      # collective: waits for the other ranks' work
@@ -273,6 +275,14 @@ def test_settings_validated():
         sml.SwitchMLBackend(ctx)
 
 
+def test_construction_is_local_and_allreduce_needs_start():
+    """__init__ exchanges nothing with the other ranks; allreduce never starts the backend by itself."""
+    backend = sml.SwitchMLBackend(LocalGroup(2, settings(timeout_s=0.5)).contexts[0])
+    with pytest.raises(BackendUnavailable, match="not started"):
+        backend.allreduce(np.ones(10, np.float32), "x")
+    backend.close()
+
+
 def test_available_needs_a_switch_or_one_host():
     ctx = LocalGroup(2, settings()).contexts[0]
     assert sml.SwitchMLBackend.available(ctx) == (True, "")
@@ -342,13 +352,20 @@ def test_switch_daemon_restart_and_death_are_clear_errors():
         restarted.kill()
         restarted.wait(10)
 
-        def dead(rank, backend):
-            with pytest.raises((PeerFailure, BackendUnavailable), match="switch"):
-                backend.allreduce(np.ones(10, np.float32), "x")
+        def set_up(ctx):
+            backend = sml.SwitchMLBackend(ctx)
+            try:
+                backend.start()
+            except CommError as exc:
+                return exc
+            finally:
+                backend.close()
 
         start = time.monotonic()
-        run(2, dead, switch_addr=address)
+        errors = LocalGroup(2, settings(switch_addr=address)).run(set_up, 20)
         assert time.monotonic() - start < 8
+        for e in errors:                                   # every rank raises rank 0's error
+            assert e is not None and "failed on rank 0" in str(e) and address in str(e), e
     finally:
         proc.kill()
         for p, _ in locals().get("holder", []):
