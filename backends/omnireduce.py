@@ -55,7 +55,7 @@ from commlib.settings import define
 from commlib.tensors import Staged
 
 try:
-    from commlib.switch import aggregator as agg
+    from commlib.switch import aggregator as agg, control
     from commlib._native import ffi, lib
     IMPORT_ERROR = ""
 except ImportError as exc:   # the C extension is not built
@@ -273,11 +273,10 @@ class OmniReduceBackend(Backend):
                                                     stdin=subprocess.DEVNULL, text=True))
         addresses, deadline = [], time.monotonic() + max(self.timeout_s, 30.0)   # a start on a busy host is slow
         for proc in self._processes:
-            line = _read_line(proc, deadline)
-            if not line.startswith("READY "):
-                raise BackendUnavailable(f"omnireduce: an embedded commlib-aggregator did not start "
-                                         f"(exit code {proc.poll()}, said {line!r})")
-            addresses.append(line.split()[1])
+            try:
+                addresses += control.wait_ready(proc, deadline - time.monotonic(), "an embedded commlib-aggregator")
+            except RuntimeError as exc:
+                raise BackendUnavailable(f"omnireduce: {exc}") from None
         return addresses
 
     # -- the collective -------------------------------------------------------------------------
@@ -441,14 +440,3 @@ class OmniReduceBackend(Backend):
             self._sock.close()
             self._sock = None
 
-
-def _read_line(proc, deadline):
-    """First stdout line of a child, waiting no later than `deadline`."""
-    import select
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, min(0.5, deadline - time.monotonic())))
-        if ready:
-            return proc.stdout.readline().strip()
-        if proc.poll() is not None:
-            return ""
-    return ""

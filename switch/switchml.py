@@ -2,7 +2,8 @@
 
 One `SwitchServer` listens on host:port twice: UDP for the data plane (SwitchML packets, see
 `HEADER` and switch/csrc/switchml.h) and TCP on the same port number for the control plane, the
-job of SwitchML's controller: newline-delimited JSON requests, one JSON line per answer.
+job of SwitchML's controller, in the control format of both daemons (switch/control.py: one JSON
+object per line, answered by {"ok": true, ...} or {"ok": false, "error": ...}):
 
     {"op": "register", "token": T, "workers": [[ip, port], ...], "slots": W, "elems": 256}
         -> {"ok": true, "job": n, "epoch": "..."}   (job number 0..255; pool of W slots x 2 sets)
@@ -18,7 +19,6 @@ The drop simulator acts on every job at once, so `simulate` answers only on a sw
 for testing (`commlib-switch --testing`, `SwitchServer(testing=True)`); elsewhere it is refused.
 """
 import hashlib
-import json
 import logging
 import os
 import random
@@ -27,7 +27,7 @@ import struct
 import threading
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFailure
-from commlib.switch import net
+from commlib.switch import control, net
 from commlib.net import parse_address
 
 log = logging.getLogger("commlib.switch")
@@ -196,16 +196,7 @@ class SwitchServer:
     def _serve_client(self, conn):
         with conn, conn.makefile("rwb") as stream:
             for line in stream:
-                try:
-                    request = json.loads(line)
-                    if not isinstance(request, dict):
-                        raise ValueError('a request is one JSON object per line, e.g. {"op": "status"}')
-                    reply = {"ok": True, **self.handle(request)}
-                except OverflowError as exc:   # cffi: a number beyond its C type that no check caught
-                    reply = {"ok": False, "error": f"a number in the request is out of range ({exc})"}
-                except (ValueError, KeyError, TypeError, ConfigError) as exc:
-                    reply = {"ok": False, "error": str(exc)}
-                stream.write(json.dumps(reply).encode() + b"\n")
+                stream.write(control.encode(control.answer(self.handle, control.decode(line))))
                 stream.flush()
 
     # -- control operations ------------------------------------------------------------------------
@@ -338,7 +329,7 @@ class SwitchClient:
     def request(self, op, **fields):
         try:
             with socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
-                sock.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
+                sock.sendall(control.encode({"op": op, **fields}))
                 with sock.makefile("rb") as stream:
                     line = stream.readline()
         except socket.timeout:
@@ -349,10 +340,7 @@ class SwitchClient:
                               f"`commlib-switch --host {self.host} --port {self.port}` or fix COMMLIB_SWITCH_ADDR")
         if not line:
             raise PeerFailure(f"the switch at {self.address} closed the connection during {op!r}")
-        reply = json.loads(line)
-        if not reply.pop("ok", False):
-            raise ConfigError(f"switch {self.address}: {op}: {reply.get('error')}")
-        return reply
+        return control.result(control.decode(line), f"switch {self.address}: {op}")
 
     def register(self, token, workers, slots, elems):
         return self.request("register", token=token, workers=workers, slots=slots, elems=elems)

@@ -2,13 +2,14 @@
 aggregators, links shaped by tc (benchmarks/netem.py). Correctness over real interfaces, each
 worker its own host (no loopback shortcuts, no embedded switch); speed is bench_network.py's job."""
 import json
-import select
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from commlib.switch import control
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -21,11 +22,8 @@ pytestmark = [pytest.mark.netns, pytest.mark.multiprocess, pytest.mark.timeout(2
 
 
 def _ready_line(proc, seconds=30):
-    """commlib-aggregator's `READY host:port,...` line, or a failure that says why."""
-    ready, _, _ = select.select([proc.stdout], [], [], seconds)
-    line = proc.stdout.readline().strip() if ready else ""
-    assert line.startswith("READY "), f"daemon did not start (exit {proc.poll()}): {line!r}"
-    return line.split()[1]
+    """commlib-aggregator's `READY host:port,...` line (switch/control.py's handshake), or a failure that says why."""
+    return ",".join(control.wait_ready(proc, seconds, "commlib-aggregator"))
 
 
 def _run(cluster, hosts, script, *args, env=None):

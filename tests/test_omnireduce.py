@@ -9,7 +9,6 @@ by the aggregator in arrival order, so per element
 plus the final rounding). Integer-valued floats are exact in any order: the loss tests use them so
 that lossy and lossless runs must agree to the bit.
 """
-import os
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import commlib.backends.omnireduce as om   # noqa: E402
 
 if om.lib is None:   # not built: a failure of the suite, never a quiet skip
     raise ImportError(om.IMPORT_ERROR)
+from commlib.switch import control                               # noqa: E402
 from commlib.switch.aggregator import Aggregator                   # noqa: E402
 from commlib.switch.omnireduce_model import paper_model, wire_model   # noqa: E402
 
@@ -384,9 +384,7 @@ def test_dead_dedicated_aggregator_is_named_within_the_timeout():
     proc = subprocess.Popen([sys.executable, "-m", "commlib.switch.aggregator_main", "--host", "127.0.0.1",
                              "--port", "0", "--quiet"], stdout=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline().split()
-        assert line[0] == "READY", line
-        address = line[1]
+        address, = control.wait_ready(proc, 30, "commlib-aggregator")
         group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=address, timeout_s=2.0))
         backends = group.run(started, 20)
         x = np.ones(3000, np.float32)

@@ -340,3 +340,31 @@ def test_job_pool_limit_is_the_headers():
         client.register(TOKEN, [["127.0.0.1", 9]], sw.MAX_SLOTS, E)
         with pytest.raises(ConfigError, match="slots="):
             client.register(TOKEN, [["127.0.0.1", 9]], sw.MAX_SLOTS + 1, E)
+
+
+def test_one_control_format_for_the_switch_and_the_aggregators(switch):
+    """Both daemons take switch/control.py's messages, the same bytes: the switch line by line over
+    TCP, an aggregator one datagram each on its UDP port; both answer {"ok": ..., ...}."""
+    from commlib.switch import control
+    from commlib.switch.aggregator import Aggregator
+    with socket.create_connection(("127.0.0.1", switch.port), timeout=5) as conn, conn.makefile("rwb") as stream:
+        for request, ok, says in ((control.encode({"op": "status"}), True, "free_slots"),
+                                  (b"[1, 2]\n", False, "one JSON object"),
+                                  (control.encode({"op": "nope"}), False, "unknown op"),
+                                  (control.encode({"op": "register"}), False, "lacks the field")):
+            stream.write(request)
+            stream.flush()
+            reply = control.decode(stream.readline())
+            assert reply["ok"] is ok and says in str(reply), reply
+    agg = Aggregator("127.0.0.1", 0).start()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.settimeout(5)
+    try:
+        sock.sendto(control.encode({"op": "register", "rank": 0}), agg.address)
+        data, _ = sock.recvfrom(65536)
+        assert data[:1] == control.MARK
+        reply = control.decode(data)
+        assert reply["ok"] is False and "malformed registration" in reply["error"], reply
+    finally:
+        sock.close()
+        agg.close()

@@ -5,7 +5,6 @@ Float32 bound checked here (per element, n ranks, block max exponent e over rank
     |switchml - exact| <= n^2 * 2^(e-1) / (2^31 - 1) + 2^-24 * |exact|
 (quantization: each rank's rounding is at most 0.5 / f with f = (2^31 - 1) / (n 2^e); then the
 float32 rounding of the result)."""
-import os
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigErr
 from commlib.settings import Settings
 
 import commlib.backends.switchml as sml   # noqa: E402
+from commlib.switch import control           # noqa: E402
 
 sw = sml.sw
 if sw.lib is None:   # not built: a failure of the suite, never a quiet skip
@@ -309,19 +309,14 @@ def test_missing_rank_times_out_clearly():
 
 
 def _switch_process(port=0, extra=()):
-    """`python -m commlib.switch` as its own process; returns (process, address)."""
-    port_file = f"/tmp/commlib-switch-test-{os.getpid()}-{threading.get_ident()}"
-    if os.path.exists(port_file):
-        os.unlink(port_file)
-    proc = subprocess.Popen([sys.executable, "-m", "commlib.switch", "--port", str(port), "--port-file", port_file,
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 20
-    while not os.path.exists(port_file):
-        assert proc.poll() is None and time.monotonic() < deadline, f"switch did not start: {proc.stdout.read()}"
-        time.sleep(0.05)
-    with open(port_file) as f:
-        address = f.read()
-    os.unlink(port_file)
+    """`python -m commlib.switch` as its own process; returns (process, address) once it says READY."""
+    proc = subprocess.Popen([sys.executable, "-m", "commlib.switch", "--port", str(port), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        address, = control.wait_ready(proc, 20, "commlib-switch")
+    except RuntimeError:
+        proc.kill()
+        raise
     return proc, address
 
 

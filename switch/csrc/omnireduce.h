@@ -40,11 +40,9 @@
 #define OMR_PULL 4                /* worker -> aggregator: ack, replay what I miss, or say whom you wait for */
 #define OMR_STATUS 5              /* aggregator -> worker: waiting for rank `ack` (`next` ranks in all) */
 #define OMR_ERROR 6               /* aggregator -> worker: packet refused; `next` = OMR_ERR_* */
-/* message types: control (JSON payload, handled in Python) */
-#define OMR_REGISTER 16
-#define OMR_REGISTERED 17
-#define OMR_DEREGISTER 18
-#define OMR_KEEPALIVE 19         /* worker -> aggregator: the job lives on while it sends nothing (no reply) */
+/* control messages (register, keepalive, unregister) share the aggregator's port: a datagram
+ * whose first byte is OMR_CONTROL ('{') is one, in switch/control.py's format, handled in Python */
+#define OMR_CONTROL 0x7B
 
 #define OMR_F_ZERO 1              /* the block is all zero: no payload */
 #define OMR_F_INT32 2             /* payload is int32 (else float32) */

@@ -306,20 +306,20 @@ static void handle(omr_agg *a, int i, uint64_t now) {
     size_t plen;
     a->st.pkts_recv++;
     a->st.bytes_recv += a->rq.seg_len[i];
-    const omr_hdr *h = omr_recvq_get(&a->rq, i, &hb, &payload, &plen);
-    if (!h) {
-        a->st.bad_recv++;
-        return;
-    }
-    if (h->type >= OMR_REGISTER) {        /* control: Python answers it */
+    if (a->rq.seg_len[i] > 0 && a->rq.seg[i][0] == OMR_CONTROL) {   /* control: Python answers it */
         a->st.ctrl_recv++;
-        if (a->nctrl == OMR_CTRL_QUEUE || plen + sizeof *h > OMR_CTRL_MAX) return;   /* the sender retries */
+        if (a->nctrl == OMR_CTRL_QUEUE || a->rq.seg_len[i] > OMR_CTRL_MAX) return;   /* the sender retries */
         omr_ctrl *c = &a->ctrl[(a->ctrl_head + a->nctrl) % OMR_CTRL_QUEUE];
-        c->len = (int)(plen + sizeof *h);
+        c->len = (int)a->rq.seg_len[i];
         memcpy(c->buf, a->rq.seg[i], (size_t)c->len);
         inet_ntop(AF_INET, &tp_rxq_from(&a->rq, i)->sin_addr, c->ip, sizeof c->ip);
         c->port = ntohs(tp_rxq_from(&a->rq, i)->sin_port);
         a->nctrl++;
+        return;
+    }
+    const omr_hdr *h = omr_recvq_get(&a->rq, i, &hb, &payload, &plen);
+    if (!h) {
+        a->st.bad_recv++;
         return;
     }
     if (h->type != OMR_DATA && h->type != OMR_ACK && h->type != OMR_PULL) {
