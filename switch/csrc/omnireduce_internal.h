@@ -6,13 +6,10 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <netinet/udp.h>
 #include <sys/socket.h>
-#include <time.h>
 
 #include "omnireduce.h"
 #include "transport.h"
