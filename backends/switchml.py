@@ -109,6 +109,7 @@ class SwitchMLBackend(Backend):
         try:
             self._setup()
         except Exception:
+            self._unregister()   # the job's slots on a shared switch, if it got that far
             self._release()
             raise
 
@@ -118,19 +119,25 @@ class SwitchMLBackend(Backend):
         return self.ctx.exchange(key, self.ctx.agree(key, fn))
 
     def _setup(self):
-        ctx, s = self.ctx, self.ctx.settings
+        ctx = self.ctx
         # 1. the switch: configured, or embedded in rank 0
         self.address = self._step("switch", self._switch_address)[0]
         # 2. every rank's UDP address, as the switch will see it
         workers = self._step("addrs", self._open_socket)
         # 3. rank 0 registers the job; everyone learns its job number
         self.job = self._step("job", lambda: self._register(workers))[0]
-        self._worker = sw.lib.sml_worker_new(self._sock.fileno(), self.job, ctx.rank, self.token, ctx.size,
-                                             self.window, self.elems, float(s.switch_retransmit_ms),
-                                             float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)))
-        if self._worker == sw.ffi.NULL:
-            raise MemoryError("switchml: could not allocate the worker state")
+        # 4. every rank's C worker (so that either all ranks stream or none does)
+        self._step("worker", self._make_worker)
         log.debug("switchml: rank %d in job #%d on switch %s", ctx.rank, self.job, self.address)
+
+    def _make_worker(self):
+        s = self.ctx.settings
+        worker = sw.lib.sml_worker_new(self._sock.fileno(), self.job, self.ctx.rank, self.token, self.ctx.size,
+                                       self.window, self.elems, float(s.switch_retransmit_ms),
+                                       float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)))
+        if worker == sw.ffi.NULL:
+            raise MemoryError("switchml: could not allocate the worker state")
+        self._worker = worker
 
     def _switch_address(self):
         s = self.ctx.settings
@@ -251,12 +258,16 @@ class SwitchMLBackend(Backend):
                 self.ctx.exchange(f"{self._scope}/close", None, min(self.ctx.settings.timeout_s, 10.0))
             except CommError as exc:
                 log.warning("switchml: closing without every rank (%s)", exc)
-            if self.ctx.rank == 0 and self.server is None:
-                try:
-                    sw.SwitchClient(self.address, 5.0).unregister(self.job, self.token)
-                except CommError as exc:
-                    log.warning("switchml: could not unregister job #%s: %s", self.job, exc)
+            self._unregister()
         self._release()
+
+    def _unregister(self):
+        """Rank 0 ends the job on a switch that outlives it (an embedded one goes with rank 0)."""
+        if self.ctx.rank == 0 and self.server is None and self.job is not None:
+            try:
+                sw.SwitchClient(self.address, 5.0).unregister(self.job, self.token)
+            except CommError as exc:
+                log.warning("switchml: could not unregister job #%s: %s", self.job, exc)
 
     def _release(self):
         if self.server is not None:
