@@ -330,7 +330,13 @@ static size_t seg_size(tp_rxq *q, int i) {
 
 int tp_rxq_recv(tp_rxq *q, int timeout_ms) {
     q->nmsg = q->nseg = 0;
-    int r, polled = timeout_ms <= 0;
+    if (timeout_ms > 0) {   /* wait first: a caller that may wait usually finds nothing yet */
+        struct pollfd p = {q->fd, POLLIN, 0};
+        int pr = poll(&p, 1, timeout_ms);
+        if (pr < 0) return errno == EINTR ? 0 : -errno;
+        if (pr == 0) return 0;
+    }
+    int r;
     for (;;) {
         for (size_t i = 0; i < q->nmsgs; i++) {
             struct msghdr *h = &q->msgs[i].msg_hdr;
@@ -343,13 +349,8 @@ int tp_rxq_recv(tp_rxq *q, int timeout_ms) {
         r = recvmmsg(q->fd, q->msgs, (unsigned)q->nmsgs, MSG_DONTWAIT, NULL);
         if (r >= 0) break;
         if (errno == EINTR) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
-        if (polled) return 0;
-        polled = 1;
-        struct pollfd p = {q->fd, POLLIN, 0};
-        int pr = poll(&p, 1, timeout_ms);
-        if (pr < 0) return errno == EINTR ? 0 : -errno;
-        if (pr == 0) return 0;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+        return -errno;
     }
     q->messages += (uint64_t)r;
     q->nmsg = r;

@@ -200,9 +200,9 @@ typedef struct {
 
 int tp_rxq_init(tp_rxq *q, int fd, size_t nmsgs, size_t bufsize, int gro);
 void tp_rxq_free(tp_rxq *q);
-/* Take what is waiting, after waiting up to timeout_ms for something when nothing is (0: do not
- * wait). Returns the number of segments (0: none), or -errno (ECONNREFUSED and co report an
- * ICMP error for an earlier send; callers decide whether that matters). */
+/* Take what is waiting: with timeout_ms > 0 after waiting up to that long for something (poll),
+ * with 0 at once. Returns the number of segments (0: none), or -errno (ECONNREFUSED and co report
+ * an ICMP error for an earlier send; callers decide whether that matters). */
 int tp_rxq_recv(tp_rxq *q, int timeout_ms);
 static inline const struct sockaddr_in *tp_rxq_from(const tp_rxq *q, int i) { return &q->from[q->seg_msg[i]]; }
 static inline int tp_icmp_error(int rc) { return rc == -ECONNREFUSED || rc == -EHOSTUNREACH || rc == -ENETUNREACH; }
