@@ -28,7 +28,7 @@ deps:
 	$(PIP) install -q torch==2.13.0 tensorflow-cpu==2.15.1 numpy==1.26.4 cffi mpi4py \
 	    pytest pytest-timeout matplotlib tqdm psutil cloudpickle pyyaml
 
-# horovod 0.28.1 from its sdist, C++14 -> C++17 for PyTorch's headers (see shared/design/HOROVOD.md).
+# horovod 0.28.1 from its sdist (no wheel for Python 3.11), its C++14 raised to C++17, which PyTorch 2.x headers need.
 horovod:
 	@if $(PY) -c "import horovod.torch, horovod.tensorflow" 2>/dev/null; then echo "horovod already built"; else \
 	  set -e; mkdir -p build; \

@@ -1,5 +1,11 @@
 """The Backend interface: one algorithm that sums 1-D arrays across ranks.
 
+Lifecycle, the same for every backend: `available(ctx)` (may it run in this job at all; the same
+answer on every rank), `__init__(ctx)` (local work only: settings, sockets), `start()` (the only
+collective set-up, called once on every rank at commlib.init, after every rank built it), then
+`allreduce`/`allgather` calls, then `close()` once on every rank. The core runs each step on every
+rank through `ctx.agree`, so a failure anywhere makes the backend unavailable everywhere.
+
 The core hands a backend contiguous 1-D numpy arrays of a dtype it declared, already negotiated
 (every rank calls `allreduce` for the same tensors in the same order from the core's single
 background thread), and expects the elementwise SUM back as a new array, of the input's dtype or a
@@ -24,11 +30,20 @@ class TensorMeta:
 class Backend(abc.ABC):
     name = None          # registry key, e.g. "ring"
     dtypes = ()          # numpy dtypes reduced natively, e.g. (np.dtype("float32"),)
+    sparse = False       # skips zero blocks: `auto` sends block-sparse tensors to it (see density())
 
     def __init__(self, ctx):
-        """ctx is a commlib.context.Context: rank, size, local_rank, local_size, settings, engine,
-        exchange(key, value) (allgather of small JSON values across ranks), job_token, counters."""
+        """Local set-up only. ctx is a commlib.context.Context: rank, size, local_rank, local_size,
+        settings, engine, exchange(key, value) (allgather of small JSON values), agree, job_token."""
         self.ctx = ctx
+
+    @property
+    def rank(self):
+        return self.ctx.rank
+
+    @property
+    def size(self):
+        return self.ctx.size
 
     @classmethod
     def available(cls, ctx):
@@ -52,6 +67,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def allreduce(self, array, name):
         """Return the elementwise sum over ranks of `array` (1-D, contiguous) as a new array."""
+
+    def allgather(self, array, name):
+        """Every rank's 1-D array (lengths may differ), index = rank. Only algorithms that carry
+        gathered payloads implement it."""
+        raise NotImplementedError(f"algorithm {self.name!r} does not gather")
 
     def measured_density(self, name):
         """(this rank's, the union's) block density a sparse algorithm measured on its last call

@@ -125,6 +125,7 @@ class OmniReduceBackend(Backend):
     """Sparse block allreduce over UDP; one instance per job on every rank (see module docstring)."""
 
     name = "omnireduce"
+    sparse = True        # skips zero blocks: auto sends block-sparse tensors here
     dtypes = (F32, I32)
 
     @classmethod

@@ -41,7 +41,7 @@ def worker(args):
     import numpy as np
 
     import commlib
-    from commlib.core import runtime
+    from commlib.api import runtime
 
     commlib.init(policy="*=ring")
     rt = runtime()

@@ -42,7 +42,7 @@ def worker(args):
     import numpy as np
 
     import commlib
-    from commlib.core import runtime
+    from commlib.api import runtime
     from commlib.switch.omnireduce_model import paper_model, wire_model
 
     commlib.init(policy="*=omnireduce")

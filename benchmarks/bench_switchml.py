@@ -45,7 +45,7 @@ def worker(args):
     import numpy as np
 
     import commlib
-    from commlib.core import runtime
+    from commlib.api import runtime
     from commlib.switch.switchml import SwitchClient
 
     commlib.init(policy="*=switchml")

@@ -5,7 +5,7 @@ N emulated hosts (benchmarks/netem.py, every worker link shaped to --rate each w
 configuration trains the same model from the same start in the same processes, one after the other:
   dense:  an MLP on a teacher task (labels of a fixed random network):
           Horovod's DistributedOptimizer, with fp16 compression, and commlib's over switchml, `auto`
-          and PowerSGD (rank 4);
+          and PowerSGD (rank 4; its factors summed by the ring or by the switch);
   sparse: an EmbeddingBag(sparse=True) recommendation model whose feature ids follow a Zipf law
           (a few thousand hot rows take most updates, as in the IMC'20 measurements):
           Horovod with sparse_as_dense (dense allreduce), Horovod's own sparse path (allgather of
@@ -38,7 +38,10 @@ CONFIGS = [
     ("dense", "horovod fp16", ("horovod", {"compression": "fp16"})),
     ("dense", "commlib switchml", ("commlib", "*=switchml", None)),
     ("dense", "commlib auto", ("commlib", "*=auto", None)),
-    ("dense", "commlib powersgd(rank=4)", ("commlib", "*.weight=ring:powersgd(rank=4);*=ring", None)),
+    # every gradient through PowerSGD, as PyTorch's hook (1-D ones sent whole in the same bucket); its
+    # factors over the ring (Horovod), or summed by the switch
+    ("dense", "commlib powersgd(rank=4)", ("commlib", "*=ring:powersgd(rank=4)", None)),
+    ("dense", "commlib powersgd(rank=4) via switch", ("commlib", "*=switchml:powersgd(rank=4)", None)),
     ("sparse", "horovod sparse_as_dense", ("horovod", {"sparse_as_dense": True})),
     ("sparse", "horovod sparse (allgather)", ("horovod", {})),
     ("sparse", "commlib omnireduce", ("commlib", "embedding.*=omnireduce;*=switchml", None)),

@@ -6,7 +6,7 @@ block allreduce, a GRACE-style compressor, or a ring allreduce through Horovod/M
     commlib.init()                                   # rank/size from horovodrun, mpirun, torchrun
     avg = commlib.allreduce(tensor, name="grad.w")   # policy picks the algorithm
 """
-from commlib.core import (Average, Handle, Sum, allreduce, allreduce_async, backend_stats, init,
+from commlib.api import (Average, Handle, Sum, allreduce, allreduce_async, backend_stats, init,
                           is_initialized, local_rank, local_size, poll, rank, records, shutdown, size,
                           synchronize)
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, Mismatch,

@@ -22,12 +22,13 @@ import struct
 import threading
 import time
 
+from commlib.dispatch import settle
 from commlib.errors import CommTimeout, Mismatch, PeerFailure
 
 log = logging.getLogger("commlib")
 _HEADER = struct.Struct("!I")
 # Fields all ranks must agree on for a tensor (besides its name).
-AGREED_FIELDS = ("shape", "dtype", "op", "algorithm", "bands", "compression", "prescale", "postscale")
+AGREED_FIELDS = ("shape", "dtype", "op", "choices", "compression", "prescale", "postscale")
 
 
 def send_msg(sock, msg):
@@ -69,20 +70,6 @@ def check_agreement(name, metas):
             return (f"tensor {name!r}: ranks disagree on {field}: {sides}. Every rank must reduce the same "
                     f"tensors with the same {field}.")
     return None
-
-
-def resolve_auto(metas):
-    """`auto` (and density rules): the first band whose bound is above the densest rank's block
-    density; the last band (bound None) otherwise."""
-    meta = next(iter(metas.values()))
-    if meta["algorithm"] != "auto":
-        return meta["algorithm"]
-    densities = [m.get("density") for m in metas.values()]
-    densest = None if None in densities else max(densities)
-    for bound, algorithm in meta["bands"]:
-        if bound is None or (densest is not None and densest < bound):
-            return algorithm
-    raise AssertionError("unreachable: the last band has no bound")
 
 
 class ControllerServer:
@@ -191,7 +178,8 @@ class ControllerServer:
         if problem:
             self._broadcast({"t": "error", "kind": "Mismatch", "names": [name], "message": problem})
         else:
-            self._ready.append({"name": name, "algorithm": resolve_auto(metas)})
+            densities = [meta.get("density") for meta in metas.values()]
+            self._ready.append({"name": name, "algorithm": settle(metas[0]["choices"], densities)})
 
     def _release(self):
         if self._ready:

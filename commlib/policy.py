@@ -1,4 +1,5 @@
-"""Per-tensor dispatch: ordered rules map a tensor to an algorithm and an optional compressor.
+"""Policy: ordered rules that name, per tensor, an algorithm (or `auto`) and an optional compressor;
+commlib.dispatch turns the first matching rule into a plan.
 
     Policy([Rule("embedding.*", "omnireduce"),
             Rule("*.weight", compression="topk(ratio=0.01)", min_bytes=1 << 20),
@@ -6,8 +7,8 @@
 
 or as text (COMMLIB_POLICY): ``embedding.*=omnireduce;*.weight[min=1MiB]=topk(ratio=0.01);*=switchml``.
 A rule matches a name by glob (``re:`` prefix for a regular expression), optionally by size and
-dtype. The first matching rule wins; ``auto`` lets the core choose from the measured block
-density (sparse -> omnireduce, dense -> switchml, else ring) among the enabled backends.
+dtype. The first matching rule wins; ``auto`` keeps the dispatcher's order (commlib.dispatch.CARRIERS:
+block-sparse by measurement -> omnireduce, dense -> switchml, else ring).
 
 A rule may also ask for the measured block density, ``*[density<0.05]=omnireduce;*=ring`` (or
 ``Rule("*", "omnireduce", max_density=0.05)``): each rank measures its own tensor, so such a rule
@@ -17,10 +18,16 @@ matching rule applies (which must not compress).
 import fnmatch
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from commlib.errors import ConfigError
 
-ALGORITHMS = ("auto", "ring", "switchml", "omnireduce", "allgather")
+
+
+def algorithms():
+    """'auto' and every registered algorithm."""
+    from commlib.backends import registry
+    return ("auto",) + tuple(sorted(registry()))
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000 ** 2, "GB": 1000 ** 3, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 
 
@@ -42,8 +49,8 @@ class Rule:
     max_density: float = None        # matches when the densest rank's block density is below this
 
     def __post_init__(self):
-        if self.algorithm not in ALGORITHMS:
-            raise ConfigError(f"rule {self.pattern!r}: unknown algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
+        if self.algorithm not in algorithms():
+            raise ConfigError(f"rule {self.pattern!r}: unknown algorithm {self.algorithm!r}; choose one of {algorithms()}")
         if self.max_density is not None and (self.compression is not None or self.algorithm in ("auto", "allgather")
                                              or not 0 < self.max_density <= 1):
             raise ConfigError(f"rule {self.pattern!r}: a density condition needs a bound in (0, 1] and an "
@@ -71,21 +78,19 @@ class Policy:
         self.rules = list(rules) + [Rule("*", default)]
 
     def choose(self, name, nbytes, dtype):
-        """(algorithm, compression spec) of the first rule that matches; where density rules match
-        first, the algorithm is a DensityChoice that the core settles from the measured density."""
-        bands = []
+        """The Choice of the first rule that matches; density rules that match before it become its
+        `bounded` choices, which the dispatcher settles with the measured density."""
+        bounded = []
         for rule in self.rules:
             if not rule.matches(name, nbytes, dtype):
                 continue
             if rule.max_density is not None:
-                bands.append((rule.max_density, rule.algorithm))
+                bounded.append((rule.max_density, rule.algorithm))
                 continue
-            if not bands:
-                return rule.algorithm, rule.compression
-            if rule.compression is not None:
+            if bounded and rule.compression is not None:
                 raise ConfigError(f"policy: tensor {name!r} matches a density rule whose fallback {rule.pattern!r} "
                                   f"compresses; put an uncompressed rule between them")
-            return DensityChoice(bands + [rule.algorithm]), None
+            return Choice(rule.algorithm, rule.compression, tuple(bounded))
         raise AssertionError("unreachable: the last rule matches everything")
 
     @classmethod
@@ -97,9 +102,12 @@ class Policy:
         return f"Policy({self.rules[:-1]})"
 
 
-class DensityChoice(tuple):
-    """((bound, algorithm), ..., fallback algorithm): the first bound above the densest rank's
-    measured block density wins, else the fallback (itself maybe `auto`)."""
+class Choice(NamedTuple):
+    """A policy's answer for one tensor: an algorithm (maybe `auto`), a compressor spec, and the
+    (density bound, algorithm) choices of density rules that matched before (tried first)."""
+    algorithm: str
+    compression: object = None
+    bounded: tuple = ()
 
 
 def _split_top(text, sep):
@@ -129,13 +137,13 @@ def _parse_rule(text):
     action = action.strip()
     algorithm, colon, compression = action.partition(":")
     word = re.match(r"[A-Za-z_]\w*", action)
-    if not colon and word and word.group() not in ALGORITHMS:
+    if not colon and word and word.group() not in algorithms():
         algorithm, compression = "auto", action     # '*.weight=topk(ratio=0.01)'
-    if compression.strip():
-        from commlib import compressors
-        compressor = compressors.resolve(compression.strip())   # unknown or incompatible: fails here,
-        if compressor is not None and algorithm.strip() != "auto":  # not mid-training
-            compressors.check_algorithm(compressor, algorithm.strip())
+    if compression.strip():   # an unknown compressor or one the algorithm cannot carry fails here, not mid-training
+        from commlib import compressors, dispatch
+        compressor = compressors.resolve(compression.strip())
+        if compressor is not None:
+            dispatch.check_carrier(compressor, algorithm.strip(), f"policy rule {text.strip()!r}")
     return Rule(pattern.strip() or "*", algorithm.strip(), compression.strip() or None, **kwargs)
 
 

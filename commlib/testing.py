@@ -1,9 +1,19 @@
-"""Testing utilities: the ranks of a job as threads of one process (in the manner of Gloo's
-tests), for unit tests of backends and anything else that takes a Context.
+"""Testing utilities, for commlib's tests and for users testing their own backends or jobs.
+
+LocalGroup: the ranks of a job as threads of one process (in the manner of Gloo's tests), for unit
+tests of backends and anything else that takes a Context:
 
     group = LocalGroup(4, Settings({"timeout_s": 5}))
     sums = group.run(lambda ctx: MyBackend(ctx).allreduce(np.full(8, ctx.rank, np.int32), "t"))
+
+report: in a multi-process job, each rank prints its result as one JSON line, which the launching
+test parses (`results`) and checks field by field, so a failure says what differed on which rank:
+
+    report(rank=commlib.rank(), sums=[...], error=str(exc))       # in the worker
+    for r in results(completed.stdout, 4): assert r["sums"] == expected, r    # in the test
 """
+import json
+import re
 import threading
 import time
 
@@ -56,3 +66,27 @@ class LocalGroup:
                     raise CommTimeout(f"exchange {key!r}: ranks {missing} did not arrive within {timeout}s")
                 return [slot[r] for r in range(self.size)]
         return exchange
+
+
+RESULT = "COMMLIB-RESULT"
+
+
+def report(**fields):
+    """Print this rank's result (JSON-able fields, one of them `rank`) as one line: one write, so
+    launchers that forward output in chunks (mpirun) never split it."""
+    import sys
+    sys.stdout.write(f"{RESULT} {json.dumps(fields, default=str)}\n")
+    sys.stdout.flush()
+
+
+def results(output, size, silent=()):
+    """Every rank's report() in a job's output (launchers may prefix lines, e.g. '[1,0]<stdout>:'),
+    as a list indexed by rank (None for the `silent` ranks, which are not expected to report);
+    AssertionError with the whole output when another rank did not report."""
+    found = {}
+    for match in re.finditer(rf"{RESULT} (\{{.*\}})\s*$", output, re.MULTILINE):
+        fields = json.loads(match.group(1))
+        found[fields["rank"]] = fields
+    missing = sorted(set(range(size)) - set(found) - set(silent))
+    assert not missing, f"ranks {missing} reported no result; output:\n{output}"
+    return [found.get(rank) for rank in range(size)]

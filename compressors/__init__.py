@@ -2,8 +2,8 @@
 
     compression = resolve("topk(ratio=0.01)")   # or a name, a GRACE params dict, an object, None
     compression.payload                          # "summable" | "sparse" | "gather"
-    compression.allowed_algorithms()             # from ALGORITHMS, the one compatibility table
-    out = compression.reduce(tensor, name, comm, average)
+    compression.carriers()                       # the algorithms that can carry it (commlib.dispatch)
+    outs = compression.reduce_bucket(tensors, names, channel, average)   # one collective per bucket
 
 One module per method registers itself with @register; see IMPLEMENTING.md for the contracts.
 Importing this package is cheap: torch and the methods load on first use.
@@ -13,8 +13,7 @@ import pkgutil
 
 _INFRASTRUCTURE = {"base", "packing", "spec", "memory", "sidco"}
 _EXPORTS = {
-    "base": ("Compressor", "Memory", "Ctx", "ALGORITHMS", "PREFERENCE", "register", "check_algorithm",
-             "pick_algorithm", "make_memory"),
+    "base": ("Compressor", "Memory", "Ctx", "register", "make_memory"),
     "spec": ("resolve", "from_params", "build", "parse", "resolved", "state_dict", "load_state_dict"),
 }
 _loaded = False

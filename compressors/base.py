@@ -18,18 +18,10 @@ import torch
 from commlib.compressors import packing
 from commlib.errors import ConfigError, InvalidTensor
 
-# The one compatibility table: which algorithms can carry each kind of payload.
-ALGORITHMS = {
-    "summable": frozenset({"ring", "switchml"}),      # sum of payloads decodes to the sum of tensors
-    "sparse": frozenset({"omnireduce", "allgather"}),  # decoded tensors are mostly zeros; aggregate is a sum
-    "gather": frozenset({"allgather"}),                # each rank's payload must be decoded on its own
-}
-# The order in which to pick an algorithm when the user named none (the sparse collective first).
-PREFERENCE = {"summable": ("ring", "switchml"), "sparse": ("omnireduce", "allgather"), "gather": ("allgather",)}
-# GRACE's communicator names, and commlib's own, as sets of algorithms.
-COMMUNICATORS = {"allreduce": ALGORITHMS["summable"], "allgather": frozenset({"allgather"}),
-                 "broadcast": frozenset({"allgather"}),  # GRACE's broadcast moves what allgather moves
-                 **{name: frozenset({name}) for name in ("ring", "switchml", "omnireduce")}}
+# GRACE's communicator names, as the algorithms they allow (commlib.dispatch.CARRIERS says which
+# algorithms can carry each payload kind at all).
+GRACE_COMMUNICATORS = {"allreduce": ("ring", "switchml"), "allgather": ("allgather",), "broadcast": ("allgather",)}
+PAYLOADS = ("summable", "sparse", "gather")
 
 _COMPRESSORS, _MEMORIES = {}, {}
 
@@ -115,7 +107,10 @@ class Compressor(Stateful):
     Common hyperparameters (every method accepts them):
       memory: None (the method's default_memory), a memory name or a Memory object.
       seed: base of every random stream; identical on all ranks by construction.
-      communicator: restrict the algorithms, e.g. "allgather" (GRACE's names work too).
+      algorithm: restrict the algorithms that may carry the payload, e.g. "allgather" (GRACE's
+        `communicator` names work too: allreduce, allgather, broadcast).
+    A compressor with a summable payload can also carry another compressor's collectives:
+    `fp16(powersgd(rank=4))`, like PyTorch's fp16_compress_wrapper(powerSGD_hook) (see `wrap`).
     """
     name = None
     payload = None              # "summable", "sparse" or "gather": what the wire can do with it
@@ -124,20 +119,23 @@ class Compressor(Stateful):
     divide_before_sum = False   # average by scaling each rank's input (keeps fp16 sums in range)
     state_attrs = ("steps",)
 
-    def __init__(self, memory=None, seed=0, communicator=None):
-        if self.payload not in ALGORITHMS:
-            raise ConfigError(f"{type(self).__name__}.payload must be one of {sorted(ALGORITHMS)}")
+    def __init__(self, memory=None, seed=0, algorithm=None):
+        from commlib.dispatch import CARRIERS
+        if self.payload not in PAYLOADS:
+            raise ConfigError(f"{type(self).__name__}.payload must be one of {PAYLOADS}")
         self.seed = int(seed)
-        self.communicator = communicator
+        self.algorithm = algorithm
+        self.carrier = None      # a summable compressor that carries this one's collectives (wrap)
         self.steps = {}          # tensor name -> number of compress() calls so far
         self.comm_rank = 0       # set by reduce(); salts per-rank random streams
         self._memory = memory
-        if communicator is not None:
-            if communicator not in COMMUNICATORS:
-                raise ConfigError(f"unknown communicator {communicator!r}; known: {sorted(COMMUNICATORS)}")
-            if not self.allowed_algorithms():
-                raise ConfigError(f"{self.name} sends a {self.payload} payload, which the {communicator!r} "
-                                  f"communicator cannot carry; use one of {sorted(ALGORITHMS[self.payload])}")
+        if algorithm is not None:
+            known = set(GRACE_COMMUNICATORS) | {a for algs in CARRIERS.values() for a in algs}
+            if algorithm not in known:
+                raise ConfigError(f"unknown algorithm (GRACE communicator) {algorithm!r}; known: {sorted(known)}")
+            if not self.carriers():
+                raise ConfigError(f"{self.name} sends a {self.payload} payload, which {algorithm!r} cannot carry; "
+                                  f"use one of {list(CARRIERS[self.payload])}")
 
     # --- what subclasses implement -------------------------------------------------------------
     def encode(self, x, name):
@@ -174,9 +172,14 @@ class Compressor(Stateful):
         return self.decode(payload, ctx).view(ctx.shape).to(ctx.dtype)
 
     # --- the pipeline the core calls --------------------------------------------------------------
-    def allowed_algorithms(self):
-        allowed = ALGORITHMS[self.payload]
-        return allowed & COMMUNICATORS[self.communicator] if self.communicator else allowed
+    def accepts(self, algorithm):
+        """May `algorithm` carry this compressor's payload (its `algorithm=` restriction allowing)?"""
+        return self.algorithm is None or algorithm in GRACE_COMMUNICATORS.get(self.algorithm, (self.algorithm,))
+
+    def carriers(self):
+        """The algorithms that can carry the payload, best first (commlib.dispatch.CARRIERS)."""
+        from commlib.dispatch import CARRIERS
+        return [algorithm for algorithm in CARRIERS[self.payload] if self.accepts(algorithm)]
 
     @property
     def memory(self):
@@ -188,41 +191,78 @@ class Compressor(Stateful):
     def memory(self, memory):
         self._memory = memory
 
-    def reduce(self, tensor, name, comm, average):
-        """Compensate -> compress -> memory update -> communicate by payload kind -> average.
-        Returns the same type, device, dtype and shape as `tensor`."""
-        check_algorithm(self, comm.algorithm)
-        x, restore = as_torch(tensor, self.name)
-        if x.numel() == 0:   # same shape on every rank: nobody communicates
-            return restore(x.clone())
-        self.comm_rank = comm.rank
-        with torch.no_grad():
-            flat = x.reshape(-1).to(work_dtype(x.dtype))
-            if average and self.divide_before_sum:
-                flat, average = flat / comm.size, False
-            flat = self.memory.compensate(flat, name)
-            payload, ctx = self.compress(flat, name)
-            own = None
-            if self.payload != "summable" or self.memory.uses_decompressed:
-                own = self.decompress(payload, ctx)
-            self.memory.update(flat, name, self, payload, ctx, own)
-            out = self.communicate(payload, ctx, own, comm)
-            if average and self.averages:
-                out = out / comm.size
-            return restore(out)
+    def reduce(self, tensor, name, channel, average):
+        """One tensor: reduce_bucket of one."""
+        return self.reduce_bucket([tensor], [name], channel, average)[0]
 
-    def communicate(self, payload, ctx, own, comm):
-        """The aggregate (before averaging) of every rank's tensor, as a flat work-dtype tensor."""
+    def reduce_bucket(self, tensors, names, channel, average):
+        """Compensate -> compress -> memory update -> ONE collective for the whole bucket -> decode ->
+        average. `channel` is the algorithm's collectives (rank, size, algorithm, allreduce(array),
+        allgather(array)); returns each tensor reduced, in its own type, device, dtype and shape."""
+        channel = self._checked(channel)
+        inputs = [as_torch(t, self.name) for t in tensors]
+        work = [(x.reshape(-1).to(work_dtype(x.dtype)), name) for (x, _), name in zip(inputs, names) if x.numel()]
+        with torch.no_grad():
+            divided = average and self.divide_before_sum
+            encoded = []   # (payload, ctx, own decoded or None)
+            for flat, name in work:
+                flat = self.memory.compensate(flat / channel.size if divided else flat, name)
+                payload, ctx = self.compress(flat, name)
+                own = None
+                if self.payload != "summable" or self.memory.uses_decompressed:
+                    own = self.decompress(payload, ctx)
+                self.memory.update(flat, name, self, payload, ctx, own)
+                encoded.append((payload, ctx, own))
+            sums = iter(self.communicate(encoded, channel))
+            scale = channel.size if average and self.averages and not divided else 1
+            return [restore(x.clone()) if not x.numel() else restore(next(sums) / scale if scale != 1 else next(sums))
+                    for x, restore in inputs]
+
+    def _checked(self, channel):
+        from commlib.dispatch import check_carrier
+        check_carrier(self, channel.algorithm, f"{self.name}.reduce")
+        self.comm_rank = channel.rank
+        return self.carrier.wrap(channel) if self.carrier is not None else channel
+
+    def communicate(self, encoded, channel):
+        """The aggregate (before averaging) of every rank's tensor for each (payload, ctx, own) of the
+        bucket, as flat work-dtype tensors: one collective per payload dtype, whatever the bucket size
+        (none for a bucket of empty tensors: shapes agree, so every rank skips alike)."""
+        if not encoded:
+            return []
         if self.payload == "summable":
-            return self.decompress(tuple(allreduce(comm, part) for part in payload), ctx)
-        if comm.algorithm == "omnireduce":   # the sparse collective skips the zero blocks of `own`
-            return allreduce(comm, own)
-        blobs = comm.allgather(packing.to_bytes(payload))
-        if len(blobs) != comm.size:
-            raise InvalidTensor(f"{ctx.name}: allgather returned {len(blobs)} payloads for {comm.size} ranks")
-        decoded = [own if r == comm.rank else self.decompress(packing.from_bytes(blob, ctx.device), ctx)
-                   for r, blob in enumerate(blobs)]
-        return self.aggregate(decoded)
+            parts = allreduce_all(channel, [part for payload, _, _ in encoded for part in payload])
+            sums, at = [], 0
+            for payload, ctx, _ in encoded:
+                sums.append(self.decompress(tuple(parts[at:at + len(payload)]), ctx).reshape(-1).to(ctx.work))
+                at += len(payload)
+            return sums
+        if channel.algorithm == "omnireduce":   # the sparse collective skips the zero blocks of `own`
+            return allreduce_all(channel, [own.reshape(-1) for _, _, own in encoded])
+        blobs = channel.allgather(packing.to_bytes(tuple(part for payload, _, _ in encoded for part in payload)))
+        if len(blobs) != channel.size:
+            raise InvalidTensor(f"allgather returned {len(blobs)} payloads for {channel.size} ranks")
+        device = encoded[0][1].device
+        ranks = [None if r == channel.rank else packing.from_bytes(blob, device) for r, blob in enumerate(blobs)]
+        sums, at = [], 0
+        for payload, ctx, own in encoded:
+            decoded = [own if parts is None else self.decompress(tuple(parts[at:at + len(payload)]), ctx)
+                       for parts in ranks]
+            sums.append(self.aggregate([d.reshape(-1).to(ctx.work) for d in decoded]))
+            at += len(payload)
+        return sums
+
+    def wrap(self, channel):
+        """A channel whose allreduce carries its arrays compressed by this (summable) compressor, as
+        DDP's fp16_compress_wrapper(hook) carries another hook's allreduce in float16."""
+        return Wrapped(self.checked_carrier(), channel)
+
+    def checked_carrier(self):
+        """self, if it can carry another compressor's collectives (summable, no memory to keep)."""
+        if self.payload != "summable" or self.memory.name != "none":
+            raise ConfigError(f"{self.name} cannot carry another compressor's collectives: only summable "
+                              f"compressors without memory can (e.g. fp16(powersgd(rank=4)))")
+        return self
 
     # --- state -------------------------------------------------------------------------------------
     def state_dict(self):
@@ -270,28 +310,6 @@ def parameters(cls):
     return names
 
 
-def check_algorithm(compression, algorithm):
-    """Raise ConfigError, saying what to use instead, when `algorithm` cannot carry the payload."""
-    allowed = compression.allowed_algorithms()
-    if algorithm not in allowed:
-        raise ConfigError(f"compression {compression.name!r} sends a {compression.payload} payload, which "
-                          f"algorithm {algorithm!r} cannot carry; use one of {sorted(allowed)}")
-
-
-def pick_algorithm(compression, available, requested=None):
-    """The algorithm for a compressed tensor: `requested` if compatible (else ConfigError), otherwise
-    the first of PREFERENCE[payload] that is allowed and in `available`."""
-    if requested is not None:
-        check_algorithm(compression, requested)
-        return requested
-    allowed = compression.allowed_algorithms()
-    for algorithm in PREFERENCE[compression.payload]:
-        if algorithm in allowed and algorithm in available:
-            return algorithm
-    raise ConfigError(f"compression {compression.name!r} needs one of {sorted(allowed)}, "
-                      f"but only {sorted(available)} are available here")
-
-
 def as_torch(tensor, method="compressor"):
     """(torch tensor viewing the input, restore(out) -> output of the input's type/dtype/shape)."""
     if isinstance(tensor, (np.ndarray, np.generic)):
@@ -312,12 +330,43 @@ def as_torch(tensor, method="compressor"):
     return x, restore
 
 
-def allreduce(comm, part):
-    """comm.allreduce of one payload part (any device) -> the summed tensor on the part's device."""
-    if part.numel() == 0:   # same size on every rank for summable payloads: all skip together
-        return part
-    summed = comm.allreduce(np.ascontiguousarray(part.detach().reshape(-1).cpu().numpy()))
-    return torch.from_numpy(np.asarray(summed)).to(part.device)
+def allreduce_all(channel, parts):
+    """Sum every rank's flat tensors `parts` (any devices) with one channel.allreduce per dtype;
+    returns the sums in order, each on its part's device. Summable payloads have the same sizes on
+    every rank, so all ranks skip or concatenate alike."""
+    sums = list(parts)
+    by_dtype = {}
+    for i, part in enumerate(parts):
+        if part.numel():
+            by_dtype.setdefault(part.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = np.concatenate([parts[i].detach().reshape(-1).cpu().numpy() for i in indices])
+        summed = torch.from_numpy(np.asarray(channel.allreduce(flat)))
+        for i, piece in zip(indices, torch.split(summed, [parts[i].numel() for i in indices])):
+            sums[i] = piece.to(parts[i].device)
+    return sums
+
+
+def allreduce(channel, part):
+    """One flat tensor summed over ranks (see allreduce_all)."""
+    return allreduce_all(channel, [part])[0]
+
+
+class Wrapped:
+    """A channel whose allreduce travels compressed by a summable compressor (Compressor.wrap)."""
+
+    def __init__(self, carrier, channel):
+        self.carrier, self.channel = carrier, channel
+        self.rank, self.size, self.algorithm = channel.rank, channel.size, channel.algorithm
+
+    def allreduce(self, array):
+        x = torch.from_numpy(np.ascontiguousarray(array))
+        payload, ctx = self.carrier.compress(x.reshape(-1).to(work_dtype(x.dtype)), "wrapped")
+        summed = tuple(allreduce_all(self.channel, list(payload)))
+        return self.carrier.decompress(summed, ctx).numpy().astype(array.dtype, copy=False)
+
+    def allgather(self, array):
+        return self.channel.allgather(array)
 
 
 def check_ratio(ratio, what="ratio"):

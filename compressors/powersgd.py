@@ -3,7 +3,7 @@ PowerSGD's semantics: P = M Q, allreduce P, orthogonalize, Q = M^T P, allreduce 
 Q warm-started from the last step, error feedback against the averaged approximation."""
 import torch
 
-from commlib.compressors.base import Compressor, Ctx, allreduce, as_torch, check_algorithm, register, work_dtype
+from commlib.compressors.base import Compressor, Ctx, allreduce_all, as_torch, register, work_dtype
 from commlib.errors import ConfigError
 
 
@@ -57,18 +57,14 @@ class PowerSGD(Compressor):
         rows, cols = shape[0], int(torch.Size(shape[1:]).numel())
         return (rows + cols) * self.rank * self.min_compression_rate < rows * cols
 
-    def factorize(self, m, name, step, sum_ranks, size):
-        """(P, Q) with M ~ P Q^T, Q averaged over ranks; sum_ranks sums a tensor over ranks."""
+    def initial_q(self, m, name, step):
+        """This step's orthonormal (cols, rank) Q: last step's (warm start), else drawn from a generator
+        seeded by (seed, name): identical on every rank, as it must be since the P's of all ranks are summed."""
         q = self.qs.get(name) if self.warm_start else None
         if q is None or q.shape != (m.shape[1], self.rank):
-            seed_step = step if not self.warm_start else 0
-            g = self.generator(name, "cpu", shared=True, step=seed_step)
+            g = self.generator(name, "cpu", shared=True, step=0 if self.warm_start else step)
             q = torch.randn(m.shape[1], self.rank, generator=g, dtype=torch.float64)
-        q = orthogonalize(q.to(m), self.orthogonalization_epsilon)
-        p = orthogonalize(sum_ranks(m @ q), self.orthogonalization_epsilon)
-        q = sum_ranks(m.T @ p) / size
-        self.qs[name] = q
-        return p, q
+        return orthogonalize(q.to(m), self.orthogonalization_epsilon)
 
     # GRACE's single-rank compress/decompress: payload (P, Q) for a compressed matrix, else the tensor
     def compress(self, tensor, name="tensor"):
@@ -81,7 +77,9 @@ class PowerSGD(Compressor):
         w = x.to(ctx.work)
         if step < self.start_iter or not self.compresses(ctx.shape):
             return (w.reshape(-1),), ctx
-        p, q = self.factorize(w.reshape(ctx.shape[0], -1), name, step, lambda t: t, 1)
+        m = w.reshape(ctx.shape[0], -1)
+        p = orthogonalize(m @ self.initial_q(m, name, step), self.orthogonalization_epsilon)
+        q = self.qs[name] = m.T @ p
         return (p.reshape(-1), q.reshape(-1)), ctx
 
     def decompress(self, payload, ctx):
@@ -93,21 +91,33 @@ class PowerSGD(Compressor):
     def decode(self, payload, ctx):
         return payload[0]
 
-    def reduce(self, tensor, name, comm, average):
-        check_algorithm(self, comm.algorithm)
-        x, restore = as_torch(tensor, self.name)
-        if x.numel() == 0:
-            return restore(x.clone())
-        self.comm_rank = comm.rank
-        step = self.steps.get(name, 0)
-        self.steps[name] = step + 1
+    def reduce_bucket(self, tensors, names, channel, average):
+        """Two allreduces for the whole bucket, as PyTorch's PowerSGD hook: the tensors sent whole and
+        every matrix's P = M Q in the first, every Q = M^T P (after orthogonalizing P) in the second."""
+        channel = self._checked(channel)
+        inputs = [as_torch(t, self.name) for t in tensors]
+        plain, low_rank = [], []   # (index, flat tensor), (index, name, M, Q)
         with torch.no_grad():
-            w = x.to(work_dtype(x.dtype))
-            if step < self.start_iter or not self.compresses(tuple(x.shape)):
-                out = allreduce(comm, w.reshape(-1))
-                return restore(out / comm.size if average else out)
-            m = self.memory.compensate(w.reshape(x.shape[0], -1), name)
-            p, q = self.factorize(m, name, step, lambda t: allreduce(comm, t.reshape(-1)).view(t.shape), comm.size)
-            approx = p @ q.T
-            self.memory.update(m, name, self, None, None, approx)
-            return restore(approx if average else approx * comm.size)
+            for i, ((x, _), name) in enumerate(zip(inputs, names)):
+                if not x.numel():
+                    continue
+                step = self.steps.get(name, 0)
+                self.steps[name] = step + 1
+                w = x.to(work_dtype(x.dtype))
+                if step < self.start_iter or not self.compresses(tuple(x.shape)):
+                    plain.append((i, w.reshape(-1)))
+                else:
+                    m = self.memory.compensate(w.reshape(x.shape[0], -1), name)
+                    low_rank.append((i, name, m, self.initial_q(m, name, step)))
+            ps = [m @ q for _, _, m, q in low_rank]
+            sums = allreduce_all(channel, [w for _, w in plain] + [p.reshape(-1) for p in ps])
+            outs = {i: total / channel.size if average else total for (i, _), total in zip(plain, sums)}
+            ps = [orthogonalize(total.view(p.shape), self.orthogonalization_epsilon)
+                  for total, p in zip(sums[len(plain):], ps)]
+            qs = allreduce_all(channel, [(m.T @ p).reshape(-1) for (_, _, m, _), p in zip(low_rank, ps)])
+            for (i, name, m, q), p, total in zip(low_rank, ps, qs):
+                q = self.qs[name] = total.view(q.shape) / channel.size
+                approx = p @ q.T
+                self.memory.update(m, name, self, None, None, approx)
+                outs[i] = approx if average else approx * channel.size
+            return [restore(outs[i]) if i in outs else restore(x.clone()) for i, (x, restore) in enumerate(inputs)]

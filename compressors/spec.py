@@ -8,7 +8,7 @@ from commlib.compressors.base import Compressor, lookup, make_memory, parameters
 from commlib.errors import ConfigError
 
 # Other names for parameters: GRACE's params keys and PyTorch PowerSGDState's arguments.
-ALIASES = {"compress_ratio": "ratio", "quantum_num": "levels", "compress_rank": "rank",
+ALIASES = {"communicator": "algorithm", "compress_ratio": "ratio", "quantum_num": "levels", "compress_rank": "rank",
            "matrix_approximation_rank": "rank", "start_powerSGD_iter": "start_iter",
            "random_seed": "seed", "threshold": "tau", "quantiles": "bins"}
 
@@ -16,21 +16,28 @@ _CACHE, _LOCK = {}, threading.Lock()
 
 
 def parse(text):
-    """'topk(ratio=0.01, memory=residual)' -> ('topk', {'ratio': 0.01, 'memory': 'residual'})."""
+    """'topk(ratio=0.01, memory=residual)' -> ('topk', {'ratio': 0.01, 'memory': 'residual'}, None);
+    'fp16(powersgd(rank=4))' -> ('powersgd', {'rank': 4}, ('fp16', {}, None)): the outer compressor
+    carries the inner one's collectives."""
     try:
         node = ast.parse(text.strip(), mode="eval").body
     except SyntaxError:
         node = None
+    try:
+        return _spec(node)
+    except ValueError:
+        raise ConfigError(f"cannot parse compression {text!r}; write a name or name(key=value, ...), e.g. "
+                          "'topk(ratio=0.01,memory=residual)', or carrier(inner), e.g. 'fp16(powersgd(rank=4))'") from None
+
+
+def _spec(node, carrier=None):
     if isinstance(node, ast.Name):
-        return node.id, {}
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args \
-            and all(kw.arg for kw in node.keywords):
-        try:
-            return node.func.id, {kw.arg: _value(kw.value) for kw in node.keywords}
-        except ValueError:
-            pass
-    raise ConfigError(f"cannot parse compression {text!r}; write a name or name(key=value, ...), "
-                      "e.g. 'topk(ratio=0.01,memory=residual)'")
+        return node.id, {}, carrier
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) <= 1
+            and all(kw.arg for kw in node.keywords)):
+        raise ValueError(node)
+    own = (node.func.id, {kw.arg: _value(kw.value) for kw in node.keywords}, carrier)
+    return _spec(node.args[0], own) if node.args else own
 
 
 def _value(node):
@@ -39,27 +46,30 @@ def _value(node):
     return ast.literal_eval(node)
 
 
-def build(name, params=None, memory=None, communicator=None):
-    """A new compressor object (never cached)."""
+def build(name, params=None, carrier=None, memory=None, algorithm=None):
+    """A new compressor object (never cached): `build(*parse(text))`. `carrier`: a (name, params,
+    carrier) spec of a summable compressor that carries this one's collectives."""
     cls = lookup("compressor", name)
     params = {ALIASES.get(k, k): v for k, v in (params or {}).items()}
     memory = params.pop("memory", memory)
-    communicator = params.pop("communicator", communicator)
+    algorithm = params.pop("algorithm", algorithm)
     if isinstance(memory, Memory):
         mem_cls, memory_name = None, None
     else:
         memory_name = str(memory).lower() if memory is not None else cls.default_memory
         mem_cls = lookup("memory", memory_name)
-    own = set(parameters(cls)) - {"memory", "communicator"}
+    own = set(parameters(cls)) - {"memory", "algorithm"}
     mem_own = set(parameters(mem_cls)) if mem_cls else set()
     unknown = sorted(set(params) - own - mem_own)
     if unknown:
         raise ConfigError(f"unknown parameter(s) {unknown} for compressor {cls.name!r} with memory "
                           f"{memory_name or type(memory).__name__!r}; accepted: {sorted(own | mem_own)}")
-    compressor = cls(communicator=communicator, **{k: v for k, v in params.items() if k in own})
+    compressor = cls(algorithm=algorithm, **{k: v for k, v in params.items() if k in own})
     if mem_cls is not None:
         memory = make_memory(memory_name, linked=compressor, **{k: v for k, v in params.items() if k in mem_own})
     compressor.memory = memory
+    if carrier is not None:
+        compressor.carrier = build(*carrier).checked_carrier()
     return compressor
 
 
@@ -76,8 +86,7 @@ def from_params(params):
                           "training loop (torch.nn.utils.clip_grad_norm_) and leave gradient_clipping unset")
     name = params.pop("compressor", "none")
     memory = params.pop("memory", "none")
-    communicator = params.pop("communicator", None)
-    return build(name, params, memory=memory, communicator=communicator)
+    return build(name, params, memory=memory)
 
 
 def resolve(spec):
@@ -88,9 +97,9 @@ def resolve(spec):
     if isinstance(spec, str):
         if spec.strip().lower() in ("", "none"):
             return None
-        name, params = parse(spec)
-        key = f"{name.lower()}({_canonical(params)})"
-        factory = lambda: build(name, params)
+        parsed = parse(spec)
+        key = _key(parsed)
+        factory = lambda: build(*parsed)
     elif isinstance(spec, dict):
         key = f"grace({_canonical(spec)})"
         factory = lambda: from_params(spec)
@@ -105,6 +114,12 @@ def resolve(spec):
 
 def _canonical(params):
     return ",".join(f"{k}={v!r}" for k, v in sorted(params.items()))
+
+
+def _key(parsed):
+    name, params, carrier = parsed
+    own = f"{name.lower()}({_canonical(params)})"
+    return own if carrier is None else f"{_key(carrier)[:-1]}{',' if carrier[1] else ''}{own})"
 
 
 def resolved():

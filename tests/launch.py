@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from commlib.testing import results
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 BIN = Path(sys.executable).parent
@@ -23,7 +25,8 @@ def free_port():
 
 
 class Ranks(list):
-    """The finished processes; `.output` is everything they printed."""
+    """The finished processes; `.output` is everything they printed, `.results()` what each rank
+    reported (commlib.testing.report)."""
 
     @property
     def output(self):
@@ -33,6 +36,9 @@ class Ranks(list):
         bad = [i for i, p in enumerate(self) if p.returncode != 0]
         assert not bad, f"ranks {bad} failed:\n{self.output}"
         return self
+
+    def results(self, silent=()):
+        return results(self.output, len(self), silent)
 
 
 def _run(cmd, timeout, env):

@@ -18,11 +18,11 @@ def test_resolve_forms():
     assert C.resolve(None) is None and C.resolve("none") is None and C.resolve(" None ") is None
     topk = C.resolve("topk(ratio=0.05, memory=residual)")
     assert topk.name == "topk" and topk.ratio == 0.05 and topk.memory.name == "residual"
-    assert topk.payload == "sparse" and topk.allowed_algorithms() == {"omnireduce", "allgather"}
+    assert topk.payload == "sparse" and topk.carriers() == ["omnireduce", "allgather"]
     assert C.resolve("topk(memory=residual,ratio=0.05)") is topk      # one object per spec: state persists
     assert C.resolve(topk) is topk
-    assert C.resolve("signsgd").allowed_algorithms() == {"allgather"}
-    assert C.resolve("randomk").allowed_algorithms() == {"ring", "switchml"}
+    assert C.resolve("signsgd").carriers() == ["allgather"]
+    assert C.resolve("randomk").carriers() == ["ring", "switchml"]
     assert C.resolve("powersgd(rank=2,warm_start=false)").warm_start is False
     assert C.resolve("threshold(ratio=0.01,estimator=gamma,stages=3)").sidco.fixed == 3
     dgc = C.resolve("dgc(ratio=0.01,momentum=0.5)")                   # momentum goes to the dgc memory
@@ -51,10 +51,10 @@ def test_unknown_names_and_params_are_config_errors():
 def test_grace_from_params():
     c = C.from_params({"compressor": "topk", "memory": "residual", "communicator": "allgather", "compress_ratio": 0.01})
     assert c.name == "topk" and c.ratio == 0.01 and c.memory.name == "residual"
-    assert c.allowed_algorithms() == {"allgather"}
+    assert c.carriers() == ["allgather"]
     assert C.from_params({"compressor": "topk"}).memory.name == "none"       # GRACE's default memory
     q = C.from_params({"compressor": "qsgd", "quantum_num": 63, "communicator": "broadcast"})
-    assert q.levels == 63 and q.allowed_algorithms() == {"allgather"}
+    assert q.levels == 63 and q.carriers() == ["allgather"]
     ef = C.from_params({"compressor": "efsignsgd", "memory": "efsignsgd", "lr": 0.05})
     assert ef.lr == 0.05 and ef.memory.lr == 0.05                             # lr shared by both roles
     assert C.from_params({"compressor": "efsignsgd"}).memory.name == "none"
@@ -65,13 +65,13 @@ def test_grace_from_params():
     with pytest.raises(ConfigError, match="clip_grad_norm_"):
         C.from_params({"compressor": "dgc", "memory": "dgc", "gradient_clipping": True})
     p = C.from_params({"compressor": "powersgd", "memory": "powersgd", "communicator": "allreduce", "compress_rank": 4})
-    assert p.rank == 4 and p.allowed_algorithms() == {"ring", "switchml"}
+    assert p.rank == 4 and p.carriers() == ["ring", "switchml"]
     assert C.from_params({"compressor": "threshold", "threshold": 0.2}).tau == 0.2
     assert C.from_params({"compressor": "none"}).name == "none"
     assert C.resolve({"compressor": "topk", "compress_ratio": 0.3}).ratio == 0.3
     with pytest.raises(ConfigError, match="sparse payload.*allreduce.*cannot carry"):
         C.from_params({"compressor": "topk", "communicator": "allreduce"})
-    with pytest.raises(ConfigError, match="unknown communicator"):
+    with pytest.raises(ConfigError, match=r"unknown algorithm \(GRACE communicator\) 'carrier-pigeon'"):
         C.from_params({"compressor": "topk", "communicator": "carrier-pigeon"})
 
 
@@ -82,30 +82,29 @@ def test_pytorch_powersgd_option_names():
 
 
 def test_parse():
-    assert parse("topk") == ("topk", {})
-    assert parse("topk(ratio=1e-3, memory=residual)") == ("topk", {"ratio": 1e-3, "memory": "residual"})
-    assert parse("powersgd(warm_start=False, rank=2)") == ("powersgd", {"warm_start": False, "rank": 2})
+    assert parse("topk") == ("topk", {}, None)
+    assert parse("topk(ratio=1e-3, memory=residual)") == ("topk", {"ratio": 1e-3, "memory": "residual"}, None)
+    assert parse("powersgd(warm_start=False, rank=2)") == ("powersgd", {"warm_start": False, "rank": 2}, None)
+    assert parse("fp16(powersgd(rank=4))") == ("powersgd", {"rank": 4}, ("fp16", {}, None))
 
 
 def test_algorithm_compatibility_is_enforced():
+    from commlib.dispatch import CARRIERS, check_carrier
     topk = C.build("topk")
     with pytest.raises(ConfigError, match="'topk' sends a sparse payload, which algorithm 'ring' cannot carry; "
-                                          r"use one of \['allgather', 'omnireduce'\]"):
-        C.check_algorithm(topk, "ring")
+                                          r"use one of \['omnireduce', 'allgather'\]"):
+        check_carrier(topk, "ring", "here")
+    check_carrier(topk, "omnireduce", "here")
     with pytest.raises(ConfigError):
         topk.reduce(torch.ones(4), "t", Group(1, "switchml").comm(0), True)
     with pytest.raises(ConfigError):
         C.build("signsgd").reduce(torch.ones(4), "t", Group(1, "omnireduce").comm(0), True)
-    assert C.pick_algorithm(topk, {"ring", "omnireduce", "allgather"}) == "omnireduce"  # sparse rides omnireduce
-    assert C.pick_algorithm(topk, {"ring", "allgather"}) == "allgather"
-    assert C.pick_algorithm(C.build("randomk"), {"ring", "switchml", "allgather"}) == "ring"
-    assert C.pick_algorithm(topk, {"ring", "allgather"}, requested="allgather") == "allgather"
-    with pytest.raises(ConfigError):
-        C.pick_algorithm(topk, {"ring"})
-    assert C.ALGORITHMS == {"summable": {"ring", "switchml"}, "sparse": {"omnireduce", "allgather"},
-                            "gather": {"allgather"}}
+    assert topk.carriers() == ["omnireduce", "allgather"]                 # sparse rides omnireduce first
+    assert C.build("topk", algorithm="allgather").carriers() == ["allgather"]
+    assert C.build("randomk").carriers() == ["ring", "switchml"]
+    assert C.build("signsgd").carriers() == ["allgather"]
     for name, cls in C.compressors().items():
-        assert cls.payload in C.ALGORITHMS, name
+        assert cls.payload in CARRIERS, name
 
 
 def test_integer_tensors_rejected():
@@ -122,7 +121,7 @@ def test_state_dict_resumes_exactly(spec):
     """Run 3 steps; checkpoint; a fresh compressor loaded from it continues exactly like the original."""
     gen = torch.Generator().manual_seed(10)
     xs = torch.randn(5, 12, 20, generator=gen)
-    algorithm = sorted(C.build(*parse(spec)).allowed_algorithms())[0]
+    algorithm = sorted(C.build(*parse(spec)).carriers())[0]
     comm = Group(1, algorithm).comm(0)
     original = C.build(*parse(spec))
     for x in xs[:3]:

@@ -36,6 +36,47 @@ def test_powersgd_start_iter_and_small_tensors_use_plain_allreduce():
     assert sizes == [2400, 2400, 80, 120, 120, 36]     # 20*30*4 twice; then P (20x1), Q (30x1); bias; small
 
 
+def test_powersgd_bucket_is_two_allreduces_and_equals_tensor_by_tensor():
+    """As PyTorch's PowerSGD hook: every P of a bucket in one allreduce (with the tensors sent whole),
+    every Q in a second, whatever the number of tensors; the result is the same as one by one."""
+    mats = [torch.randn(4, 20, 30, generator=gen(5)), torch.randn(4, 16, 8, generator=gen(6))]
+    bias = torch.randn(4, 30, generator=gen(7))
+    bucketed, single = [C.build("powersgd") for _ in range(4)], [C.build("powersgd") for _ in range(4)]
+
+    def rank_main(rank, comm):
+        one = [single[rank].reduce(t[rank], n, comm, True) for t, n in ((mats[0], "a"), (mats[1], "b"), (bias, "c"))]
+        start = len([e for e in group.log if e[0] == rank])
+        many = bucketed[rank].reduce_bucket([mats[0][rank], mats[1][rank], bias[rank]], ["a", "b", "c"], comm, True)
+        return one, many, [e for e in group.log if e[0] == rank][start:]
+
+    group = Group(4, "ring")
+    for one, many, calls in run_ranks(4, rank_main, group=group):
+        for a, b in zip(one, many):
+            assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+        assert [(op, nbytes) for _, op, _, nbytes in calls] == [("allreduce", 4 * (30 + 20 + 16)),
+                                                                ("allreduce", 4 * (30 + 8))]
+
+
+def test_fp16_carries_powersgd_collectives():
+    """fp16(powersgd(rank=1)), like DDP's fp16_compress_wrapper(powerSGD_hook): the P and Q
+    allreduces travel as float16, and the result is PowerSGD's within fp16 rounding."""
+    inputs = torch.randn(4, 20, 30, generator=gen(8))
+    plain = [C.build("powersgd", {"memory": "none"}) for _ in range(4)]
+    wrapped_per_rank = [C.build(*C.parse("fp16(powersgd(rank=1,memory=none))")) for _ in range(4)]
+    assert wrapped_per_rank[0].carrier.name == "fp16"
+
+    def rank_main(rank, comm):
+        start = len([e for e in group.log if e[0] == rank])
+        out = wrapped_per_rank[rank].reduce(inputs[rank], "m", comm, True)
+        dtypes = [str(dtype) for r, _, dtype, _ in group.log if r == rank][start:]
+        return out, plain[rank].reduce(inputs[rank], "m", comm, True), dtypes
+
+    group = Group(4, "ring")
+    for out, reference, dtypes in run_ranks(4, rank_main, group=group):
+        assert dtypes[:2] == ["float16", "float16"]
+        assert torch.allclose(out, reference, atol=1e-2, rtol=1e-2), (out - reference).abs().max()
+
+
 def test_powersgd_warm_start_reuses_q():
     """The same matrix every step: warm start is a power iteration and reaches the best rank-1
     approximation; a fresh random Q each step (warm_start=False) stays at one iteration's quality."""

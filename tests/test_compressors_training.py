@@ -45,7 +45,7 @@ def train(spec):
         with torch.no_grad():
             return float(torch.nn.functional.mse_loss(net(x_eval), y_eval)), [p.clone() for p in net.parameters()]
 
-    results = run_ranks(RANKS, rank_main, sorted(comps[0].allowed_algorithms())[0], timeout=100)
+    results = run_ranks(RANKS, rank_main, sorted(comps[0].carriers())[0], timeout=100)
     for _, params in results[1:]:                        # the ranks stayed in sync
         assert all(torch.equal(a, b) for a, b in zip(params, results[0][1]))
     with torch.no_grad():

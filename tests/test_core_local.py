@@ -99,7 +99,7 @@ def test_timeline_is_a_chrome_trace(runtime):
 @pytest.mark.parametrize("kwargs, error, text", [
     ({"algorithm": "bogus"}, commlib.ConfigError, "unknown algorithm 'bogus'"),
     ({"op": "max"}, commlib.ConfigError, "commlib.Sum or commlib.Average"),
-    ({"algorithm": "allgather"}, commlib.ConfigError, "compressed payloads"),
+    ({"algorithm": "allgather"}, commlib.ConfigError, "carries compressed or sparse payloads"),
 ])
 def test_bad_arguments_are_clear_errors(runtime, kwargs, error, text):
     with pytest.raises(error, match=text):

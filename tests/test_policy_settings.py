@@ -2,34 +2,33 @@
 import pytest
 
 from commlib import ConfigError, Policy, Rule
-from commlib.controller import check_agreement, resolve_auto
-from commlib.policy import DensityChoice, parse_bytes
+from commlib.controller import check_agreement
+from commlib.dispatch import settle
+from commlib.policy import Choice, parse_bytes
 from commlib.settings import Settings
 
 
 def test_policy_text_rules_in_order():
     p = Policy.parse("embedding.*=omnireduce; *.weight[min=1MiB]=topk(ratio=0.01,memory=residual);"
                      "re:layer\\d+\\.bias=ring:fp16; *[dtype=int32]=switchml; *=ring")
-    assert p.choose("embedding.users", 10, "float32") == ("omnireduce", None)
-    assert p.choose("fc.weight", 2 << 20, "float32") == ("auto", "topk(ratio=0.01,memory=residual)")
-    assert p.choose("fc.weight", 100, "float32") == ("ring", None)          # too small for the topk rule
-    assert p.choose("layer12.bias", 100, "float32") == ("ring", "fp16")
-    assert p.choose("counts", 100, "int32") == ("switchml", None)
+    assert p.choose("embedding.users", 10, "float32") == ("omnireduce", None, ())
+    assert p.choose("fc.weight", 2 << 20, "float32") == ("auto", "topk(ratio=0.01,memory=residual)", ())
+    assert p.choose("fc.weight", 100, "float32") == ("ring", None, ())          # too small for the topk rule
+    assert p.choose("layer12.bias", 100, "float32") == ("ring", "fp16", ())
+    assert p.choose("counts", 100, "int32") == ("switchml", None, ())
 
 
 def test_policy_default_is_auto():
-    assert Policy().choose("anything", 1, "float32") == ("auto", None)
-    assert Policy([Rule("a*", "ring")]).choose("b", 1, "float32") == ("auto", None)
+    assert Policy().choose("anything", 1, "float32") == ("auto", None, ())
+    assert Policy([Rule("a*", "ring")]).choose("b", 1, "float32") == ("auto", None, ())
 
 
 def test_density_rules_wait_for_the_measured_density():
     p = Policy.parse("emb.*[density<0.05]=omnireduce; emb.*[density<0.5]=ring; emb.*=switchml; *=auto")
-    choice, compression = p.choose("emb.users", 100, "float32")
-    assert isinstance(choice, DensityChoice) and compression is None
-    assert list(choice) == [(0.05, "omnireduce"), (0.5, "ring"), "switchml"]
-    assert p.choose("fc.weight", 100, "float32") == ("auto", None)
+    assert p.choose("emb.users", 100, "float32") == Choice("switchml", None, ((0.05, "omnireduce"), (0.5, "ring")))
+    assert p.choose("fc.weight", 100, "float32") == ("auto", None, ())
     assert Policy([Rule("*", "omnireduce", max_density=0.1)]).choose("x", 1, "float32") == (
-        DensityChoice([(0.1, "omnireduce"), "auto"]), None)
+        "auto", None, ((0.1, "omnireduce"),))
     with pytest.raises(ConfigError, match="fallback"):
         Policy.parse("*[density<0.1]=omnireduce; *=topk").choose("x", 1, "float32")
 
@@ -63,9 +62,8 @@ def test_settings_environment_beats_keyword_beats_default(caplog):
 
 
 def _meta(**kw):
-    base = {"name": "w", "shape": [4], "dtype": "float32", "op": "average", "algorithm": "auto",
-            "compression": None, "prescale": 1.0, "postscale": 1.0,
-            "bands": [[0.25, "omnireduce"], [None, "switchml"]], "density": 0.5}
+    base = {"name": "w", "shape": [4], "dtype": "float32", "op": "average", "compression": None,
+            "choices": [[0.25, "omnireduce"], [None, "switchml"]], "density": 0.5, "prescale": 1.0, "postscale": 1.0}
     base.update(kw)
     return base
 
@@ -74,16 +72,19 @@ def test_agreement_names_the_field_and_ranks():
     assert check_agreement("w", {0: _meta(), 1: _meta()}) is None
     problem = check_agreement("w", {0: _meta(), 1: _meta(dtype="float64"), 2: _meta()})
     assert "'w'" in problem and "dtype" in problem and "rank 1 gave \"float64\"" in problem and "ranks 0,2" in problem
+    problem = check_agreement("w", {0: _meta(), 1: _meta(choices=[[None, "ring"]])})
+    assert "choices" in problem and "rank 1 gave [[null, \"ring\"]]" in problem
+    assert check_agreement("w", {0: _meta(density=0.1), 1: _meta(density=0.9)}) is None   # measured per rank
 
 
-def test_auto_uses_the_densest_rank():
-    assert resolve_auto({0: _meta(density=0.01), 1: _meta(density=0.02)}) == "omnireduce"
-    assert resolve_auto({0: _meta(density=0.01), 1: _meta(density=0.9)}) == "switchml"
-    assert resolve_auto({0: _meta(density=0.01), 1: _meta(density=None)}) == "switchml"   # not measured
-    assert resolve_auto({0: _meta(algorithm="ring", bands=None)}) == "ring"
+def test_settle_uses_the_densest_rank():
+    choices = [[0.25, "omnireduce"], [None, "switchml"]]
+    assert settle(choices, [0.01, 0.02]) == "omnireduce"
+    assert settle(choices, [0.01, 0.9]) == "switchml"
+    assert settle(choices, [0.01, None]) == "switchml"   # a rank that measured nothing counts as dense
+    assert settle([[None, "ring"]], [None, None]) == "ring"
     bands = [[0.05, "omnireduce"], [0.5, "ring"], [None, "switchml"]]
-    assert [resolve_auto({0: _meta(density=d, bands=bands)}) for d in (0.01, 0.05, 0.3, 0.9)] == [
-        "omnireduce", "ring", "ring", "switchml"]
+    assert [settle(bands, [d]) for d in (0.01, 0.05, 0.3, 0.9)] == ["omnireduce", "ring", "ring", "switchml"]
 
 
 def test_registry_finds_every_backend_whatever_was_imported_first():
@@ -91,4 +92,4 @@ def test_registry_finds_every_backend_whatever_was_imported_first():
     import sys
     code = "import commlib.backends.switchml; from commlib.backends import registry; print(sorted(registry()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == "['omnireduce', 'ring', 'switchml']", out.stdout + out.stderr
+    assert out.stdout.strip() == "['allgather', 'omnireduce', 'ring', 'switchml']", out.stdout + out.stderr

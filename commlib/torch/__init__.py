@@ -17,7 +17,6 @@ import types
 import commlib
 from commlib.errors import BackendUnavailable, ConfigError
 from commlib.policy import Policy
-from commlib.tensors import Staged
 
 try:
     from horovod.torch import (broadcast_object, broadcast_optimizer_state,  # noqa: F401  (re-exported)
@@ -79,13 +78,9 @@ def _reducer(hvd, compression, policy, algorithm):
         name = self._parameter_names.get(p)
         grad = p.grad
         average = self.op == hvd.Average
-        chosen_algorithm, chosen_compression = algorithm, compression
-        if policy is not None and algorithm is None and compression is None:
-            described = Staged(grad)   # the same size and dtype name the core's policy sees
-            chosen_algorithm, chosen_compression = policy.choose(name, described.nbytes, described.dtype_name)
         handle = commlib.allreduce_async(
-            grad, name=name, op=commlib.Average if average else commlib.Sum, algorithm=chosen_algorithm,
-            compression=chosen_compression,
+            grad, name=name, op=commlib.Average if average else commlib.Sum, algorithm=algorithm,
+            compression=compression, policy=policy,
             prescale_factor=1.0 / self.gradient_predivide_factor if average else 1.0,
             postscale_factor=self.gradient_predivide_factor if average else 1.0)
 

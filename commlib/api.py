@@ -1,0 +1,115 @@
+"""The module-level API (commlib/__init__.py re-exports it): init once per process, then allreduce."""
+import atexit
+import logging
+import os
+import threading
+
+from commlib.backends import registry
+from commlib.errors import CommError
+from commlib.executor import Average, Sum
+from commlib.handles import Handle
+from commlib.policy import Policy
+from commlib.runtime import Runtime
+from commlib.settings import Settings
+
+log = logging.getLogger("commlib")
+_runtime = None
+_init_lock = threading.Lock()
+
+__all__ = ["Average", "Sum", "Handle", "init", "shutdown", "is_initialized", "runtime", "rank", "size",
+           "local_rank", "local_size", "allreduce_async", "synchronize", "poll", "allreduce", "records",
+           "backend_stats"]
+
+
+def init(policy=None, **settings):
+    """Start commlib on this rank (idempotent). `policy`: a Policy or its text; other keyword
+    arguments are settings (see commlib.settings). COMMLIB_<NAME> variables override both."""
+    global _runtime
+    args = (policy, settings)
+    with _init_lock:
+        if _runtime is not None:
+            if args != _runtime.init_args and (policy is not None or settings):
+                log.warning("commlib.init() was called again with other arguments, which are ignored: "
+                            "call commlib.shutdown() first to change them")
+            return
+        registry()                       # backends declare their settings on import
+        text = policy if isinstance(policy, str) else None
+        resolved = Settings(settings if text is None else dict(settings, policy=text))
+        if not isinstance(policy, Policy) or "COMMLIB_POLICY" in os.environ:
+            policy = Policy.parse(resolved.policy)
+        _runtime = Runtime(resolved, policy)
+        _runtime.init_args = args
+        atexit.register(shutdown)
+
+
+def shutdown():
+    global _runtime
+    with _init_lock:
+        if _runtime is not None:
+            runtime, _runtime = _runtime, None
+            runtime.shutdown()
+
+
+def is_initialized():
+    return _runtime is not None
+
+
+def runtime():
+    if _runtime is None:
+        raise CommError("commlib is not initialized: call commlib.init() first")
+    return _runtime
+
+
+def rank():
+    return runtime().ctx.rank
+
+
+def size():
+    return runtime().ctx.size
+
+
+def local_rank():
+    return runtime().ctx.local_rank
+
+
+def local_size():
+    return runtime().ctx.local_size
+
+
+def allreduce_async(tensor, name=None, op=Average, algorithm=None, compression=None,
+                    prescale_factor=1.0, postscale_factor=1.0, policy=None):
+    """Start reducing `tensor` across ranks; returns a Handle for synchronize()/poll().
+    `algorithm`/`compression` force a choice; otherwise `policy` (a Policy or its text; default:
+    commlib.init's) picks them from the name, size and dtype."""
+    if isinstance(policy, str):
+        policy = Policy.parse(policy)
+    return runtime().allreduce_async(tensor, name, op, algorithm, compression,
+                                     float(prescale_factor), float(postscale_factor), policy)
+
+
+def synchronize(handle):
+    """Wait for a Handle; returns the reduced tensor (same type, device, dtype, shape)."""
+    return handle.wait()
+
+
+def poll(handle):
+    """True when the handle's result is ready."""
+    return handle.done()
+
+
+def allreduce(tensor, name=None, op=Average, algorithm=None, compression=None,
+              prescale_factor=1.0, postscale_factor=1.0, policy=None):
+    """Reduce `tensor` across ranks (Average by default) and return the result."""
+    return synchronize(allreduce_async(tensor, name, op, algorithm, compression, prescale_factor,
+                                       postscale_factor, policy))
+
+
+def records():
+    """Per tensor name, the last dispatch: algorithm, compression, bytes, block density (as `auto`
+    measured it, or as omnireduce saw it: of the fused buffer when fused), timings."""
+    return dict(runtime().records)
+
+
+def backend_stats():
+    """Counters of every running backend (bytes, packets, resends, ...)."""
+    return {name: backend.stats() for name, backend in runtime().backends.items()}

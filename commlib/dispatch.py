@@ -1,0 +1,140 @@
+"""Dispatch: which algorithm, and which compressor, carries each tensor. The one place that decides.
+
+In the manner of Horovod's OperationManager: for each kind of data, an ordered list of algorithms
+(CARRIERS, best first); the first one that runs in this job and is enabled for the tensor wins.
+Policy rules only filter and reorder that list (a rule names an algorithm, `auto` keeps the order,
+a compressor turns the data into its payload kind). The result is one `Plan` per tensor, which
+every rank submits and the controller compares and settles (`settle`) before any data moves.
+
+A plan may depend on the measured block density (`auto`, and rules such as
+`emb.*[density<0.05]=omnireduce`): each rank measures its own tensor, so its plan holds a list of
+choices, (bound, algorithm) pairs, and the controller takes the first whose bound lies above the
+densest rank's density.
+"""
+from dataclasses import dataclass
+
+from commlib import compressors
+from commlib.backends import TensorMeta, registry
+from commlib.errors import BackendUnavailable, ConfigError, InvalidTensor
+
+# The algorithms that can carry each kind of data, best first.
+CARRIERS = {
+    # uncompressed tensors; an algorithm whose backend is `sparse` (skips zero blocks) is auto's
+    # choice for block-sparse ones
+    "dense": ("switchml", "ring", "omnireduce"),
+    # compressor payloads that add up (fp16, powersgd's factors): the ring first, since switchml's
+    # quantization would add its error to the compressor's
+    "summable": ("ring", "switchml"),
+    # sparsifiers' output: a sparse collective skips the zeros, or each rank's payload is gathered
+    "sparse": ("omnireduce", "allgather"),
+    # payloads that must be decoded one by one (signs, quantized codes)
+    "gather": ("allgather",),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every rank must agree on for one tensor, besides its shape, dtype, op and scaling."""
+    choices: tuple            # ((bound or None, algorithm), ...); the last one has no bound
+    compression: str = None   # the compressor's canonical text (its repr), None for none
+    density: float = None     # this rank's measured block density, when the choices depend on it
+
+    @property
+    def algorithm(self):
+        """The algorithm, when no density decides it."""
+        return self.choices[0][1] if len(self.choices) == 1 else None
+
+
+def settle(choices, densities):
+    """The algorithm of a plan given every rank's measured density: the first choice whose bound
+    lies above the densest rank's (a rank that measured nothing counts as dense)."""
+    densest = None if None in densities else max(densities, default=None)
+    for bound, algorithm in choices:
+        if bound is None or (densest is not None and densest < bound):
+            return algorithm
+    raise AssertionError(f"choices {choices} end with a bounded choice")
+
+
+class Dispatcher:
+    """Plans tensors over the backends this job started (`backends`: name -> Backend)."""
+
+    def __init__(self, backends, unavailable, policy, settings):
+        self.backends, self.unavailable = backends, unavailable
+        self.policy, self.settings = policy, settings
+
+    def plan(self, name, staged, algorithm=None, compression=None, policy=None):
+        """(Plan, compressor object or None) for a tensor. `algorithm`/`compression` given by the
+        caller win over the policy; `policy` (a Policy) replaces commlib.init's for this tensor."""
+        meta = TensorMeta(name, tuple(staged.shape), str(staged.travel_dtype),
+                          staged.numel * staged.travel_dtype.itemsize)
+        if algorithm is None and compression is None:
+            rule = (policy or self.policy).choose(name, staged.nbytes, staged.dtype_name)
+            algorithm, compression, bounded = rule.algorithm, rule.compression, rule.bounded
+        else:
+            bounded = ()
+        compressor = compressors.resolve(compression)
+        if compressor is not None:
+            return Plan(((None, self._compressed(compressor, algorithm or "auto", name)),), repr(compressor)), compressor
+        choices = tuple((bound, self._explicit(alg, meta)) for bound, alg in bounded)
+        choices += self._dense(algorithm or "auto", meta)
+        if len(choices) == 1:
+            return Plan(choices), None
+        sparse = next(alg for alg in (a for _, a in choices) if self.backends[alg].sparse)
+        return Plan(choices, density=self.backends[sparse].density(staged.array)), None
+
+    def backend(self, name):
+        """The running backend of that name, or the error that says why there is none."""
+        try:
+            return self.backends[name]
+        except KeyError:
+            if name not in registry():
+                raise ConfigError(f"unknown algorithm {name!r}; choose one of {sorted(registry())} or 'auto'") from None
+            raise BackendUnavailable(f"algorithm {name!r} is not available: {self.unavailable[name]}") from None
+
+    # -- uncompressed tensors ------------------------------------------------------------------------
+    def _dense(self, requested, meta):
+        if requested != "auto":
+            return ((None, self._explicit(requested, meta)),)
+        enabled = [name for name in CARRIERS["dense"] if self._enabled(name, meta)]
+        dense = [name for name in enabled if not self.backends[name].sparse]
+        sparse = [name for name in enabled if self.backends[name].sparse]
+        if not dense:
+            raise InvalidTensor(f"tensor {meta.name!r}: no algorithm here reduces {meta.dtype}; "
+                                f"cast it to float32, float64 or an int dtype")
+        if sparse:
+            return ((self.settings.auto_sparse_density, sparse[0]), (None, dense[0]))
+        return ((None, dense[0]),)
+
+    def _explicit(self, name, meta):
+        backend = self.backend(name)
+        if name not in CARRIERS["dense"]:
+            raise ConfigError(f"tensor {meta.name!r}: algorithm {name!r} carries compressed or sparse payloads; "
+                              f"give a compression= or choose one of {list(CARRIERS['dense'])}")
+        if not backend.enabled(meta):
+            kinds = ", ".join(str(d) for d in backend.dtypes)
+            raise InvalidTensor(f"tensor {meta.name!r}: algorithm {name!r} does not take {meta.dtype} "
+                                f"tensors of {meta.nbytes} bytes (it reduces {kinds}); cast it or choose 'ring'")
+        return name
+
+    def _enabled(self, name, meta):
+        return name in self.backends and self.backends[name].enabled(meta)
+
+    # -- compressed tensors: the payload kind decides ------------------------------------------------
+    def _compressed(self, compressor, requested, name):
+        allowed = compressor.carriers()
+        if requested != "auto":
+            check_carrier(compressor, requested, f"tensor {name!r}")
+            self.backend(requested)
+            return requested
+        for algorithm in allowed:
+            if algorithm in self.backends:
+                return algorithm
+        raise BackendUnavailable(f"tensor {name!r}: compression {compressor.name!r} needs one of {allowed}, none of "
+                                 f"which runs here ({'; '.join(f'{a}: {self.unavailable.get(a)}' for a in allowed)})")
+
+
+def check_carrier(compressor, algorithm, where):
+    """At policy parse time: ConfigError unless `algorithm` can carry the compressor's payload."""
+    if algorithm != "auto" and algorithm not in compressor.carriers():
+        raise ConfigError(f"{where}: compression {compressor.name!r} sends a {compressor.payload} payload, which "
+                          f"algorithm {algorithm!r} cannot carry; use one of {compressor.carriers()}")

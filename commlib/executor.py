@@ -1,0 +1,195 @@
+"""The executor: one background thread runs what the controller released, in its order.
+
+Every rank receives the same `go` batches in the same order, so every rank fuses them alike:
+consecutive tensors with the same fusion key (same algorithm and dtype, or the same compressor
+object, same op and scaling) become one bucket of at most `fusion_threshold` bytes. A dense
+bucket is one backend allreduce of the concatenated buffer; a compressed bucket is one
+`Compressor.reduce_bucket` (one collective per payload dtype). Results are scaled, split back,
+recorded, and handed to the callers' handles.
+"""
+import itertools
+import logging
+import threading
+import time
+
+import numpy as np
+
+from commlib import controller
+from commlib.errors import CommError, ConfigError
+
+log = logging.getLogger("commlib")
+
+Sum = "sum"
+Average = "average"
+STOP = {"t": "stop"}
+
+
+class Entry:
+    """One tensor in flight: the caller's tensor, its plan, its handle and its timestamps."""
+
+    def __init__(self, staged, name, op, plan, compressor, prescale, postscale, handle):
+        self.staged, self.name, self.op, self.plan, self.compressor = staged, name, op, plan, compressor
+        self.prescale, self.postscale, self.handle = prescale, postscale, handle
+        self.algorithm = None    # settled by the controller
+        self.density = plan.density
+        self.times = {"enqueue": time.monotonic()}
+
+    def fusion_key(self):
+        payload = self.staged.travel_dtype if self.compressor is None else id(self.compressor)
+        return (self.algorithm, payload, self.op, self.prescale, self.postscale)
+
+
+class Channel:
+    """The collectives of one algorithm, as a compressor's reduce_bucket sees them: rank, size,
+    algorithm, allreduce(array) and allgather(array), each call named after the bucket."""
+
+    def __init__(self, backend, algorithm, ctx, name):
+        self.rank, self.size, self.algorithm = ctx.rank, ctx.size, algorithm
+        self._backend, self._name = backend, name
+        self._calls = itertools.count()
+
+    def allreduce(self, array):
+        """Elementwise sum over ranks of a 1-D array (cast to float32 if the algorithm lacks its dtype)."""
+        array = np.ascontiguousarray(array).reshape(-1)
+        native = array.dtype in self._backend.dtypes
+        out = self._backend.allreduce(array if native else array.astype(np.float32), self._next())
+        return out.astype(array.dtype, copy=False)
+
+    def allgather(self, array):
+        """Every rank's 1-D array (lengths may differ), index = rank."""
+        return self._backend.allgather(np.ascontiguousarray(array).reshape(-1), self._next())
+
+    def _next(self):
+        return f"{self._name}.{next(self._calls)}"
+
+
+class Executor:
+    """Tracks the tensors in flight and runs the controller's batches on one background thread."""
+
+    def __init__(self, ctx, client, dispatcher, timeline):
+        self.ctx, self.client, self.dispatcher, self.timeline = ctx, client, dispatcher, timeline
+        self.records = {}
+        self.broken = None       # the first fatal error: every later call raises it
+        self._entries = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="commlib-background", daemon=True)
+        self._thread.start()
+
+    def track(self, entry):
+        with self._lock:
+            if entry.name in self._entries:
+                raise ConfigError(f"tensor {entry.name!r} is already in flight; give each tensor of a step a unique name")
+            self._entries[entry.name] = entry
+
+    def stop(self, timeout):
+        """Fail what is waiting, end the thread; False if a collective is still running."""
+        self.fail(None, CommError("commlib was shut down while this tensor was waiting for the other ranks"))
+        self.client.events.put(STOP)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def fail(self, names, error):
+        """Fail these tensors' handles, or (names=None) every tensor in flight and all later calls."""
+        with self._lock:
+            if names is None:
+                self.broken = self.broken or error   # the first fatal error is the cause
+                names = list(self._entries)
+            entries = [self._entries.pop(n) for n in names if n in self._entries]
+        for entry in entries:
+            entry.handle.set(error=error)
+
+    def _loop(self):
+        while True:
+            msg = self.client.events.get()
+            if msg is STOP:
+                return
+            try:
+                if msg["t"] == "go":
+                    self._execute(msg["batch"])
+                elif msg["t"] == "error":
+                    self.fail(msg["names"], controller.error_from(msg))
+                elif msg["t"] == "stall":
+                    log.warning("commlib: %s", msg["message"])
+            except Exception as exc:   # never leave callers waiting on a dead thread
+                log.exception("commlib: background thread failed")
+                self.fail(None, CommError(f"commlib's background thread failed: {exc!r}"))
+
+    def _execute(self, batch):
+        now = time.monotonic()
+        entries = []
+        with self._lock:
+            for item in batch:
+                entry = self._entries.pop(item["name"], None)
+                if entry is not None:   # None: failed by a fatal error (or shutdown) that raced this batch
+                    entry.algorithm, entry.times["go"] = item["algorithm"], now
+                    entries.append(entry)
+        for bucket in fuse(entries, self.ctx.settings.fusion_threshold):
+            try:
+                self._run(bucket)
+            except Exception as exc:
+                error = exc
+                if not isinstance(exc, CommError):
+                    error = CommError(f"{bucket[0].algorithm} failed on tensor {bucket[0].name!r}: {exc!r}")
+                    error.__cause__ = exc
+                for entry in bucket:
+                    entry.handle.set(error=error)
+
+    def _run(self, bucket):
+        first = bucket[0]
+        name = first.name if len(bucket) == 1 else f"{first.name}+{len(bucket) - 1}"
+        backend = self.dispatcher.backend(first.algorithm)
+        start = time.monotonic()
+        run = self._run_dense if first.compressor is None else self._run_compressed
+        results = run(bucket, backend, name)
+        end = time.monotonic()
+        for entry, result in zip(bucket, results):
+            self._record(entry, start, end, len(bucket))
+            entry.handle.set(result=result)
+
+    def _run_dense(self, bucket, backend, name):
+        first = bucket[0]
+        arrays = [e.staged.array for e in bucket]
+        buf = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        if first.prescale != 1.0:
+            buf = (buf * first.prescale).astype(buf.dtype)
+        out = backend.allreduce(buf, name)
+        measured = backend.measured_density(name)   # of the fused buffer when fused
+        if measured is not None:
+            for entry in bucket:
+                entry.density = measured[0]
+        scale = first.postscale / (self.ctx.size if first.op == Average else 1)
+        if scale != 1.0:
+            out = (out * scale).astype(buf.dtype)
+        parts = np.split(out, np.cumsum([a.size for a in arrays])[:-1]) if len(bucket) > 1 else [out]
+        return [e.staged.restore(part) for e, part in zip(bucket, parts)]
+
+    def _run_compressed(self, bucket, backend, name):
+        first = bucket[0]
+        tensors = [e.staged.dense() for e in bucket]
+        if first.prescale != 1.0:
+            tensors = [t * first.prescale for t in tensors]
+        channel = Channel(backend, first.algorithm, self.ctx, name)
+        outs = first.compressor.reduce_bucket(tensors, [e.name for e in bucket], channel, first.op == Average)
+        return [out * first.postscale if first.postscale != 1.0 else out for out in outs]
+
+    def _record(self, entry, start, end, fused):
+        t = entry.times
+        self.records[entry.name] = {
+            "algorithm": entry.algorithm, "compression": entry.plan.compression, "dtype": entry.staged.dtype_name,
+            "nbytes": entry.staged.nbytes, "density": entry.density, "fused_with": fused - 1,
+            "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start}
+        self.timeline.tensor(entry.name, t["enqueue"], t["go"], start, end, entry.algorithm)
+
+
+def fuse(entries, threshold):
+    """Consecutive entries with the same fusion key, each bucket at most `threshold` bytes."""
+    bucket, size = [], 0
+    for entry in entries:
+        nbytes = entry.staged.nbytes
+        if bucket and (entry.fusion_key() != bucket[0].fusion_key() or size + nbytes > threshold):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(entry)
+        size += nbytes
+    if bucket:
+        yield bucket

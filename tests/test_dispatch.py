@@ -1,0 +1,93 @@
+"""commlib.dispatch: the one place that turns (policy, caller's arguments, running backends) into a plan."""
+import numpy as np
+import pytest
+
+from commlib import ConfigError, InvalidTensor, Policy
+from commlib.dispatch import Dispatcher
+from commlib.errors import BackendUnavailable
+from commlib.settings import Settings
+from commlib.tensors import Staged
+
+
+class FakeBackend:
+    def __init__(self, name, dtypes=("float32", "int32"), sparse=False, density=0.5):
+        self.name, self.dtypes, self.sparse, self._density = name, tuple(np.dtype(d) for d in dtypes), sparse, density
+
+    def enabled(self, meta):
+        return np.dtype(meta.dtype) in self.dtypes
+
+    def density(self, array):
+        return self._density
+
+
+def dispatcher(names=("ring", "switchml", "omnireduce", "allgather"), policy="", unavailable=None, **backends):
+    made = {"ring": FakeBackend("ring", ("float16", "float32", "float64", "int32")),
+            "switchml": FakeBackend("switchml"), "omnireduce": FakeBackend("omnireduce", sparse=True, density=0.01),
+            "allgather": FakeBackend("allgather")}
+    made.update(backends)
+    running = {name: made[name] for name in names}
+    why = {name: "not started in this test" for name in made if name not in running}
+    return Dispatcher(running, dict(why, **(unavailable or {})), Policy.parse(policy),
+                      Settings({"auto_sparse_density": 0.25}, environ={}))
+
+
+def plan(d, array, name="w", **kwargs):
+    return d.plan(name, Staged(array), **kwargs)
+
+
+def test_auto_is_density_settled_between_the_sparse_and_the_best_dense_algorithm():
+    p, compressor = plan(dispatcher(), np.zeros(8, np.float32))
+    assert compressor is None
+    assert p.choices == ((0.25, "omnireduce"), (None, "switchml")) and p.density == 0.01 and p.algorithm is None
+
+
+def test_auto_without_a_sparse_algorithm_is_decided_locally():
+    p, _ = plan(dispatcher(("ring", "switchml")), np.zeros(8, np.float32))
+    assert p.choices == ((None, "switchml"),) and p.algorithm == "switchml" and p.density is None
+    p, _ = plan(dispatcher(), np.zeros(8, np.float64))    # only the ring takes float64
+    assert p.algorithm == "ring"
+
+
+def test_caller_and_policy_choices():
+    d = dispatcher(policy="emb.*=omnireduce;big.*[min=1KiB]=ring:fp16;*[density<0.1]=omnireduce;*=ring")
+    assert plan(d, np.zeros(8, np.float32), "emb.users")[0].algorithm == "omnireduce"
+    p, fp16 = plan(d, np.zeros(1024, np.float32), "big.w")
+    assert p.algorithm == "ring" and p.compression == repr(fp16) and fp16.name == "fp16"
+    p, _ = plan(d, np.zeros(8, np.float32), "fc.w")
+    assert p.choices == ((0.1, "omnireduce"), (None, "ring")) and p.density == 0.01
+    assert plan(d, np.zeros(8, np.float32), "emb.users", algorithm="switchml")[0].algorithm == "switchml"
+    other = Policy.parse("*=switchml")
+    assert plan(d, np.zeros(8, np.float32), "emb.users", policy=other)[0].algorithm == "switchml"
+
+
+def test_compressors_ride_the_first_running_carrier_of_their_payload():
+    d = dispatcher()
+    assert plan(d, np.zeros(8, np.float32), compression="topk(ratio=0.5)")[0].algorithm == "omnireduce"
+    assert plan(dispatcher(("ring", "allgather")), np.zeros(8, np.float32),
+                compression="topk(ratio=0.5)")[0].algorithm == "allgather"
+    assert plan(d, np.zeros(8, np.float32), compression="powersgd(rank=1)")[0].algorithm == "ring"
+    assert plan(d, np.zeros(8, np.float32), compression="signsgd")[0].algorithm == "allgather"
+    assert plan(d, np.zeros(8, np.float32), compression="topk", algorithm="allgather")[0].algorithm == "allgather"
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    ({"algorithm": "bogus"}, ConfigError, "unknown algorithm 'bogus'"),
+    ({"algorithm": "allgather"}, ConfigError, "carries compressed or sparse payloads"),
+    ({"compression": "topk", "algorithm": "ring"}, ConfigError, "sparse payload, which algorithm 'ring' cannot carry"),
+    ({"compression": "signsgd", "algorithm": "omnireduce"}, ConfigError, "use one of \\['allgather'\\]"),
+])
+def test_impossible_requests_say_what_would_work(kwargs, error, text):
+    with pytest.raises(error, match=text):
+        plan(dispatcher(), np.zeros(8, np.float32), **kwargs)
+
+
+def test_unavailable_and_unsupported():
+    d = dispatcher(("ring",), unavailable={"switchml": "the switch did not start"})
+    with pytest.raises(BackendUnavailable, match="'switchml' is not available: the switch did not start"):
+        plan(d, np.zeros(8, np.float32), algorithm="switchml")
+    with pytest.raises(BackendUnavailable, match="needs one of \\['allgather'\\]"):
+        plan(d, np.zeros(8, np.float32), compression="signsgd")
+    with pytest.raises(InvalidTensor, match="does not take float64"):
+        plan(dispatcher(), np.zeros(8, np.float64), algorithm="switchml")
+    with pytest.raises(InvalidTensor, match="no algorithm here reduces uint8"):
+        plan(dispatcher(), np.zeros(8, np.uint8))
