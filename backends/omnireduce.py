@@ -225,27 +225,27 @@ class OmniReduceBackend(Backend):
 
     def _start_aggregators(self):
         """This rank's part of the aggregators; returns what the others need to know."""
-        ctx, s = self.ctx, self.ctx.settings
+        s = self.ctx.settings
         mine = {"epoch": secrets.randbits(31), "params": [self.block, self.columns, self.mode, self.threshold]}
         if self.mode == "colocated":
             # it lives exactly as long as this backend: it never collects its job as idle
             self._colocated = agg.Aggregator(self._bind, job_idle_s=float("inf")).start(
-                f"omnireduce-aggregator-rank{ctx.rank}")
+                f"omnireduce-aggregator-rank{self.rank}")
             mine["agg"] = f"{self._host}:{self._colocated.address[1]}"
-        elif not s.omnireduce_aggregators and ctx.rank == 0:
-            mine["spawned"] = self._spawn_aggregators(s.omnireduce_num_aggregators or ctx.size)
+        elif not s.omnireduce_aggregators and self.rank == 0:
+            mine["spawned"] = self._spawn_aggregators(s.omnireduce_num_aggregators or self.size)
         return mine
 
     def _register(self):
         """Register with every aggregator, make the C worker, and (rank 0) keep a dedicated job alive."""
-        ctx, s = self.ctx, self.ctx.settings
-        request = {"job": self._job_hash, "epoch": self._epoch, "rank": ctx.rank, "size": ctx.size,
+        s = self.ctx.settings
+        request = {"job": self._job_hash, "epoch": self._epoch, "rank": self.rank, "size": self.size,
                    "columns": self.columns, "aggregators": len(self._aggregators), "block": self.block,
                    "loss": s.omnireduce_sim_loss, "dup": s.omnireduce_sim_dup}
         jobs = agg.register(self._sock, self._aggregators, request, self.timeout_s,
                             retry_s=max(0.05, 10 * self.retransmit_ms / 1000))
         seed = secrets.randbits(63) | 1
-        self._worker = lib.omr_worker_new(self._sock.fileno(), ctx.rank, ctx.size, self.columns,
+        self._worker = lib.omr_worker_new(self._sock.fileno(), self.rank, self.size, self.columns,
                                           len(self._aggregators), self.block, int(self.retransmit_ms * 1000),
                                           s.omnireduce_sim_loss, s.omnireduce_sim_dup, seed)
         if self._worker == ffi.NULL:
@@ -254,7 +254,7 @@ class OmniReduceBackend(Backend):
         for index, ((ip, port), (job, key, _)) in enumerate(zip(self._aggregators, jobs)):
             lib.omr_worker_set_agg(self._worker, index, ip.encode(), port, job, key)
         idle_s = min(idle for _, _, idle in jobs)
-        if ctx.rank == 0 and idle_s != float("inf"):   # one rank's keepalives hold the job's state
+        if self.rank == 0 and idle_s != float("inf"):   # one rank's keepalives hold the job's state
             self._keepalive = threading.Thread(target=self._keep_alive, args=(idle_s / 4,),
                                                name="omnireduce-keepalive", daemon=True)
             self._keepalive.start()
@@ -324,7 +324,7 @@ class OmniReduceBackend(Backend):
     # -- errors and stats --------------------------------------------------------------------------
     def _error(self, rc, st, name):
         where = self._agg_desc[st.err_agg] if 0 <= st.err_agg < len(self._agg_desc) else "an aggregator"
-        head = f"omnireduce on rank {self.ctx.rank}, tensor {name!r}"
+        head = f"omnireduce on rank {self.rank}, tensor {name!r}"
         if rc == lib.OMR_ETIMEOUT:
             if st.agg_silent_s > 0:
                 if self.mode == "colocated":
@@ -406,12 +406,15 @@ class OmniReduceBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        if self._worker is None:   # never started (or its start failed): nobody needs our aggregator
+            self._release()
+            return
         # the others may still need replays from our aggregator: wait until every rank is done
         try:
             self.ctx.exchange(f"{self._prefix}/close", None, timeout=1.0 if self._broken else None)
             done = True
         except CommError as exc:
-            log.warning("omnireduce rank %d: closing without the others (%s)", self.ctx.rank, exc)
+            log.warning("omnireduce rank %d: closing without the others (%s)", self.rank, exc)
             done = False
         if done and self.mode == "dedicated" and self._sock is not None:
             agg.deregister(self._sock, self._aggregators, self._job_hash, self._epoch)

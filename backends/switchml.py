@@ -119,7 +119,6 @@ class SwitchMLBackend(Backend):
         return self.ctx.exchange(key, self.ctx.agree(key, fn))
 
     def _setup(self):
-        ctx = self.ctx
         # 1. the switch: configured, or embedded in rank 0
         self.address = self._step("switch", self._switch_address)[0]
         # 2. every rank's UDP address, as the switch will see it
@@ -128,11 +127,11 @@ class SwitchMLBackend(Backend):
         self.job = self._step("job", lambda: self._register(workers))[0]
         # 4. every rank's C worker (so that either all ranks stream or none does)
         self._step("worker", self._make_worker)
-        log.debug("switchml: rank %d in job #%d on switch %s", ctx.rank, self.job, self.address)
+        log.debug("switchml: rank %d in job #%d on switch %s", self.rank, self.job, self.address)
 
     def _make_worker(self):
         s = self.ctx.settings
-        worker = sw.lib.sml_worker_new(self._sock.fileno(), self.job, self.ctx.rank, self.token, self.ctx.size,
+        worker = sw.lib.sml_worker_new(self._sock.fileno(), self.job, self.rank, self.token, self.size,
                                        self.window, self.elems, float(s.switch_retransmit_ms),
                                        float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)))
         if worker == sw.ffi.NULL:
@@ -141,7 +140,7 @@ class SwitchMLBackend(Backend):
 
     def _switch_address(self):
         s = self.ctx.settings
-        if s.switch_addr or self.ctx.rank != 0:
+        if s.switch_addr or self.rank != 0:
             return s.switch_addr
         try:
             p = float(s.switch_drop_probability)
@@ -162,7 +161,7 @@ class SwitchMLBackend(Backend):
             raise BackendUnavailable(f"cannot open a UDP socket towards the switch {self.address}: {exc}") from exc
 
     def _register(self, workers):
-        if self.ctx.rank != 0:
+        if self.rank != 0:
             return None
         return sw.SwitchClient(self.address, min(self.ctx.settings.timeout_s, 30.0)).register(
             self.token, workers, self.window, self.elems)["job"]
@@ -212,7 +211,7 @@ class SwitchMLBackend(Backend):
         return out
 
     def _error(self, rc, name):
-        where = f"switchml: tensor {name!r}, rank {self.ctx.rank}, job #{self.job} on switch {self.address}"
+        where = f"switchml: tensor {name!r}, rank {self.rank}, job #{self.job} on switch {self.address}"
         lib = sw.lib
         if rc == lib.SML_E_NACK:
             return PeerFailure(f"{where}: the switch does not know this job (it was restarted, or the job was "
@@ -263,7 +262,7 @@ class SwitchMLBackend(Backend):
 
     def _unregister(self):
         """Rank 0 ends the job on a switch that outlives it (an embedded one goes with rank 0)."""
-        if self.ctx.rank == 0 and self.server is None and self.job is not None:
+        if self.rank == 0 and self.server is None and self.job is not None:
             try:
                 sw.SwitchClient(self.address, 5.0).unregister(self.job, self.token)
             except CommError as exc:
