@@ -134,8 +134,8 @@ static inline void tp_rtt_sample(tp_rtt *r, uint64_t sample) {
  * (referenced; copied into the queue's arena with TP_COPY). tp_txq_flush() packs consecutive
  * packets of one size to one destination (a shorter one may end a run, as GSO allows) into one
  * UDP GSO message of at most TP_GSO_SEGS segments and TP_GSO_BYTES, and sends every message with
- * sendmmsg(). Where the kernel or the path refuses GSO it falls back to one datagram per
- * message for good. A full socket buffer is waited for (briefly); other failures to send are
+ * sendmmsg(). Where the kernel or the path refuses GSO the queue stops using it for good (one
+ * datagram per message). A full socket buffer is waited for (briefly); other failures to send are
  * losses, which the protocols recover from. */
 #define TP_MAX_HDR 64
 #define TP_GSO_SEGS 64
