@@ -157,8 +157,9 @@ def test_loss_and_duplication_give_bit_identical_results(loss):
     for rank in range(4):
         for a, b in zip(clean[rank][:-2], lossy[rank][:-2]):
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
-    stats, switch = lossy[0][-2], lossy[0][-1]
-    assert stats["resends"] > 0 and switch["drop_sim_ingress"] > 0 and switch["drop_sim_egress"] > 0
+    switch = lossy[0][-1]
+    # over every rank: one rank alone sees no loss now and then (~250 packets at 1%: e^-5)
+    assert sum(r[-2]["resends"] for r in lossy) > 0 and switch["drop_sim_ingress"] > 0 and switch["drop_sim_egress"] > 0
     assert switch["dup_sim"] > 0 and switch["replays"] > 0
     assert sum(r[-2]["duplicates"] for r in lossy) > 0
     assert clean[0][-1]["drop_sim_ingress"] == clean[0][-1]["drop_sim_egress"] == 0
