@@ -1,6 +1,5 @@
-"""Only here for cffi: every `*/csrc/build_*.py` defines an `ffibuilder` (out-of-line API mode)."""
-from glob import glob
-
+"""Only here for cffi: switch/csrc/build_native.py defines the one extension, commlib._native
+(out-of-line API mode; its cdef is read from the C headers)."""
 from setuptools import setup
 
-setup(cffi_modules=[f"{path}:ffibuilder" for path in sorted(glob("*/csrc/build_*.py"))])
+setup(cffi_modules=["switch/csrc/build_native.py:ffibuilder"])

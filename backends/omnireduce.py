@@ -55,8 +55,8 @@ from commlib.settings import define
 from commlib.tensors import Staged
 
 try:
-    from commlib.switch import aggregator as agg
-    from commlib.switch._omnireduce import ffi, lib
+    from commlib.switch import aggregator as agg, control
+    from commlib._native import ffi, lib
     IMPORT_ERROR = ""
 except ImportError as exc:   # the C extension is not built
     agg = ffi = lib = None
@@ -97,7 +97,7 @@ def block_mask(array, block=256, threshold=0.0):
     nblocks = -(-array.size // block)
     if lib is not None and array.dtype in _DTYPE_CODE:
         mask = np.empty(nblocks, dtype=np.uint8)
-        lib.omr_block_mask(ffi.from_buffer(array), array.size, _DTYPE_CODE[array.dtype], block, threshold,
+        lib.tp_block_mask(ffi.from_buffer(array), array.size, _DTYPE_CODE[array.dtype], block, threshold,
                            ffi.from_buffer(mask))
         return mask
     padded = np.zeros(nblocks * block, dtype=np.float64)
@@ -127,15 +127,6 @@ class OmniReduceBackend(Backend):
     name = "omnireduce"
     sparse = True        # skips zero blocks: auto sends block-sparse tensors here
     dtypes = (F32, I32)
-
-    __slots__ = (
-        # hyperparameters
-        "block", "threshold", "columns", "mode", "retransmit_ms", "timeout_s",
-        # internal state
-        "_prefix", "_sock", "_worker", "_colocated", "_processes", "_aggregators", "_agg_desc", "_job_hash",
-        "_epoch", "_seq", "_broken", "_closed", "_lock", "_call_lock",
-        # stats
-        "_tensors", "_totals", "_last")
 
     @classmethod
     def available(cls, ctx):
@@ -184,39 +175,41 @@ class OmniReduceBackend(Backend):
         self._tensors, self._last = OrderedDict(), {}
         self._totals = dict.fromkeys(("tensors", "bytes_sent", "bytes_recv", "packets_sent", "packets_recv",
                                       "resends", "sim_dropped", "sim_duplicated"), 0)
+        self._host = s.omnireduce_host or ("127.0.0.1" if ctx.all_local else primary_ip())
+        self._bind = "0.0.0.0" if self._host != "127.0.0.1" else self._host
+        self._sock = agg.make_socket(self._bind)   # local work only here: the set-up with the others is start()
+
+    # -- set-up: collective, once, on every rank (the core calls it at commlib.init()) -----------------
+    def start(self):
+        """The aggregators (one colocated in every rank, or commlib-aggregator processes rank 0 starts
+        when none are configured), the check that every rank has the same settings, the registration
+        with every aggregator. Each step runs on every rank and every rank raises the first failing
+        rank's error (ctx.agree), so no rank goes on half set up."""
         try:
             self._start()
         except BaseException:
             self._release()
             raise
 
-    # -- set-up: sockets, aggregators, registration -----------------------------------------------
+    def _step(self, step, fn, timeout):
+        """fn() on every rank, then ctx.agree: every rank raises the first failing rank's error. The
+        ranks first wait for each other up to `timeout`: starting processes and retrying registrations
+        is slower than the data path's timeout allows."""
+        key = f"{self._prefix}/{step}"
+
+        def waited():
+            try:
+                return fn()
+            finally:
+                self.ctx.exchange(f"{key}/done", None, timeout)
+        return self.ctx.agree(key, waited)
+
     def _start(self):
         ctx, s = self.ctx, self.ctx.settings
-        host = s.omnireduce_host or ("127.0.0.1" if ctx.all_local else primary_ip())
-        mine = {"error": None, "epoch": secrets.randbits(31),
-                "params": [self.block, self.columns, self.mode, self.threshold]}
-        try:   # local set-up; a failure is shared with every rank so none waits for us
-            self._sock = agg.make_socket("0.0.0.0" if host != "127.0.0.1" else host)
-            if self.mode == "colocated":
-                # it lives exactly as long as this backend: it never collects its job as idle
-                self._colocated = agg.Aggregator("0.0.0.0" if host != "127.0.0.1" else host,
-                                                 job_idle_s=float("inf")).start(
-                    f"omnireduce-aggregator-rank{ctx.rank}")
-                mine["agg"] = f"{host}:{self._colocated.address[1]}"
-            elif not s.omnireduce_aggregators and ctx.rank == 0:
-                mine["spawned"] = self._spawn_aggregators(s.omnireduce_num_aggregators or ctx.size)
-        except CommError as exc:
-            mine["error"] = str(exc)
-        except OSError as exc:
-            mine["error"] = f"omnireduce set-up failed: {exc}"
-        # set-up waits on process starts (a spawned aggregator, registration retries): slower than data
-        setup_s = max(self.timeout_s, 30.0)
+        setup_s = max(self.timeout_s, 30.0)   # set-up waits on process starts (a spawned aggregator)
+        mine = self._step("aggregators", self._start_aggregators, setup_s)
         everyone = ctx.exchange(f"{self._prefix}/setup", mine, setup_s)
-        errors = [f"rank {r}: {v['error']}" for r, v in enumerate(everyone) if v["error"]]
-        if errors:
-            raise BackendUnavailable("; ".join(errors))
-        if any(v["params"] != everyone[0]["params"] for v in everyone):
+        if any(v["params"] != everyone[0]["params"] for v in everyone):   # the same verdict on every rank
             raise ConfigError(f"omnireduce settings differ across ranks (block, columns, mode, threshold): "
                               f"{[v['params'] for v in everyone]}; set them identically everywhere")
         self._epoch = everyone[0]["epoch"]
@@ -228,32 +221,43 @@ class OmniReduceBackend(Backend):
                          else everyone[0]["spawned"])
             self._agg_desc = [f"{a} (commlib-aggregator)" for a in addresses]
         self._aggregators = [agg.resolve_address(a) for a in addresses]
+        self._step("register", self._register, setup_s)
 
-        request = {"job": self._job_hash, "epoch": self._epoch, "rank": ctx.rank, "size": ctx.size,
+    def _start_aggregators(self):
+        """This rank's part of the aggregators; returns what the others need to know."""
+        s = self.ctx.settings
+        mine = {"epoch": secrets.randbits(31), "params": [self.block, self.columns, self.mode, self.threshold]}
+        if self.mode == "colocated":
+            # it lives exactly as long as this backend: it never collects its job as idle
+            self._colocated = agg.Aggregator(self._bind, job_idle_s=float("inf")).start(
+                f"omnireduce-aggregator-rank{self.rank}")
+            mine["agg"] = f"{self._host}:{self._colocated.address[1]}"
+        elif not s.omnireduce_aggregators and self.rank == 0:
+            mine["spawned"] = self._spawn_aggregators(s.omnireduce_num_aggregators or self.size)
+        return mine
+
+    def _register(self):
+        """Register with every aggregator, make the C worker, and (rank 0) keep a dedicated job alive."""
+        s = self.ctx.settings
+        request = {"job": self._job_hash, "epoch": self._epoch, "rank": self.rank, "size": self.size,
                    "columns": self.columns, "aggregators": len(self._aggregators), "block": self.block,
                    "loss": s.omnireduce_sim_loss, "dup": s.omnireduce_sim_dup}
-        error = None
-        try:
-            jobs = agg.register(self._sock, self._aggregators, request, self.timeout_s,
-                                retry_s=max(0.05, 10 * self.retransmit_ms / 1000))
-            seed = secrets.randbits(63) | 1
-            self._worker = lib.omr_worker_new(self._sock.fileno(), ctx.rank, ctx.size, self.columns,
-                                              len(self._aggregators), self.block, int(self.retransmit_ms * 1000),
-                                              s.omnireduce_sim_loss, s.omnireduce_sim_dup, seed)
-            if self._worker == ffi.NULL:
-                raise BackendUnavailable("omnireduce: cannot create the worker (invalid settings or out of memory)")
-            for index, ((ip, port), (job, key, _)) in enumerate(zip(self._aggregators, jobs)):
-                lib.omr_worker_set_agg(self._worker, index, ip.encode(), port, job, key)
-            idle_s = min(idle for _, _, idle in jobs)
-            if ctx.rank == 0 and idle_s != float("inf"):   # one rank's keepalives hold the job's state
-                self._keepalive = threading.Thread(target=self._keep_alive, args=(idle_s / 4,),
-                                                   name="omnireduce-keepalive", daemon=True)
-                self._keepalive.start()
-        except CommError as exc:
-            error = f"rank {ctx.rank}: {exc}"
-        verdicts = ctx.exchange(f"{self._prefix}/registered", error, setup_s)
-        if any(verdicts):
-            raise BackendUnavailable("; ".join(v for v in verdicts if v))
+        jobs = agg.register(self._sock, self._aggregators, request, self.timeout_s,
+                            retry_s=max(0.05, 10 * self.retransmit_ms / 1000))
+        seed = secrets.randbits(63) | 1
+        self._worker = lib.omr_worker_new(self._sock.fileno(), self.rank, self.size, self.columns,
+                                          len(self._aggregators), self.block, int(self.retransmit_ms * 1000),
+                                          s.omnireduce_sim_loss, s.omnireduce_sim_dup, seed)
+        if self._worker == ffi.NULL:
+            self._worker = None
+            raise BackendUnavailable("omnireduce: cannot create the worker (invalid settings or out of memory)")
+        for index, ((ip, port), (job, key, _)) in enumerate(zip(self._aggregators, jobs)):
+            lib.omr_worker_set_agg(self._worker, index, ip.encode(), port, job, key)
+        idle_s = min(idle for _, _, idle in jobs)
+        if self.rank == 0 and idle_s != float("inf"):   # one rank's keepalives hold the job's state
+            self._keepalive = threading.Thread(target=self._keep_alive, args=(idle_s / 4,),
+                                               name="omnireduce-keepalive", daemon=True)
+            self._keepalive.start()
 
     def _keep_alive(self, every_s):
         """Dedicated aggregators drop a job that is silent for their idle time: while this backend
@@ -270,11 +274,10 @@ class OmniReduceBackend(Backend):
                                                     stdin=subprocess.DEVNULL, text=True))
         addresses, deadline = [], time.monotonic() + max(self.timeout_s, 30.0)   # a start on a busy host is slow
         for proc in self._processes:
-            line = _read_line(proc, deadline)
-            if not line.startswith("READY "):
-                raise BackendUnavailable(f"omnireduce: an embedded commlib-aggregator did not start "
-                                         f"(exit code {proc.poll()}, said {line!r})")
-            addresses.append(line.split()[1])
+            try:
+                addresses += control.wait_ready(proc, deadline - time.monotonic(), "an embedded commlib-aggregator")
+            except RuntimeError as exc:
+                raise BackendUnavailable(f"omnireduce: {exc}") from None
         return addresses
 
     # -- the collective -------------------------------------------------------------------------
@@ -282,8 +285,9 @@ class OmniReduceBackend(Backend):
         """Elementwise sum over ranks; `mask` (uint8 per block) skips the bitmap scan when known."""
         if self._broken is not None:
             raise type(self._broken)(f"omnireduce is unusable after an earlier failure: {self._broken}")
-        if self._closed:
-            raise BackendUnavailable("omnireduce backend is closed")
+        if self._closed or self._worker is None:
+            raise BackendUnavailable(f"omnireduce: tensor {name!r} not reduced: the backend is "
+                                     f"{'closed' if self._closed else 'not started (start() is the collective set-up, called once on every rank)'}")
         x = np.ascontiguousarray(array).reshape(-1)
         if x.dtype not in _DTYPE_CODE:
             raise InvalidTensor(f"tensor {name!r}: omnireduce sums float32 and int32, not {x.dtype}")
@@ -320,7 +324,7 @@ class OmniReduceBackend(Backend):
     # -- errors and stats --------------------------------------------------------------------------
     def _error(self, rc, st, name):
         where = self._agg_desc[st.err_agg] if 0 <= st.err_agg < len(self._agg_desc) else "an aggregator"
-        head = f"omnireduce on rank {self.ctx.rank}, tensor {name!r}"
+        head = f"omnireduce on rank {self.rank}, tensor {name!r}"
         if rc == lib.OMR_ETIMEOUT:
             if st.agg_silent_s > 0:
                 if self.mode == "colocated":
@@ -402,12 +406,15 @@ class OmniReduceBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        if self._worker is None:   # never started (or its start failed): nobody needs our aggregator
+            self._release()
+            return
         # the others may still need replays from our aggregator: wait until every rank is done
         try:
             self.ctx.exchange(f"{self._prefix}/close", None, timeout=1.0 if self._broken else None)
             done = True
         except CommError as exc:
-            log.warning("omnireduce rank %d: closing without the others (%s)", self.ctx.rank, exc)
+            log.warning("omnireduce rank %d: closing without the others (%s)", self.rank, exc)
             done = False
         if done and self.mode == "dedicated" and self._sock is not None:
             agg.deregister(self._sock, self._aggregators, self._job_hash, self._epoch)
@@ -437,14 +444,3 @@ class OmniReduceBackend(Backend):
             self._sock.close()
             self._sock = None
 
-
-def _read_line(proc, deadline):
-    """First stdout line of a child, waiting no later than `deadline`."""
-    import select
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, min(0.5, deadline - time.monotonic())))
-        if ready:
-            return proc.stdout.readline().strip()
-        if proc.poll() is not None:
-            return ""
-    return ""

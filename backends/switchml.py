@@ -61,7 +61,6 @@ define("switch_drop_probability", 0.0, "testing: the embedded switch drops each 
 define("switch_duplicate_probability", 0.0, "testing: the embedded switch duplicates packets with this probability")
 
 F16, F32, I32 = np.dtype("float16"), np.dtype("float32"), np.dtype("int32")
-_ERRORS = {-1: "timeout", -2: "refused", -3: "nack", -4: "socket", -5: "nomem"}
 
 
 @register
@@ -99,68 +98,73 @@ class SwitchMLBackend(Backend):
         self.job = None
         self._sock = None
         self._worker = None
-        self._broken = None
+        self._broken = None      # why the stream is out of step with the switch
         self._scope = ctx.scope("switchml")   # this instance's exchange keys
 
-    # -- set-up: collective, at commlib.init() (or the first allreduce of a backend made by hand) -------
+    # -- set-up: collective, once, on every rank (the core calls it at commlib.init()) ------------------
     def start(self):
-        """The switch (embedded in rank 0 unless configured), every rank's address, the job's registration."""
+        """The switch (embedded in rank 0 unless configured), every rank's address, the job's
+        registration. Each step runs on every rank and every rank raises the first failing rank's
+        error (ctx.agree), so no rank goes on half set up."""
         try:
             self._setup()
-        except Exception as exc:   # the same failure on every rank: do not retry half set up
-            self._broken = f"set-up failed: {exc}"
+        except Exception:
+            self._unregister()   # the job's slots on a shared switch, if it got that far
             self._release()
             raise
 
-    def _exchange_checked(self, key, value, error):
-        """Allgather (value, error); raise the first rank's error on every rank."""
-        got = self.ctx.exchange(f"{self._scope}/{key}", [value, error])
-        errors = [(rank, e) for rank, (_, e) in enumerate(got) if e]
-        if errors:
-            rank, text = errors[0]
-            raise BackendUnavailable(f"switchml set-up failed on rank {rank}: {text}")
-        return [v for v, _ in got]
+    def _step(self, step, fn):
+        """fn() on every rank; every rank raises the first rank's error, else gets every rank's result."""
+        key = f"{self._scope}/{step}"
+        return self.ctx.exchange(key, self.ctx.agree(key, fn))
 
     def _setup(self):
-        ctx, s = self.ctx, self.ctx.settings
         # 1. the switch: configured, or embedded in rank 0
-        error, address = None, s.switch_addr
-        if not address and ctx.rank == 0:
-            try:
-                p = float(s.switch_drop_probability)
-                self.server = sw.SwitchServer("127.0.0.1", 0, slots=max(self.window, 1024), ingress=p, egress=p,
-                                              duplicate=float(s.switch_duplicate_probability),
-                                              offload=bool(s.switch_offload)).start()
-                address = self.server.address
-            except Exception as exc:   # every rank must hear about it
-                error = f"could not start the embedded switch: {exc}"
-        address = self._exchange_checked("switch", address, error)[0]
-        self.address = address
+        self.address = self._step("switch", self._switch_address)[0]
         # 2. every rank's UDP address, as the switch will see it
-        error = mine = None
+        workers = self._step("addrs", self._open_socket)
+        # 3. rank 0 registers the job; everyone learns its job number
+        self.job = self._step("job", lambda: self._register(workers))[0]
+        # 4. every rank's C worker (so that either all ranks stream or none does)
+        self._step("worker", self._make_worker)
+        log.debug("switchml: rank %d in job #%d on switch %s", self.rank, self.job, self.address)
+
+    def _make_worker(self):
+        s = self.ctx.settings
+        worker = sw.lib.sml_worker_new(self._sock.fileno(), self.job, self.rank, self.token, self.size,
+                                       self.window, self.elems, float(s.switch_retransmit_ms),
+                                       float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)))
+        if worker == sw.ffi.NULL:
+            raise MemoryError("switchml: could not allocate the worker state")
+        self._worker = worker
+
+    def _switch_address(self):
+        s = self.ctx.settings
+        if s.switch_addr or self.rank != 0:
+            return s.switch_addr
         try:
-            host, port = parse_address(address, "switch address")
+            p = float(s.switch_drop_probability)
+            self.server = sw.SwitchServer("127.0.0.1", 0, slots=max(self.window, 1024), ingress=p, egress=p,
+                                          duplicate=float(s.switch_duplicate_probability),
+                                          offload=bool(s.switch_offload)).start()
+        except Exception as exc:
+            raise BackendUnavailable(f"could not start the embedded switch: {exc}") from exc
+        return self.server.address
+
+    def _open_socket(self):
+        try:
+            host, port = parse_address(self.address, "switch address")
             self._sock = net.udp_socket(buffer_bytes=4 << 20)
             self._sock.connect((socket.gethostbyname(host), port))
-            mine = list(self._sock.getsockname()[:2])
+            return list(self._sock.getsockname()[:2])
         except (OSError, CommError) as exc:
-            error = f"cannot open a UDP socket towards the switch {address}: {exc}"
-        workers = self._exchange_checked("addrs", mine, error)
-        # 3. rank 0 registers the job; everyone learns its job number
-        error = job = None
-        if ctx.rank == 0:
-            try:
-                job = sw.SwitchClient(address, min(s.timeout_s, 30.0)).register(
-                    self.token, workers, self.window, self.elems)["job"]
-            except CommError as exc:
-                error = str(exc)
-        self.job = self._exchange_checked("job", job, error)[0]
-        self._worker = sw.lib.sml_worker_new(self._sock.fileno(), self.job, ctx.rank, self.token, ctx.size,
-                                             self.window, self.elems, float(s.switch_retransmit_ms),
-                                             float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)))
-        if self._worker == sw.ffi.NULL:
-            raise MemoryError("switchml: could not allocate the worker state")
-        log.debug("switchml: rank %d in job #%d on switch %s", ctx.rank, self.job, address)
+            raise BackendUnavailable(f"cannot open a UDP socket towards the switch {self.address}: {exc}") from exc
+
+    def _register(self, workers):
+        if self.rank != 0:
+            return None
+        return sw.SwitchClient(self.address, min(self.ctx.settings.timeout_s, 30.0)).register(
+            self.token, workers, self.window, self.elems)["job"]
 
     # -- the collective ---------------------------------------------------------------------------------
     def allreduce(self, array, name):
@@ -179,7 +183,8 @@ class SwitchMLBackend(Backend):
             raise PeerFailure(f"switchml: tensor {name!r} not reduced: an earlier error left this job's stream "
                               f"out of step with the switch ({self._broken}); restart the job")
         if self._worker is None:
-            self.start()
+            raise BackendUnavailable(f"switchml: tensor {name!r} not reduced: the backend is not started (start() "
+                                     f"is the collective set-up, called once on every rank) or is closed")
         ffi, lib = sw.ffi, sw.lib
         timeout_ms = int(self.ctx.settings.timeout_s * 1000)
         if dtype == I32:
@@ -206,15 +211,15 @@ class SwitchMLBackend(Backend):
         return out
 
     def _error(self, rc, name):
-        where = f"switchml: tensor {name!r}, rank {self.ctx.rank}, job #{self.job} on switch {self.address}"
-        kind = _ERRORS.get(rc, "unknown")
-        if kind == "nack":
+        where = f"switchml: tensor {name!r}, rank {self.rank}, job #{self.job} on switch {self.address}"
+        lib = sw.lib
+        if rc == lib.SML_E_NACK:
             return PeerFailure(f"{where}: the switch does not know this job (it was restarted, or the job was "
                                f"unregistered): restart the training job so that it registers again")
-        if kind == "refused":
+        if rc == lib.SML_E_REFUSED:
             return PeerFailure(f"{where}: the switch is not running (its port is closed): restart commlib-switch "
                                f"and the job")
-        if kind == "timeout":
+        if rc == lib.SML_E_TIMEOUT:
             hint = ""
             try:   # ask the control plane why: a restarted switch no longer lists the job
                 sw.SwitchClient(self.address, 2.0).counters(self.job, self.token)
@@ -226,8 +231,10 @@ class SwitchMLBackend(Backend):
                 hint = f"its control port does not answer either ({exc})"
             return CommTimeout(f"{where}: no result for {self.ctx.settings.timeout_s}s ({hint}); check every rank "
                                f"is alive and `commlib-switch counters {self.address} --job {self.job}`")
-        code = sw.lib.sml_worker_errno(self._worker)
-        return PeerFailure(f"{where}: socket error {os.strerror(code) if code else kind}")
+        if rc == lib.SML_E_NOMEM:
+            return PeerFailure(f"{where}: out of memory")
+        code = lib.sml_worker_errno(self._worker)
+        return PeerFailure(f"{where}: socket error {os.strerror(code) if code else f'(code {rc})'}")
 
     # -- counters and shutdown -----------------------------------------------------------------------
     def stats(self):
@@ -250,12 +257,16 @@ class SwitchMLBackend(Backend):
                 self.ctx.exchange(f"{self._scope}/close", None, min(self.ctx.settings.timeout_s, 10.0))
             except CommError as exc:
                 log.warning("switchml: closing without every rank (%s)", exc)
-            if self.ctx.rank == 0 and self.server is None:
-                try:
-                    sw.SwitchClient(self.address, 5.0).unregister(self.job, self.token)
-                except CommError as exc:
-                    log.warning("switchml: could not unregister job #%s: %s", self.job, exc)
+            self._unregister()
         self._release()
+
+    def _unregister(self):
+        """Rank 0 ends the job on a switch that outlives it (an embedded one goes with rank 0)."""
+        if self.rank == 0 and self.server is None and self.job is not None:
+            try:
+                sw.SwitchClient(self.address, 5.0).unregister(self.job, self.token)
+            except CommError as exc:
+                log.warning("switchml: could not unregister job #%s: %s", self.job, exc)
 
     def _release(self):
         if self.server is not None:

@@ -5,13 +5,13 @@
     commlib-switch simulate 10.0.0.5:9099 --ingress 0.01 --egress 0.01 [--duplicate 0.01]
     commlib-switch status 10.0.0.5:9099
 
-Workers find it through COMMLIB_SWITCH_ADDR=host:port. `simulate` changes the drop simulator of
+Prints `READY host:port` once it serves (switch/control.py, as commlib-aggregator does). Workers
+find it through COMMLIB_SWITCH_ADDR=host:port. `simulate` changes the drop simulator of
 every job on the switch, so only a switch started with --testing accepts it.
 """
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 
@@ -35,21 +35,20 @@ def _serve(argv):
                         "changes the drop simulator for every job: test switches only)")
     parser.add_argument("--no-offload", action="store_true", help="one datagram per system call (no UDP "
                         "GSO/GRO batching)")
-    parser.add_argument("--port-file", default="", help="write the bound host:port to this file once serving")
+    parser.add_argument("--port-file", default="", help="also write the bound host:port to this file once serving "
+                        "(the READY line on stdout says the same)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s commlib-switch %(message)s")
+    from commlib.switch import control
     from commlib.switch.switchml import SwitchServer
     server = SwitchServer(args.host, args.port, args.slots, args.slot_group, args.drop_ingress,
                           args.drop_egress, args.duplicate, args.seed, offload=not args.no_offload,
                           testing=args.testing).start()
     signal.signal(signal.SIGTERM, lambda *_: server._stopping.set())
-    print(f"commlib-switch: serving on {server.address} (UDP data, TCP control), {args.slots} slots", flush=True)
-    if args.port_file:
-        with open(args.port_file + ".tmp", "w") as f:
-            f.write(server.address)
-        os.replace(args.port_file + ".tmp", args.port_file)
+    logging.info("serving on %s (UDP data, TCP control), %d slots", server.address, args.slots)
+    control.announce_ready([server.address], args.port_file)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -2,34 +2,32 @@
 and the registration handshake that admits workers to a job.
 
 One `Aggregator` serves any number of jobs and tensors without restarting: a job is the pair
-(job token hash, epoch) a worker presents in its REGISTER packet; the reply gives the worker the
+(job token hash, epoch) a worker presents in its "register" request (switch/control.py's format,
+one datagram on the aggregator's UDP port, as the switch takes them over TCP); the answer gives the
 job id and a random key that every data packet must carry (the token check), and records the
 worker's address under its rank (so several workers on one host work). Jobs leave when a rank
 deregisters after the job's closing barrier, or after `job_idle_s` without a packet: workers of a
-live job that has nothing to reduce for a while (evaluation, checkpointing) send KEEPALIVEs, so
-only a job whose workers died is collected.
+live job that has nothing to reduce for a while (evaluation, checkpointing) send "keepalive", so
+only a job whose workers died is collected. Only "register" is answered (the others are best
+effort and must not reach a worker's data path).
 
 Used three ways: `commlib-aggregator` processes (dedicated mode, switch/aggregator_main.py),
 a thread inside every worker (colocated mode), or a role of another daemon (`serve()`).
 """
 import hashlib
-import json
 import logging
 import secrets
 import socket
-import struct
 import threading
 import time
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError
-from commlib.switch import net
-from commlib.switch._omnireduce import ffi, lib
+from commlib.switch import control, net
+from commlib._native import ffi, lib
 from commlib.net import parse_address
 
 log = logging.getLogger("commlib.omnireduce")
 
-HEADER = struct.Struct("<BBHIIIIIIIII")   # omr_hdr: type flags rank job key seq col round block next ack csum
-assert HEADER.size == lib.OMR_HDR_BYTES
 SOCKET_BUFFER = 4 << 20                  # bytes: a window of blocks
 _PARAMS = ("size", "columns", "aggregators", "index", "block")
 
@@ -37,27 +35,6 @@ _PARAMS = ("size", "columns", "aggregators", "index", "block")
 def token_hash(token):
     """What workers present instead of the job token itself (the token stays on the hosts)."""
     return hashlib.sha256(f"commlib-omnireduce:{token}".encode()).hexdigest()[:32]
-
-
-def pack(kind, body=None, rank=0, job=0, key=0):
-    """A control packet: header + JSON body, checksummed like data packets."""
-    payload = json.dumps(body or {}, separators=(",", ":")).encode()
-    raw = HEADER.pack(kind, 0, rank, job, key, 0, 0, 0, 0, 0, 0, 0) + payload
-    return raw[:36] + struct.pack("<I", lib.omr_checksum(raw, len(raw))) + raw[40:]
-
-
-def unpack(data):
-    """(header fields, JSON body) of a control packet, or None if it is not one."""
-    if len(data) < HEADER.size:
-        return None
-    fields = HEADER.unpack_from(data)
-    raw = data[:36] + b"\0\0\0\0" + data[40:]
-    if lib.omr_checksum(raw, len(raw)) != fields[-1]:
-        return None
-    try:
-        return fields, json.loads(data[HEADER.size:] or b"{}")
-    except ValueError:
-        return None
 
 
 def make_socket(host, port=0):
@@ -158,21 +135,17 @@ class Aggregator:
             n = lib.omr_agg_pop_ctrl(self._agg, self._ctrl, 4096, self._ip, self._port)
             if n < 0:
                 return
-            packet = unpack(bytes(ffi.buffer(self._ctrl, n)))
-            if packet is None:
-                continue
-            (kind, *_), body = packet
+            request = control.decode(bytes(ffi.buffer(self._ctrl, n)))
             source = (ffi.string(self._ip).decode(), self._port[0])
-            if kind == lib.OMR_REGISTER:
-                reply = self._register(body, source)
-                self.sock.sendto(pack(lib.OMR_REGISTERED, reply, job=reply.get("job", 0), key=reply.get("key", 0)),
-                                 source)
-            elif kind == lib.OMR_KEEPALIVE:
-                job = self._jobs.get((body.get("job"), body.get("epoch")))
+            op = request.get("op") if request else None
+            if op == "register":
+                self.sock.sendto(control.encode(control.answer(lambda r: self._register(r, source), request)), source)
+            elif op == "keepalive":
+                job = self._jobs.get((request.get("job"), request.get("epoch")))
                 if job is not None:
                     job.alive = time.monotonic()
-            elif kind == lib.OMR_DEREGISTER:
-                job = self._jobs.pop((body.get("job"), body.get("epoch")), None)
+            elif op == "unregister":
+                job = self._jobs.pop((request.get("job"), request.get("epoch")), None)
                 if job is not None:
                     lib.omr_agg_remove_job(self._agg, job.id)
                     log.info("omnireduce aggregator %s: job %s closed", self.address_str, job.id)
@@ -183,26 +156,26 @@ class Aggregator:
             rank, key = int(body["rank"]), (str(body["job"]), int(body["epoch"]))
             loss, dup = float(body.get("loss", 0.0)), float(body.get("dup", 0.0))
         except (KeyError, TypeError, ValueError):
-            return {"error": f"malformed registration {body!r}"}
+            raise ConfigError(f"malformed registration {body!r}") from None
         if not 0 <= rank < params["size"]:
-            return {"error": f"rank {rank} is outside the job's size {params['size']}"}
+            raise ConfigError(f"rank {rank} is outside the job's size {params['size']}")
         job = self._jobs.get(key)
         if job is None:
             secret = secrets.randbits(32)
             job_id = lib.omr_agg_add_job(self._agg, secret, params["size"], params["columns"], params["aggregators"],
                                          params["index"], params["block"], loss, dup)
             if job_id < 0:
-                return {"error": f"aggregator {self.address_str} cannot take the job (it serves {len(self._jobs)} "
-                                 f"jobs, at most {lib.OMR_MAX_JOBS}; or invalid parameters {params})"}
+                raise ConfigError(f"aggregator {self.address_str} cannot take the job (it serves {len(self._jobs)} "
+                                  f"jobs, at most {lib.OMR_MAX_JOBS}; or invalid parameters {params})")
             job = self._jobs[key] = _Job(job_id, secret, params)
             log.info("omnireduce aggregator %s: job %d registered %s", self.address_str, job_id, params)
         elif job.params != params:
-            return {"error": f"rank {rank} registered with {params}, but the job's other ranks with {job.params}: "
-                             f"every rank must use the same omnireduce settings"}
+            raise ConfigError(f"rank {rank} registered with {params}, but the job's other ranks with {job.params}: "
+                              f"every rank must use the same omnireduce settings")
         lib.omr_agg_set_worker(self._agg, job.id, rank, source[0].encode(), source[1])
         job.ranks.add(rank)
         job.alive = time.monotonic()
-        return {"ok": True, "job": job.id, "key": job.key, "idle_s": self.job_idle_s}
+        return {"job": job.id, "key": job.key, "idle_s": self.job_idle_s}
 
     def _collect_idle(self):
         for key, job in list(self._jobs.items()):
@@ -218,7 +191,7 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2):
     """Register this worker (its socket) with every aggregator [(ip, port), ...]:
     [(job, key, idle_s), ...], idle_s being how long that aggregator keeps a silent job.
 
-    REGISTER is retried until each aggregator answers; an aggregator that never answers is a
+    "register" is retried until each aggregator answers; an aggregator that never answers is a
     CommTimeout that names it, a refusal a ConfigError with the aggregator's reason."""
     pending = {address: index for index, address in enumerate(aggregators)}
     answers = [None] * len(aggregators)
@@ -228,7 +201,7 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2):
         while pending:
             for address, index in pending.items():
                 try:
-                    sock.sendto(pack(lib.OMR_REGISTER, dict(request, index=index), rank=request["rank"]), address)
+                    sock.sendto(control.encode(dict(request, op="register", index=index)), address)
                 except OSError:
                     pass    # ECONNREFUSED from an earlier attempt: nobody listens there (yet)
             resend_at = min(time.monotonic() + retry_s, deadline)
@@ -239,14 +212,12 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2):
                 except (socket.timeout, BlockingIOError, InterruptedError):
                     continue
                 except ConnectionRefusedError:
-                    continue        # ICMP for a REGISTER sent to a port nobody listens on: keep trying
-                packet = unpack(data)
-                if packet is None or packet[0][0] != lib.OMR_REGISTERED or source not in pending:
+                    continue        # ICMP for a request sent to a port nobody listens on: keep trying
+                reply = control.decode(data) if data[:1] == control.MARK else None
+                if reply is None or source not in pending:
                     continue
-                body = packet[1]
-                if "error" in body:
-                    raise ConfigError(f"omnireduce aggregator {source[0]}:{source[1]} refused rank "
-                                      f"{request['rank']}: {body['error']}")
+                body = control.result(reply, f"omnireduce aggregator {source[0]}:{source[1]} refused rank "
+                                             f"{request['rank']}")
                 answers[pending.pop(source)] = (int(body["job"]), int(body["key"]),
                                                 float(body.get("idle_s", float("inf"))))
             if pending and time.monotonic() >= deadline:
@@ -261,17 +232,17 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2):
 
 def deregister(sock, aggregators, job_hash, epoch):
     """Best effort: tell the aggregators the job is over (they also drop idle jobs)."""
-    _tell(lib.OMR_DEREGISTER, sock, aggregators, job_hash, epoch)
+    _tell("unregister", sock, aggregators, job_hash, epoch)
 
 
 def keepalive(sock, aggregators, job_hash, epoch):
     """Best effort: the job is alive though it sends no data (its aggregators keep its state)."""
-    _tell(lib.OMR_KEEPALIVE, sock, aggregators, job_hash, epoch)
+    _tell("keepalive", sock, aggregators, job_hash, epoch)
 
 
-def _tell(kind, sock, aggregators, job_hash, epoch):
+def _tell(op, sock, aggregators, job_hash, epoch):
     for address in aggregators:
         try:
-            sock.sendto(pack(kind, {"job": job_hash, "epoch": epoch}), address)
+            sock.sendto(control.encode({"op": op, "job": job_hash, "epoch": epoch}), address)
         except OSError:
             pass

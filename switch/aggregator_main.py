@@ -3,7 +3,7 @@
     commlib-aggregator --host 0.0.0.0 --port 9200 --count 2     # two aggregators: 9200, 9201
     COMMLIB_OMNIREDUCE_MODE=dedicated COMMLIB_OMNIREDUCE_AGGREGATORS=host:9200,host:9201 <launcher> train.py
 
-Prints `READY host:port[,host:port...]` once it serves, then runs until SIGINT/SIGTERM. Any number
+Prints `READY host:port[,host:port...]` once it serves (switch/control.py, as commlib-switch does), then runs until SIGINT/SIGTERM. Any number
 of jobs and tensors share it without restarts; columns are interleaved across the listed
 aggregators in the order of COMMLIB_OMNIREDUCE_AGGREGATORS.
 """
@@ -24,12 +24,15 @@ def main(argv=None):
     parser.add_argument("--job-idle-s", type=float, default=600.0, help="drop a job after this long without packets")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when the parent process goes away "
                         "(embedded aggregators)")
+    parser.add_argument("--port-file", default="", help="also write the addresses to this file once serving "
+                        "(the READY line on stdout says the same)")
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s commlib-aggregator %(message)s")
 
     from commlib.errors import CommError
+    from commlib.switch import control
     from commlib.switch.aggregator import Aggregator
 
     stop = threading.Event()
@@ -45,7 +48,7 @@ def main(argv=None):
     threads = [threading.Thread(target=a.serve, args=(stop,), daemon=True) for a in aggregators]
     for t in threads:
         t.start()
-    print("READY " + ",".join(a.address_str for a in aggregators), flush=True)
+    control.announce_ready([a.address_str for a in aggregators], args.port_file)
     parent = os.getppid()
     while not stop.wait(0.5):
         if args.exit_with_parent and os.getppid() != parent:

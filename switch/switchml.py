@@ -2,7 +2,8 @@
 
 One `SwitchServer` listens on host:port twice: UDP for the data plane (SwitchML packets, see
 `HEADER` and switch/csrc/switchml.h) and TCP on the same port number for the control plane, the
-job of SwitchML's controller: newline-delimited JSON requests, one JSON line per answer.
+job of SwitchML's controller, in the control format of both daemons (switch/control.py: one JSON
+object per line, answered by {"ok": true, ...} or {"ok": false, "error": ...}):
 
     {"op": "register", "token": T, "workers": [[ip, port], ...], "slots": W, "elems": 256}
         -> {"ok": true, "job": n, "epoch": "..."}   (job number 0..255; pool of W slots x 2 sets)
@@ -18,7 +19,6 @@ The drop simulator acts on every job at once, so `simulate` answers only on a sw
 for testing (`commlib-switch --testing`, `SwitchServer(testing=True)`); elsewhere it is refused.
 """
 import hashlib
-import json
 import logging
 import os
 import random
@@ -27,13 +27,13 @@ import struct
 import threading
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFailure
-from commlib.switch import net
+from commlib.switch import control, net
 from commlib.net import parse_address
 
 log = logging.getLogger("commlib.switch")
 
 try:
-    from commlib.switch._switchml import ffi, lib
+    from commlib._native import ffi, lib
     IMPORT_ERROR = None
 except ImportError as exc:   # not built: say how to build it where it is used
     ffi = lib = None
@@ -41,9 +41,9 @@ except ImportError as exc:   # not built: say how to build it where it is used
                     f"`python setup.py build_ext --inplace` (or `make install`)")
 
 # Header: type, flags, job, rank, packet id, pool index (bit 15 = set), exponent, code, token,
-# reserved, checksum; then 0/64/256 big-endian int32 and, with SML_F_NONFINITE, one flag byte per
-# value. The constants and counters are switch/csrc/switchml.h's, read through cffi.
-HEADER = struct.Struct("!BBBBIHbBIHH")
+# checksum; then 0/64/256 big-endian int32 and, with SML_F_NONFINITE, one flag byte per value.
+# The constants and counters are switch/csrc/switchml.h's, read through cffi.
+HEADER = struct.Struct("!BBBBIHbBII")
 HDR_LEN = HEADER.size
 
 
@@ -52,25 +52,22 @@ def _fields(struct_name):
 
 
 if lib is not None:
-    assert HDR_LEN == lib.SML_HDR_LEN
+    assert HDR_LEN == lib.SML_HDR_LEN and HEADER.size - 4 == lib.SML_CSUM_OFF
     MAX_WORKERS, MAX_JOBS, MAX_SLOTS = lib.SML_MAX_WORKERS, lib.SML_MAX_JOBS, lib.SML_MAX_SLOTS
     COUNTERS, GLOBAL_COUNTERS = _fields("sml_counters"), _fields("sml_global")
     WORKER_COUNTERS = _fields("sml_worker_counters")
 
 
 def checksum(header):
-    """RFC 1071 ones-complement sum of the 20 header bytes, the checksum field (18-19) as zero."""
-    words = struct.unpack("!10H", bytes(header[:18]) + b"\0\0")
-    total = sum(words)
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    return ~total & 0xFFFF
+    """The header's checksum (transport.h's tp_checksum over the 20 header bytes, its own field zero)."""
+    off = lib.SML_CSUM_OFF
+    return lib.tp_checksum(bytes(header[:off]) + bytes(HDR_LEN - off), HDR_LEN)
 
 
 def pack_header(type, flags, job, rank, packet_id, pool, exponent, token, code=0):
     """A sealed header (pool = slot | set << 15)."""
-    raw = HEADER.pack(type, flags, job, rank, packet_id, pool, exponent, code, token, 0, 0)
-    return raw[:18] + struct.pack("!H", checksum(raw))
+    raw = HEADER.pack(type, flags, job, rank, packet_id, pool, exponent, code, token, 0)
+    return raw[:lib.SML_CSUM_OFF] + struct.pack("!I", checksum(raw))
 
 
 def token32(job_token):
@@ -199,16 +196,7 @@ class SwitchServer:
     def _serve_client(self, conn):
         with conn, conn.makefile("rwb") as stream:
             for line in stream:
-                try:
-                    request = json.loads(line)
-                    if not isinstance(request, dict):
-                        raise ValueError('a request is one JSON object per line, e.g. {"op": "status"}')
-                    reply = {"ok": True, **self.handle(request)}
-                except OverflowError as exc:   # cffi: a number beyond its C type that no check caught
-                    reply = {"ok": False, "error": f"a number in the request is out of range ({exc})"}
-                except (ValueError, KeyError, TypeError, ConfigError) as exc:
-                    reply = {"ok": False, "error": str(exc)}
-                stream.write(json.dumps(reply).encode() + b"\n")
+                stream.write(control.encode(control.answer(self.handle, control.decode(line))))
                 stream.flush()
 
     # -- control operations ------------------------------------------------------------------------
@@ -260,11 +248,13 @@ class SwitchServer:
                 raise ConfigError(f"the switch already serves {MAX_JOBS} jobs; end one first")
             number = free[0]
             rc = lib.sml_switch_add_job(self._sw, number, token, len(workers), slots, elems)
-            if rc == -3:
+            if rc == lib.SML_ADD_NO_SLOTS:
                 raise ConfigError(f"the switch has {lib.sml_switch_free_slots(self._sw)} free slots, the job asks "
                                   f"for {slots}: lower COMMLIB_SWITCH_WINDOW or start the switch with more --slots")
             if rc != 0:
-                raise ConfigError(f"the switch could not add the job (code {rc})")
+                why = {lib.SML_ADD_IN_USE: "its job number is in use", lib.SML_ADD_ARG: "invalid parameters",
+                       lib.SML_ADD_NOMEM: "out of memory"}.get(rc, f"code {rc}")
+                raise ConfigError(f"the switch could not add the job: {why}")
             for rank, (ip, port) in enumerate(addrs):
                 lib.sml_switch_set_addr(self._sw, number, rank, ip, port)
             self._jobs[number] = _Job(number, token, [list(w) for w in workers], slots, elems)
@@ -339,7 +329,7 @@ class SwitchClient:
     def request(self, op, **fields):
         try:
             with socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
-                sock.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
+                sock.sendall(control.encode({"op": op, **fields}))
                 with sock.makefile("rb") as stream:
                     line = stream.readline()
         except socket.timeout:
@@ -350,10 +340,7 @@ class SwitchClient:
                               f"`commlib-switch --host {self.host} --port {self.port}` or fix COMMLIB_SWITCH_ADDR")
         if not line:
             raise PeerFailure(f"the switch at {self.address} closed the connection during {op!r}")
-        reply = json.loads(line)
-        if not reply.pop("ok", False):
-            raise ConfigError(f"switch {self.address}: {op}: {reply.get('error')}")
-        return reply
+        return control.result(control.decode(line), f"switch {self.address}: {op}")
 
     def register(self, token, workers, slots, elems):
         return self.request("register", token=token, workers=workers, slots=slots, elems=elems)

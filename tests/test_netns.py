@@ -2,13 +2,16 @@
 aggregators, links shaped by tc (benchmarks/netem.py). Correctness over real interfaces, each
 worker its own host (no loopback shortcuts, no embedded switch); speed is bench_network.py's job."""
 import json
-import select
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from commlib.switch import control
+from commlib.testing import results
+from test_core_multiprocess import check_closed_form
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -21,11 +24,8 @@ pytestmark = [pytest.mark.netns, pytest.mark.multiprocess, pytest.mark.timeout(2
 
 
 def _ready_line(proc, seconds=30):
-    """commlib-aggregator's `READY host:port,...` line, or a failure that says why."""
-    ready, _, _ = select.select([proc.stdout], [], [], seconds)
-    line = proc.stdout.readline().strip() if ready else ""
-    assert line.startswith("READY "), f"daemon did not start (exit {proc.poll()}): {line!r}"
-    return line.split()[1]
+    """commlib-aggregator's `READY host:port,...` line (switch/control.py's handshake), or a failure that says why."""
+    return ",".join(control.wait_ready(proc, seconds, "commlib-aggregator"))
 
 
 def _run(cluster, hosts, script, *args, env=None):
@@ -38,7 +38,7 @@ def _run(cluster, hosts, script, *args, env=None):
 def test_ring_across_hosts():
     with netem.Cluster(["w0", "w1", "w2"], rate="1gbit") as cluster:
         outs = _run(cluster, ["w0", "w1", "w2"], "basic.py")
-    assert all(f"OK {r}" in out for r, out in enumerate(outs)), outs
+    check_closed_form(results("\n".join(outs), 3))   # basic.py reports JSON (commlib.testing.report)
 
 
 def test_switchml_through_a_switch_on_its_own_host():

@@ -9,7 +9,6 @@ by the aggregator in arrival order, so per element
 plus the final rounding). Integer-valued floats are exact in any order: the loss tests use them so
 that lossy and lossless runs must agree to the bit.
 """
-import os
 import signal
 import subprocess
 import sys
@@ -19,13 +18,14 @@ import numpy as np
 import pytest
 
 from commlib.testing import LocalGroup
-from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, InvalidTensor, PeerFailure
+from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, PeerFailure
 from commlib.settings import Settings
 
 import commlib.backends.omnireduce as om   # noqa: E402
 
 if om.lib is None:   # not built: a failure of the suite, never a quiet skip
     raise ImportError(om.IMPORT_ERROR)
+from commlib.switch import control                               # noqa: E402
 from commlib.switch.aggregator import Aggregator                   # noqa: E402
 from commlib.switch.omnireduce_model import paper_model, wire_model   # noqa: E402
 
@@ -49,6 +49,13 @@ def errors_of(fn):
     return rank_main
 
 
+def started(ctx):
+    """A backend as the core makes it on each rank: built (local work), then start() (collective)."""
+    backend = om.OmniReduceBackend(ctx)
+    backend.start()
+    return backend
+
+
 def run(n, work, join_timeout=45.0, token="local-test-token", **kw):
     """On each of n rank threads: start a backend (set-up is collective), run work(rank, backend),
     close it. Returns the per-rank results and the backends; raises the first error (a CommTimeout
@@ -57,7 +64,7 @@ def run(n, work, join_timeout=45.0, token="local-test-token", **kw):
     backends = [None] * n
 
     def main(ctx):
-        backend = backends[ctx.rank] = om.OmniReduceBackend(ctx)
+        backend = backends[ctx.rank] = started(ctx)
         try:
             return work(ctx.rank, backend)
         finally:
@@ -316,7 +323,7 @@ def test_registration_rejects_mismatched_settings():
         # rank 1 claims a different block size: the exchange catches it before registration
         ctx1.settings = settings(omnireduce_mode="dedicated", omnireduce_aggregators=agg.address_str,
                                  omnireduce_block_size=64)
-        errors = group.run(errors_of(om.OmniReduceBackend), 20)
+        errors = group.run(errors_of(started), 20)
         assert all(isinstance(e, ConfigError) and "differ across ranks" in str(e) for e in errors), errors
     finally:
         agg.close()
@@ -327,7 +334,7 @@ def test_restarted_aggregator_is_a_clear_error():
     port = agg.address[1]
     group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=agg.address_str,
                                    timeout_s=3.0))
-    backends = group.run(om.OmniReduceBackend, 20)
+    backends = group.run(started, 20)
     agg.close()
     agg = Aggregator("127.0.0.1", port).start()          # same address, no memory of the job
     try:
@@ -348,7 +355,7 @@ def test_rank_that_stops_is_named_within_the_timeout(mode):
     rank 1 within the timeout (its aggregator, if colocated, is still up and says whom it waits for)."""
     n, timeout = 3, 2.0
     group = LocalGroup(n, settings(omnireduce_mode=mode, timeout_s=timeout, omnireduce_num_aggregators=2))
-    backends = group.run(om.OmniReduceBackend, 20)
+    backends = group.run(started, 20)
     elapsed = [None] * n
     x = np.ones(5000, np.float32)
 
@@ -377,11 +384,9 @@ def test_dead_dedicated_aggregator_is_named_within_the_timeout():
     proc = subprocess.Popen([sys.executable, "-m", "commlib.switch.aggregator_main", "--host", "127.0.0.1",
                              "--port", "0", "--quiet"], stdout=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline().split()
-        assert line[0] == "READY", line
-        address = line[1]
+        address, = control.wait_ready(proc, 30, "commlib-aggregator")
         group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=address, timeout_s=2.0))
-        backends = group.run(om.OmniReduceBackend, 20)
+        backends = group.run(started, 20)
         x = np.ones(3000, np.float32)
         assert group.run(errors_of(lambda ctx: backends[ctx.rank].allreduce(x, "before")), 20) == [None, None]
         proc.send_signal(signal.SIGKILL)
@@ -403,9 +408,10 @@ def test_unreachable_aggregator_fails_registration_on_every_rank():
     address = free.address_str
     free.close()                                            # nobody listens there now
     group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=address, timeout_s=1.0))
-    errors = group.run(errors_of(om.OmniReduceBackend), 20)
+    errors = group.run(errors_of(started), 20)
     for e in errors:
-        assert isinstance(e, BackendUnavailable) and address in str(e) and "did not answer" in str(e), e
+        assert isinstance(e, CommError) and "failed on rank 0" in str(e) and address in str(e) and \
+            "did not answer" in str(e), e
 
 
 # -- inputs, helpers, settings ----------------------------------------------------------------------
@@ -497,6 +503,17 @@ def test_invalid_settings(overrides, match):
     group = LocalGroup(1, settings(**overrides))
     with pytest.raises(ConfigError, match=match):
         om.OmniReduceBackend(group.contexts[0])
+
+
+def test_construction_is_local_and_allreduce_needs_start():
+    """__init__ exchanges nothing with the other ranks (a lone rank of a 2-rank job builds it at
+    once); allreduce never starts the backend by itself."""
+    backend = om.OmniReduceBackend(LocalGroup(2, settings(timeout_s=0.5)).contexts[0])
+    try:
+        with pytest.raises(BackendUnavailable, match="not started"):
+            backend.allreduce(np.ones(10, np.float32), "x")
+    finally:
+        backend._release()
 
 
 def test_available():

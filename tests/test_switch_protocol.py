@@ -21,7 +21,7 @@ E = 64   # values per packet in these tests (size code 1)
 
 
 def header(type, flags, job, rank, pkt, pool, exp, token=TOKEN, code=0):
-    """The 20-byte header, written out field by field (big-endian) with its RFC 1071 checksum."""
+    """The 20-byte header, written out field by field (big-endian) with its checksum."""
     raw = bytearray(20)
     raw[0], raw[1], raw[2], raw[3] = type, flags, job, rank
     raw[4:8] = pkt.to_bytes(4, "big")
@@ -29,12 +29,17 @@ def header(type, flags, job, rank, pkt, pool, exp, token=TOKEN, code=0):
     raw[10] = exp & 0xFF
     raw[11] = code
     raw[12:16] = token.to_bytes(4, "big")
-    raw[16:18] = b"\0\0"
-    total = sum(int.from_bytes(raw[i:i + 2], "big") for i in range(0, 18, 2))
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    raw[18:20] = (~total & 0xFFFF).to_bytes(2, "big")
+    raw[16:20] = transport_checksum(bytes(raw[:16]) + b"\0\0\0\0").to_bytes(4, "big")
     return bytes(raw)
+
+
+def transport_checksum(data):
+    """switch/csrc/transport.h's checksum, written out independently: over the little-endian 32-bit
+    words w_1..w_k, s1 = sum w_i, s2 = sum i * w_i (mod 2^32); s1 ^ rotate16(s2) ^ length."""
+    words = struct.unpack(f"<{len(data) // 4}I", data)
+    s1 = sum(words) & 0xFFFFFFFF
+    s2 = sum(i * w for i, w in enumerate(words, 1)) & 0xFFFFFFFF
+    return s1 ^ ((s2 << 16 | s2 >> 16) & 0xFFFFFFFF) ^ len(data)
 
 
 def data(job, rank, pkt, slot, set, values=None, exp=0, token=TOKEN, nf=None):
@@ -47,8 +52,8 @@ def data(job, rank, pkt, slot, set, values=None, exp=0, token=TOKEN, nf=None):
 
 
 def parse(packet):
-    fields = struct.unpack("!BBBBIHbBIHH", packet[:20])
-    names = ("type", "flags", "job", "rank", "pkt", "pool", "exp", "code", "token", "reserved", "checksum")
+    fields = struct.unpack("!BBBBIHbBII", packet[:20])
+    names = ("type", "flags", "job", "rank", "pkt", "pool", "exp", "code", "token", "checksum")
     out = dict(zip(names, fields))
     n = {0: 0, 1: 64, 2: 256}[out["flags"] & 3]
     out["values"] = list(struct.unpack(f"!{n}i", packet[20:20 + 4 * n]))
@@ -126,8 +131,8 @@ def test_header_layout_and_result(job2):
     for rank in (0, 1):                                                    # completion goes to everyone
         r = job2.recv(rank)
         assert r["checksum_ok"]
-        assert (r["type"], r["flags"], r["job"], r["pkt"], r["pool"], r["code"], r["token"], r["reserved"]) == \
-            (2, 1, j, 7, 3 | 1 << 15, 0, TOKEN, 0)
+        assert (r["type"], r["flags"], r["job"], r["pkt"], r["pool"], r["code"], r["token"]) == \
+            (2, 1, j, 7, 3 | 1 << 15, 0, TOKEN)
         assert r["rank"] == 1                                              # the packet that completed it
         assert r["exp"] == 5                                               # max exponent echoed
         assert r["values"] == [a + b for a, b in zip(vals(1), vals(2))]
@@ -250,7 +255,7 @@ def test_malformed_packets_dropped(switch, job2):
     good = data(j, 0, 1, 0, 0, vals(1))
     job2.send(0, good[:19])                                   # shorter than a header
     job2.send(0, good[:-4])                                   # payload shorter than its size code
-    job2.send(0, good[:18] + b"\0\0" + good[20:])             # checksum wrong
+    job2.send(0, good[:16] + b"\0\0\0\0" + good[20:])         # checksum wrong
     job2.send(0, data(j, 0, 1, 40, 0, vals(1)))               # slot outside the job's pool (8 slots)
     job2.send(0, header(2, 0, j, 0, 1, 0, 0))                 # a RESULT sent to the switch
     job2.silent(0)
@@ -335,3 +340,31 @@ def test_job_pool_limit_is_the_headers():
         client.register(TOKEN, [["127.0.0.1", 9]], sw.MAX_SLOTS, E)
         with pytest.raises(ConfigError, match="slots="):
             client.register(TOKEN, [["127.0.0.1", 9]], sw.MAX_SLOTS + 1, E)
+
+
+def test_one_control_format_for_the_switch_and_the_aggregators(switch):
+    """Both daemons take switch/control.py's messages, the same bytes: the switch line by line over
+    TCP, an aggregator one datagram each on its UDP port; both answer {"ok": ..., ...}."""
+    from commlib.switch import control
+    from commlib.switch.aggregator import Aggregator
+    with socket.create_connection(("127.0.0.1", switch.port), timeout=5) as conn, conn.makefile("rwb") as stream:
+        for request, ok, says in ((control.encode({"op": "status"}), True, "free_slots"),
+                                  (b"[1, 2]\n", False, "one JSON object"),
+                                  (control.encode({"op": "nope"}), False, "unknown op"),
+                                  (control.encode({"op": "register"}), False, "lacks the field")):
+            stream.write(request)
+            stream.flush()
+            reply = control.decode(stream.readline())
+            assert reply["ok"] is ok and says in str(reply), reply
+    agg = Aggregator("127.0.0.1", 0).start()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.settimeout(5)
+    try:
+        sock.sendto(control.encode({"op": "register", "rank": 0}), agg.address)
+        data, _ = sock.recvfrom(65536)
+        assert data[:1] == control.MARK
+        reply = control.decode(data)
+        assert reply["ok"] is False and "malformed registration" in reply["error"], reply
+    finally:
+        sock.close()
+        agg.close()

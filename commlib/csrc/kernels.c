@@ -2,15 +2,6 @@
 
 #include <math.h>
 
-void cl_sum_f32(float *restrict dst, const float *restrict src, size_t n) {
-    for (size_t i = 0; i < n; i++) dst[i] += src[i];
-}
-
-void cl_sum_i32(int32_t *restrict dst, const int32_t *restrict src, size_t n) {
-    /* unsigned arithmetic: wrapping is defined behaviour */
-    for (size_t i = 0; i < n; i++) dst[i] = (int32_t)((uint32_t)dst[i] + (uint32_t)src[i]);
-}
-
 long cl_block_exponents(const float *x, size_t n, size_t block, int8_t *exps) {
     long bad = -1;
     for (size_t b = 0, start = 0; start < n; b++, start += block) {
@@ -54,16 +45,4 @@ void cl_dequantize(const int32_t *q, size_t n, size_t block, const int8_t *exps,
         double inv = 1.0 / scale(exps[b], nworkers);
         for (size_t i = start; i < end; i++) out[i] = (float)((double)q[i] * inv);
     }
-}
-
-size_t cl_nonzero_blocks(const float *x, size_t n, size_t block, float threshold, uint8_t *nonzero) {
-    size_t count = 0;
-    for (size_t b = 0, start = 0; start < n; b++, start += block) {
-        size_t end = start + block < n ? start + block : n;
-        uint8_t nz = 0;
-        for (size_t i = start; i < end && !nz; i++) nz = !(fabsf(x[i]) <= threshold);  /* NaN is non-zero */
-        nonzero[b] = nz;
-        count += nz;
-    }
-    return count;
 }

@@ -1,4 +1,4 @@
-/* commlib worker-side kernels: the whole interface of commlib._kernels.
+/* SwitchML's block quantization (the worker's data path, and the exponents Python computes).
  *
  * Block quantization follows SwitchML: a block of floats with exponent e (max|x| < 2^e) is
  * scaled by f = INT32_MAX / (nworkers * 2^e), so the nworkers-way int32 sum cannot overflow.
@@ -13,11 +13,6 @@
 #define CL_EXP_MIN (-127)    /* exponents of non-zero blocks are clamped to [CL_EXP_MIN, CL_EXP_MAX] */
 #define CL_EXP_MAX 127
 
-/* dst[i] += src[i] */
-void cl_sum_f32(float *dst, const float *src, size_t n);
-/* dst[i] += src[i], wrapping like the switch's int32 adders */
-void cl_sum_i32(int32_t *dst, const int32_t *src, size_t n);
-
 /* Exponent of each block of `block` elements (the last one may be partial).
  * Returns the index of the first block holding Inf/NaN or |x| >= 2^127, or -1 if none. */
 long cl_block_exponents(const float *x, size_t n, size_t block, int8_t *exps);
@@ -26,8 +21,5 @@ long cl_block_exponents(const float *x, size_t n, size_t block, int8_t *exps);
 void cl_quantize(const float *x, size_t n, size_t block, const int8_t *exps, int nworkers, int32_t *q);
 /* out = q / f(e) per block. */
 void cl_dequantize(const int32_t *q, size_t n, size_t block, const int8_t *exps, int nworkers, float *out);
-
-/* Which blocks have any |x| > threshold: writes 0/1 per block, returns the count of non-zero blocks. */
-size_t cl_nonzero_blocks(const float *x, size_t n, size_t block, float threshold, uint8_t *nonzero);
 
 #endif

@@ -1,4 +1,4 @@
-/* OmniReduce over UDP: the whole interface of commlib.switch._omnireduce.
+/* OmniReduce over UDP: its part of the interface of commlib._native (switch/csrc/build_native.py).
  *
  * A tensor is cut into blocks of `block` elements; block b belongs to column b mod C. Each
  * column is an independent lock-step chain of rounds served by aggregator (column mod A) in
@@ -20,7 +20,7 @@
  * packet of tensor t+1 proves that every worker finished tensor t-1.
  *
  * Packets are little-endian (hosts, not network order): a 40-byte omr_hdr, then the block
- * (absent with OMR_F_ZERO). csum covers header (csum = 0) and payload. */
+ * (absent with OMR_F_ZERO). csum (transport.h's tp_checksum) covers header (csum = 0) and payload. */
 #ifndef COMMLIB_OMNIREDUCE_H
 #define COMMLIB_OMNIREDUCE_H
 #include <stddef.h>
@@ -40,18 +40,16 @@
 #define OMR_PULL 4                /* worker -> aggregator: ack, replay what I miss, or say whom you wait for */
 #define OMR_STATUS 5              /* aggregator -> worker: waiting for rank `ack` (`next` ranks in all) */
 #define OMR_ERROR 6               /* aggregator -> worker: packet refused; `next` = OMR_ERR_* */
-/* message types: control (JSON payload, handled in Python) */
-#define OMR_REGISTER 16
-#define OMR_REGISTERED 17
-#define OMR_DEREGISTER 18
-#define OMR_KEEPALIVE 19         /* worker -> aggregator: the job lives on while it sends nothing (no reply) */
+/* control messages (register, keepalive, unregister) share the aggregator's port: a datagram
+ * whose first byte is OMR_CONTROL ('{') is one, in switch/control.py's format, handled in Python */
+#define OMR_CONTROL 0x7B
 
 #define OMR_F_ZERO 1              /* the block is all zero: no payload */
 #define OMR_F_INT32 2             /* payload is int32 (else float32) */
 #define OMR_F_ACKWAIT 4           /* STATUS: waiting for acknowledgements, not for blocks */
 #define OMR_F_RESEND 8            /* DATA sent again by the timer: answer with a replay or a STATUS */
 
-#define OMR_FLOAT32 0
+#define OMR_FLOAT32 0             /* = TP_FLOAT32, TP_INT32 (transport.h) */
 #define OMR_INT32 1
 
 #define OMR_ERR_JOB 1             /* unknown job (aggregator restarted or job closed) */
@@ -91,16 +89,12 @@ typedef struct {
     uint64_t dup_recv, stale_recv, bad_recv, refused, ctrl_recv, rounds, sim_dropped, sim_duplicated;
 } omr_astats;
 
-/* which blocks have any |x| > threshold (NaN counts); returns their number */
-size_t omr_block_mask(const void *x, size_t n, int dtype, size_t block, double threshold, uint8_t *mask);
-uint32_t omr_checksum(const void *buf, size_t len);
-
 /* worker: fd is a bound UDP socket owned by the caller */
 typedef struct omr_worker omr_worker;
 omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs, int block,
                            int retransmit_us, double loss, double dup, uint64_t seed);
 int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint32_t job, uint32_t key);
-/* out must be zeroed; mask from omr_block_mask. One call per tensor, GIL released. */
+/* out must be zeroed; mask from tp_block_mask (transport.h). One call per tensor, GIL released. */
 int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype,
                          const uint8_t *mask, double timeout_s, omr_wstats *st);
 void omr_worker_free(omr_worker *w);

@@ -52,7 +52,7 @@ struct omr_agg {
     uint64_t rng;
     omr_job jobs[OMR_MAX_JOBS];
     omr_sendq sq;
-    omr_recvq rq;
+    tp_rxq rq;
     omr_ctrl ctrl[OMR_CTRL_QUEUE];
     int nctrl, ctrl_head;
     omr_astats st;
@@ -81,7 +81,7 @@ void omr_agg_free(omr_agg *a) {
     for (int i = 0; i < OMR_MAX_JOBS; i++)
         if (a->jobs[i].used) free_job(&a->jobs[i]);
     omr_sendq_free(&a->sq);
-    omr_recvq_free(&a->rq);
+    tp_rxq_free(&a->rq);
     free(a);
 }
 
@@ -121,7 +121,7 @@ int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs
         S->data = j->datas + s * OMR_SETS * j->bbytes;
     }
     j->used = 1;
-    j->last_active = omr_now_us();
+    j->last_active = tp_now_us();
     return id;
 }
 
@@ -130,7 +130,7 @@ int omr_agg_set_worker(omr_agg *a, int job, int rank, const char *ip, int port) 
     omr_job *j = &a->jobs[job];
     if (omr_parse_addr(ip, port, &j->addr[rank])) return -1;
     j->has_addr[rank] = 1;
-    j->last_active = omr_now_us();
+    j->last_active = tp_now_us();
     return 0;
 }
 
@@ -140,13 +140,13 @@ void omr_agg_remove_job(omr_agg *a, int job) {
 
 double omr_agg_job_idle_s(omr_agg *a, int job) {
     if (job < 0 || job >= OMR_MAX_JOBS || !a->jobs[job].used) return -1.0;
-    return (double)(omr_now_us() - a->jobs[job].last_active) / 1e6;
+    return (double)(tp_now_us() - a->jobs[job].last_active) / 1e6;
 }
 
 void omr_agg_stats(omr_agg *a, omr_astats *st) {
     *st = a->st;
-    st->pkts_sent = a->sq.pkts;
-    st->bytes_sent = a->sq.bytes;
+    st->pkts_sent = a->sq.q.pkts_sent;
+    st->bytes_sent = a->sq.q.bytes_sent;
     st->sim_dropped = a->sq.sim_dropped;
     st->sim_duplicated = a->sq.sim_duplicated;
 }
@@ -306,27 +306,27 @@ static void handle(omr_agg *a, int i, uint64_t now) {
     size_t plen;
     a->st.pkts_recv++;
     a->st.bytes_recv += a->rq.seg_len[i];
+    if (a->rq.seg_len[i] > 0 && a->rq.seg[i][0] == OMR_CONTROL) {   /* control: Python answers it */
+        a->st.ctrl_recv++;
+        if (a->nctrl == OMR_CTRL_QUEUE || a->rq.seg_len[i] > OMR_CTRL_MAX) return;   /* the sender retries */
+        omr_ctrl *c = &a->ctrl[(a->ctrl_head + a->nctrl) % OMR_CTRL_QUEUE];
+        c->len = (int)a->rq.seg_len[i];
+        memcpy(c->buf, a->rq.seg[i], (size_t)c->len);
+        inet_ntop(AF_INET, &tp_rxq_from(&a->rq, i)->sin_addr, c->ip, sizeof c->ip);
+        c->port = ntohs(tp_rxq_from(&a->rq, i)->sin_port);
+        a->nctrl++;
+        return;
+    }
     const omr_hdr *h = omr_recvq_get(&a->rq, i, &hb, &payload, &plen);
     if (!h) {
         a->st.bad_recv++;
-        return;
-    }
-    if (h->type >= OMR_REGISTER) {        /* control: Python answers it */
-        a->st.ctrl_recv++;
-        if (a->nctrl == OMR_CTRL_QUEUE || plen + sizeof *h > OMR_CTRL_MAX) return;   /* the sender retries */
-        omr_ctrl *c = &a->ctrl[(a->ctrl_head + a->nctrl) % OMR_CTRL_QUEUE];
-        c->len = (int)(plen + sizeof *h);
-        memcpy(c->buf, a->rq.seg[i], (size_t)c->len);
-        inet_ntop(AF_INET, &omr_recvq_from(&a->rq, i)->sin_addr, c->ip, sizeof c->ip);
-        c->port = ntohs(omr_recvq_from(&a->rq, i)->sin_port);
-        a->nctrl++;
         return;
     }
     if (h->type != OMR_DATA && h->type != OMR_ACK && h->type != OMR_PULL) {
         a->st.bad_recv++;
         return;
     }
-    const struct sockaddr_in *from = omr_recvq_from(&a->rq, i);
+    const struct sockaddr_in *from = tp_rxq_from(&a->rq, i);
     if (h->job >= OMR_MAX_JOBS || !a->jobs[h->job].used) return refuse(a, from, h, OMR_ERR_JOB);
     int job_id = (int)h->job;
     omr_job *j = &a->jobs[job_id];
@@ -400,15 +400,15 @@ static void handle(omr_agg *a, int i, uint64_t now) {
 }
 
 int omr_agg_run(omr_agg *a, int timeout_ms) {
-    uint64_t deadline = omr_now_us() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000u;
+    uint64_t deadline = tp_now_us() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000u;
     for (;;) {
         omr_sendq_flush(&a->sq);
         if (a->nctrl > 0) return a->nctrl;
-        uint64_t now = omr_now_us();
+        uint64_t now = tp_now_us();
         if (now >= deadline) return 0;
         int k = omr_recvq_recv(&a->rq, (int)((deadline - now + 999) / 1000));
         if (k < 0) return k;
-        now = omr_now_us();
+        now = tp_now_us();
         for (int i = 0; i < k; i++) handle(a, i, now);
     }
 }

@@ -13,12 +13,12 @@ struct omr_worker {
     int fd, rank, nworkers, ncols, naggs, block, retransmit_us;
     double loss, dup;
     uint64_t rng;
-    double srtt, rttvar;                  /* round-trip estimate over data packets (us), kept across tensors */
+    tp_rtt rtt;                           /* round-trip estimate over data packets (us), kept across tensors */
     struct sockaddr_in *agg_addr;
     uint32_t *job, *key;
     uint8_t *agg_set;
     omr_sendq sq;
-    omr_recvq rq;
+    tp_rxq rq;
 };
 
 typedef struct {
@@ -39,6 +39,9 @@ omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs,
     w->fd = fd; w->rank = rank; w->nworkers = nworkers; w->ncols = ncols; w->naggs = naggs;
     w->block = block; w->retransmit_us = retransmit_us; w->loss = loss; w->dup = dup;
     w->rng = seed ? seed : 0x9E3779B97F4A7C15ULL;
+    /* the timer: srtt + 4 rttvar, at least the configured one, so that a worker slowed down by its
+     * host does not flood the aggregators with resends */
+    tp_rtt_init(&w->rtt, (uint64_t)retransmit_us, OMR_RTO_MAX);
     w->agg_addr = calloc((size_t)naggs, sizeof *w->agg_addr);
     w->job = calloc((size_t)naggs, sizeof *w->job);
     w->key = calloc((size_t)naggs, sizeof *w->key);
@@ -64,7 +67,7 @@ int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint3
 void omr_worker_free(omr_worker *w) {
     if (!w) return;
     omr_sendq_free(&w->sq);
-    omr_recvq_free(&w->rq);
+    tp_rxq_free(&w->rq);
     free(w->agg_addr); free(w->job); free(w->key); free(w->agg_set);
     free(w);
 }
@@ -106,26 +109,6 @@ static void send_header(omr_call *c, int type, uint32_t col, uint32_t ack) {
     else c->st->pulls_sent++;
 }
 
-/* retransmission timeout: the RTT estimate (srtt + 4 rttvar, as TCP), at least the configured
- * timer, so that a worker slowed down by its host does not flood the aggregators with resends */
-static inline uint64_t base_rto(const omr_worker *w) {
-    double rto = w->srtt + 4 * w->rttvar;
-    if (rto < w->retransmit_us) rto = w->retransmit_us;
-    return rto > OMR_RTO_MAX ? OMR_RTO_MAX : (uint64_t)rto;
-}
-
-static inline void rtt_sample(omr_worker *w, uint64_t sample) {
-    double r = (double)sample;
-    if (w->srtt == 0) {
-        w->srtt = r;
-        w->rttvar = r / 2;
-    } else {
-        double err = r > w->srtt ? r - w->srtt : w->srtt - r;
-        w->rttvar = 0.75 * w->rttvar + 0.25 * err;
-        w->srtt = 0.875 * w->srtt + 0.125 * r;
-    }
-}
-
 int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype,
                          const uint8_t *mask, double timeout_s, omr_wstats *st) {
     memset(st, 0, sizeof *st);
@@ -147,8 +130,8 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
     const uint64_t timeout_us = (uint64_t)(timeout_s * 1e6);
     const uint64_t scan_us = w->retransmit_us / 4 > 1000 ? (uint64_t)w->retransmit_us / 4 : 1000u;
     const uint8_t want_flags = dtype == OMR_INT32 ? OMR_F_INT32 : 0;
-    uint64_t sent0 = w->sq.pkts, bytes0 = w->sq.bytes, drop0 = w->sq.sim_dropped, dupl0 = w->sq.sim_duplicated;
-    uint64_t now = omr_now_us(), last_progress = now, next_scan = now + scan_us, last_resend_scan = now;
+    uint64_t sent0 = w->sq.q.pkts_sent, bytes0 = w->sq.q.bytes_sent, drop0 = w->sq.sim_dropped, dupl0 = w->sq.sim_duplicated;
+    uint64_t now = tp_now_us(), last_progress = now, next_scan = now + scan_us, last_resend_scan = now;
     size_t cols_left = ncols;
     int rc = OMR_OK;
 
@@ -172,7 +155,7 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
 
     while (cols_left > 0) {
         omr_sendq_flush(&w->sq);
-        now = omr_now_us();
+        now = tp_now_us();
         int wait_ms = next_scan > now ? (int)((next_scan - now + 999) / 1000) : 0;
         int k = omr_recvq_recv(&w->rq, wait_ms);
         if (k < 0) {
@@ -180,7 +163,7 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
             rc = OMR_ESYS;
             break;
         }
-        now = omr_now_us();
+        now = tp_now_us();
         for (int i = 0; i < k; i++) {
             omr_hdr hb;
             const uint8_t *payload;
@@ -226,7 +209,7 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
             if (h->round > col->count) {          /* we missed one: ask for it now (rate-limited) */
                 st->ooo_recv++;
                 st->extra_recv_bytes += w->rq.seg_len[i];
-                if (now - col->last_pull >= base_rto(w) / 4) {
+                if (now - col->last_pull >= w->rtt.rto / 4) {
                     col->last_pull = now;
                     send_header(&c, OMR_PULL, h->col, col->count);
                     st->resend_bytes += sizeof(omr_hdr);
@@ -249,7 +232,7 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
                 memcpy(outb + start * 4, payload, blen);
                 st->union_blocks++;
             }
-            if (col->contributed && col->sent_at && col->count > 0) rtt_sample(w, now - col->sent_at);  /* round 0 also waits for the slowest rank to start */
+            if (col->contributed && col->sent_at && col->count > 0) tp_rtt_sample(&w->rtt, now - col->sent_at);  /* round 0 also waits for the slowest rank to start */
             st->results_recv++;
             col->count++;
             col->contributed = 0;
@@ -284,7 +267,7 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
         /* timers only once we have read what is waiting (a backlog is not a loss) */
         if (w->rq.nmsg == OMR_RECV_MSGS && now - last_resend_scan < 1000000u) continue;
         last_resend_scan = now;
-        uint64_t rto = base_rto(w);
+        uint64_t rto = w->rtt.rto;
         for (size_t j = 0; j < ncols; j++) {
             omr_col *col = &cols[j];
             uint64_t timer = rto * col->backoff < OMR_RTO_MAX ? rto * col->backoff : OMR_RTO_MAX;
@@ -312,7 +295,7 @@ finish:
     st->cols_left = (uint32_t)cols_left;
     if (rc == OMR_ETIMEOUT) {
         /* explain: an aggregator that went silent, else the rank an aggregator waits for */
-        now = omr_now_us();
+        now = tp_now_us();
         for (size_t j = 0; j < ncols && st->err_agg < 0; j++) {
             int a = (int)(j % (size_t)w->naggs);
             if (!cols[j].done && now - heard[a] > timeout_us / 2) {
@@ -333,10 +316,10 @@ finish:
         for (size_t j = 0; j < ncols && st->err_col < 0; j++)
             if (!cols[j].done) st->err_col = (int32_t)j;
     }
-    st->srtt_us = w->srtt;
-    st->rto_us = (double)base_rto(w);
-    st->pkts_sent = w->sq.pkts - sent0;
-    st->bytes_sent = w->sq.bytes - bytes0;
+    st->srtt_us = (double)w->rtt.srtt;
+    st->rto_us = (double)w->rtt.rto;
+    st->pkts_sent = w->sq.q.pkts_sent - sent0;
+    st->bytes_sent = w->sq.q.bytes_sent - bytes0;
     st->sim_dropped = w->sq.sim_dropped - drop0;
     st->sim_duplicated = w->sq.sim_duplicated - dupl0;
     free(cols);

@@ -1,4 +1,4 @@
-/* commlib SwitchML data path: the whole interface of commlib.switch._switchml.
+/* commlib SwitchML data path: its part of the interface of commlib._native (switch/csrc/build_native.py).
  *
  * Packet (all fields big-endian; SML_HDR_LEN = 20 bytes of header, then the payload):
  *
@@ -16,8 +16,7 @@
  *                      max over workers; SML_EXP_NONE (-128): zero block / no exponent
  *   11   1  code       NACK reason (SML_NACK_*), else 0
  *   12   4  token      job token check: first 4 bytes of sha256(job token)
- *   16   2  reserved   0
- *   18   2  checksum   RFC 1071 ones-complement sum of bytes 0-19 (this field 0 when summing)
+ *   16   4  checksum   tp_checksum (transport.h) of bytes 0-19, this field 0 when summing
  *   20  4k  payload    k = 0, 64 or 256 big-endian int32 (the partial last block zero-padded)
  *   ..   k  nf region  only with SML_F_NONFINITE
  *
@@ -34,6 +33,7 @@
 #include <stdint.h>
 
 #define SML_HDR_LEN 20
+#define SML_CSUM_OFF 16
 #define SML_MAX_ELEMS 256
 #define SML_MAX_PKT (SML_HDR_LEN + SML_MAX_ELEMS * 5)
 #define SML_MAX_WORKERS 64
@@ -96,7 +96,11 @@ typedef struct sml_switch sml_switch;
 sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int offload);
 void sml_switch_free(sml_switch *sw);
 /* Register job `job` (0..255) with nworkers ranks and a pool of nslots slots of elems (64/256)
- * int32. Returns 0, or -1 job in use, -2 bad argument, -3 not enough free slots, -4 no memory. */
+ * int32. Returns 0 or an SML_ADD_* error. */
+#define SML_ADD_IN_USE (-1)
+#define SML_ADD_ARG (-2)
+#define SML_ADD_NO_SLOTS (-3)
+#define SML_ADD_NOMEM (-4)
 int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, uint32_t nslots, uint32_t elems);
 /* Address of a rank (IPv4 address and port in host order). */
 int sml_switch_set_addr(sml_switch *sw, int job, int rank, uint32_t ipv4, uint16_t port);
@@ -158,8 +162,5 @@ void sml_worker_counters_get(sml_worker *w, sml_worker_counters *out);
 int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, size_t n, const int8_t *exps,
                          const uint8_t *nf, int8_t *mexp, int timeout_ms);
 int sml_worker_errno(sml_worker *w);
-
-/* RFC 1071 checksum of a header (the checksum field is taken as zero). */
-uint16_t sml_checksum(const uint8_t *hdr);
 
 #endif

@@ -2,7 +2,7 @@
  * per-packet rules). One thread runs sml_switch_run(); control calls (jobs, counters, the drop
  * simulator) come from other threads and take the same mutex. The data-plane thread holds it
  * while it processes a received batch and sends the batch's results (sendmmsg in
- * sml_txq_flush, which can wait for room in the socket's send buffer), so a control call may
+ * tp_txq_flush, which can wait for room in the socket's send buffer), so a control call may
  * wait for one batch; it never holds it while waiting for packets (poll, recvmmsg). */
 #define _GNU_SOURCE
 #include "switchml.h"
@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 
 #define RX_BATCH 32
+#define RX_BUF 2048      /* without GRO: more than any packet */
 #define TX_CAP 8192
 #define ARENA 1024
 #define ARENA_STRIDE 1344   /* >= SML_MAX_PKT */
@@ -52,37 +53,22 @@ struct sml_switch {
     sml_global g;
     job_t jobs[SML_MAX_JOBS];
     /* batch state (owned by the thread in sml_switch_run) */
-    sml_rxq rx;
-    sml_txq tx;
+    tp_rxq rx;
+    tp_txq tx;
     uint8_t *arena;      /* ARENA result packets, referenced by tx until it is flushed */
     size_t arena_used;
 };
 
-uint16_t sml_checksum(const uint8_t *hdr) {
-    uint32_t sum = 0;
-    for (int i = 0; i < SML_HDR_LEN; i += 2)
-        if (i != 18) sum += (uint32_t)sml_rd16(hdr + i);
-    while (sum >> 16) sum = (sum & 0xffff) + (sum >> 16);
-    return (uint16_t)~sum;
-}
-
-static double rnd(sml_switch *sw) {  /* xorshift64*, uniform in [0, 1) */
-    uint64_t x = sw->rng;
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    sw->rng = x;
-    return (double)((x * 2685821657736338717ull) >> 11) * (1.0 / 9007199254740992.0);
-}
+static double rnd(sml_switch *sw) { return tp_uniform(&sw->rng); }
 
 sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int offload) {
     sml_switch *sw = calloc(1, sizeof *sw);
     if (!sw) return NULL;
     sw->arena = malloc((size_t)ARENA * ARENA_STRIDE);
-    if (!sw->arena || sml_rxq_init(&sw->rx, fd, RX_BATCH, offload) || sml_txq_init(&sw->tx, fd, 0, TX_CAP, offload)) {
+    if (!sw->arena || tp_rxq_init(&sw->rx, fd, RX_BATCH, RX_BUF, offload) || tp_txq_init(&sw->tx, fd, TX_CAP, offload ? TP_GSO : 0)) {
         free(sw->arena);
-        sml_rxq_free(&sw->rx);
-        sml_txq_free(&sw->tx);
+        tp_rxq_free(&sw->rx);
+        tp_txq_free(&sw->tx);
         free(sw);
         return NULL;
     }
@@ -105,8 +91,8 @@ static void job_release(job_t *j) {
 void sml_switch_free(sml_switch *sw) {
     if (!sw) return;
     for (int i = 0; i < SML_MAX_JOBS; i++) job_release(&sw->jobs[i]);
-    sml_rxq_free(&sw->rx);
-    sml_txq_free(&sw->tx);
+    tp_rxq_free(&sw->rx);
+    tp_txq_free(&sw->tx);
     free(sw->arena);
     pthread_mutex_destroy(&sw->mu);
     free(sw);
@@ -115,14 +101,14 @@ void sml_switch_free(sml_switch *sw) {
 int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, uint32_t nslots, uint32_t elems) {
     if (job < 0 || job >= SML_MAX_JOBS || nworkers < 1 || nworkers > SML_MAX_WORKERS || nslots < 1 ||
         nslots > SML_MAX_SLOTS || (elems != 64 && elems != 256))
-        return -2;
+        return SML_ADD_ARG;
     int rc = 0;
     pthread_mutex_lock(&sw->mu);
     job_t *j = &sw->jobs[job];
     if (j->active) {
-        rc = -1;
+        rc = SML_ADD_IN_USE;
     } else if (sw->used_slots + nslots > sw->max_slots) {
-        rc = -3;
+        rc = SML_ADD_NO_SLOTS;
     } else {
         memset(j, 0, sizeof *j);
         j->ngroups = (nslots + sw->group_slots - 1) / sw->group_slots;
@@ -132,7 +118,7 @@ int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, ui
         j->groups = calloc(j->ngroups, sizeof *j->groups);
         if (!j->sets || !j->values || !j->nfreg || !j->groups) {
             job_release(j);
-            rc = -4;
+            rc = SML_ADD_NOMEM;
         } else {
             j->token = token;
             j->nworkers = nworkers;
@@ -230,7 +216,7 @@ void sml_switch_global_counters(sml_switch *sw, sml_global *out) {
 /* Room for one result packet and its copies; sends what is queued when the batch state is full. */
 static uint8_t *take_buffer(sml_switch *sw) {
     if (sw->arena_used == ARENA || sw->tx.cap - sw->tx.n < 2 * (SML_MAX_WORKERS + 1)) {
-        if (sml_txq_flush(&sw->tx) < 0) sw->g.send_errors++;
+        tp_txq_flush(&sw->tx);
         sw->arena_used = 0;
     }
     return sw->arena + ARENA_STRIDE * sw->arena_used++;
@@ -248,7 +234,7 @@ static void emit(sml_switch *sw, uint8_t *buf, size_t len, const struct sockaddr
         jc->dup_sim++;
         gc->dup_sim++;
     }
-    for (int k = 0; k < copies; k++) sml_txq_add(&sw->tx, buf, (uint32_t)len, to);
+    for (int k = 0; k < copies; k++) tp_txq_add(&sw->tx, to, NULL, 0, buf, (uint32_t)len);
 }
 
 /* The result of (slot, set) in answer to the packet `in`, in a fresh buffer; returns its length. */
@@ -260,7 +246,6 @@ static size_t build_result(const slot_set *s, const int32_t *vals, const uint8_t
     p[1] = (uint8_t)(s->size | (s->nf ? SML_F_NONFINITE : 0));
     p[10] = (uint8_t)s->exp;
     p[11] = 0;
-    p[16] = p[17] = 0;
     sml_seal(p);
     uint8_t *pl = p + SML_HDR_LEN;
     sml_be_store(pl, vals, elems);
@@ -287,7 +272,7 @@ static void nack(sml_switch *sw, const uint8_t *in, const struct sockaddr_in *fr
 static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct sockaddr_in *from) {
     sml_global *g = &sw->g;
     if (len < SML_HDR_LEN) { g->drop_short++; return; }
-    if (sml_rd16(p + 18) != sml_checksum(p)) { g->drop_checksum++; return; }
+    if (!sml_sealed(p)) { g->drop_checksum++; return; }
     if (p[0] != SML_DATA) { g->drop_type++; return; }
     unsigned flags = p[1], code = flags & SML_F_SIZE;
     int has_nf = (flags & SML_F_NONFINITE) != 0;
@@ -303,10 +288,10 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
         return;
     }
     unsigned rank = p[3];
-    uint16_t pool = sml_rd16(p + 8);
+    uint16_t pool = tp_rd16(p + 8);
     uint32_t slot = pool & 0x7fffu, set = pool >> 15;
     sml_counters *gc = &j->groups[(slot < j->nslots ? slot : 0) / sw->group_slots];
-    if (sml_rd32(p + 12) != j->token) { j->c.drop_token++; gc->drop_token++; return; }
+    if (tp_rd32(p + 12) != j->token) { j->c.drop_token++; gc->drop_token++; return; }
     if (rank >= (unsigned)j->nworkers || !(j->addr_mask >> rank & 1) ||
         j->addrs[rank].sin_addr.s_addr != from->sin_addr.s_addr || j->addrs[rank].sin_port != from->sin_port) {
         j->c.drop_sender++;
@@ -324,7 +309,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     uint8_t *nfr = j->nfreg + idx * j->elems;
     uint64_t bit = 1ull << rank, before = s->bitmap;
     const uint8_t *pl = p + SML_HDR_LEN;
-    uint32_t pkt_id = sml_rd32(p + 4);
+    uint32_t pkt_id = tp_rd32(p + 4);
     int8_t exp = (int8_t)p[10];
 
     int fresh = !(before & bit);
@@ -384,9 +369,9 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
 static long serve(sml_switch *sw, int max_ms);
 
 long sml_switch_run(sml_switch *sw, int max_ms) {
-    uint64_t cpu0 = sml_cpu_ns(), t0 = sml_now_ns();
+    uint64_t cpu0 = tp_cpu_ns(), t0 = tp_now_ns();
     long handled = serve(sw, max_ms);
-    uint64_t cpu1 = sml_cpu_ns(), t1 = sml_now_ns();
+    uint64_t cpu1 = tp_cpu_ns(), t1 = tp_now_ns();
     pthread_mutex_lock(&sw->mu);
     sw->g.cpu_ns += cpu1 - cpu0;
     sw->g.run_ns += t1 - t0;
@@ -395,20 +380,20 @@ long sml_switch_run(sml_switch *sw, int max_ms) {
 }
 
 static long serve(sml_switch *sw, int max_ms) {
-    uint64_t deadline = sml_now_ns() + (uint64_t)(max_ms > 0 ? max_ms : 0) * 1000000u;
+    uint64_t deadline = tp_now_ns() + (uint64_t)(max_ms > 0 ? max_ms : 0) * 1000000u;
     long handled = 0;
     for (;;) {
-        uint64_t t0 = sml_now_ns();
-        int n = sml_rxq_recv(&sw->rx);
+        uint64_t t0 = tp_now_ns();
+        int n = tp_rxq_recv(&sw->rx, 0);
         if (n < 0) {
-            if (n == -ECONNREFUSED || n == -EHOSTUNREACH || n == -ENETUNREACH) continue;  /* ICMP noise */
+            if (tp_icmp_error(n)) continue;  /* ICMP noise */
             return n;
         }
-        if (n == 0) {
+        if (n == 0 && sw->rx.nmsg == 0) {
             if (t0 >= deadline) return handled;
             struct pollfd pfd = {.fd = sw->fd, .events = POLLIN};
             int r = poll(&pfd, 1, (int)((deadline - t0 + 999999) / 1000000));
-            uint64_t t1 = sml_now_ns();
+            uint64_t t1 = tp_now_ns();
             pthread_mutex_lock(&sw->mu);
             sw->g.idle_ns += t1 - t0;
             pthread_mutex_unlock(&sw->mu);
@@ -418,33 +403,32 @@ static long serve(sml_switch *sw, int max_ms) {
         }
         pthread_mutex_lock(&sw->mu);
         sw->g.batches++;
+        sw->g.rx += sw->rx.truncated;   /* larger than any packet */
+        sw->g.drop_short += sw->rx.truncated;
+        sw->rx.truncated = 0;
         for (int i = 0; i < n; i++) {
-            const uint8_t *buf = sml_rxq_buf(&sw->rx, i);
-            size_t len = sw->rx.msgs[i].msg_len, seg = sml_rxq_seg(&sw->rx, i);
-            const struct sockaddr_in *from = &sw->rx.from[i];
-            if (seg == 0 || from->sin_family != AF_INET) {  /* truncated: larger than any packet */
-                sw->g.rx++;
+            const uint8_t *buf = sw->rx.seg[i];
+            size_t l = sw->rx.seg_len[i];
+            const struct sockaddr_in *from = tp_rxq_from(&sw->rx, i);
+            sw->g.rx++;
+            if (from->sin_family != AF_INET) {
                 sw->g.drop_short++;
                 continue;
             }
-            for (size_t off = 0; off < len; off += seg) {  /* each GRO segment is one datagram */
-                size_t l = len - off < seg ? len - off : seg;
-                sw->g.rx++;
-                handled++;
-                process(sw, buf + off, l, from);
-                if (sw->p_dup > 0 && rnd(sw) < sw->p_dup) {  /* the simulator's duplicate */
-                    if (l >= SML_HDR_LEN && sw->jobs[buf[off + 2]].active) sw->jobs[buf[off + 2]].c.dup_sim++;
-                    process(sw, buf + off, l, from);
-                }
+            handled++;
+            process(sw, buf, l, from);
+            if (sw->p_dup > 0 && rnd(sw) < sw->p_dup) {  /* the simulator's duplicate */
+                if (l >= SML_HDR_LEN && sw->jobs[buf[2]].active) sw->jobs[buf[2]].c.dup_sim++;
+                process(sw, buf, l, from);
             }
         }
-        int rc = sml_txq_flush(&sw->tx);
+        tp_txq_flush(&sw->tx);
         sw->arena_used = 0;
-        sw->g.tx = sw->tx.sent;
-        sw->g.send_errors = sw->tx.errors + (rc < 0);
-        sw->g.gso_messages = sw->tx.gso_msgs;
+        sw->g.tx = sw->tx.pkts_sent;
+        sw->g.send_errors = sw->tx.errors;
+        sw->g.gso_messages = sw->tx.gso_messages;
         pthread_mutex_unlock(&sw->mu);
-        uint64_t t1 = sml_now_ns();
+        uint64_t t1 = tp_now_ns();
         pthread_mutex_lock(&sw->mu);
         sw->g.busy_ns += t1 - t0;
         pthread_mutex_unlock(&sw->mu);

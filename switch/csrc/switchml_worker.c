@@ -23,6 +23,7 @@
 #include "switchml.h"
 #include "switchml_common.h"
 #include "kernels.h"
+#include "transport.h"
 
 #include <errno.h>
 #include <math.h>
@@ -31,6 +32,7 @@
 #include <sys/socket.h>
 
 #define RX_BATCH 16      /* GRO buffers of 64 KiB: up to ~60 results each */
+#define RX_BUF 2048      /* without GRO: more than any packet */
 #define TX_CAP 512
 #define PKT_STRIDE 1344  /* >= SML_MAX_PKT, multiple of 64 */
 
@@ -46,14 +48,13 @@ typedef struct {
 struct sml_worker {
     int fd, job, rank, nworkers, err;
     uint32_t token, window, elems;
-    uint64_t rto0, rto_max;
-    uint64_t srtt, rttvar, rto;   /* RFC 6298 estimate; rto = the timer of a new packet */
+    tp_rtt rtt;          /* RFC 6298 estimate (ns); rtt.rto = the timer of a new packet */
     uint32_t shift, pkt_base;
     uint8_t *parity;     /* per slot: the set of the slot's next use */
     chain_t *ch;
     uint8_t *bufs;       /* window * PKT_STRIDE: the packet in flight of each chain */
-    sml_rxq rx;
-    sml_txq tx;
+    tp_rxq rx;
+    tp_txq tx;
     sml_worker_counters c;
 };
 
@@ -79,11 +80,11 @@ sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworke
     w->parity = calloc(window, 1);
     w->ch = calloc(window, sizeof *w->ch);
     if (posix_memalign((void **)&w->bufs, 64, (size_t)window * PKT_STRIDE)) w->bufs = NULL;
-    int rx_ok = sml_rxq_init(&w->rx, fd, RX_BATCH, offload) == 0;
-    int tx_ok = sml_txq_init(&w->tx, fd, 1, TX_CAP, offload) == 0;
+    int rx_ok = tp_rxq_init(&w->rx, fd, RX_BATCH, RX_BUF, offload) == 0;
+    int tx_ok = tp_txq_init(&w->tx, fd, TX_CAP, TP_CONNECTED | (offload ? TP_GSO : 0)) == 0;
     if (!w->parity || !w->ch || !w->bufs || !rx_ok || !tx_ok) {
-        if (rx_ok) sml_rxq_free(&w->rx);
-        if (tx_ok) sml_txq_free(&w->tx);
+        if (rx_ok) tp_rxq_free(&w->rx);
+        if (tx_ok) tp_txq_free(&w->tx);
         free(w->parity);
         free(w->ch);
         free(w->bufs);
@@ -97,18 +98,15 @@ sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworke
     w->nworkers = nworkers;
     w->window = window;
     w->elems = elems;
-    w->rto0 = (uint64_t)(rto_ms * 1e6);
-    w->rto_max = (uint64_t)(rto_max_ms * 1e6);
-    if (w->rto0 < 10000) w->rto0 = 10000;
-    if (w->rto_max < w->rto0) w->rto_max = w->rto0;
-    w->rto = w->rto0;
+    uint64_t rto0 = (uint64_t)(rto_ms * 1e6);
+    tp_rtt_init(&w->rtt, rto0 < 10000 ? 10000 : rto0, (uint64_t)(rto_max_ms * 1e6));
     return w;
 }
 
 void sml_worker_free(sml_worker *w) {
     if (!w) return;
-    sml_rxq_free(&w->rx);
-    sml_txq_free(&w->tx);
+    tp_rxq_free(&w->rx);
+    tp_txq_free(&w->tx);
     free(w->parity);
     free(w->ch);
     free(w->bufs);
@@ -117,15 +115,15 @@ void sml_worker_free(sml_worker *w) {
 
 void sml_worker_counters_get(sml_worker *w, sml_worker_counters *out) {
     *out = w->c;
-    out->srtt_ns = w->srtt;
-    out->rto_ns = w->rto;
+    out->srtt_ns = w->rtt.srtt;
+    out->rto_ns = w->rtt.rto;
 }
 int sml_worker_errno(sml_worker *w) { return w->err; }
 
 static int flush(sml_worker *w) {
-    uint64_t before = w->tx.sent;
-    int rc = sml_txq_flush(&w->tx);
-    w->c.sent += w->tx.sent - before;
+    uint64_t before = w->tx.pkts_sent;
+    int rc = tp_txq_flush(&w->tx);
+    w->c.sent += w->tx.pkts_sent - before;
     if (rc < 0) {
         w->err = -rc;
         return rc == -ECONNREFUSED ? SML_E_REFUSED : SML_E_SOCKET;
@@ -138,7 +136,7 @@ static int queue(sml_worker *w, uint8_t *buf, uint32_t len) {
         int rc = flush(w);
         if (rc) return rc;
     }
-    sml_txq_add(&w->tx, buf, len, NULL);
+    tp_txq_add(&w->tx, NULL, NULL, 0, buf, len);
     return 0;
 }
 
@@ -200,12 +198,11 @@ static uint32_t build(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c) {
     h[1] = flags;
     h[2] = (uint8_t)w->job;
     h[3] = (uint8_t)w->rank;
-    sml_wr32(h + 4, w->pkt_base + (uint32_t)p);
-    sml_wr16(h + 8, (uint16_t)(slot | set << 15));
+    tp_wr32(h + 4, w->pkt_base + (uint32_t)p);
+    tp_wr16(h + 8, (uint16_t)(slot | set << 15));
     h[10] = (uint8_t)exp;
     h[11] = 0;
-    sml_wr32(h + 12, w->token);
-    h[16] = h[17] = 0;
+    tp_wr32(h + 12, w->token);
     sml_seal(h);
     return SML_HDR_LEN + len;
 }
@@ -214,27 +211,12 @@ static int send_packet(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c, uint6
     chain_t *ch = &w->ch[c];
     ch->p = (int64_t)p;
     ch->len = build(w, t, p, c);
-    ch->rto = w->rto;
+    ch->rto = w->rtt.rto;
     ch->sent = now;
     ch->resent = 0;
     ch->deadline = now + ch->rto;
     if (ch->deadline < t->next_timer) t->next_timer = ch->deadline;  /* its rto may be the smallest */
     return queue(w, w->bufs + c * PKT_STRIDE, ch->len);
-}
-
-/* A round trip measured on a packet sent once (RFC 6298): the timer of new packets follows the
- * job's pace (which includes waiting for the slowest rank), never below rto0. */
-static void rtt_sample(sml_worker *w, uint64_t r) {
-    if (!w->srtt) {
-        w->srtt = r;
-        w->rttvar = r / 2;
-    } else {
-        uint64_t d = w->srtt > r ? w->srtt - r : r - w->srtt;
-        w->rttvar = (3 * w->rttvar + d) / 4;
-        w->srtt = (7 * w->srtt + r) / 8;
-    }
-    uint64_t rto = w->srtt + 4 * w->rttvar;
-    w->rto = rto < w->rto0 ? w->rto0 : rto > w->rto_max ? w->rto_max : rto;
 }
 
 /* Write back the valid elements of a result. */
@@ -275,8 +257,8 @@ static void take_result(sml_worker *w, tensor_t *t, uint64_t p, const uint8_t *h
 
 /* One received datagram. Returns 1 if it advanced the tensor, 0 if ignored, < 0 on a fatal NACK. */
 static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, uint64_t now, uint64_t *active) {
-    if (len < SML_HDR_LEN || sml_rd16(h + 18) != sml_checksum(h) || h[2] != (uint8_t)w->job ||
-        sml_rd32(h + 12) != w->token) {
+    if (len < SML_HDR_LEN || !sml_sealed(h) || h[2] != (uint8_t)w->job ||
+        tp_rd32(h + 12) != w->token) {
         w->c.ignored++;
         return 0;
     }
@@ -289,7 +271,7 @@ static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, u
         w->c.ignored++;
         return 0;
     }
-    uint64_t p = (uint32_t)(sml_rd32(h + 4) - w->pkt_base);
+    uint64_t p = (uint32_t)(tp_rd32(h + 4) - w->pkt_base);
     if (p >= t->P) {  /* a late duplicate of an earlier tensor */
         w->c.duplicates++;
         return 0;
@@ -303,12 +285,12 @@ static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, u
     uint32_t slot = (uint32_t)((w->shift + c) % w->window);
     uint32_t set = w->parity[slot] ^ (uint32_t)((p / t->wc) & 1);
     uint32_t want = t->is_int || p >= t->wc ? sml_elems_code(w->elems) : 0;
-    if (sml_rd16(h + 8) != (slot | set << 15) || code != want) {
+    if (tp_rd16(h + 8) != (slot | set << 15) || code != want) {
         w->c.ignored++;
         return 0;
     }
     w->c.received++;
-    if (!ch->resent) rtt_sample(w, now - ch->sent);
+    if (!ch->resent) tp_rtt_sample(&w->rtt, now - ch->sent);  /* includes waiting for the slowest rank */
     take_result(w, t, p, h);
     uint64_t next = p + t->wc;
     if (next < t->P) {
@@ -324,39 +306,33 @@ static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, u
 int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, size_t n, const int8_t *exps,
                          const uint8_t *nf, int8_t *mexp, int timeout_ms) {
     if (n == 0) return 0;
-    uint64_t t_start = sml_now_ns(), wait_ns = 0, cpu0 = sml_cpu_ns();
+    uint64_t t_start = tp_now_ns(), wait_ns = 0, cpu0 = tp_cpu_ns();
     tensor_t t = {.is_int = is_int, .x = x, .out = out, .n = n, .exps = exps, .nf = nf, .mexp = mexp,
                   .next_timer = UINT64_MAX};
     t.B = (n + w->elems - 1) / w->elems;
     t.wc = t.B < w->window ? t.B : w->window;
     t.P = is_int ? t.B : t.B + t.wc;
     uint64_t timeout = (uint64_t)(timeout_ms > 0 ? timeout_ms : 1) * 1000000u;
-    uint64_t now = sml_now_ns(), progress = now, active = t.wc;
+    uint64_t now = tp_now_ns(), progress = now, active = t.wc;
     int rc = 0;
     w->tx.n = 0;
     for (uint64_t c = 0; c < t.wc && !rc; c++) rc = send_packet(w, &t, c, c, now);
     if (!rc) rc = flush(w);
     while (!rc && active > 0) {
-        int got = sml_rxq_recv(&w->rx);
-        now = sml_now_ns();
-        if (got > 0) {
-            for (int i = 0; i < got && rc >= 0; i++) {
-                const uint8_t *buf = sml_rxq_buf(&w->rx, i);
-                size_t len = w->rx.msgs[i].msg_len, seg = sml_rxq_seg(&w->rx, i);
-                if (!seg) {
-                    w->c.ignored++;
-                    continue;
-                }
-                for (size_t off = 0; off < len && rc >= 0; off += seg) {  /* one GRO segment = one datagram */
-                    int r = on_packet(w, &t, buf + off, len - off < seg ? len - off : seg, now, &active);
-                    if (r < 0) rc = r;
-                    else if (r > 0) progress = now;
-                }
+        int got = tp_rxq_recv(&w->rx, 0);
+        now = tp_now_ns();
+        if (got > 0 || w->rx.nmsg > 0) {
+            w->c.ignored += w->rx.truncated;
+            w->rx.truncated = 0;
+            for (int i = 0; i < got && rc >= 0; i++) {  /* one segment = one datagram */
+                int r = on_packet(w, &t, w->rx.seg[i], w->rx.seg_len[i], now, &active);
+                if (r < 0) rc = r;
+                else if (r > 0) progress = now;
             }
             if (rc >= 0) rc = flush(w);
             if (rc) break;
             /* timers only once the socket is drained: results waiting in it are not losses */
-            if (got == RX_BATCH || now < t.next_timer) continue;
+            if (w->rx.nmsg == RX_BATCH || now < t.next_timer) continue;
         } else if (got < 0) {
             w->err = -got;
             rc = got == -ECONNREFUSED ? SML_E_REFUSED : SML_E_SOCKET;
@@ -373,7 +349,7 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
                 chain_t *ch = &w->ch[c];
                 if (ch->p < 0) continue;
                 if (ch->deadline <= now) {
-                    ch->rto = ch->rto * 2 < w->rto_max ? ch->rto * 2 : w->rto_max;
+                    ch->rto = ch->rto * 2 < w->rtt.max ? ch->rto * 2 : w->rtt.max;
                     ch->resent++;
                     ch->deadline = now + ch->rto;
                     w->c.resends++;
@@ -384,18 +360,18 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
             if (!rc) rc = flush(w);
             if (rc) break;
         }
-        if (got > 0) continue;
+        if (w->rx.nmsg > 0) continue;
         uint64_t until = t.next_timer < progress + timeout ? t.next_timer : progress + timeout;
         int ms = until > now ? (int)((until - now + 999999) / 1000000) : 0;
         struct pollfd pfd = {.fd = w->fd, .events = POLLIN};
-        uint64_t t0 = sml_now_ns();
+        uint64_t t0 = tp_now_ns();
         poll(&pfd, 1, ms);
-        wait_ns += sml_now_ns() - t0;
+        wait_ns += tp_now_ns() - t0;
     }
-    uint64_t t_end = sml_now_ns();
+    uint64_t t_end = tp_now_ns();
     w->c.wait_ns += wait_ns;
     w->c.busy_ns += (t_end - t_start) - wait_ns;
-    w->c.cpu_ns += sml_cpu_ns() - cpu0;
+    w->c.cpu_ns += tp_cpu_ns() - cpu0;
     if (rc) return rc;
     /* carry the stream over: per-slot set parity, pool shift, packet ids */
     for (uint64_t c = 0; c < t.wc; c++) {

@@ -1,0 +1,376 @@
+/* commlib's UDP transport (transport.h): checksum, non-zero-block scan, batched send/receive queues. */
+#define _GNU_SOURCE
+#include "transport.h"
+
+#include <math.h>
+#include <netinet/udp.h>
+#include <poll.h>
+#include <stdlib.h>
+
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
+
+#define CTL_LEN CMSG_SPACE(sizeof(int))
+
+uint32_t tp_checksum(const void *buf, size_t len) {
+    tp_ck c = {0, 0, 0, 0};
+    tp_ck_update(&c, buf, len);
+    return tp_ck_final(&c);
+}
+
+size_t tp_block_mask(const void *x, size_t n, int dtype, size_t block, double threshold, uint8_t *mask) {
+    size_t count = 0;
+    if (block == 0) return 0;
+    for (size_t b = 0, start = 0; start < n; b++, start += block) {
+        size_t end = start + block < n ? start + block : n;
+        uint8_t nz = 0;
+        if (dtype == TP_INT32) {
+            const int32_t *v = (const int32_t *)x;
+            if (threshold < 0.5) {                 /* exact: any non-zero integer */
+                int32_t acc = 0;
+                for (size_t i = start; i < end; i++) acc |= v[i];
+                nz = acc != 0;
+            } else {
+                for (size_t i = start; i < end && !nz; i++) nz = fabs((double)v[i]) > threshold;
+            }
+        } else {
+            const float *v = (const float *)x;
+            float t = (float)threshold;
+            if (t == 0.0f) {                       /* exact: any bit but the sign bit (NaN counts) */
+                const uint32_t *u = (const uint32_t *)x;
+                uint32_t acc = 0;
+                for (size_t i = start; i < end; i++) acc |= u[i] & 0x7fffffffu;
+                nz = acc != 0;
+            } else {
+                for (size_t i = start; i < end && !nz; i++) nz = !(fabsf(v[i]) <= t);   /* NaN is non-zero */
+            }
+        }
+        mask[b] = nz;
+        count += nz;
+    }
+    return count;
+}
+
+/* ---- sends ---------------------------------------------------------------------------------- */
+int tp_txq_init(tp_txq *q, int fd, size_t cap, int flags) {
+    memset(q, 0, sizeof *q);
+    q->fd = fd;
+    q->flags = flags;
+    q->cap = cap;
+    q->pkts = calloc(cap, sizeof *q->pkts);
+    q->msgs = calloc(cap, sizeof *q->msgs);
+    q->iov = calloc(2 * cap, sizeof *q->iov);
+    q->msg_of = calloc(cap, sizeof(uint32_t));
+    q->seg = calloc(cap, sizeof(uint32_t));
+    q->nsegs = calloc(cap, sizeof(uint32_t));
+    q->bytes = calloc(cap, sizeof(uint32_t));
+    q->first = calloc(cap, sizeof(uint32_t));
+    q->cursor = calloc(cap, sizeof(uint32_t));
+    q->base = calloc(cap, sizeof(uint32_t));
+    q->closed = calloc(cap, 1);
+    q->ctl = calloc(cap, CTL_LEN);
+    if (flags & TP_COPY) q->arena = malloc(TP_ARENA);
+    if (!q->pkts || !q->msgs || !q->iov || !q->msg_of || !q->seg || !q->nsegs || !q->bytes || !q->first ||
+        !q->cursor || !q->base || !q->closed || !q->ctl || ((flags & TP_COPY) && !q->arena)) {
+        tp_txq_free(q);
+        return -1;
+    }
+    return 0;
+}
+
+void tp_txq_free(tp_txq *q) {
+    free(q->pkts);
+    free(q->arena);
+    free(q->msgs);
+    free(q->iov);
+    free(q->msg_of);
+    free(q->seg);
+    free(q->nsegs);
+    free(q->bytes);
+    free(q->first);
+    free(q->cursor);
+    free(q->base);
+    free(q->closed);
+    free(q->ctl);
+    memset(q, 0, sizeof *q);
+}
+
+int tp_txq_add(tp_txq *q, const struct sockaddr_in *to, const void *hdr, uint32_t hlen, const void *payload,
+               uint32_t plen) {
+    int rc = 0;
+    if (q->n == q->cap || (q->arena && q->arena_used + plen > TP_ARENA)) rc = tp_txq_flush(q);
+    tp_txpkt *p = &q->pkts[q->n++];
+    if (to) p->to = *to;
+    p->hlen = hlen;
+    if (hlen) memcpy(p->hdr, hdr, hlen);
+    if (plen && q->arena) {
+        memcpy(q->arena + q->arena_used, payload, plen);
+        payload = q->arena + q->arena_used;
+        q->arena_used += plen;
+    }
+    p->payload = (const uint8_t *)payload;
+    p->plen = plen;
+    return rc;
+}
+
+static int same_dest(const tp_txq *q, const tp_txpkt *a, const tp_txpkt *b) {
+    return (q->flags & TP_CONNECTED) ||
+           (a->to.sin_addr.s_addr == b->to.sin_addr.s_addr && a->to.sin_port == b->to.sin_port);
+}
+
+static int wait_for_room(tp_txq *q, int *stalls) {   /* a full socket buffer: wait, a little */
+    if ((*stalls)++ >= 100) return 0;
+    struct pollfd p = {q->fd, POLLOUT, 0};
+    poll(&p, 1, 10);
+    return 1;
+}
+
+static int send_one(tp_txq *q, const tp_txpkt *p) {
+    struct iovec v[2];
+    int k = 0;
+    if (p->hlen) v[k++] = (struct iovec){(void *)p->hdr, p->hlen};
+    if (p->plen) v[k++] = (struct iovec){(void *)p->payload, p->plen};
+    struct msghdr m = {.msg_iov = v, .msg_iovlen = (size_t)k};
+    if (!(q->flags & TP_CONNECTED)) {
+        m.msg_name = (void *)&p->to;
+        m.msg_namelen = sizeof p->to;
+    }
+    ssize_t r = sendmsg(q->fd, &m, 0);
+    if (r < 0) {
+        q->errors++;
+        return errno == ECONNREFUSED ? -ECONNREFUSED : 0;
+    }
+    q->pkts_sent++;
+    q->bytes_sent += (uint64_t)r;
+    return 0;
+}
+
+/* The packets of message m one datagram at a time: the path after the kernel refused GSO. */
+static int send_plain(tp_txq *q, size_t n, uint32_t m) {
+    int rc = 0;
+    for (size_t i = 0; i < n; i++)
+        if (q->msg_of[i] == m && send_one(q, &q->pkts[i])) rc = -ECONNREFUSED;
+    q->messages++;
+    return rc;
+}
+
+int tp_txq_flush(tp_txq *q) {
+    size_t n = q->n, nm = 0;
+    q->n = 0;
+    q->arena_used = 0;   /* the payloads stay valid until this call returns */
+    if (!n) return 0;
+    int gso = (q->flags & TP_GSO) != 0;
+    /* 1. group packets into messages: per destination, consecutive runs of one segment size
+     * (a shorter packet may end a run, as GSO allows) */
+    enum { OPEN = 128 };
+    uint32_t open_msg[OPEN];
+    size_t nopen = 0;
+    for (size_t i = 0; i < n; i++) {
+        tp_txpkt *p = &q->pkts[i];
+        uint32_t len = p->hlen + p->plen;
+        size_t o = 0;
+        while (o < nopen && !same_dest(q, &q->pkts[q->first[open_msg[o]]], p)) o++;
+        if (o < nopen && gso) {
+            uint32_t m = open_msg[o];
+            if (!q->closed[m] && len <= q->seg[m] && q->nsegs[m] < TP_GSO_SEGS && q->bytes[m] + len <= TP_GSO_BYTES) {
+                q->msg_of[i] = m;
+                q->nsegs[m]++;
+                q->bytes[m] += len;
+                if (len < q->seg[m]) q->closed[m] = 1;
+                continue;
+            }
+        }
+        uint32_t m = (uint32_t)nm++;
+        q->msg_of[i] = m;
+        q->seg[m] = len;
+        q->nsegs[m] = 1;
+        q->bytes[m] = len;
+        q->first[m] = (uint32_t)i;
+        q->closed[m] = 0;
+        if (o < nopen) open_msg[o] = m;
+        else if (nopen < OPEN) open_msg[nopen++] = m;
+        else open_msg[(i % OPEN)] = m;   /* more destinations than slots: forget one (less batching) */
+    }
+    /* 2. lay out each message's iovecs contiguously, in packet order (header, payload) */
+    uint32_t at = 0;
+    for (size_t m = 0; m < nm; m++) {
+        q->base[m] = q->cursor[m] = at;
+        at += 2 * q->nsegs[m];
+    }
+    for (size_t i = 0; i < n; i++) {
+        tp_txpkt *p = &q->pkts[i];
+        uint32_t *c = &q->cursor[q->msg_of[i]];
+        if (p->hlen) q->iov[(*c)++] = (struct iovec){p->hdr, p->hlen};
+        if (p->plen) q->iov[(*c)++] = (struct iovec){(void *)p->payload, p->plen};
+    }
+    for (size_t m = 0; m < nm; m++) {
+        struct msghdr *h = &q->msgs[m].msg_hdr;
+        memset(h, 0, sizeof *h);
+        h->msg_iov = &q->iov[q->base[m]];
+        h->msg_iovlen = q->cursor[m] - q->base[m];
+        if (!(q->flags & TP_CONNECTED)) {
+            h->msg_name = &q->pkts[q->first[m]].to;
+            h->msg_namelen = sizeof(struct sockaddr_in);
+        }
+        if (q->nsegs[m] > 1) {
+            char *c = q->ctl + m * CTL_LEN;
+            memset(c, 0, CTL_LEN);
+            h->msg_control = c;
+            h->msg_controllen = CMSG_SPACE(sizeof(uint16_t));
+            struct cmsghdr *cm = CMSG_FIRSTHDR(h);
+            cm->cmsg_level = SOL_UDP;
+            cm->cmsg_type = UDP_SEGMENT;
+            cm->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+            uint16_t seg = (uint16_t)q->seg[m];
+            memcpy(CMSG_DATA(cm), &seg, sizeof seg);
+        }
+    }
+    /* 3. send */
+    size_t done = 0;
+    int refused = 0, stalls = 0;
+    while (done < nm) {
+        size_t chunk = nm - done < 1024 ? nm - done : 1024;
+        int r = sendmmsg(q->fd, q->msgs + done, (unsigned)chunk, 0);
+        if (r > 0) {
+            for (int k = 0; k < r; k++) {
+                struct mmsghdr *mm = &q->msgs[done + k];
+                q->pkts_sent += q->nsegs[done + k];
+                q->bytes_sent += mm->msg_len;
+                q->messages++;
+                if (q->nsegs[done + k] > 1) q->gso_messages++;
+            }
+            done += (size_t)r;
+            continue;
+        }
+        int err = r < 0 ? errno : EIO;
+        if (err == EINTR) continue;
+        if ((err == EAGAIN || err == EWOULDBLOCK || err == ENOBUFS) && wait_for_room(q, &stalls)) continue;
+        if (err == ECONNREFUSED) refused = 1;
+        if (q->nsegs[done] > 1 && (err == EINVAL || err == EIO || err == EOPNOTSUPP || err == ENOPROTOOPT ||
+                                   err == EMSGSIZE)) {
+            q->flags &= ~TP_GSO;   /* the kernel or the path does not take GSO: one datagram per message from now */
+            if (send_plain(q, n, (uint32_t)done)) refused = 1;
+        } else {
+            q->errors += q->nsegs[done];   /* buffer full, unreachable or refused: like a loss */
+        }
+        done++;
+    }
+    return refused ? -ECONNREFUSED : 0;
+}
+
+/* ---- receives ------------------------------------------------------------------------------- */
+int tp_rxq_init(tp_rxq *q, int fd, size_t nmsgs, size_t bufsize, int gro) {
+    memset(q, 0, sizeof *q);
+    q->fd = fd;
+    q->nmsgs = nmsgs;
+    if (gro) {
+        int one = 1;
+        gro = setsockopt(fd, SOL_UDP, UDP_GRO, &one, sizeof one) == 0;
+    }
+    q->gro = gro;
+    q->bufsize = gro && bufsize < TP_GRO_BUF ? TP_GRO_BUF : bufsize;
+    q->maxseg = nmsgs * (gro ? TP_GRO_SEGS : 1);
+    q->bufs = malloc(nmsgs * q->bufsize);
+    q->msgs = calloc(nmsgs, sizeof *q->msgs);
+    q->iov = calloc(nmsgs, sizeof *q->iov);
+    q->from = calloc(nmsgs, sizeof *q->from);
+    q->ctl = calloc(nmsgs, CTL_LEN);
+    q->seg = calloc(q->maxseg, sizeof *q->seg);
+    q->seg_len = calloc(q->maxseg, sizeof *q->seg_len);
+    q->seg_msg = calloc(q->maxseg, sizeof *q->seg_msg);
+    if (!q->bufs || !q->msgs || !q->iov || !q->from || !q->ctl || !q->seg || !q->seg_len || !q->seg_msg) {
+        tp_rxq_free(q);
+        return -1;
+    }
+    for (size_t i = 0; i < nmsgs; i++) {
+        q->iov[i].iov_base = q->bufs + i * q->bufsize;
+        q->iov[i].iov_len = q->bufsize;
+        q->msgs[i].msg_hdr.msg_iov = &q->iov[i];
+        q->msgs[i].msg_hdr.msg_iovlen = 1;
+    }
+    return 0;
+}
+
+void tp_rxq_free(tp_rxq *q) {
+    if (q->gro) {
+        int zero = 0;
+        setsockopt(q->fd, SOL_UDP, UDP_GRO, &zero, sizeof zero);
+    }
+    free(q->bufs);
+    free(q->msgs);
+    free(q->iov);
+    free(q->from);
+    free(q->ctl);
+    free(q->seg);
+    free(q->seg_len);
+    free(q->seg_msg);
+    memset(q, 0, sizeof *q);
+}
+
+/* segment size of message i (its whole length without GRO); 0 if it was truncated */
+static size_t seg_size(tp_rxq *q, int i) {
+    struct msghdr *h = &q->msgs[i].msg_hdr;
+    size_t len = q->msgs[i].msg_len;
+    if (h->msg_flags & MSG_TRUNC) return 0;
+    if (q->gro && h->msg_controllen) {
+        for (struct cmsghdr *cm = CMSG_FIRSTHDR(h); cm; cm = CMSG_NXTHDR(h, cm)) {
+            if (cm->cmsg_level == SOL_UDP && cm->cmsg_type == UDP_GRO) {
+                int seg;
+                memcpy(&seg, CMSG_DATA(cm), sizeof seg);
+                if (seg > 0 && (size_t)seg < len) return (size_t)seg;
+            }
+        }
+    }
+    return len;
+}
+
+int tp_rxq_recv(tp_rxq *q, int timeout_ms) {
+    q->nmsg = q->nseg = 0;
+    if (timeout_ms > 0) {   /* wait first: a caller that may wait usually finds nothing yet */
+        struct pollfd p = {q->fd, POLLIN, 0};
+        int pr = poll(&p, 1, timeout_ms);
+        if (pr < 0) return errno == EINTR ? 0 : -errno;
+        if (pr == 0) return 0;
+    }
+    int r;
+    for (;;) {
+        for (size_t i = 0; i < q->nmsgs; i++) {
+            struct msghdr *h = &q->msgs[i].msg_hdr;
+            h->msg_name = &q->from[i];
+            h->msg_namelen = sizeof q->from[i];
+            h->msg_control = q->ctl + i * CTL_LEN;
+            h->msg_controllen = CTL_LEN;
+            h->msg_flags = 0;
+        }
+        r = recvmmsg(q->fd, q->msgs, (unsigned)q->nmsgs, MSG_DONTWAIT, NULL);
+        if (r >= 0) break;
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+        return -errno;
+    }
+    q->messages += (uint64_t)r;
+    q->nmsg = r;
+    for (int i = 0; i < r; i++) {
+        size_t len = q->msgs[i].msg_len, seg = seg_size(q, i);
+        if (!seg) {
+            q->truncated++;   /* larger than any packet of ours */
+            continue;
+        }
+        const uint8_t *base = q->bufs + (size_t)i * q->bufsize;
+        for (size_t off = 0; off < len; off += seg) {
+            if ((size_t)q->nseg == q->maxseg) {
+                q->truncated++;
+                break;
+            }
+            q->seg[q->nseg] = base + off;
+            q->seg_len[q->nseg] = (uint32_t)(len - off < seg ? len - off : seg);
+            q->seg_msg[q->nseg] = (uint16_t)i;
+            q->nseg++;
+        }
+    }
+    return q->nseg;
+}

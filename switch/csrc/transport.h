@@ -1,0 +1,211 @@
+/* commlib's UDP transport: the whole interface of the layer under both data planes (the SwitchML
+ * switch and workers, the OmniReduce workers and aggregators).
+ *
+ *   - batched sends: a queue of packets, grouped per destination into UDP GSO messages and handed
+ *     to sendmmsg() (each segment is still its own datagram on the wire);
+ *   - batched receives: recvmmsg() with UDP GRO, split back into datagrams ("segments");
+ *   - one retransmission timer: the RFC 6298 round-trip estimator (srtt + 4 rttvar, clamped);
+ *   - one checksum: the word sum and the index-weighted word sum of the bytes (catches corrupted,
+ *     swapped and truncated words; vectorizes);
+ *   - one non-zero-block scan (OmniReduce's bitmap, the sparse policy's density);
+ *   - clocks and the simulator's random numbers.
+ *
+ * Python sees the part above TP_PYTHON_API_ONLY (through cffi, switch/csrc/build_native.py); the
+ * queues below it are C only (they are built on the socket API). */
+#ifndef COMMLIB_TRANSPORT_H
+#define COMMLIB_TRANSPORT_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define TP_FLOAT32 0
+#define TP_INT32 1
+
+/* checksum of buf[0:len] (callers zero their checksum field first) */
+uint32_t tp_checksum(const void *buf, size_t len);
+/* which blocks of `block` elements have any |x| > threshold (NaN counts; threshold 0: any bit but
+ * the sign bit): mask[b] = 0/1, returns the number of non-zero blocks. dtype: TP_FLOAT32/TP_INT32 */
+size_t tp_block_mask(const void *x, size_t n, int dtype, size_t block, double threshold, uint8_t *mask);
+
+#ifndef TP_PYTHON_API_ONLY
+#include <errno.h>
+#include <netinet/in.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+/* ---- clocks, byte order, random numbers ---------------------------------------------------- */
+static inline uint64_t tp_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint64_t tp_now_us(void) { return tp_now_ns() / 1000u; }
+
+static inline uint64_t tp_cpu_ns(void) {   /* CPU time of the calling thread */
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint32_t tp_rd32(const uint8_t *p) {   /* big-endian */
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return __builtin_bswap32(v);
+}
+
+static inline uint16_t tp_rd16(const uint8_t *p) { return (uint16_t)(p[0] << 8 | p[1]); }
+
+static inline void tp_wr32(uint8_t *p, uint32_t v) {
+    v = __builtin_bswap32(v);
+    memcpy(p, &v, 4);
+}
+
+static inline void tp_wr16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)(v >> 8);
+    p[1] = (uint8_t)v;
+}
+
+/* xorshift64*, uniform in [0, 1): the loss/duplication simulators only */
+static inline double tp_uniform(uint64_t *s) {
+    uint64_t x = *s;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *s = x;
+    return (double)((x * 0x2545F4914F6CDD1DULL) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+/* ---- checksum, incrementally (pieces of a multiple of 4 bytes, but the last) ----------------- */
+typedef struct { uint32_t s1, s2, i, len; } tp_ck;
+
+static inline void tp_ck_update(tp_ck *c, const void *p, size_t len) {
+    const uint8_t *b = (const uint8_t *)p;
+    uint32_t s1 = c->s1, s2 = c->s2, i = c->i;
+    size_t words = len / 4;
+    for (size_t k = 0; k < words; k++) {
+        uint32_t w;
+        memcpy(&w, b + 4 * k, 4);
+        s1 += w;
+        s2 += w * (i + (uint32_t)k + 1u);
+    }
+    i += (uint32_t)words;
+    if (len % 4) {
+        uint32_t w = 0;
+        memcpy(&w, b + 4 * words, len % 4);
+        s1 += w;
+        s2 += w * (++i);
+    }
+    c->s1 = s1;
+    c->s2 = s2;
+    c->i = i;
+    c->len += (uint32_t)len;
+}
+
+static inline uint32_t tp_ck_final(const tp_ck *c) { return c->s1 ^ ((c->s2 << 16) | (c->s2 >> 16)) ^ c->len; }
+
+/* ---- retransmission timer (RFC 6298) --------------------------------------------------------
+ * Samples in any unit (the caller's clock); only from packets sent once (Karn). rto is the timer
+ * of a new packet: srtt + 4 rttvar within [min, max], min before the first sample. */
+typedef struct { uint64_t srtt, rttvar, rto, min, max; } tp_rtt;
+
+static inline void tp_rtt_init(tp_rtt *r, uint64_t min, uint64_t max) {
+    r->srtt = r->rttvar = 0;
+    r->min = min;
+    r->max = max < min ? min : max;
+    r->rto = min;
+}
+
+static inline void tp_rtt_sample(tp_rtt *r, uint64_t sample) {
+    if (!r->srtt) {
+        r->srtt = sample ? sample : 1;
+        r->rttvar = sample / 2;
+    } else {
+        uint64_t d = r->srtt > sample ? r->srtt - sample : sample - r->srtt;
+        r->rttvar = (3 * r->rttvar + d) / 4;
+        r->srtt = (7 * r->srtt + sample) / 8;
+    }
+    uint64_t rto = r->srtt + 4 * r->rttvar;
+    r->rto = rto < r->min ? r->min : rto > r->max ? r->max : rto;
+}
+
+/* ---- batched sends -------------------------------------------------------------------------
+ * A packet is a header (copied into the queue, at most TP_MAX_HDR bytes) and a payload
+ * (referenced; copied into the queue's arena with TP_COPY). tp_txq_flush() packs consecutive
+ * packets of one size to one destination (a shorter one may end a run, as GSO allows) into one
+ * UDP GSO message of at most TP_GSO_SEGS segments and TP_GSO_BYTES, and sends every message with
+ * sendmmsg(). Where the kernel or the path refuses GSO the queue stops using it for good (one
+ * datagram per message). A full socket buffer is waited for (briefly); other failures to send are
+ * losses, which the protocols recover from. */
+#define TP_MAX_HDR 64
+#define TP_GSO_SEGS 64
+#define TP_GSO_BYTES 65000
+#define TP_ARENA (1u << 20)
+
+#define TP_CONNECTED 1   /* the socket is connected: destinations are ignored */
+#define TP_GSO 2         /* try UDP GSO */
+#define TP_COPY 4        /* copy payloads (the caller reuses its buffers before the flush) */
+
+typedef struct {
+    struct sockaddr_in to;
+    uint32_t hlen, plen;
+    const uint8_t *payload;
+    uint8_t hdr[TP_MAX_HDR];
+} tp_txpkt;
+
+typedef struct {
+    int fd, flags;
+    size_t cap, n;
+    tp_txpkt *pkts;
+    uint8_t *arena;
+    size_t arena_used;
+    /* scratch of flush, cap entries each */
+    struct mmsghdr *msgs;
+    struct iovec *iov;
+    uint32_t *msg_of, *seg, *nsegs, *bytes, *first, *cursor, *base;
+    uint8_t *closed;
+    char *ctl;
+    uint64_t pkts_sent, bytes_sent, messages, gso_messages, errors;
+} tp_txq;
+
+int tp_txq_init(tp_txq *q, int fd, size_t cap, int flags);
+void tp_txq_free(tp_txq *q);
+/* Queue one packet (to: ignored with TP_CONNECTED); flushes first when the queue is full.
+ * Returns what that flush returned (0 when none). */
+int tp_txq_add(tp_txq *q, const struct sockaddr_in *to, const void *hdr, uint32_t hlen, const void *payload,
+               uint32_t plen);
+/* Send everything queued: 0, or -ECONNREFUSED when the (connected) peer's port is closed. */
+int tp_txq_flush(tp_txq *q);
+
+/* ---- batched receives -----------------------------------------------------------------------
+ * recvmmsg() into nmsgs buffers (64 KiB with GRO, else bufsize), each message split into its
+ * datagrams: segments seg[0..nseg) of seg_len[i] bytes from tp_rxq_from(q, i). */
+#define TP_GRO_BUF 65536
+#define TP_GRO_SEGS 128   /* most datagrams the kernel coalesces into one message */
+
+typedef struct {
+    int fd, gro;
+    size_t nmsgs, bufsize, maxseg;
+    uint8_t *bufs;
+    struct mmsghdr *msgs;
+    struct iovec *iov;
+    struct sockaddr_in *from;
+    char *ctl;
+    int nmsg, nseg;                      /* of the last call: messages, segments */
+    const uint8_t **seg;
+    uint32_t *seg_len;
+    uint16_t *seg_msg;
+    uint64_t messages, truncated;
+} tp_rxq;
+
+int tp_rxq_init(tp_rxq *q, int fd, size_t nmsgs, size_t bufsize, int gro);
+void tp_rxq_free(tp_rxq *q);
+/* Take what is waiting: with timeout_ms > 0 after waiting up to that long for something (poll),
+ * with 0 at once. Returns the number of segments (0: none), or -errno (ECONNREFUSED and co report
+ * an ICMP error for an earlier send; callers decide whether that matters). */
+int tp_rxq_recv(tp_rxq *q, int timeout_ms);
+static inline const struct sockaddr_in *tp_rxq_from(const tp_rxq *q, int i) { return &q->from[q->seg_msg[i]]; }
+static inline int tp_icmp_error(int rc) { return rc == -ECONNREFUSED || rc == -EHOSTUNREACH || rc == -ENETUNREACH; }
+
+#endif /* TP_PYTHON_API_ONLY */
+#endif
