@@ -1,0 +1,86 @@
+"""commlib's DDP comm hook (commlib.torch.ddp_comm_hook) in spawned torchrun-style jobs, real
+torchrun and Lightning. Ranks write their results as JSON; the assertions are here."""
+import json
+import sys
+
+import pytest
+
+from launch import BIN, ROOT, _env, _run, free_port, spawn
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+
+
+def ranks(nprocs, script, tmp_path, *args, timeout=240, env=None):
+    """Run tests/workers/<script> on `nprocs` spawned ranks; each rank's JSON result, by rank."""
+    spawn(nprocs, script, tmp_path, *args, timeout=timeout, env=env).check()
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def torchrun(nprocs, path, *args, timeout=300):
+    """The real `torchrun --nproc-per-node N` on a script under the repository."""
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nprocs), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(ROOT / path), *map(str, args)]
+    return _run(cmd, timeout, _env(None))
+
+
+def switchml_bound(n, largest):
+    """backends/switchml.py: the n-way sum errs by at most n^2 2^(e-1) / (2^31 - 1) with
+    2^e <= 2 max|x| (so n^2 max|x| 2^-30 on the sum, n max|x| 2^-30 on the average), plus float32
+    rounding of the result."""
+    return largest * (n * 2.0 ** -30 + 2.0 ** -23)
+
+
+def check_grads(results, tolerance):
+    """Every rank holds the same reduced gradients, each step within `tolerance(size, max|grad|)`
+    of DDP's own allreduce."""
+    first = results[0]
+    for r in results[1:]:
+        assert r["grads"] == first["grads"], f"rank {r['rank']} reduced to other gradients than rank 0"
+    for r in results:
+        for step, s in enumerate(r["steps"]):
+            bound = tolerance(r["size"], s["max_grad"])
+            assert s["max_diff"] <= bound, f"rank {r['rank']} step {step}: |hook - DDP| {s['max_diff']} > {bound}"
+        assert r["iteration"] == len(r["steps"]), r
+        assert r["buckets_reduced"] > r["iteration"], "expected several buckets in the first step"
+
+
+def exact(n, largest):
+    return 0.0
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_ring_equals_ddp_default_exactly(tmp_path, nprocs):
+    results = ranks(nprocs, "ddp_grads.py", tmp_path, "*=ring", timeout=300)
+    check_grads(results, exact)
+    assert {tuple(v) for v in results[0]["records"].values()} == {("ring", None)}
+    assert set(results[0]["records"]) == set(results[0]["names"])
+
+
+@pytest.mark.parametrize("algorithm, tolerance", [("switchml", switchml_bound), ("omnireduce", exact)])
+def test_in_network_algorithms_within_their_bound(tmp_path, algorithm, tolerance):
+    """switchml within its quantization bound; omnireduce adds float32 like the ring, and these
+    sums are exact, so it must match exactly."""
+    results = ranks(2, "ddp_grads.py", tmp_path, f"*={algorithm}")
+    check_grads(results, tolerance)
+    assert {tuple(v) for v in results[0]["records"].values()} == {(algorithm, None)}
+
+
+def test_policy_sees_parameter_names_per_bucket(tmp_path):
+    results = ranks(2, "ddp_grads.py", tmp_path, "body.*=omnireduce;*.bias=ring;*=switchml")
+    check_grads(results, switchml_bound)
+    assert results[0]["records"] == {"body.weight": ["omnireduce", None], "body.bias": ["omnireduce", None],
+                                     "head.weight": ["switchml", None], "head.bias": ["ring", None]}
+
+
+def test_unused_parameters_and_no_sync_accumulation(tmp_path):
+    results = ranks(2, "ddp_grads.py", tmp_path, "*=ring", "unused,accumulate")
+    check_grads(results, exact)
+    assert "side.weight" in results[0]["records"]
+
+
+def test_composes_with_pytorch_fp16_compress_wrapper(tmp_path):
+    """fp16_compress_wrapper(ddp_comm_hook) vs fp16_compress_wrapper(allreduce_hook): both sum
+    float16 values, in other orders, so they differ by float16 rounding (2^-11 relative) per add."""
+    results = ranks(2, "ddp_grads.py", tmp_path, "*=ring", "fp16")
+    check_grads(results, lambda n, largest: largest * n * 2.0 ** -11)
+    assert {tuple(v) for v in results[0]["records"].values()} == {("ring", None)}
