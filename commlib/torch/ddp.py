@@ -82,6 +82,10 @@ class CommlibState:
 def ddp_comm_hook(state, bucket):
     """Reduce (average) one DDP bucket through commlib; returns a Future of the reduced buffer."""
     future = torch.futures.Future()
+    # set_exception only stores the exception as the value (Python's wait() raises it, DDP's C++
+    # side would try to cast it to a tensor); an error raised in a then() callback is a real error
+    # to both, so DDP's backward raises the error's own message
+    result = future.then(_value)
     try:
         buffer = bucket.buffer()
         params = bucket.parameters()
@@ -92,13 +96,17 @@ def ddp_comm_hook(state, bucket):
                    for param, view in zip(params, views)]
     except Exception as exc:   # surfaces where DDP waits for the bucket, as a failed collective does
         future.set_exception(exc)
-        return future
+        return result
     state.buckets_reduced += 1
     state.bytes_reduced += buffer.numel() * buffer.element_size()
     if bucket.is_last():
         state.iteration += 1
     state._completer.add(handles, views, buffer, future)
-    return future
+    return result
+
+
+def _value(future):
+    return future.value()
 
 
 def _views(buffer, params):
