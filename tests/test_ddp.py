@@ -5,9 +5,14 @@ import re
 
 import pytest
 
+import torch
+
+import commlib
+from commlib.torch.ddp import CommlibState, _views
 from launch import BIN, ROOT, _env, _run, free_port, spawn
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+pytestmark = pytest.mark.timeout(400)
+multiprocess = pytest.mark.multiprocess
 
 
 def ranks(nprocs, script, tmp_path, *args, timeout=240, env=None):
@@ -48,6 +53,7 @@ def exact(n, largest):
     return 0.0
 
 
+@multiprocess
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_ring_equals_ddp_default_exactly(tmp_path, nprocs):
     results = ranks(nprocs, "ddp_grads.py", tmp_path, "*=ring", timeout=300)
@@ -56,6 +62,7 @@ def test_ring_equals_ddp_default_exactly(tmp_path, nprocs):
     assert set(results[0]["records"]) == set(results[0]["names"])
 
 
+@multiprocess
 @pytest.mark.parametrize("algorithm, tolerance", [("switchml", switchml_bound), ("omnireduce", exact)])
 def test_in_network_algorithms_within_their_bound(tmp_path, algorithm, tolerance):
     """switchml within its quantization bound; omnireduce adds float32 like the ring, and these
@@ -65,6 +72,7 @@ def test_in_network_algorithms_within_their_bound(tmp_path, algorithm, tolerance
     assert {tuple(v) for v in results[0]["records"].values()} == {(algorithm, None)}
 
 
+@multiprocess
 def test_policy_sees_parameter_names_per_bucket(tmp_path):
     results = ranks(2, "ddp_grads.py", tmp_path, "body.*=omnireduce;*.bias=ring;*=switchml")
     check_grads(results, switchml_bound)
@@ -72,12 +80,14 @@ def test_policy_sees_parameter_names_per_bucket(tmp_path):
                                      "head.weight": ["switchml", None], "head.bias": ["ring", None]}
 
 
+@multiprocess
 def test_unused_parameters_and_no_sync_accumulation(tmp_path):
     results = ranks(2, "ddp_grads.py", tmp_path, "*=ring", "unused,accumulate")
     check_grads(results, exact)
     assert "side.weight" in results[0]["records"]
 
 
+@multiprocess
 def test_composes_with_pytorch_fp16_compress_wrapper(tmp_path):
     """fp16_compress_wrapper(ddp_comm_hook) vs fp16_compress_wrapper(allreduce_hook): both sum
     float16 values, in other orders, so they differ by float16 rounding (2^-11 relative) per add."""
@@ -86,6 +96,7 @@ def test_composes_with_pytorch_fp16_compress_wrapper(tmp_path):
     assert {tuple(v) for v in results[0]["records"].values()} == {("ring", None)}
 
 
+@multiprocess
 def test_mismatched_shape_in_a_bucket_is_a_clear_error_on_every_rank(tmp_path):
     results = ranks(4, "ddp_mismatch.py", tmp_path, timeout=240)
     for r in results:
@@ -96,6 +107,7 @@ def test_mismatched_shape_in_a_bucket_is_a_clear_error_on_every_rank(tmp_path):
         assert r["records"] == ["body.bias", "body.weight"], "the bucket's other tensors still reduce"
 
 
+@multiprocess
 def test_commlib_powersgd_reaches_pytorch_powersgd_loss(tmp_path):
     """Same matrix rank, seed, start step and error feedback: the mean loss of the last 10 of 40
     steps within 5% of PyTorch's powerSGD_hook's, and both train."""
@@ -109,6 +121,7 @@ def test_commlib_powersgd_reaches_pytorch_powersgd_loss(tmp_path):
     assert max(fused for _, _, fused in r["records"].values()) > 0, "a bucket's tensors were not reduced together"
 
 
+@multiprocess
 def test_torchrun_example_trains_through_the_embedded_switch():
     """examples/ddp_torchrun.py under the real torchrun: no configuration, dense gradients go to
     the embedded switch (`auto`), every step's bucket through commlib, the loss falls."""
@@ -119,6 +132,7 @@ def test_torchrun_example_trains_through_the_embedded_switch():
     assert "40 steps, 40 buckets through commlib: [('switchml', None)]" in out.stdout, out.stdout
 
 
+@multiprocess
 def test_lightning_example_trains_with_the_hook():
     """examples/lightning_ddp.py: Lightning's DDPStrategy with ddp_comm_state/ddp_comm_hook."""
     out = torchrun(2, "examples/lightning_ddp.py", "--steps", "30", "--policy", "*.bias=ring;*=switchml", timeout=300)
@@ -128,3 +142,23 @@ def test_lightning_example_trains_with_the_hook():
     first, last, buckets, used = float(found[1]), float(found[2]), int(found[3]), found[4]
     assert last < 0.8 * first and buckets >= 30, out.stdout
     assert used == "[('ring', None), ('switchml', None)]", out.stdout
+
+
+def test_state_needs_the_models_named_parameters():
+    with pytest.raises(commlib.ConfigError, match="named_parameters"):
+        CommlibState([])
+    with pytest.raises(commlib.ConfigError, match="not both"):
+        CommlibState(torch.nn.Linear(2, 2).named_parameters(), policy="*=ring", algorithm="ring")
+
+
+def test_bucket_views_follow_the_buffer_and_refuse_what_they_cannot_split():
+    params = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))]
+    buffer = torch.arange(10.0)
+    views = _views(buffer, params)
+    assert [v.shape for v in views] == [(2, 3), (4,)]
+    views[1].fill_(-1)   # views, not copies: results written into them land in the bucket
+    assert buffer[6:].tolist() == [-1.0] * 4
+    with pytest.raises(commlib.ConfigError, match="keep the buffer's length"):
+        _views(torch.zeros(9), params)
+    with pytest.raises(commlib.ConfigError, match="dense gradients"):
+        _views(torch.zeros(10).to_sparse(), params)
