@@ -38,6 +38,10 @@ class CommlibState:
     3. Bucket size is DDP's ``bucket_cap_mb``; commlib re-fuses up to ``COMMLIB_FUSION_THRESHOLD``.
        Smaller DDP buckets start communication earlier in backward, larger ones amortize the
        per-tensor negotiation with rank 0's controller.
+    4. PowerSGD: PyTorch needs ``start_powerSGD_iter >= 2`` because its memories are keyed by
+       bucket and DDP rebuilds its buckets after the first step; commlib keys them by parameter
+       name, so ``powersgd(start_iter=0)`` is safe. A fused bucket would be one flat vector, which
+       PowerSGD cannot factor: one more reason the hook reduces per parameter.
 
     The state is built from the wrapped model's ``named_parameters()`` on every rank, with the
     same names, and starts commlib (``commlib.init()``: under torchrun the ring is a gloo group of
