@@ -4,6 +4,7 @@ argv: OUT POLICY [OPTIONS]; OPTIONS a comma list of
   unused      a layer each rank uses on alternate steps only (find_unused_parameters=True)
   accumulate  two backward passes per step, the first under no_sync()
   fp16        the hook inside PyTorch's fp16_compress_wrapper (and DDP's default inside it too)
+  float       normal draws instead of the dyadic fixture below (for bounds that are not exact)
 Writes OUT/rank<r>.json with, per step, the largest |difference| of the two models' gradients and
 the largest |gradient|, the hooked gradients of the last step, what commlib ran per parameter and
 the state's statistics; pytest compares them. Each step starts both models from the same freshly
@@ -54,15 +55,17 @@ def draw_parameters(model, step):
     g = torch.Generator().manual_seed(1000 + step)   # the same on every rank and for both models
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randint(-8, 9, p.shape, generator=g).float() / 4)
+            p.copy_(torch.randn(p.shape, generator=g) / 2 if "float" in options
+                    else torch.randint(-8, 9, p.shape, generator=g).float() / 4)
 
 
 def gradients(ddp, step):
     draw_parameters(ddp.module, step)
     ddp.zero_grad(set_to_none=False)
     g = torch.Generator().manual_seed(100 * step + rank)
-    batches = [(torch.randint(-3, 4, (32, 16), generator=g).float(), torch.randint(-2, 3, (32, 4), generator=g).float())
-               for _ in range(2 if "accumulate" in options else 1)]
+    draw = (lambda *shape: torch.randn(shape, generator=g) * 2) if "float" in options else \
+        (lambda *shape: torch.randint(-3, 4, shape, generator=g).float())
+    batches = [(draw(32, 16), draw(32, 4)) for _ in range(2 if "accumulate" in options else 1)]
     for i, (x, target) in enumerate(batches):
         last = i == len(batches) - 1
         with ddp.no_sync() if not last else contextlib.nullcontext():
