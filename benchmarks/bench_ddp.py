@@ -3,7 +3,7 @@
 N emulated hosts (benchmarks/netem.py, every worker link shaped to --rate each way), one
 torch.distributed job as torchrun would start it (rank 0's store, gloo), a commlib-switch on an
 unshaped host. Every configuration trains the dense MLP of bench_training.py from the same start
-in the same processes, one after the other:
+in the same processes, the configurations taking turns step by step:
   DDP default (gloo ring allreduce), commlib's hook with switchml, `auto`, and switchml on one
   buffer per bucket (the alternative design: the bucket under one name, not its parameters),
   PyTorch's powerSGD_hook and commlib's powersgd over the ring, both rank 4 after 2 plain steps,
@@ -81,7 +81,7 @@ def worker(args):
     commlib.init()
     gen = torch.Generator().manual_seed(1234)                 # the teacher: the same on every rank
     teacher = torch.randn(args.features, 10, generator=gen)
-    out = {}
+    runs = {}
     for label in CONFIGS:
         torch.manual_seed(0)
         h = args.hidden
@@ -92,11 +92,13 @@ def worker(args):
         # mismatch): both PowerSGD configurations get the model in one bucket
         model = DDP(net, bucket_cap_mb=64) if "powersgd" in label else DDP(net)
         register(label, model, net)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        rates, losses = [], []
-        for step in range(args.warmup + args.steps):
-            x = torch.randn(args.batch, args.features, generator=torch.Generator().manual_seed(step * 1000 + rank))
-            y = (x @ teacher).argmax(dim=1)
+        runs[label] = (net, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), [], [])
+    # the configurations take turns step by step, so a change of load on this shared machine
+    # falls on all of them alike
+    for step in range(args.warmup + args.steps):
+        x = torch.randn(args.batch, args.features, generator=torch.Generator().manual_seed(step * 1000 + rank))
+        y = (x @ teacher).argmax(dim=1)
+        for label, (net, model, optimizer, rates, losses) in runs.items():
             dist.barrier()   # every rank starts the step together
             start = time.perf_counter()
             optimizer.zero_grad()
@@ -109,11 +111,13 @@ def worker(args):
             losses.append(mean.item() / size)
             if step >= args.warmup:
                 rates.append(args.batch / elapsed)
+    out = {}
+    for label, (net, model, optimizer, rates, losses) in runs.items():
         if rank == 0:
             total = size * statistics.fmean(rates)
             print(f"{label}: {total:.1f} samples/s on {size} workers, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
                   flush=True)
-            out[label] = {"parameters": sum(p.numel() for p in net.parameters()), "rates": rates, "losses": losses}
+        out[label] = {"parameters": sum(p.numel() for p in net.parameters()), "rates": rates, "losses": losses}
     if rank == 0:
         common.emit({"size": size, "results": out})
     commlib.shutdown()
