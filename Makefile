@@ -26,7 +26,7 @@ venv:
 deps:
 	$(PIP) install -q --upgrade "pip<25" setuptools wheel packaging
 	$(PIP) install -q torch==2.13.0 tensorflow-cpu==2.15.1 numpy==1.26.4 cffi mpi4py \
-	    pytest pytest-timeout matplotlib tqdm psutil cloudpickle pyyaml
+	    pytest pytest-timeout matplotlib tqdm psutil cloudpickle pyyaml pytorch_lightning==2.6.6
 
 # horovod 0.28.1 from its sdist (no wheel for Python 3.11), its C++14 raised to C++17, which PyTorch 2.x headers need.
 horovod:

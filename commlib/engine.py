@@ -108,31 +108,37 @@ class TorchEngine(Engine):
 
     def __init__(self, timeout_s=None):
         import torch.distributed as dist
-        if not dist.is_initialized():   # gloo's own timeout bounds every collective on a dead peer
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s or 1800))
+        timeout = datetime.timedelta(seconds=timeout_s or 1800)   # gloo's own bound on a dead peer
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=timeout)
+        # commlib's own gloo group over the job's rendezvous (the one DDP uses): its collectives run
+        # on commlib's background thread and must never interleave with those DDP or the user issue
+        # on the default group (gloo pairs collectives by call order), and a default NCCL group
+        # could not reduce host arrays
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.dist = dist
         super().__init__(dist.get_world_size())
 
     def allreduce(self, array, name, op="sum"):
         import torch
         out = torch.from_numpy(np.array(array, copy=True))
-        self.dist.all_reduce(out, op=reduce_op(op))
+        self.dist.all_reduce(out, op=reduce_op(op), group=self.group)
         return out.numpy()
 
     def allgather(self, array, name):
         import torch
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self.dist.all_gather(lengths, torch.tensor([array.size]))
+        self.dist.all_gather(lengths, torch.tensor([array.size]), group=self.group)
         lengths = [int(n) for n in lengths]
         padded = np.zeros(max(lengths), dtype=array.dtype)   # gloo's all_gather wants equal sizes
         padded[:array.size] = array
         parts = [torch.empty(max(lengths), dtype=torch.from_numpy(padded).dtype) for _ in range(self.size)]
-        self.dist.all_gather(parts, torch.from_numpy(padded))
+        self.dist.all_gather(parts, torch.from_numpy(padded), group=self.group)
         return [p.numpy()[:n] for p, n in zip(parts, lengths)]
 
     def broadcast_object(self, obj):
         box = [obj]
-        self.dist.broadcast_object_list(box, src=0)
+        self.dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
 

@@ -17,6 +17,7 @@ import types
 import commlib
 from commlib.errors import BackendUnavailable, ConfigError
 from commlib.policy import Policy
+from commlib.torch.ddp import CommlibState, ddp_comm_hook  # noqa: F401  (DDP comm hook)
 
 try:
     from horovod.torch import (broadcast_object, broadcast_optimizer_state,  # noqa: F401  (re-exported)

@@ -1,0 +1,159 @@
+"""DistributedDataParallel with commlib reducing the buckets: PyTorch's comm-hook contract.
+
+    import torch.distributed as dist, commlib.torch as cl
+    dist.init_process_group("gloo")     # torchrun's environment; commlib uses the same rendezvous
+    model = DDP(net)
+    state = cl.CommlibState(net.named_parameters(), policy="embedding.*=omnireduce;*=switchml")
+    model.register_comm_hook(state, cl.ddp_comm_hook)
+
+The hook hands each parameter's slice of the bucket to `commlib.allreduce_async` under the
+parameter's name, so the policy chooses per parameter, compressors keep their state per parameter
+(robust to DDP rebuilding its buckets after the first step), and commlib's executor fuses the
+slices of one algorithm back into one collective. The Future it returns is completed by a commlib
+thread once the handles resolve, never by the hook, so DDP overlaps communication with backward
+as with its own hooks, and wrappers such as `fp16_compress_wrapper(ddp_comm_hook)` compose.
+"""
+import queue
+import threading
+
+import torch
+
+import commlib
+from commlib.errors import ConfigError
+
+
+class CommlibState:
+    """What `ddp_comm_hook` needs across steps; pass it to `register_comm_hook(state, ddp_comm_hook)`.
+
+    Tuning guide:
+
+    1. ``policy`` (a commlib.Policy or its text; default: what ``commlib.init`` was given) picks
+       the algorithm and compressor per parameter name, e.g.
+       ``"embedding.*=omnireduce;*.weight=powersgd(rank=4);*=switchml"``. Start from the default
+       ``*=auto`` (sparse tensors to omnireduce, dense ones to switchml, else ring), read
+       ``commlib.records()`` to see what each parameter went through, then pin rules.
+    2. ``algorithm`` / ``compression`` force one choice for every parameter, the policy aside
+       (``compression="powersgd(rank=1)"`` is PyTorch's ``powerSGD_hook`` with commlib's
+       algorithms underneath; ``fp16(...)`` composes specs).
+    3. Bucket size is DDP's ``bucket_cap_mb``; commlib re-fuses up to ``COMMLIB_FUSION_THRESHOLD``.
+       Smaller DDP buckets start communication earlier in backward, larger ones amortize the
+       per-tensor negotiation with rank 0's controller.
+    4. PowerSGD: PyTorch needs ``start_powerSGD_iter >= 2`` because its memories are keyed by
+       bucket and DDP rebuilds its buckets after the first step; commlib keys them by parameter
+       name, so ``powersgd(start_iter=0)`` is safe. A fused bucket would be one flat vector, which
+       PowerSGD cannot factor: one more reason the hook reduces per parameter.
+
+    The state is built from the wrapped model's ``named_parameters()`` on every rank, with the
+    same names, and starts commlib (``commlib.init()``: under torchrun the ring is a gloo group of
+    the job's own rendezvous, and the embedded switch and aggregators need no configuration).
+    Initialize torch.distributed first if you want another backend than gloo (e.g. nccl): a job
+    without a process group gets a gloo one from commlib.
+
+    Cost: each parameter is one tensor for the core (about 0.2 ms per parameter and step on
+    loopback, benchmarks/bench_ddp_overhead.py); it buys per-name policies and PowerSGD on
+    matrices, and is invisible where the network is the bottleneck (benchmarks/bench_ddp.py).
+    """
+
+    __slots__ = (
+        # hyperparameters
+        "policy", "algorithm", "compression",
+        # internal state
+        "names", "_completer",
+        # statistics
+        "iteration", "buckets_reduced", "bytes_reduced",
+    )
+
+    def __init__(self, named_parameters, policy=None, algorithm=None, compression=None):
+        names = {}
+        for name, param in named_parameters:
+            if id(param) in names:
+                continue   # a shared parameter is reduced once, under its first name (as DDP does)
+            names[id(param)] = name
+        if not names:
+            raise ConfigError("CommlibState needs the model's named_parameters(); it got none")
+        if algorithm is not None and policy is not None:
+            raise ConfigError("give CommlibState a policy or an algorithm, not both: algorithm= overrides every rule")
+        self.policy = commlib.Policy.parse(policy) if isinstance(policy, str) else policy
+        self.algorithm, self.compression = algorithm, compression
+        self.names = names
+        self._completer = _Completer()
+        self.iteration = self.buckets_reduced = self.bytes_reduced = 0
+        commlib.init()
+
+    def name_of(self, param):
+        try:
+            return self.names[id(param)]
+        except KeyError:
+            raise ConfigError(f"a parameter of shape {tuple(param.shape)} in a DDP bucket is not among the "
+                              f"named_parameters() CommlibState was built from; build it from the module "
+                              f"DDP wraps") from None
+
+
+def ddp_comm_hook(state, bucket):
+    """Reduce (average) one DDP bucket through commlib; returns a Future of the reduced buffer."""
+    future = torch.futures.Future()
+    # set_exception only stores the exception as the value (Python's wait() raises it, DDP's C++
+    # side would try to cast it to a tensor); an error raised in a then() callback is a real error
+    # to both, so DDP's backward raises the error's own message
+    result = future.then(_value)
+    try:
+        buffer = bucket.buffer()
+        params = bucket.parameters()
+        views = _views(buffer, params)
+        handles = [commlib.allreduce_async(view, name=state.name_of(param), op=commlib.Average,
+                                           algorithm=state.algorithm, compression=state.compression,
+                                           policy=state.policy)
+                   for param, view in zip(params, views)]
+    except Exception as exc:   # surfaces where DDP waits for the bucket, as a failed collective does
+        future.set_exception(exc)
+        return result
+    state.buckets_reduced += 1
+    state.bytes_reduced += buffer.numel() * buffer.element_size()
+    if bucket.is_last():
+        state.iteration += 1
+    state._completer.add(handles, views, buffer, future)
+    return result
+
+
+def _value(future):
+    return future.value()
+
+
+def _views(buffer, params):
+    """Each parameter's slice of the flat bucket buffer, in the parameter's shape."""
+    if buffer.is_sparse:
+        raise ConfigError("commlib's DDP hook reduces dense buckets; use dense gradients (sparse=False "
+                          "embeddings): omnireduce finds their non-zero blocks itself")
+    sizes = [p.numel() for p in params]
+    if sum(sizes) != buffer.numel():
+        raise ConfigError(f"DDP bucket of {buffer.numel()} elements holds parameters of {sum(sizes)}; "
+                          f"a hook wrapping this one must keep the buffer's length")
+    return [view.view(p.shape) for view, p in zip(buffer.split(sizes), params)]
+
+
+class _Completer:
+    """One thread per state that waits for each bucket's handles in order (commlib's executor
+    resolves them) and completes the bucket's Future, so the hook itself never blocks."""
+
+    def __init__(self):
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def add(self, handles, views, buffer, future):
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="commlib-ddp-futures", daemon=True)
+                self._thread.start()
+        self._queue.put((handles, views, buffer, future))
+
+    def _run(self):
+        while True:
+            handles, views, buffer, future = self._queue.get()
+            try:
+                for handle, view in zip(handles, views):
+                    view.copy_(commlib.synchronize(handle))   # bounded: Handle.wait has its own timeout
+            except Exception as exc:   # Mismatch, CommTimeout, PeerFailure: raised where DDP waits
+                future.set_exception(exc)
+                continue
+            future.set_result(buffer)

@@ -1,0 +1,165 @@
+"""commlib's DDP comm hook (commlib.torch.ddp_comm_hook) in spawned torchrun-style jobs, real
+torchrun and Lightning. Ranks write their results as JSON; the assertions are here."""
+import json
+import re
+
+import pytest
+
+import torch
+
+import commlib
+from commlib.torch.ddp import CommlibState, _views
+from launch import BIN, ROOT, _env, _run, free_port, spawn
+
+pytestmark = pytest.mark.timeout(400)
+multiprocess = pytest.mark.multiprocess
+
+
+def ranks(nprocs, script, tmp_path, *args, timeout=240, env=None):
+    """Run tests/workers/<script> on `nprocs` spawned ranks; each rank's JSON result, by rank."""
+    spawn(nprocs, script, tmp_path, *args, timeout=timeout, env=env).check()
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def torchrun(nprocs, path, *args, timeout=300):
+    """The real `torchrun --nproc-per-node N` on a script under the repository."""
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nprocs), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(ROOT / path), *map(str, args)]
+    return _run(cmd, timeout, _env(None))
+
+
+def switchml_bound(n, largest):
+    """backends/switchml.py: the n-way sum errs by at most n^2 2^(e-1) / (2^31 - 1) with
+    2^e <= 2 max|x| (so n^2 max|x| 2^-30 on the sum, n max|x| 2^-30 on the average), plus float32
+    rounding: one of the switch's result, n - 1 of the partial sums in DDP's own ring."""
+    return largest * (n * 2.0 ** -30 + n * 2.0 ** -23)
+
+
+def check_grads(results, tolerance):
+    """Every rank holds the same reduced gradients, each step within `tolerance(size, max|grad|)`
+    of DDP's own allreduce."""
+    first = results[0]
+    for r in results[1:]:
+        assert r["grads"] == first["grads"], f"rank {r['rank']} reduced to other gradients than rank 0"
+    for r in results:
+        for step, s in enumerate(r["steps"]):
+            bound = tolerance(r["size"], s["max_grad"])
+            assert s["max_diff"] <= bound, f"rank {r['rank']} step {step}: |hook - DDP| {s['max_diff']} > {bound}"
+        assert r["iteration"] == len(r["steps"]), r
+        assert r["buckets_reduced"] > r["iteration"], "expected several buckets in the first step"
+
+
+def exact(n, largest):
+    return 0.0
+
+
+@multiprocess
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_ring_equals_ddp_default_exactly(tmp_path, nprocs):
+    results = ranks(nprocs, "ddp_grads.py", tmp_path, "*=ring", timeout=300)
+    check_grads(results, exact)
+    assert {tuple(v) for v in results[0]["records"].values()} == {("ring", None)}
+    assert set(results[0]["records"]) == set(results[0]["names"])
+
+
+@multiprocess
+@pytest.mark.parametrize("algorithm, tolerance, nprocs, data", [
+    ("switchml", switchml_bound, 2, "float"), ("switchml", switchml_bound, 4, "float"), ("omnireduce", exact, 2, "")])
+def test_in_network_algorithms_within_their_bound(tmp_path, algorithm, tolerance, nprocs, data):
+    """switchml within its quantization bound on normal draws (on the dyadic fixture it is exact);
+    omnireduce adds float32 like the ring, so on the dyadic fixture it must match exactly."""
+    results = ranks(nprocs, "ddp_grads.py", tmp_path, f"*={algorithm}", data, timeout=300)
+    check_grads(results, tolerance)
+    assert {tuple(v) for v in results[0]["records"].values()} == {(algorithm, None)}
+
+
+@multiprocess
+def test_policy_sees_parameter_names_per_bucket(tmp_path):
+    results = ranks(2, "ddp_grads.py", tmp_path, "body.*=omnireduce;*.bias=ring;*=switchml")
+    check_grads(results, switchml_bound)
+    assert results[0]["records"] == {"body.weight": ["omnireduce", None], "body.bias": ["omnireduce", None],
+                                     "head.weight": ["switchml", None], "head.bias": ["ring", None]}
+
+
+@multiprocess
+def test_unused_parameters_and_no_sync_accumulation(tmp_path):
+    results = ranks(2, "ddp_grads.py", tmp_path, "*=ring", "unused,accumulate")
+    check_grads(results, exact)
+    assert "side.weight" in results[0]["records"]
+
+
+@multiprocess
+def test_composes_with_pytorch_fp16_compress_wrapper(tmp_path):
+    """fp16_compress_wrapper(ddp_comm_hook) vs fp16_compress_wrapper(allreduce_hook): both sum
+    float16 values, in other orders, so they differ by float16 rounding (2^-11 relative) per add."""
+    results = ranks(2, "ddp_grads.py", tmp_path, "*=ring", "fp16")
+    check_grads(results, lambda n, largest: largest * n * 2.0 ** -11)
+    assert {tuple(v) for v in results[0]["records"].values()} == {("ring", None)}
+
+
+@multiprocess
+def test_mismatched_shape_in_a_bucket_is_a_clear_error_on_every_rank(tmp_path):
+    results = ranks(4, "ddp_mismatch.py", tmp_path, timeout=240)
+    for r in results:
+        assert r["error"] is not None, f"rank {r['rank']}: backward did not fail"
+        message = r["error"]["message"]
+        assert "Mismatch" in message and "'head.weight'" in message and "shape" in message, message
+        assert "rank 3 gave [5, 16]" in message, message
+        assert r["records"] == ["body.bias", "body.weight"], "the bucket's other tensors still reduce"
+
+
+@multiprocess
+def test_commlib_powersgd_reaches_pytorch_powersgd_loss(tmp_path):
+    """Same matrix rank, seed, start step and error feedback: the mean loss of the last 10 of 40
+    steps within 5% of PyTorch's powerSGD_hook's, and both train."""
+    results = ranks(2, "ddp_powersgd.py", tmp_path, 2, 40, timeout=300)
+    r = results[0]
+    ours, theirs = sum(r["commlib"][-10:]) / 10, sum(r["pytorch"][-10:]) / 10
+    assert abs(ours - theirs) <= 0.05 * theirs, f"commlib powersgd {ours:.4f} vs PyTorch's {theirs:.4f}"
+    assert ours < 0.7 * r["commlib"][0], r["commlib"]
+    assert {alg for alg, _, _ in r["records"].values()} == {"ring"}
+    assert all(spec.startswith("powersgd(rank=2") for _, spec, _ in r["records"].values())
+    assert max(fused for _, _, fused in r["records"].values()) > 0, "a bucket's tensors were not reduced together"
+
+
+@multiprocess
+def test_torchrun_example_trains_through_the_embedded_switch():
+    """examples/ddp_torchrun.py under the real torchrun: no configuration, dense gradients go to
+    the embedded switch (`auto`), every step's bucket through commlib, the loss falls."""
+    out = torchrun(2, "examples/ddp_torchrun.py", "--steps", "40", timeout=300)
+    assert out.returncode == 0, out.stdout
+    losses = [float(v) for v in re.findall(r"step \d+: loss ([\d.]+)", out.stdout)]
+    assert len(losses) == 5 and losses[-1] < 0.5 * losses[0], out.stdout
+    assert "40 steps, 40 buckets through commlib: [('switchml', None)]" in out.stdout, out.stdout
+
+
+@multiprocess
+def test_lightning_example_trains_with_the_hook():
+    """examples/lightning_ddp.py: Lightning's DDPStrategy with ddp_comm_state/ddp_comm_hook."""
+    out = torchrun(2, "examples/lightning_ddp.py", "--steps", "30", "--policy", "*.bias=ring;*=switchml", timeout=300)
+    assert out.returncode == 0, out.stdout
+    found = re.search(r"lightning: loss ([\d.]+) -> ([\d.]+); 30 steps, (\d+) buckets through commlib: (.*)", out.stdout)
+    assert found, out.stdout
+    first, last, buckets, used = float(found[1]), float(found[2]), int(found[3]), found[4]
+    assert last < 0.8 * first and buckets >= 30, out.stdout
+    assert used == "[('ring', None), ('switchml', None)]", out.stdout
+
+
+def test_state_needs_the_models_named_parameters():
+    with pytest.raises(commlib.ConfigError, match="named_parameters"):
+        CommlibState([])
+    with pytest.raises(commlib.ConfigError, match="not both"):
+        CommlibState(torch.nn.Linear(2, 2).named_parameters(), policy="*=ring", algorithm="ring")
+
+
+def test_bucket_views_follow_the_buffer_and_refuse_what_they_cannot_split():
+    params = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))]
+    buffer = torch.arange(10.0)
+    views = _views(buffer, params)
+    assert [v.shape for v in views] == [(2, 3), (4,)]
+    views[1].fill_(-1)   # views, not copies: results written into them land in the bucket
+    assert buffer[6:].tolist() == [-1.0] * 4
+    with pytest.raises(commlib.ConfigError, match="keep the buffer's length"):
+        _views(torch.zeros(9), params)
+    with pytest.raises(commlib.ConfigError, match="dense gradients"):
+        _views(torch.zeros(10).to_sparse(), params)

@@ -1,0 +1,99 @@
+"""DDP with commlib's hook vs DDP's default allreduce: same start, same data, every step.
+
+argv: OUT POLICY [OPTIONS]; OPTIONS a comma list of
+  unused      a layer each rank uses on alternate steps only (find_unused_parameters=True)
+  accumulate  two backward passes per step, the first under no_sync()
+  fp16        the hook inside PyTorch's fp16_compress_wrapper (and DDP's default inside it too)
+  float       normal draws instead of the dyadic fixture below (for bounds that are not exact)
+Writes OUT/rank<r>.json with, per step, the largest |difference| of the two models' gradients and
+the largest |gradient|, the hooked gradients of the last step, what commlib ran per parameter and
+the state's statistics; pytest compares them. Each step starts both models from the same freshly
+drawn parameters, all quarter-integers, and the inputs are small integers: every gradient then has
+few significant bits, so its sum over ranks is exact in float32 in any order, and a `ring` reduce
+must match DDP's bit for bit however gloo orders the additions.
+"""
+import contextlib
+import copy
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_wrapper
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commlib
+import commlib.torch as cl
+
+out, policy = Path(sys.argv[1]), sys.argv[2]
+options = set(sys.argv[3].split(",")) if len(sys.argv) > 3 and sys.argv[3] else set()
+STEPS = 4
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+rank, size = dist.get_rank(), dist.get_world_size()
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(48, 4)
+        if "unused" in options:
+            self.side = torch.nn.Linear(48, 4)
+
+    def forward(self, x, step):
+        h = torch.relu(self.body(x))
+        y = self.head(h)
+        if "unused" in options and (rank + step) % 2 == 0:
+            y = y + self.side(h)
+        return y
+
+
+def draw_parameters(model, step):
+    g = torch.Generator().manual_seed(1000 + step)   # the same on every rank and for both models
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / 2 if "float" in options
+                    else torch.randint(-8, 9, p.shape, generator=g).float() / 4)
+
+
+def gradients(ddp, step):
+    draw_parameters(ddp.module, step)
+    ddp.zero_grad(set_to_none=False)
+    g = torch.Generator().manual_seed(100 * step + rank)
+    draw = (lambda *shape: torch.randn(shape, generator=g) * 2) if "float" in options else \
+        (lambda *shape: torch.randint(-3, 4, shape, generator=g).float())
+    batches = [(draw(32, 16), draw(32, 4)) for _ in range(2 if "accumulate" in options else 1)]
+    for i, (x, target) in enumerate(batches):
+        last = i == len(batches) - 1
+        with ddp.no_sync() if not last else contextlib.nullcontext():
+            (ddp(x, step) * target).sum().div(32).backward()
+    return [p.grad.clone() for p in ddp.module.parameters()]
+
+
+net = Net()
+# ~1 KB caps: two buckets in the first step, then the one DDP rebuilds in backward order
+ddp_args = dict(bucket_cap_mb_list=[0.001] * 3, find_unused_parameters="unused" in options)
+plain = DDP(copy.deepcopy(net), **ddp_args)
+hooked = DDP(net, **ddp_args)
+state = cl.CommlibState(net.named_parameters(), policy=policy)
+hook = fp16_compress_wrapper(cl.ddp_comm_hook) if "fp16" in options else cl.ddp_comm_hook
+hooked.register_comm_hook(state, hook)
+if "fp16" in options:
+    plain.register_comm_hook(dist.group.WORLD, fp16_compress_wrapper(allreduce_hook))
+
+steps = []
+for step in range(STEPS):
+    theirs, ours = gradients(plain, step), gradients(hooked, step)
+    steps.append({"max_diff": max((a - b).abs().max().item() for a, b in zip(theirs, ours)),
+                  "max_grad": max(a.abs().max().item() for a in theirs)})
+names = [n for n, _ in net.named_parameters()]
+result = {"rank": rank, "size": size, "steps": steps, "names": names,
+          "grads": [g.flatten().tolist() for g in ours],
+          "records": {n: [r["algorithm"], r["compression"]] for n, r in commlib.records().items()},
+          "iteration": state.iteration, "buckets_reduced": state.buckets_reduced}
+(out / f"rank{rank}.json").write_text(json.dumps(result))
+commlib.shutdown()
+dist.destroy_process_group()
