@@ -6,7 +6,8 @@ block allreduce, a GRACE-style compressor, or a ring allreduce through Horovod/M
     commlib.init()                                   # rank/size from horovodrun, mpirun, torchrun
     avg = commlib.allreduce(tensor, name="grad.w")   # policy picks the algorithm
 """
-from commlib.api import (Average, Handle, Max, Min, Product, Sum, allreduce, allreduce_async, backend_stats, init,
+from commlib.api import (Average, Handle, Max, Min, Product, Sum, allreduce, allreduce_async, backend_stats,
+                          grouped_allreduce, grouped_allreduce_async, init,
                           is_initialized, local_rank, local_size, poll, rank, records, shutdown, size,
                           synchronize)
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, Mismatch,
@@ -15,7 +16,7 @@ from commlib.policy import Policy, Rule
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "allreduce", "allreduce_async", "synchronize", "poll", "Handle", "Sum", "Average", "Min", "Max", "Product", "Policy", "Rule",
+    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async", "synchronize", "poll", "Handle", "Sum", "Average", "Min", "Max", "Product", "Policy", "Rule",
     "records", "backend_stats",
     "CommError", "CommTimeout", "Mismatch", "BackendUnavailable", "ConfigError", "InvalidTensor", "PeerFailure",
 ]

@@ -6,7 +6,7 @@ import threading
 
 from commlib import differentiable
 from commlib.backends import registry
-from commlib.errors import CommError
+from commlib.errors import CommError, ConfigError
 from commlib.executor import Average, Max, Min, Product, Sum
 from commlib.handles import Handle
 from commlib.policy import Policy
@@ -17,9 +17,9 @@ log = logging.getLogger("commlib")
 _runtime = None
 _init_lock = threading.Lock()
 
-__all__ = ["Average", "Sum", "Min", "Max", "Product", "Handle", "init", "shutdown", "is_initialized", "runtime", "rank", "size",
-           "local_rank", "local_size", "allreduce_async", "synchronize", "poll", "allreduce", "records",
-           "backend_stats"]
+__all__ = ["Average", "Sum", "Min", "Max", "Product", "Handle", "init", "shutdown", "is_initialized", "runtime",
+           "rank", "size", "local_rank", "local_size", "allreduce_async", "grouped_allreduce_async",
+           "grouped_allreduce", "synchronize", "poll", "allreduce", "records", "backend_stats"]
 
 
 def init(policy=None, **settings):
@@ -83,15 +83,36 @@ def allreduce_async(tensor, name=None, op=Average, algorithm=None, compression=N
     tensor that requires grad the result is differentiable, as Horovod's allreduce is.
     `algorithm`/`compression` force a choice; otherwise `policy` (a Policy or its text; default:
     commlib.init's) picks them from the name, size and dtype."""
+    return grouped_allreduce_async([tensor], [name], op, algorithm, compression, prescale_factor,
+                                   postscale_factor, policy)[0]
+
+
+def grouped_allreduce_async(tensors, names=None, op=Average, algorithm=None, compression=None,
+                            prescale_factor=1.0, postscale_factor=1.0, policy=None):
+    """allreduce_async of several tensors at once (Horovod's grouped_allreduce): one message to the
+    controller, so they are released together and fused into as few collectives as they allow.
+    `names`: one per tensor (or None). Returns their Handles."""
     if isinstance(policy, str):
         policy = Policy.parse(policy)
-    handle = runtime().allreduce_async(tensor, name, op, algorithm, compression,
-                                       float(prescale_factor), float(postscale_factor), policy)
-    if differentiable.wants_grad(tensor):   # as Horovod's: backward reduces the gradient the same way
-        reduce_grad = lambda grad: allreduce(grad, f"{handle.name}.grad", op, algorithm, compression,
-                                             prescale_factor, postscale_factor, policy)
-        handle.then(lambda out: differentiable.attach(tensor, out, reduce_grad))
-    return handle
+    names = [None] * len(tensors) if names is None else list(names)
+    if len(names) != len(tensors):
+        raise ConfigError(f"grouped_allreduce: {len(tensors)} tensors but {len(names)} names")
+    handles = runtime().grouped_allreduce_async(tensors, names, op, algorithm, compression, float(prescale_factor),
+                                                float(postscale_factor), policy)
+    for tensor, handle in zip(tensors, handles):
+        if differentiable.wants_grad(tensor):   # as Horovod's: backward reduces the gradient the same way
+            reduce_grad = lambda grad, name=handle.name: allreduce(grad, f"{name}.grad", op, algorithm, compression,
+                                                                    prescale_factor, postscale_factor, policy)
+            handle.then(lambda out, tensor=tensor, reduce_grad=reduce_grad:
+                        differentiable.attach(tensor, out, reduce_grad))
+    return handles
+
+
+def grouped_allreduce(tensors, names=None, op=Average, algorithm=None, compression=None,
+                      prescale_factor=1.0, postscale_factor=1.0, policy=None):
+    """Reduce several tensors at once (see grouped_allreduce_async); returns their results."""
+    return [synchronize(h) for h in grouped_allreduce_async(tensors, names, op, algorithm, compression,
+                                                            prescale_factor, postscale_factor, policy)]
 
 
 def synchronize(handle):

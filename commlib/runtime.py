@@ -38,22 +38,36 @@ class Runtime:
         return self.executor.records
 
     def allreduce_async(self, tensor, name, op, algorithm, compression, prescale, postscale, policy=None):
+        return self.grouped_allreduce_async([tensor], [name], op, algorithm, compression, prescale, postscale,
+                                            policy)[0]
+
+    def grouped_allreduce_async(self, tensors, names, op, algorithm, compression, prescale, postscale, policy=None):
+        """Handles for tensors submitted in one message: they are negotiated, released and fused
+        together. A tensor refused here is refused on every rank; this rank raises its error."""
         if self.executor.broken:
             raise self.executor.broken
-        named, name = name is not None, name or f"allreduce.noname.{next(self._names)}"
-        try:
-            staged, op, plan, compressor = self._plan(tensor, name, named, op, algorithm, compression, policy)
-        except CommError as exc:   # the other ranks wait for this tensor: tell them why it never comes
-            self.client.submit([{"name": name, "error": {"kind": type(exc).__name__, "message": str(exc)}}])
-            raise
         s = self.settings
-        handle = Handle(name, s.negotiation_timeout_s + 3 * s.timeout_s + 10)
-        entry = Entry(staged, name, op, plan, compressor, prescale, postscale, handle)
-        self.executor.track(entry)
-        self.client.submit([{"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op,
-                             "choices": plan.choices, "compression": plan.compression, "density": plan.density,
-                             "prescale": prescale, "postscale": postscale}])
-        return handle
+        entries, metas, refused = [], [], None
+        for tensor, name in zip(tensors, names):
+            named, name = name is not None, name or f"allreduce.noname.{next(self._names)}"
+            try:
+                staged, op_name, plan, compressor = self._plan(tensor, name, named, op, algorithm, compression,
+                                                                policy)
+            except CommError as exc:   # the other ranks wait for this tensor: tell them why it never comes
+                metas.append({"name": name, "error": {"kind": type(exc).__name__, "message": str(exc)}})
+                refused = refused or exc
+                continue
+            handle = Handle(name, s.negotiation_timeout_s + 3 * s.timeout_s + 10)
+            entries.append(Entry(staged, name, op_name, plan, compressor, prescale, postscale, handle))
+            metas.append({"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op_name,
+                          "choices": plan.choices, "compression": plan.compression, "density": plan.density,
+                          "prescale": prescale, "postscale": postscale})
+        for entry in entries:
+            self.executor.track(entry)
+        self.client.submit(metas)
+        if refused is not None:
+            raise refused
+        return [entry.handle for entry in entries]
 
     def _plan(self, tensor, name, named, op, algorithm, compression, policy):
         """(Staged, op name, Plan, compressor) for a tensor, or the error that refuses it."""

@@ -153,3 +153,12 @@ def test_duplicate_name_in_flight(monkeypatch):
 def test_unknown_setting(monkeypatch):
     with pytest.raises(commlib.ConfigError, match="unknown setting"):
         commlib.init(fusion_treshold=1)
+
+
+def test_grouped_allreduce_is_released_and_fused_together(runtime):
+    tensors = [np.full(3, i, np.float32) for i in range(6)]
+    outs = commlib.grouped_allreduce(tensors, [f"g{i}" for i in range(6)], op=commlib.Sum)
+    assert [o.tolist() for o in outs] == [t.tolist() for t in tensors]
+    assert {commlib.records()[f"g{i}"]["fused_with"] for i in range(6)} == {5}   # one collective
+    with pytest.raises(commlib.ConfigError, match="2 tensors but 1 names"):
+        commlib.grouped_allreduce(tensors[:2], ["only"])

@@ -6,8 +6,8 @@
     state = cl.CommlibState(net.named_parameters(), policy="embedding.*=omnireduce;*=switchml")
     model.register_comm_hook(state, cl.ddp_comm_hook)
 
-The hook hands each parameter's slice of the bucket to `commlib.allreduce_async` under the
-parameter's name, so the policy chooses per parameter, compressors keep their state per parameter
+The hook hands each parameter's slice of the bucket to `commlib.grouped_allreduce_async` (one
+message for the bucket) under the parameter's name, so the policy chooses per parameter, compressors keep their state per parameter
 (robust to DDP rebuilding its buckets after the first step), and commlib's executor fuses the
 slices of one algorithm back into one collective. The Future it returns is completed by a commlib
 thread once the handles resolve, never by the hook, so DDP overlaps communication with backward
@@ -100,10 +100,10 @@ def ddp_comm_hook(state, bucket):
         buffer = bucket.buffer()
         params = bucket.parameters()
         views = _views(buffer, params)
-        handles = [commlib.allreduce_async(view, name=state.name_of(param), op=commlib.Average,
-                                           algorithm=state.algorithm, compression=state.compression,
-                                           policy=state.policy)
-                   for param, view in zip(params, views)]
+        # one message for the bucket: its parameters are released together and fused again
+        handles = commlib.grouped_allreduce_async(views, [state.name_of(param) for param in params],
+                                                  op=commlib.Average, algorithm=state.algorithm,
+                                                  compression=state.compression, policy=state.policy)
     except Exception as exc:   # surfaces where DDP waits for the bucket, as a failed collective does
         future.set_exception(exc)
         return result
