@@ -192,17 +192,10 @@ class OmniReduceBackend(Backend):
             raise
 
     def _step(self, step, fn, timeout):
-        """fn() on every rank, then ctx.agree: every rank raises the first failing rank's error. The
-        ranks first wait for each other up to `timeout`: starting processes and retrying registrations
-        is slower than the data path's timeout allows."""
-        key = f"{self._prefix}/{step}"
-
-        def waited():
-            try:
-                return fn()
-            finally:
-                self.ctx.exchange(f"{key}/done", None, timeout)
-        return self.ctx.agree(key, waited)
+        """fn() on every rank, agreed (every rank raises the first failing rank's error); ranks wait
+        for each other up to `timeout`: starting processes and retrying registrations is slower than
+        the data path's timeout allows."""
+        return self.ctx.agree(f"{self._prefix}/{step}", fn, timeout=timeout)
 
     def _start(self):
         ctx, s = self.ctx, self.ctx.settings

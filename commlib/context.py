@@ -42,15 +42,16 @@ class Context:
     def barrier(self, key):
         self.exchange(f"barrier/{key}", None)
 
-    def agree(self, key, fn, *args):
+    def agree(self, key, fn, *args, timeout=None):
         """fn(*args) on every rank; if it raised on any rank, every rank raises a CommError naming the
-        first failing rank and its error (so no rank waits for one that gave up). Returns fn's result."""
+        first failing rank and its error (so no rank waits for one that gave up). Returns fn's result.
+        `timeout`: how long a rank waits for the slowest (default: the timeout_s setting)."""
         result, why, local = None, "", None
         try:
             result = fn(*args)
         except Exception as exc:   # shared with every rank below; the local traceback is chained
             why, local = f"{type(exc).__name__}: {exc}", exc
-        reasons = self.exchange(f"agree/{key}", why)
+        reasons = self.exchange(f"agree/{key}", why, timeout)
         failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason]
         if failed:
             rank, reason = failed[0]
