@@ -22,7 +22,7 @@ import commlib
 from commlib.errors import BackendUnavailable, ConfigError
 from commlib.policy import Policy
 from commlib.tensorflow import ring  # noqa: F401  registers the horovod_tensorflow ring engine
-from commlib.tensorflow.gradients import GradientReducer, tensor_names  # noqa: F401  (public)
+from commlib.tensorflow.names import tensor_names  # noqa: F401  (public)
 
 _REEXPORTED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
                "broadcast_variables", "broadcast", "broadcast_object", "allgather_object", "Average", "Sum",
@@ -33,6 +33,9 @@ def __getattr__(name):
     """What TF Horovod users call beside the optimizer (hvd.init, broadcast_variables, ...)."""
     if name in _REEXPORTED:
         return getattr(_horovod(), name)
+    if name == "GradientReducer":
+        from commlib.tensorflow.gradients import GradientReducer
+        return GradientReducer
     raise AttributeError(f"module 'commlib.tensorflow' has no attribute {name!r}")
 
 
@@ -106,6 +109,7 @@ def _reducer(hvd, compression, op, gradient_predivide_factor, sparse_as_dense, p
     if isinstance(policy, str):
         policy = Policy.parse(policy)
     commlib.init()
+    from commlib.tensorflow.gradients import GradientReducer
     return GradientReducer(op == hvd.Average, gradient_predivide_factor, compression, policy, algorithm,
                            sparse_as_dense), op
 

@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 import commlib
+from commlib.tensorflow.names import tensor_names
 
 # dtypes numpy (and so commlib) cannot carry travel as float32 and are cast back afterwards
 _WIDENED = (tf.bfloat16,)
@@ -64,22 +65,6 @@ class GradientReducer:
                                            prescale_factor=self.prescale, postscale_factor=self.postscale)
                    for n, a in zip(names, arrays)]
         return [commlib.synchronize(h) for h in handles]
-
-
-def tensor_names(vars, count, use_generic_names=False):
-    """One name per gradient: the variable's name without TF's ":0", or grad_<i> (as Horovod's
-    use_generic_names); a repeated name gets "#<i>" so every tensor of a step is distinct."""
-    if vars is None or use_generic_names:
-        return [f"grad_{i}" for i in range(count)]
-    names, seen = [], set()
-    for i, var in enumerate(vars):
-        name = getattr(var, "path", None) or var.name   # Keras 3 variables: path is the unique one
-        name = name.split(":")[0]
-        if name in seen:
-            name = f"{name}#{i}"
-        seen.add(name)
-        names.append(name)
-    return names
 
 
 def _host_view(tensor):
