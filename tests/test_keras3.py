@@ -2,6 +2,8 @@
 that `make install` builds: 2-rank model.fit equals the single-process large-batch fit, under
 mpirun (ring through mpi4py) and torchrun (torch.distributed), with the TensorFlow and the torch
 backends of Keras 3. The ranks run the .venv-keras3 python; this file runs in the main suite."""
+import re
+
 import pytest
 
 from launch import ROOT, WORKERS, _env, _run, free_port
@@ -14,10 +16,10 @@ pytestmark = [pytest.mark.multiprocess,
 SCRIPT = str(WORKERS / "keras3_fit.py")
 
 
-def _mpirun(*args, env=None, timeout=240):
+def _mpirun(script, *args, env=None, timeout=240):
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONUNBUFFERED",
            "-x", "OMP_NUM_THREADS", *[a for k in (env or {}) for a in ("-x", k)],
-           str(KERAS3_BIN / "python"), SCRIPT, *map(str, args)]
+           str(KERAS3_BIN / "python"), str(script), *map(str, args)]
     return _run(cmd, timeout, _env(env))
 
 
@@ -33,7 +35,7 @@ def _ok(out, backend, algorithm):
 
 
 def test_fit_under_mpirun_matches_single_process_large_batch():
-    _ok(_mpirun("*=ring", 1e-5, env={"KERAS_BACKEND": "tensorflow"}), "tensorflow", "ring")
+    _ok(_mpirun(SCRIPT, "*=ring", 1e-5, env={"KERAS_BACKEND": "tensorflow"}), "tensorflow", "ring")
 
 
 def test_fit_through_switchml_under_torchrun():
@@ -42,3 +44,10 @@ def test_fit_through_switchml_under_torchrun():
 
 def test_fit_with_the_torch_backend_of_keras3():
     _ok(_torchrun("*=ring", 1e-5, env={"KERAS_BACKEND": "torch"}), "torch", "ring")
+
+
+def test_example_keras3_fit_trains():
+    out = _mpirun(ROOT / "examples" / "keras3_fit.py", "--epochs", 3)
+    assert out.returncode == 0, out.stdout
+    losses = [float(v) for v in re.search(r"loss per epoch: ([\d. ]+)", out.stdout).group(1).split()]
+    assert len(losses) == 3 and losses[-1] < 0.5 * losses[0] and "switchml" in out.stdout, out.stdout

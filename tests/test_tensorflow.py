@@ -3,14 +3,17 @@
 Each worker trains with commlib's object and with Horovod's own from the same start and checks, on
 every rank, that the parameters agree across ranks and with Horovod's (1e-6 relative for ring and
 omnireduce, the quantization bound for switchml, the compressor's error for fp16 / PowerSGD)."""
+import re
+
 import horovod.tensorflow  # noqa: F401  built by `make install`: without it the suite fails, never skips
 import pytest
 
-from launch import horovodrun, mpirun
+from launch import ROOT, horovodrun, mpirun
 
 pytestmark = pytest.mark.multiprocess
 # commlib's ring over the TF Horovod instance: a second (torch) instance races it under --gloo
 TF_RING = {"COMMLIB_RING_ENGINE": "horovod_tensorflow"}
+EXAMPLES = ROOT / "examples"
 
 
 def _ok(out, marker, ranks):
@@ -63,3 +66,18 @@ def test_keras_fit_with_horovod_callbacks_matches_horovod():
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_shape_mismatch_is_a_commlib_error_on_every_rank(mode):
     _ok(horovodrun(2, "tf_mismatch.py", mode, timeout=120, env=TF_RING), "TF-MISMATCH-OK", 2)
+
+
+def test_example_gradient_tape_trains_through_omnireduce_and_switchml():
+    out = _ok(horovodrun(2, str(EXAMPLES / "tf_gradient_tape.py"), "--steps", 60, timeout=300, env=TF_RING),
+              "algorithms:", 1)
+    losses = [float(v) for v in re.findall(r"step \d+ loss ([\d.]+)", out)]
+    assert len(losses) >= 3 and losses[-1] < 0.5 * losses[0], out
+    assert "'embedding/embeddings', 'omnireduce'" in out and "'dense/kernel', 'switchml'" in out, out
+
+
+def test_example_keras_fit_with_callbacks_trains():
+    out = _ok(horovodrun(2, str(EXAMPLES / "tf_keras_fit.py"), "--epochs", 3, timeout=300, env=TF_RING),
+              "algorithms:", 1)
+    losses = [float(v) for v in re.search(r"loss per epoch: ([\d. ]+)", out).group(1).split()]
+    assert len(losses) == 3 and losses[-1] < 0.5 * losses[0], out
