@@ -48,10 +48,12 @@ def test_compression_within_its_error(compression, tolerance):
     assert ("fp16" if "fp16" in compression else "powersgd") in out, out
 
 
-def test_embedding_indexed_slices_take_the_sparse_path():
-    """IndexedSlices reach omnireduce (exact) and come back as IndexedSlices; eagerly and in tf.function."""
-    _ok(horovodrun(2, "tf_training.py", "embedding", "embedding*=omnireduce;*=ring", 1e-6, timeout=300,
-                   env=TF_RING), "TF-OK", 2)
+@pytest.mark.parametrize("sparse_as_dense", ["0", "1"])
+def test_embedding_indexed_slices_take_the_sparse_path(sparse_as_dense):
+    """IndexedSlices reach omnireduce (exact) and come back as IndexedSlices (dense with sparse_as_dense),
+    eagerly and in tf.function."""
+    _ok(horovodrun(2, "tf_training.py", "embedding", "embedding*=omnireduce;*=ring", 1e-6, "none",
+                   f"sparse_as_dense={sparse_as_dense}", timeout=300, env=TF_RING), "TF-OK", 2)
 
 
 def test_under_mpirun_with_the_mpi4py_ring():

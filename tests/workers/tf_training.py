@@ -3,8 +3,8 @@
 argv: mode policy tolerance [compression|none [options]]
   mode: tape-eager | tape-function (DistributedGradientTape) | optimizer (Keras 2 DistributedOptimizer
         .minimize inside tf.function) | embedding (IndexedSlices gradients, tape in tf.function and eagerly)
-  options, e.g. "op=sum,predivide=2,passes=2" (Horovod's op, gradient_predivide_factor,
-        backward_passes_per_step; the same on both sides).
+  options, e.g. "op=sum,predivide=2,passes=2,sparse_as_dense=1" (Horovod's op,
+        gradient_predivide_factor, backward_passes_per_step, sparse_as_dense; the same on both sides).
 After a few steps with different data per rank, every rank checks that the parameters are identical
 on all ranks and within `tolerance` (relative to the largest parameter) of plain Horovod's, and
 that what commlib cannot honor is a clear ConfigError. Rank r prints "TF-OK r ...".
@@ -26,6 +26,7 @@ commlib.init(policy=policy)
 op = {"average": hvd.Average, "sum": hvd.Sum}[options.get("op", "average")]
 predivide = float(options.get("predivide", 1.0))
 passes = int(options.get("passes", 1))
+sparse_as_dense = options.get("sparse_as_dense") == "1"
 if compression == "hvd.fp16":
     compression = hvd.Compression.fp16
 STEPS, BATCH = 4, 16
@@ -88,7 +89,11 @@ def train_optimizer(distributed_optimizer):
     return model, []
 
 
-hvd_kwargs = dict(op=op, gradient_predivide_factor=predivide)
+def flat(model):
+    return np.concatenate([w.numpy().ravel() for w in model.trainable_variables])
+
+
+hvd_kwargs = dict(op=op, gradient_predivide_factor=predivide, sparse_as_dense=sparse_as_dense)
 if mode == "optimizer":
     ours, _ = train_optimizer(lambda o: cl.DistributedOptimizer(o, compression=compression,
                                                                 backward_passes_per_step=passes, **hvd_kwargs))
@@ -101,12 +106,12 @@ else:
     eager = mode == "tape-eager"
     ours, seen = train_tape(lambda t: cl.DistributedGradientTape(t, compression=compression, **hvd_kwargs), eager)
     theirs, _ = train_tape(lambda t: hvd.DistributedGradientTape(t, **hvd_kwargs), eager)
-    if EMBEDDING:   # eagerly, too: the embedding's gradient must come back as IndexedSlices
+    if EMBEDDING:   # eagerly, too: the embedding's gradient comes back as IndexedSlices unless sparse_as_dense
         eager_model, seen = train_tape(lambda t: cl.DistributedGradientTape(t, compression=compression,
                                                                               **hvd_kwargs), True)
-        assert seen[0][0] == "IndexedSlices", seen[0]
+        assert seen[0][0] == ("EagerTensor" if sparse_as_dense else "IndexedSlices"), seen[0]
+        assert np.array_equal(flat(eager_model), flat(ours)), "eager and tf.function runs differ"
 
-flat = lambda model: np.concatenate([w.numpy().ravel() for w in model.trainable_variables])
 mine, reference = flat(ours), flat(theirs)
 everyone = hvd.allgather(tf.constant(mine[None]), name="check.params").numpy()
 assert all(np.array_equal(everyone[0], row) for row in everyone), "ranks diverged"
