@@ -51,3 +51,8 @@ def test_example_keras3_fit_trains():
     assert out.returncode == 0, out.stdout
     losses = [float(v) for v in re.search(r"loss per epoch: ([\d. ]+)", out.stdout).group(1).split()]
     assert len(losses) == 3 and losses[-1] < 0.5 * losses[0] and "switchml" in out.stdout, out.stdout
+
+
+def test_gradient_tape_without_horovod_on_tf_2_21():
+    """commlib.tensorflow.DistributedGradientTape in a tf.function where Horovod is not installed."""
+    _ok(_mpirun(SCRIPT, "*=ring", 1e-5, "tape", env={"KERAS_BACKEND": "tensorflow"}), "tensorflow", "ring")

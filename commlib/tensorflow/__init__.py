@@ -13,7 +13,8 @@ doing the communication (TF <= 2.15, where Horovod's TF ops build).
 Horovod keeps doing what it does (local sources, backward_passes_per_step, the optimizer
 wrapping); only the per-instance `_allreduce_grads` of the object it returns is replaced by
 commlib's GradientReducer. Horovod is neither patched nor subclassed. Without Horovod's TF ops
-(TF >= 2.16, Keras 3) use `commlib.keras`.
+(TF >= 2.16, Keras 3) DistributedGradientTape reduces through commlib alone, and Keras 3's
+model.fit uses `commlib.keras`.
 
 Under `horovodrun --gloo`, run with COMMLIB_RING_ENGINE=horovod_tensorflow (see ring.py): commlib's
 default ring would start a second Horovod instance (horovod.torch) that races the TF one.
@@ -46,7 +47,14 @@ def DistributedGradientTape(gradtape, compression=None, op=None, gradient_prediv
     compression: a commlib compressor spec ("fp16", "powersgd(rank=4)", an object) or Horovod's
         Compression.none / Compression.fp16. policy: a commlib.Policy or its text, choosing the
         algorithm per variable name ("dense/kernel"); default: commlib.init's. `algorithm` forces one.
-    Other arguments are Horovod's (persistent tapes, scale_local_gradients, ...)."""
+    Other arguments are Horovod's (persistent tapes, scale_local_gradients, ...).
+
+    Where Horovod's TF ops are absent (TF >= 2.16), commlib reduces the tape's gradients by itself
+    (op: None, commlib.Average or commlib.Sum; no Horovod arguments): rank and size come from the
+    launcher (mpirun, torchrun), as for commlib.keras."""
+    if not _horovod_available():
+        return _tape_without_horovod(gradtape, compression, op, gradient_predivide_factor, sparse_as_dense, policy,
+                                     algorithm, horovod_kwargs)
     hvd = _horovod()
     reducer, op = _reducer(hvd, compression, op, gradient_predivide_factor, sparse_as_dense, policy, algorithm,
                            horovod_kwargs)
@@ -114,10 +122,38 @@ def _reducer(hvd, compression, op, gradient_predivide_factor, sparse_as_dense, p
                            sparse_as_dense), op
 
 
+def _tape_without_horovod(gradtape, compression, op, predivide, sparse_as_dense, policy, algorithm, horovod_kwargs):
+    from commlib.tensorflow.gradients import GradientReducer
+    from commlib.tensorflow.tape import CommlibGradientTape
+    if horovod_kwargs:
+        raise ConfigError(f"{', '.join(sorted(horovod_kwargs))}: Horovod's options, and Horovod's TF ops are not "
+                          f"installed here; commlib.tensorflow without Horovod takes op, compression, "
+                          f"gradient_predivide_factor, sparse_as_dense, policy and algorithm")
+    op = commlib.Average if op is None else op
+    if op not in (commlib.Average, commlib.Sum):
+        raise ConfigError(f"without Horovod, commlib.tensorflow reduces with op=commlib.Average or commlib.Sum, "
+                          f"not {op!r}")
+    if predivide != 1.0 and op != commlib.Average:
+        raise ConfigError("gradient_predivide_factor only applies with op=commlib.Average")
+    if isinstance(policy, str):
+        policy = Policy.parse(policy)
+    commlib.init()
+    reducer = GradientReducer(op == commlib.Average, predivide, compression, policy, algorithm, sparse_as_dense)
+    return CommlibGradientTape(gradtape, reducer)
+
+
+def _horovod_available():
+    try:
+        _horovod()
+        return True
+    except BackendUnavailable:
+        return False
+
+
 def _horovod():
     try:
         import horovod.tensorflow as hvd
-    except ImportError as exc:
+    except Exception as exc:   # absent (ImportError), or built against another TF (its ops fail to load)
         raise BackendUnavailable(f"commlib.tensorflow's Horovod objects need horovod built with TensorFlow "
                                  f"({exc}); run `make install`, or use commlib.keras without Horovod") from exc
     return hvd
