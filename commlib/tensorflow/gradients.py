@@ -3,14 +3,16 @@
 Eagerly, each gradient reaches commlib as a numpy view of the tensor's host buffer (no copy).
 Inside a graph (tf.function, model.fit) all of a step's gradients cross through ONE
 tf.numpy_function, which submits every tensor before waiting for any, so that commlib negotiates
-and fuses them together as it does for the torch hooks.
+and fuses them together as it does for the torch hooks. Measured on 2 busy CPU cores (TF 2.15, a
+tf.function SGD step, identity numpy_function in place of commlib, p10 of 30 steps): one crossing
+costs ~0.25 ms for 44 small gradients (150K parameters) where one crossing per tensor costs ~1.1 ms,
+and ~2.5 ms for 10 gradients of 4.2M parameters (the copy of the outputs back into TF tensors).
 
 IndexedSlices (embedding gradients) are densified before crossing, so the policy sees what they
 are, a block-sparse tensor (`auto` and `omnireduce` take the sparse path), and the result goes back
 as IndexedSlices of the rows that are non-zero after the reduction, the form the optimizer got it
 in; with sparse_as_dense it goes back dense, as Horovod does.
 """
-import numpy as np
 import tensorflow as tf
 
 import commlib
