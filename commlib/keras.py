@@ -38,7 +38,10 @@ def DistributedOptimizer(optimizer, policy=None, algorithm=None, compression=Non
     base = type(optimizer)
 
     def apply(self, grads, trainable_variables=None):
-        variables = self._trainable_variables if trainable_variables is None else list(trainable_variables)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        variables = trainable_variables if trainable_variables is not None else (
+            self._trainable_variables if self.built else None)   # unbuilt: Keras raises its own error
         return super(distributed, self).apply(reduce(list(grads), variables), trainable_variables)
 
     # a subclass made here, named like the original so saved models load without commlib; super()

@@ -70,6 +70,22 @@ summed = commlib.allreduce(mine, name="check.params", op=commlib.Sum, algorithm=
 assert np.array_equal(summed, mine * size), "ranks' weights differ after fit"
 diff = np.abs(mine - reference).max() / np.abs(reference).max()
 assert diff <= tolerance, f"2-rank fit vs single-process large batch differ by {diff:.3g} (relative) > {tolerance}"
+for label, make in {"op": lambda: commlib.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), op="max"),
+                    "predivide with Sum": lambda: commlib.keras.DistributedOptimizer(
+                        keras.optimizers.SGD(0.1), op=commlib.Sum, gradient_predivide_factor=2.0)}.items():
+    try:
+        make()
+        raise SystemExit(f"{label}: no error raised")
+    except commlib.ConfigError as exc:
+        assert "commlib" in str(exc) or "gradient_predivide_factor" in str(exc), str(exc)
+if mode == "tape":   # Horovod's own options cannot be honored without Horovod: a clear error
+    import tensorflow as tf
+    import commlib.tensorflow
+    try:
+        commlib.tensorflow.DistributedGradientTape(tf.GradientTape(), groups=2)
+        raise SystemExit("groups without Horovod: no error raised")
+    except commlib.ConfigError as exc:
+        assert "groups" in str(exc) and "Horovod" in str(exc), str(exc)
 used = sorted({r["algorithm"] for name, r in commlib.records().items() if not name.startswith("check.")})
 print(f"KERAS3-OK {rank} {mode} backend {keras.backend.backend()} keras {keras.__version__} relative diff {diff:.3g} "
       f"algorithms {used}", flush=True)
