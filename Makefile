@@ -8,9 +8,9 @@ HOROVOD_VERSION := 0.28.1
 HOROVOD_SRC := build/horovod-$(HOROVOD_VERSION)
 NP ?= 4
 
-.PHONY: install apt venv deps horovod develop demo test bench bench-quick clean
+.PHONY: install apt venv deps horovod develop keras3 demo test bench bench-quick clean
 
-install: apt venv deps horovod develop
+install: apt venv deps horovod develop keras3
 
 apt:
 	@if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null || ! command -v cmake >/dev/null || \
@@ -41,6 +41,17 @@ horovod:
 
 develop:
 	$(PIP) install -q --no-build-isolation -e .
+
+# A second environment where Horovod's TF ops cannot go: the newest TF and Keras 3 (numpy 2), commlib
+# on its own core (rank/size from the launcher, the ring through mpi4py or torch.distributed). The
+# Keras 3 tests in `make test` run in it (tests/test_keras3.py); torch for Keras 3's torch backend.
+KERAS3_VENV := .venv-keras3
+keras3:
+	@test -x $(KERAS3_VENV)/bin/python || python3 -m venv $(KERAS3_VENV)
+	$(KERAS3_VENV)/bin/pip install -q --upgrade "pip<25" setuptools wheel
+	$(KERAS3_VENV)/bin/pip install -q tensorflow-cpu==2.21.0 "keras>=3" torch==2.13.0 numpy cffi mpi4py \
+	    pytest pytest-timeout
+	$(KERAS3_VENV)/bin/pip install -q --no-build-isolation -e .
 
 # The main job on the embedded default: 4 local workers, a local software switch, no configuration.
 demo:

@@ -1,0 +1,159 @@
+"""TensorFlow front-end: Horovod's DistributedGradientTape / DistributedOptimizer with commlib
+doing the communication (TF <= 2.15, where Horovod's TF ops build).
+
+    import tensorflow as tf, horovod.tensorflow as hvd, commlib.tensorflow as cl
+    hvd.init()
+    commlib.init(policy="embedding/*=omnireduce;*=switchml")
+    with tf.GradientTape() as tape:
+        loss = ...
+    tape = cl.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+    cl.broadcast_variables(model.variables, root_rank=0)   # once, after the first step
+
+Horovod keeps doing what it does (local sources, backward_passes_per_step, the optimizer
+wrapping); only the per-instance `_allreduce_grads` of the object it returns is replaced by
+commlib's GradientReducer. Horovod is neither patched nor subclassed. Without Horovod's TF ops
+(TF >= 2.16, Keras 3) DistributedGradientTape reduces through commlib alone, and Keras 3's
+model.fit uses `commlib.keras`.
+
+Under `horovodrun --gloo`, run with COMMLIB_RING_ENGINE=horovod_tensorflow (see ring.py): commlib's
+default ring would start a second Horovod instance (horovod.torch) that races the TF one.
+"""
+import commlib
+from commlib.errors import BackendUnavailable, ConfigError
+from commlib.policy import Policy
+from commlib.tensorflow import ring  # noqa: F401  registers the horovod_tensorflow ring engine
+from commlib.tensorflow.names import tensor_names  # noqa: F401  (public)
+
+_REEXPORTED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+               "broadcast_variables", "broadcast", "broadcast_object", "allgather_object", "Average", "Sum",
+               "Compression")
+
+
+def __getattr__(name):
+    """What TF Horovod users call beside the optimizer (hvd.init, broadcast_variables, ...)."""
+    if name in _REEXPORTED:
+        return getattr(_horovod(), name)
+    if name == "GradientReducer":
+        from commlib.tensorflow.gradients import GradientReducer
+        return GradientReducer
+    raise AttributeError(f"module 'commlib.tensorflow' has no attribute {name!r}")
+
+
+def DistributedGradientTape(gradtape, compression=None, op=None, gradient_predivide_factor=1.0,
+                            sparse_as_dense=False, policy=None, algorithm=None, **horovod_kwargs):
+    """Horovod's `hvd.DistributedGradientTape(gradtape, ...)`, its gradients reduced by commlib.
+
+    compression: a commlib compressor spec ("fp16", "powersgd(rank=4)", an object) or Horovod's
+        Compression.none / Compression.fp16. policy: a commlib.Policy or its text, choosing the
+        algorithm per variable name ("dense/kernel"); default: commlib.init's. `algorithm` forces one.
+    Other arguments are Horovod's (persistent tapes, scale_local_gradients, ...).
+
+    Where Horovod's TF ops are absent (TF >= 2.16), commlib reduces the tape's gradients by itself
+    (op: None, commlib.Average or commlib.Sum; no Horovod arguments): rank and size come from the
+    launcher (mpirun, torchrun), as for commlib.keras."""
+    if not _horovod_available():
+        return _tape_without_horovod(gradtape, compression, op, gradient_predivide_factor, sparse_as_dense, policy,
+                                     algorithm, horovod_kwargs)
+    hvd = _horovod()
+    reducer, op = _reducer(hvd, compression, op, gradient_predivide_factor, sparse_as_dense, policy, algorithm,
+                           horovod_kwargs)
+    tape = hvd.DistributedGradientTape(gradtape, op=op, gradient_predivide_factor=gradient_predivide_factor,
+                                       sparse_as_dense=sparse_as_dense, **horovod_kwargs)
+    tape._allreduce_grads = reducer
+    return tape
+
+
+def DistributedOptimizer(optimizer, compression=None, op=None, gradient_predivide_factor=1.0,
+                         sparse_as_dense=False, backward_passes_per_step=1, policy=None, algorithm=None,
+                         **horovod_kwargs):
+    """Horovod's `hvd.DistributedOptimizer(optimizer, ...)` (a tf.compat.v1 optimizer or a Keras 2
+    one), its gradients reduced by commlib; arguments as DistributedGradientTape's."""
+    hvd = _horovod()
+    reducer, op = _reducer(hvd, compression, op, gradient_predivide_factor, sparse_as_dense, policy, algorithm,
+                           horovod_kwargs)
+    opt = hvd.DistributedOptimizer(optimizer, op=op, gradient_predivide_factor=gradient_predivide_factor,
+                                   sparse_as_dense=sparse_as_dense,
+                                   backward_passes_per_step=backward_passes_per_step, **horovod_kwargs)
+    return install(opt, reducer)
+
+
+def install(horovod_object, reducer):
+    """Make Horovod's optimizer or tape reduce through `reducer`. Its aggregation helper
+    (backward_passes_per_step > 1) captured the allreduce function when it was built, so it is
+    re-pointed too (the eager helper calls it `allreduce_grads`, the graph one `_allreduce_grads`)."""
+    horovod_object._allreduce_grads = reducer
+    helper = getattr(horovod_object, "_agg_helper", None)
+    if helper is not None:
+        for attribute in ("allreduce_grads", "_allreduce_grads"):
+            if hasattr(helper, attribute):
+                setattr(helper, attribute, reducer)
+    return horovod_object
+
+
+def _reducer(hvd, compression, op, gradient_predivide_factor, sparse_as_dense, policy, algorithm, horovod_kwargs):
+    """Check what commlib can honor (clear errors for the rest) and build the reducer."""
+    if not hvd.is_initialized():
+        raise commlib.CommError("call hvd.init() before commlib.tensorflow's DistributedGradientTape/Optimizer")
+    op = hvd.Average if op is None else op
+    if op not in (hvd.Average, hvd.Sum):
+        raise ConfigError("commlib reduces with op=hvd.Average or hvd.Sum; for Adasum use Horovod's own "
+                          "hvd.DistributedOptimizer")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ConfigError("gradient_predivide_factor only applies with op=hvd.Average (as in Horovod)")
+    if horovod_kwargs.get("groups") or horovod_kwargs.get("num_groups"):
+        raise ConfigError("grouped allreduce (groups=, num_groups=) is Horovod's own fusion; commlib fuses by "
+                          "itself (COMMLIB_FUSION_THRESHOLD), so leave groups unset")
+    process_set = horovod_kwargs.get("process_set")
+    if process_set is not None and process_set != hvd.global_process_set:
+        raise ConfigError("commlib reduces over all ranks; process sets are not supported yet")
+    for device in ("device_dense", "device_sparse"):
+        if horovod_kwargs.get(device):
+            raise ConfigError(f"{device}= places Horovod's ops; commlib reduces on the host, so leave it unset")
+    if compression is None or compression is hvd.Compression.none:
+        compression = None
+    elif compression is hvd.Compression.fp16:
+        compression = "fp16"
+    if isinstance(policy, str):
+        policy = Policy.parse(policy)
+    commlib.init()
+    from commlib.tensorflow.gradients import GradientReducer
+    return GradientReducer(op == hvd.Average, gradient_predivide_factor, compression, policy, algorithm,
+                           sparse_as_dense), op
+
+
+def _tape_without_horovod(gradtape, compression, op, predivide, sparse_as_dense, policy, algorithm, horovod_kwargs):
+    from commlib.tensorflow.gradients import GradientReducer
+    from commlib.tensorflow.tape import CommlibGradientTape
+    if horovod_kwargs:
+        raise ConfigError(f"{', '.join(sorted(horovod_kwargs))}: Horovod's options, and Horovod's TF ops are not "
+                          f"installed here; commlib.tensorflow without Horovod takes op, compression, "
+                          f"gradient_predivide_factor, sparse_as_dense, policy and algorithm")
+    op = commlib.Average if op is None else op
+    if op not in (commlib.Average, commlib.Sum):
+        raise ConfigError(f"without Horovod, commlib.tensorflow reduces with op=commlib.Average or commlib.Sum, "
+                          f"not {op!r}")
+    if predivide != 1.0 and op != commlib.Average:
+        raise ConfigError("gradient_predivide_factor only applies with op=commlib.Average")
+    if isinstance(policy, str):
+        policy = Policy.parse(policy)
+    commlib.init()
+    reducer = GradientReducer(op == commlib.Average, predivide, compression, policy, algorithm, sparse_as_dense)
+    return CommlibGradientTape(gradtape, reducer)
+
+
+def _horovod_available():
+    try:
+        _horovod()
+        return True
+    except BackendUnavailable:
+        return False
+
+
+def _horovod():
+    try:
+        import horovod.tensorflow as hvd
+    except Exception as exc:   # absent (ImportError), or built against another TF (its ops fail to load)
+        raise BackendUnavailable(f"commlib.tensorflow's Horovod objects need horovod built with TensorFlow "
+                                 f"({exc}); run `make install`, or use commlib.keras without Horovod") from exc
+    return hvd
