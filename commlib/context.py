@@ -76,20 +76,24 @@ _ENVIRONMENTS = (
 )
 
 
-def horovod_initialized():
-    hvd = sys.modules.get("horovod.torch")
-    try:
-        return hvd is not None and hvd.is_initialized()
-    except Exception:   # a half-imported or broken horovod counts as absent
-        return False
+def initialized_horovod():
+    """The Horovod framework module this process initialized (horovod.torch first), or None."""
+    for module in ("horovod.torch", "horovod.tensorflow"):
+        hvd = sys.modules.get(module)
+        try:
+            if hvd is not None and hvd.is_initialized():
+                return hvd
+        except Exception:   # a half-imported or broken horovod counts as absent
+            pass
+    return None
 
 
 def detect(environ=None):
     """This process's placement: Horovod if initialized, else the launcher's variables, else mpi4py,
     else a single process."""
     environ = os.environ if environ is None else environ
-    if horovod_initialized():
-        hvd = sys.modules["horovod.torch"]
+    hvd = initialized_horovod()
+    if hvd is not None:
         return Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), "horovod")
     for launcher, rank, size, local_rank, local_size in _ENVIRONMENTS:
         if rank in environ and size in environ:

@@ -77,6 +77,33 @@ class HorovodEngine(Engine):
         return self.hvd.broadcast_object(obj, root_rank=0, name="commlib.broadcast_object")
 
 
+class HorovodTensorFlowEngine(Engine):
+    """Horovod's TF ops, for jobs that initialized horovod.tensorflow: a second Horovod instance
+    (horovod.torch) beside it would rendezvous under the same keys of horovodrun's store and race it."""
+    name = "horovod_tensorflow"
+
+    def __init__(self):
+        import horovod.tensorflow as hvd
+        if not hvd.is_initialized():
+            hvd.init()
+        self.hvd = hvd
+        super().__init__(hvd.size())
+
+    def allreduce(self, array, name, op="sum"):
+        import tensorflow as tf
+        hvd_op = {"sum": self.hvd.Sum, "min": self.hvd.Min, "max": self.hvd.Max, "product": self.hvd.Product}[op]
+        return self.hvd.allreduce(tf.constant(array), op=hvd_op, name=f"commlib.{name}").numpy()
+
+    def allgather(self, array, name):
+        import tensorflow as tf
+        lengths = self.hvd.allgather(tf.constant([array.size], tf.int64), name=f"commlib.{name}.lengths").numpy()
+        flat = self.hvd.allgather(tf.constant(np.ascontiguousarray(array)), name=f"commlib.{name}").numpy()
+        return self._split(flat, lengths.tolist())
+
+    def broadcast_object(self, obj):
+        return self.hvd.broadcast_object(obj, root_rank=0, name="commlib.broadcast_object")
+
+
 class MPIEngine(Engine):
     name = "mpi"
 
@@ -201,25 +228,28 @@ def reduce_op(op):
     return {"sum": ReduceOp.SUM, "min": ReduceOp.MIN, "max": ReduceOp.MAX, "product": ReduceOp.PRODUCT}[op]
 
 
-ENGINES = {"horovod": HorovodEngine, "mpi": MPIEngine, "torch": TorchEngine, "local": LocalEngine, "gloo": GlooEngine}
+ENGINES = {"horovod": HorovodEngine, "horovod_tensorflow": HorovodTensorFlowEngine, "mpi": MPIEngine,
+           "torch": TorchEngine, "local": LocalEngine, "gloo": GlooEngine}
 
 
 def data_engine(choice, ctx):
     """The engine that carries the ring's data, once the job is up (ctx: its Context): commlib's
     own Gloo ring where `choice` asks for it, else the launcher's engine the job started with."""
     if choice == "auto":
-        wanted = ctx.engine.name == "horovod" and importlib.util.find_spec("torch") is not None
+        wanted = ctx.engine.name.startswith("horovod") and importlib.util.find_spec("torch") is not None
     else:
         wanted = choice == "gloo"
     return GlooEngine(ctx) if wanted else ctx.engine
 
 
 def _auto(placement):
-    if placement.launcher in ("horovod", "horovodrun"):
-        return "horovod"
+    from commlib.context import initialized_horovod
+    hvd = initialized_horovod()
+    if placement.launcher in ("horovod", "horovodrun") or (placement.launcher == "mpi" and hvd is not None):
+        # the Horovod instance the job already has (a second one would race it)
+        return "horovod_tensorflow" if hvd is not None and hvd.__name__ == "horovod.tensorflow" else "horovod"
     if placement.launcher == "mpi":
-        from commlib.context import horovod_initialized
-        return "horovod" if horovod_initialized() else "mpi"
+        return "mpi"
     if placement.launcher == "torchrun":
         return "torch"
     if placement.size == 1:

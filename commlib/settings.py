@@ -100,7 +100,7 @@ define("stall_warning_s", 60.0, "warn (naming the missing ranks) when a tensor w
 define("controller_addr", "", "host:port of the negotiation controller (default: rendezvous through the launcher)")
 define("controller_host", "", "address rank 0 binds the controller to (default: 127.0.0.1 when all ranks are local)",
        per_rank=True)
-define("ring_engine", "auto", "engine for the ring backend: auto, gloo, horovod, mpi, torch or local")
+define("ring_engine", "auto", "engine for the ring backend: auto, gloo, horovod, horovod_tensorflow, mpi, torch or local")
 define("auto_sparse_density", 0.25, "policy 'auto': tensors whose block density is below this go to omnireduce")
 define("timeline", "", "path of a Chrome trace (chrome://tracing) of every tensor's stages; '{rank}' in the path "
        "gives one file per rank, else rank 0 writes it", per_rank=True)

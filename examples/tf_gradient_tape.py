@@ -1,10 +1,10 @@
 """TF2 + Horovod with a GradientTape; commlib does the communication.
 
-    COMMLIB_RING_ENGINE=horovod_tensorflow horovodrun -np 4 -H localhost:4 --gloo python examples/tf_gradient_tape.py
+    horovodrun -np 4 -H localhost:4 --gloo python examples/tf_gradient_tape.py
 
 The policy sends the embedding's (sparse, IndexedSlices) gradient to OmniReduce and the dense
 layers' through the SwitchML software switch, which commlib starts by itself when all ranks are
-local. COMMLIB_RING_ENGINE=horovod_tensorflow makes commlib's ring use this Horovod instance.
+local.
 """
 import argparse
 

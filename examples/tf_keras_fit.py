@@ -1,6 +1,6 @@
 """tf.keras (TF 2.15) model.fit with Horovod's callbacks; commlib does the communication.
 
-    COMMLIB_RING_ENGINE=horovod_tensorflow horovodrun -np 4 -H localhost:4 --gloo python examples/tf_keras_fit.py
+    horovodrun -np 4 -H localhost:4 --gloo python examples/tf_keras_fit.py
 
 `auto` measures each gradient's block density: sparse ones go to OmniReduce, dense ones to the
 SwitchML software switch (commlib starts it when all ranks are local), else the ring.

@@ -16,13 +16,12 @@ commlib's GradientReducer. Horovod is neither patched nor subclassed. Without Ho
 (TF >= 2.16, Keras 3) DistributedGradientTape reduces through commlib alone, and Keras 3's
 model.fit uses `commlib.keras`.
 
-Under `horovodrun --gloo`, run with COMMLIB_RING_ENGINE=horovod_tensorflow (see ring.py): commlib's
-default ring would start a second Horovod instance (horovod.torch) that races the TF one.
+commlib's ring reuses the job's TF Horovod instance to start (commlib.engine: a second one,
+horovod.torch, would race it) and carries its data on commlib's own Gloo ring.
 """
 import commlib
 from commlib.errors import BackendUnavailable, ConfigError
 from commlib.policy import Policy
-from commlib.tensorflow import ring  # noqa: F401  registers the horovod_tensorflow ring engine
 from commlib.tensorflow.names import tensor_names  # noqa: F401  (public)
 
 _REEXPORTED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
