@@ -1,6 +1,6 @@
 """Traffic models of OmniReduce, per worker and tensor (for tests and benchmarks).
 
-`paper_model`: shared/design/OMNIREDUCE.md: a worker uploads its own non-zero blocks plus 4 bytes
+`paper_model`: the OmniReduce paper's (Fei et al., SIGCOMM'21): a worker uploads its own non-zero blocks plus 4 bytes
 of metadata per block and downloads every block of the union.
 `wire_model`: what commlib's UDP protocol puts on the wire without loss, to the byte: one 40-byte
 header per packet (the paper's 4 bytes of `next` included), header-only packets for all-zero
