@@ -52,56 +52,44 @@ class LocalEngine(Engine):
 
 
 class HorovodEngine(Engine):
+    """Horovod's ops of the framework whose Horovod module the job initialized (horovod.torch here)."""
     name = "horovod"
+    module = "horovod.torch"
 
     def __init__(self):
-        import horovod.torch as hvd
+        import importlib
+        hvd = importlib.import_module(self.module)
         if not hvd.is_initialized():
             hvd.init()
         self.hvd = hvd
         super().__init__(hvd.size())
 
-    def allreduce(self, array, name, op="sum"):
+    def _tensor(self, array):
         import torch
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+    def allreduce(self, array, name, op="sum"):
         hvd_op = {"sum": self.hvd.Sum, "min": self.hvd.Min, "max": self.hvd.Max, "product": self.hvd.Product}[op]
-        out = self.hvd.allreduce(torch.from_numpy(array), op=hvd_op, name=f"commlib.{name}")
-        return out.numpy()
+        return self.hvd.allreduce(self._tensor(array), op=hvd_op, name=f"commlib.{name}").numpy()
 
     def allgather(self, array, name):
-        import torch
-        lengths = self.hvd.allgather(torch.tensor([array.size]), name=f"commlib.{name}.lengths").tolist()
-        flat = self.hvd.allgather(torch.from_numpy(np.ascontiguousarray(array)), name=f"commlib.{name}").numpy()
-        return self._split(flat, lengths)
+        lengths = self.hvd.allgather(self._tensor(np.array([array.size], np.int64)), name=f"commlib.{name}.lengths")
+        flat = self.hvd.allgather(self._tensor(array), name=f"commlib.{name}").numpy()
+        return self._split(flat, lengths.numpy().tolist())
 
     def broadcast_object(self, obj):
         return self.hvd.broadcast_object(obj, root_rank=0, name="commlib.broadcast_object")
 
 
-class HorovodTensorFlowEngine(Engine):
+class HorovodTensorFlowEngine(HorovodEngine):
     """Horovod's TF ops, for jobs that initialized horovod.tensorflow: a second Horovod instance
     (horovod.torch) beside it would rendezvous under the same keys of horovodrun's store and race it."""
     name = "horovod_tensorflow"
+    module = "horovod.tensorflow"
 
-    def __init__(self):
-        import horovod.tensorflow as hvd
-        if not hvd.is_initialized():
-            hvd.init()
-        self.hvd = hvd
-        super().__init__(hvd.size())
-
-    def allreduce(self, array, name, op="sum"):
+    def _tensor(self, array):
         import tensorflow as tf
-        hvd_op = {"sum": self.hvd.Sum, "min": self.hvd.Min, "max": self.hvd.Max, "product": self.hvd.Product}[op]
-        return self.hvd.allreduce(tf.constant(array), op=hvd_op, name=f"commlib.{name}").numpy()
-
-    def allgather(self, array, name):
-        import tensorflow as tf
-        lengths = self.hvd.allgather(tf.constant([array.size], tf.int64), name=f"commlib.{name}.lengths").numpy()
-        flat = self.hvd.allgather(tf.constant(np.ascontiguousarray(array)), name=f"commlib.{name}").numpy()
-        return self._split(flat, lengths.tolist())
-
-    def broadcast_object(self, obj):
-        return self.hvd.broadcast_object(obj, root_rank=0, name="commlib.broadcast_object")
+        return tf.constant(np.ascontiguousarray(array))
 
 
 class MPIEngine(Engine):

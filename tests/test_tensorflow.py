@@ -28,7 +28,9 @@ def test_gradient_tape_in_tf_function_matches_horovod_on_4_ranks():
 
 
 def test_keras_optimizer_sum_and_several_backward_passes():
-    _ok(horovodrun(2, "tf_training.py", "optimizer", "*=ring", 1e-6, "none", "op=sum,passes=2", timeout=240), "TF-OK", 2)
+    """On Horovod's own TF ring (the horovod_tensorflow engine) rather than commlib's Gloo ring."""
+    _ok(horovodrun(2, "tf_training.py", "optimizer", "*=ring", 1e-6, "none", "op=sum,passes=2", timeout=240,
+                   env={"COMMLIB_RING_ENGINE": "horovod_tensorflow"}), "TF-OK", 2)
 
 
 def test_switchml_within_quantization_bound():

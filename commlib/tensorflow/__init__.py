@@ -20,6 +20,7 @@ commlib's ring reuses the job's TF Horovod instance to start (commlib.engine: a 
 horovod.torch, would race it) and carries its data on commlib's own Gloo ring.
 """
 import commlib
+from commlib import horovod_options
 from commlib.errors import BackendUnavailable, ConfigError
 from commlib.policy import Policy
 from commlib.tensorflow.names import tensor_names  # noqa: F401  (public)
@@ -94,18 +95,9 @@ def _reducer(hvd, compression, op, gradient_predivide_factor, sparse_as_dense, p
     """Check what commlib can honor (clear errors for the rest) and build the reducer."""
     if not hvd.is_initialized():
         raise commlib.CommError("call hvd.init() before commlib.tensorflow's DistributedGradientTape/Optimizer")
-    op = hvd.Average if op is None else op
-    if op not in (hvd.Average, hvd.Sum):
-        raise ConfigError("commlib reduces with op=hvd.Average or hvd.Sum; for Adasum use Horovod's own "
-                          "hvd.DistributedOptimizer")
+    op = horovod_options.check(hvd, op, horovod_kwargs)
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ConfigError("gradient_predivide_factor only applies with op=hvd.Average (as in Horovod)")
-    if horovod_kwargs.get("groups") or horovod_kwargs.get("num_groups"):
-        raise ConfigError("grouped allreduce (groups=, num_groups=) is Horovod's own fusion; commlib fuses by "
-                          "itself (COMMLIB_FUSION_THRESHOLD), so leave groups unset")
-    process_set = horovod_kwargs.get("process_set")
-    if process_set is not None and process_set != hvd.global_process_set:
-        raise ConfigError("commlib reduces over all ranks; process sets are not supported yet")
     for device in ("device_dense", "device_sparse"):
         if horovod_kwargs.get(device):
             raise ConfigError(f"{device}= places Horovod's ops; commlib reduces on the host, so leave it unset")

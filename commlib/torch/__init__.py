@@ -16,6 +16,7 @@ import types
 
 import commlib
 from commlib.errors import BackendUnavailable, ConfigError
+from commlib import horovod_options
 from commlib.policy import Policy
 from commlib.torch.ddp import CommlibState, ddp_comm_hook  # noqa: F401  (DDP comm hook)
 
@@ -42,15 +43,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     import horovod.torch as hvd
     if not hvd.is_initialized():
         raise commlib.CommError("call hvd.init() before commlib.torch.DistributedOptimizer")
-    op = hvd.Average if op is None else op
-    if op not in (hvd.Average, hvd.Sum):
-        raise ConfigError("commlib reduces with op=hvd.Average or hvd.Sum; for Adasum use hvd.DistributedOptimizer")
-    if horovod_kwargs.get("groups") or horovod_kwargs.get("num_groups"):
-        raise ConfigError("grouped allreduce (groups=, num_groups=) is Horovod's own fusion; commlib fuses by "
-                          "itself (COMMLIB_FUSION_THRESHOLD), so leave groups unset")
-    process_set = horovod_kwargs.get("process_set")
-    if process_set is not None and process_set != hvd.global_process_set:
-        raise ConfigError("commlib reduces over all ranks; process sets are not supported yet")
+    op = horovod_options.check(hvd, op, horovod_kwargs)
     compression = _commlib_compression(compression, hvd)
     if isinstance(policy, str):
         policy = Policy.parse(policy)
