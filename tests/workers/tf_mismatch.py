@@ -11,6 +11,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 import commlib
 import commlib.tensorflow as cl
+from commlib.testing import report
 
 eager = sys.argv[1] == "eager"
 hvd.init()
@@ -31,11 +32,8 @@ def step(x):
 start = time.monotonic()
 try:
     (step if eager else tf.function(step))(tf.ones((2, 3)))
-    raise SystemExit("no error raised")
-except (commlib.Mismatch, tf.errors.OpError) as exc:
-    elapsed = time.monotonic() - start
-    assert isinstance(exc, commlib.Mismatch) if eager else "Mismatch" in str(exc), str(exc)[-600:]
-    assert "ranks disagree on shape: rank 0 gave [3, 4]; rank 1 gave [3, 5]" in str(exc), str(exc)
-    assert elapsed < 30.0, elapsed
-    print(f"TF-MISMATCH-OK {hvd.rank()} after {elapsed:.1f}s: {type(exc).__name__}", flush=True)
+    error, message = None, ""
+except (commlib.CommError, tf.errors.OpError) as exc:   # in a graph TF wraps commlib's error in its own
+    error, message = type(exc).__name__, str(exc)
+report(rank=hvd.rank(), error=error, message=message[-2000:], elapsed_s=round(time.monotonic() - start, 2))
 commlib.shutdown()
