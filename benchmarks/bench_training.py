@@ -171,7 +171,9 @@ def _read_ready(proc, what, seconds=60):
     return line.split()[1]
 
 
-def _run(args, n):
+def _run(args, n, script=None, forwarded=("steps", "warmup", "batch", "hidden", "features", "vocab")):
+    """The Horovod job on n emulated hosts: `script` (default this file) --worker with the `forwarded`
+    settings on every host; returns rank 0's emitted payload (bench_tf.py runs its workers through it)."""
     hosts = [f"w{r}" for r in range(n)]
     with netem.Cluster(hosts + ["switch"], rate=args.rate, unshaped={"switch"}) as cluster:
         switch, address = cluster.start_switch("switch", cwd=ROOT)
@@ -186,10 +188,9 @@ def _run(args, n):
                    "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": "eth0", "HOROVOD_SIZE": str(n),
                    "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1", "HOROVOD_CROSS_SIZE": str(n),
                    "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}   # horovodrun --gloo-timeout-seconds, as in tests
-            forwarded = ["--worker", *[f"--{k}={getattr(args, k)}" for k in
-                                       ("steps", "warmup", "batch", "hidden", "features", "vocab")]]
+            forwarded = ["--worker", *[f"--{k}={getattr(args, k)}" for k in forwarded]]
             script = ["bash", "-c", 'HOROVOD_RANK=$RANK HOROVOD_CROSS_RANK=$RANK HOROVOD_HOSTNAME=w$RANK exec "$@"',
-                      "rank", sys.executable, str(Path(__file__)), *forwarded]
+                      "rank", sys.executable, str(script or Path(__file__)), *forwarded]
             ranks = cluster.run(hosts, script, env, args.timeout, cwd=ROOT)
         finally:
             cluster.kill(daemons)
