@@ -23,7 +23,11 @@ import commlib
 from commlib import horovod_options
 from commlib.errors import BackendUnavailable, ConfigError
 from commlib.policy import Policy
+# at module level: an import inside these functions, traced by AutoGraph when a user builds the tape
+# inside tf.function, makes it warn that it "could not transform _gcd_import"
+from commlib.tensorflow.gradients import GradientReducer  # noqa: F401  (public)
 from commlib.tensorflow.names import tensor_names  # noqa: F401  (public)
+from commlib.tensorflow.tape import CommlibGradientTape
 
 _REEXPORTED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
                "broadcast_variables", "broadcast", "broadcast_object", "allgather_object", "Average", "Sum",
@@ -34,9 +38,6 @@ def __getattr__(name):
     """What TF Horovod users call beside the optimizer (hvd.init, broadcast_variables, ...)."""
     if name in _REEXPORTED:
         return getattr(_horovod(), name)
-    if name == "GradientReducer":
-        from commlib.tensorflow.gradients import GradientReducer
-        return GradientReducer
     raise AttributeError(f"module 'commlib.tensorflow' has no attribute {name!r}")
 
 
@@ -108,14 +109,11 @@ def _reducer(hvd, compression, op, gradient_predivide_factor, sparse_as_dense, p
     if isinstance(policy, str):
         policy = Policy.parse(policy)
     commlib.init()
-    from commlib.tensorflow.gradients import GradientReducer
     return GradientReducer(op == hvd.Average, gradient_predivide_factor, compression, policy, algorithm,
                            sparse_as_dense), op
 
 
 def _tape_without_horovod(gradtape, compression, op, predivide, sparse_as_dense, policy, algorithm, horovod_kwargs):
-    from commlib.tensorflow.gradients import GradientReducer
-    from commlib.tensorflow.tape import CommlibGradientTape
     if horovod_kwargs:
         raise ConfigError(f"{', '.join(sorted(horovod_kwargs))}: Horovod's options, and Horovod's TF ops are not "
                           f"installed here; commlib.tensorflow without Horovod takes op, compression, "
