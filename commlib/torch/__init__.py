@@ -15,7 +15,7 @@ subclassed, and no Horovod file is patched.
 import types
 
 import commlib
-from commlib.errors import BackendUnavailable, ConfigError
+from commlib.errors import BackendUnavailable
 from commlib import horovod_options
 from commlib.policy import Policy
 from commlib.torch.ddp import CommlibState, ddp_comm_hook  # noqa: F401  (DDP comm hook)

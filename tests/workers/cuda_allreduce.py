@@ -4,7 +4,6 @@ Rank r contributes (r + 1) * x on the GPU, so the sum is n(n+1)/2 * x: exact thr
 and for int32, within the quantization bound through switchml, exact through omnireduce; bf16
 and sparse COO inputs come back on the GPU in their own dtype and layout rules (dense sum).
 Dense tensors are staged through pinned host memory (commlib.tensors.Staged)."""
-import numpy as np
 import torch
 
 import commlib
