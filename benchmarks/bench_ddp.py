@@ -13,8 +13,6 @@ Rank 0 prints samples/s per configuration; each configuration's loss curve is ke
     python benchmarks/bench_ddp.py [--quick] [--workers 4] [--rate 500mbit] [--steps 20]
 Results: benchmarks/results/ddp.json, ddp.png and RESULTS.md. Needs root (namespaces, tc).
 """
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -136,42 +134,20 @@ def _run(args, n):
                                 {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "120"}, args.timeout, cwd=ROOT)
         finally:
             cluster.kill([switch])
-    output = ranks[0][1]
-    payloads = [json.loads(line.split(common.RESULT_MARK, 1)[1]) for line in output.splitlines()
-                if common.RESULT_MARK in line]
-    if any(code for code, _ in ranks) or not payloads:
-        raise RuntimeError(f"workers failed (exit {[code for code, _ in ranks]}):\n" + "\n".join(
-            f"--- rank {r} ---\n{out[-4000:]}" for r, (_, out) in enumerate(ranks)))
-    print("\n".join(line for line in output.splitlines() if common.RESULT_MARK not in line))
-    return payloads[0]
+    return common.cluster_result(ranks, echo=True)
 
 
 def _plot(results, title):
     fig, axes = common.figure(1, 1, figsize=(7, 4))
-    for label, r in results.items():
-        axes.plot(r["losses"], label=f"{label}: {r['total_samples_per_s']:.0f} samples/s")
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss (mean over ranks)")
-    axes.legend(fontsize=7)
+    common.plot_losses(axes, results)
     fig.suptitle(title, fontsize=9)
     common.save_figure(fig, "ddp")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a small model, few steps: well under 2 minutes")
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--rate", default="500mbit", help="each worker link, both directions (tc tbf)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 20)")
-    parser.add_argument("--warmup", type=int, default=POWERSGD_START + 1, help="untimed steps (past PowerSGD's start)")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=None, help="MLP width (default 2048, bench_training's; quick 256)")
-    parser.add_argument("--features", type=int, default=256)
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.steps = args.steps or (3 if args.quick else 20)
-    args.hidden = args.hidden or (256 if args.quick else 2048)
+    parser = common.training_arguments(__doc__, steps=20, warmup=POWERSGD_START + 1,
+                                       warmup_help="untimed steps (past PowerSGD's start)")
+    args = common.parse_training_arguments(parser, argv)
     if args.worker:
         return worker(args)
     ok, why = netem.available()

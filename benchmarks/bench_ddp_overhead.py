@@ -10,7 +10,6 @@ environment), DDP's default allreduce as the reference, the three interleaved st
 Results: benchmarks/results/ddp_overhead.json and RESULTS.md.
 """
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -75,11 +74,10 @@ def main(argv=None):
     forwarded = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "steps", "warmup")]
     ranks = common.spawn(2, str(Path(__file__).resolve()), "--worker", *forwarded, timeout=300)
     output = "\n".join(rank.stdout for rank in ranks)
-    payloads = [json.loads(line.split(common.RESULT_MARK, 1)[1]) for line in output.splitlines()
-                if common.RESULT_MARK in line]
-    if any(rank.returncode for rank in ranks) or not payloads:
+    found = common.payloads(output)
+    if any(rank.returncode for rank in ranks) or not found:
         raise RuntimeError(f"workers failed (exit {[rank.returncode for rank in ranks]}):\n{output[-6000:]}")
-    payload = payloads[0]
+    payload = found[0]
     medians = {label: statistics.median(times) for label, times in payload["results"].items()}
     base = medians[CONFIGS[0]]
     rows = [f"| {label} | {1000 * m:.1f} | +{1000 * (m - base):.1f} |" for label, m in medians.items()]

@@ -15,7 +15,6 @@ whether the link or the 2-core CPU was the bottleneck. Results are checked again
 Results: benchmarks/results/network.json, network.png and RESULTS.md. Needs root (namespaces, tc).
 """
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -102,12 +101,7 @@ def _run(args, n):
             ranks = cluster.run(hosts, [sys.executable, str(Path(__file__)), *forwarded], env, args.timeout, cwd=ROOT)
         finally:
             cluster.kill([switch])
-    payloads = [json.loads(line.split(common.RESULT_MARK, 1)[1]) for line in ranks[0][1].splitlines()
-                if common.RESULT_MARK in line]
-    if any(code for code, _ in ranks) or not payloads:
-        raise RuntimeError(f"workers failed (exit {[code for code, _ in ranks]}):\n" + "\n".join(
-            f"--- rank {r} ---\n{out[-3000:]}" for r, (_, out) in enumerate(ranks)))
-    return payloads[0]
+    return common.cluster_result(ranks)
 
 
 def _rate_bps(text):

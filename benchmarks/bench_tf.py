@@ -18,7 +18,6 @@ call itself. For Horovod the same graph-side timestamps give its in-graph allred
     python benchmarks/bench_tf.py [--quick] [--workers 4] [--rate 500mbit] [--steps 30]
 Results: benchmarks/results/tf.json, tf.png and RESULTS.md. Needs root (namespaces, tc).
 """
-import argparse
 import statistics
 import sys
 import textwrap
@@ -171,30 +170,14 @@ def _boundary_ms(r):
 
 def _plot(results, title):
     fig, axes = common.figure(1, 1, figsize=(7, 4))
-    for label, r in results.items():
-        axes.plot(r["losses"], label=f"{label}: {r['total_samples_per_s']:.0f} samples/s")
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss (mean over ranks)")
-    axes.legend(fontsize=7)
+    common.plot_losses(axes, results)
     fig.suptitle(textwrap.fill(title, 110), fontsize=8)
     common.save_figure(fig, "tf")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a small model, few steps: well under 2 minutes")
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--rate", default="500mbit", help="each worker link, both directions (tc tbf)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 30)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first traces the tf.function)")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=None, help="MLP width (default 2048, bench_training's; quick 256)")
-    parser.add_argument("--features", type=int, default=256)
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.steps = args.steps or (3 if args.quick else 30)
-    args.hidden = args.hidden or (256 if args.quick else 2048)
+    parser = common.training_arguments(__doc__, steps=30, warmup_help="untimed steps (the first traces the tf.function)")
+    args = common.parse_training_arguments(parser, argv)
     if args.worker:
         return worker(args)
     ok, why = netem.available()

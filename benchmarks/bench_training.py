@@ -16,8 +16,6 @@ kept, so a configuration that is fast but does not learn is visible (results/tra
     python benchmarks/bench_training.py [--quick] [--workers 4] [--rate 500mbit] [--steps 30]
 Results: benchmarks/results/training.json, training.png and RESULTS.md. Needs root (namespaces, tc).
 """
-import argparse
-import json
 import select
 import statistics
 import subprocess
@@ -194,47 +192,22 @@ def _run(args, n, script=None, forwarded=("steps", "warmup", "batch", "hidden", 
             ranks = cluster.run(hosts, script, env, args.timeout, cwd=ROOT)
         finally:
             cluster.kill(daemons)
-    output = ranks[0][1]
-    payloads = [json.loads(line.split(common.RESULT_MARK, 1)[1]) for line in output.splitlines()
-                if common.RESULT_MARK in line]
-    if any(code for code, _ in ranks) or not payloads:
-        raise RuntimeError(f"workers failed (exit {[code for code, _ in ranks]}):\n" + "\n".join(
-            f"--- rank {r} ---\n{out[-4000:]}" for r, (_, out) in enumerate(ranks)))
-    print("\n".join(line for line in output.splitlines() if common.RESULT_MARK not in line))
-    return payloads[0]
+    return common.cluster_result(ranks, echo=True)
 
 
 def _plot(results, title):
     fig, axes = common.figure(1, 2, figsize=(11, 4))
     for ax, workload in zip(axes, ("dense", "sparse")):
-        for label, r in results.items():
-            if r["workload"] == workload:
-                total = len(r["rates"]) and statistics.fmean(r["rates"]) * r["size"]
-                ax.plot(r["losses"], label=f"{label}: {total:.0f} samples/s")
+        common.plot_losses(ax, {label: r for label, r in results.items() if r["workload"] == workload})
         ax.set_title(f"{workload} model", fontsize=9)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (mean over ranks)")
-        ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     common.save_figure(fig, "training")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small models, few steps: seconds")
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--rate", default="500mbit", help="each worker link, both directions (tc tbf)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 30)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=None, help="MLP width (default 2048; quick 256)")
-    parser.add_argument("--features", type=int, default=256)
+    parser = common.training_arguments(__doc__, steps=30)
     parser.add_argument("--vocab", type=int, default=None, help="embedding rows (default 400000; quick 20000)")
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.steps = args.steps or (3 if args.quick else 30)
-    args.hidden = args.hidden or (256 if args.quick else 2048)
+    args = common.parse_training_arguments(parser, argv)
     args.vocab = args.vocab or (20000 if args.quick else 400000)
     if args.worker:
         return worker(args)

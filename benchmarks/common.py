@@ -4,6 +4,7 @@ A benchmark measures each peer in the same run (pair by pair), quotes medians of
 after a warm-up, and saves one JSON file per suite under benchmarks/results/ with the machine,
 the commit, the settings and the raw samples; RESULTS.md is regenerated from all of them.
 """
+import argparse
 import json
 import os
 import platform
@@ -92,6 +93,41 @@ def figure(*args, **kwargs):
     return plt.subplots(*args, **kwargs)
 
 
+def plot_losses(ax, results):
+    """Each configuration's loss curve, labelled with its samples/s (the training benchmarks)."""
+    for label, r in results.items():
+        ax.plot(r["losses"], label=f"{label}: {r['total_samples_per_s']:.0f} samples/s")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean over ranks)")
+    ax.legend(fontsize=7)
+
+
+def training_arguments(description, steps, warmup=2, warmup_help="untimed steps"):
+    """The options the emulated-network training benchmarks share (bench_training, bench_ddp,
+    bench_tf); a benchmark adds its own, then parses with parse_training_arguments."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small model, few steps: well under 2 minutes")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--rate", default="500mbit", help="each worker link, both directions (tc tbf)")
+    parser.add_argument("--steps", type=int, default=None, help=f"timed steps per configuration (default {steps})")
+    parser.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=None, help="MLP width (default 2048; quick 256)")
+    parser.add_argument("--features", type=int, default=256)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.set_defaults(default_steps=steps)
+    return parser
+
+
+def parse_training_arguments(parser, argv):
+    """Parsed options with the quick/full defaults filled in."""
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (3 if args.quick else args.default_steps)
+    args.hidden = args.hidden or (256 if args.quick else 2048)
+    return args
+
+
 def save_figure(fig, name):
     """Write results/<name>.png and release the figure; returns the path."""
     import matplotlib.pyplot as plt
@@ -106,6 +142,24 @@ def save_figure(fig, name):
 def emit(payload):
     """From inside a rank: hand a JSON result to the launching benchmark (rank 0 prints it)."""
     print(RESULT_MARK + json.dumps(payload, default=float), flush=True)
+
+
+def payloads(output):
+    """The payloads emit() put in a rank's output, in order."""
+    return [json.loads(line.split(RESULT_MARK, 1)[1]) for line in output.splitlines() if RESULT_MARK in line]
+
+
+def cluster_result(ranks, echo=False):
+    """Rank 0's payload from netem.Cluster.run's [(exit code, output)], or a RuntimeError with every
+    rank's output. echo: print rank 0's other output (a benchmark's per-step lines)."""
+    output = ranks[0][1]
+    found = payloads(output)
+    if any(code for code, _ in ranks) or not found:
+        raise RuntimeError(f"workers failed (exit {[code for code, _ in ranks]}):\n" + "\n".join(
+            f"--- rank {r} ---\n{out[-4000:]}" for r, (_, out) in enumerate(ranks)))
+    if echo:
+        print("\n".join(line for line in output.splitlines() if RESULT_MARK not in line))
+    return found[0]
 
 
 def horovod_built():
@@ -124,8 +178,8 @@ def launch(nprocs, script, *args, timeout=600, env=None):
     else:
         ranks = spawn(nprocs, str(script), *args, timeout=timeout, env=env)
     output = "\n".join(rank.stdout for rank in ranks)
-    payloads = [json.loads(line.split(RESULT_MARK, 1)[1]) for line in output.splitlines() if RESULT_MARK in line]
-    if any(rank.returncode for rank in ranks) or not payloads:
+    found = payloads(output)
+    if any(rank.returncode for rank in ranks) or not found:
         raise RuntimeError(f"{script} on {nprocs} ranks failed (exit {[rank.returncode for rank in ranks]}):\n"
                            f"{output[-6000:]}")
-    return payloads
+    return found
