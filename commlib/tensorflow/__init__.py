@@ -70,12 +70,20 @@ def DistributedOptimizer(optimizer, compression=None, op=None, gradient_predivid
                          **horovod_kwargs):
     """Horovod's `hvd.DistributedOptimizer(optimizer, ...)` (a tf.compat.v1 optimizer or a Keras 2
     one), its gradients reduced by commlib; arguments as DistributedGradientTape's."""
-    hvd = _horovod()
-    reducer, op = _reducer(hvd, compression, op, gradient_predivide_factor, sparse_as_dense, policy, algorithm,
+    return distributed_optimizer(_horovod().DistributedOptimizer, optimizer, compression, op,
+                                 gradient_predivide_factor, sparse_as_dense, backward_passes_per_step, policy,
+                                 algorithm, horovod_kwargs)
+
+
+def distributed_optimizer(horovod_factory, optimizer, compression, op, gradient_predivide_factor, sparse_as_dense,
+                          backward_passes_per_step, policy, algorithm, horovod_kwargs):
+    """The optimizer Horovod's `horovod_factory` (its TF or its Keras DistributedOptimizer) returns,
+    its gradients reduced by commlib."""
+    reducer, op = _reducer(_horovod(), compression, op, gradient_predivide_factor, sparse_as_dense, policy, algorithm,
                            horovod_kwargs)
-    opt = hvd.DistributedOptimizer(optimizer, op=op, gradient_predivide_factor=gradient_predivide_factor,
-                                   sparse_as_dense=sparse_as_dense,
-                                   backward_passes_per_step=backward_passes_per_step, **horovod_kwargs)
+    opt = horovod_factory(optimizer, op=op, gradient_predivide_factor=gradient_predivide_factor,
+                          sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
+                          **horovod_kwargs)
     return install(opt, reducer)
 
 

@@ -7,7 +7,7 @@ doing the communication, and Horovod's Keras callbacks beside it.
     model.fit(x, y, callbacks=[cl.callbacks.BroadcastGlobalVariablesCallback(0),
                                cl.callbacks.MetricAverageCallback()])
 """
-from commlib.tensorflow import _reducer, install
+from commlib.tensorflow import distributed_optimizer
 from commlib.errors import BackendUnavailable
 
 try:
@@ -26,11 +26,6 @@ def DistributedOptimizer(optimizer, compression=None, op=None, gradient_predivid
                          **horovod_kwargs):
     """Horovod's `horovod.tensorflow.keras.DistributedOptimizer(optimizer, ...)`, its gradients
     reduced by commlib (policy, algorithm, compression as in commlib.tensorflow)."""
-    import horovod.tensorflow as hvd_tf
     import horovod.tensorflow.keras as hvd
-    reducer, op = _reducer(hvd_tf, compression, op, gradient_predivide_factor, sparse_as_dense, policy, algorithm,
-                           horovod_kwargs)
-    opt = hvd.DistributedOptimizer(optimizer, op=op, gradient_predivide_factor=gradient_predivide_factor,
-                                   sparse_as_dense=sparse_as_dense,
-                                   backward_passes_per_step=backward_passes_per_step, **horovod_kwargs)
-    return install(opt, reducer)
+    return distributed_optimizer(hvd.DistributedOptimizer, optimizer, compression, op, gradient_predivide_factor,
+                                 sparse_as_dense, backward_passes_per_step, policy, algorithm, horovod_kwargs)
