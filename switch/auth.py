@@ -1,0 +1,90 @@
+"""Keys of the switch, the aggregators and the jobs they serve: one word per concept.
+
+- daemon key: 32 secret bytes a daemon (commlib-switch, commlib-aggregator) and the jobs allowed to
+  use it share. It never crosses the network: a daemon reads it from a file (`--key-file`); an
+  embedded daemon gets it from the rank that starts it (in process, or on the child's stdin); the
+  ranks of a job get it from rank 0 through the job's own rendezvous (the launcher's broadcast).
+  Holding it is the admission to register a job.
+- job key: 16 bytes derived from the daemon key and a job nonce (random, public, sent with the
+  registration), so each job's packets are keyed apart and a key learnt from one job opens no other.
+  The C data path keys its per-packet MAC with it (SipHash-2-4, switch/csrc).
+- control MAC: every control request carries `mac`, a keyed BLAKE2b over its other fields and a
+  per-sender sequence number `seq` that must grow, so a sniffed request cannot be replayed.
+"""
+import hashlib
+import hmac
+import json
+import os
+import secrets
+
+from commlib.errors import ConfigError
+
+DAEMON_KEY_BYTES = 32
+JOB_KEY_BYTES = 16
+NONCE_BYTES = 16
+MAC_BYTES = 16
+
+
+def new_key():
+    return secrets.token_bytes(DAEMON_KEY_BYTES)
+
+
+def new_nonce():
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def read_key(path):
+    """The daemon key in `path` (hex text, as `write_key` writes it)."""
+    try:
+        with open(path) as f:
+            key = bytes.fromhex(f.read().strip())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the key file {path!r} ({exc}); create one with "
+                          f"`python -m commlib.switch.auth {path}`") from exc
+    if len(key) < 16:
+        raise ConfigError(f"the key in {path!r} has {len(key)} bytes; use at least 16 "
+                          f"(`python -m commlib.switch.auth {path}` writes 32)")
+    return key
+
+
+def write_key(path, key=None):
+    """Write a new (or the given) daemon key to `path`, readable by its owner only."""
+    key = key or new_key()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.hex() + "\n")
+    return key
+
+
+def job_key(daemon_key, nonce):
+    """The job's data-plane key: keyed BLAKE2b of the job's public nonce."""
+    return hashlib.blake2b(b"commlib job " + nonce.encode(), key=daemon_key, digest_size=JOB_KEY_BYTES).digest()
+
+
+def _mac(key, fields):
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(body, key=key, digest_size=MAC_BYTES).hexdigest()
+
+
+def sign(key, request, seq):
+    """`request` (a control message) with its sequence number and MAC added."""
+    fields = {k: v for k, v in request.items() if k != "mac"}
+    fields["seq"] = seq
+    return {**fields, "mac": _mac(key, fields)}
+
+
+def verify(key, request):
+    """True when `request` carries a valid MAC under `key` (the caller checks that seq grows)."""
+    mac = request.get("mac")
+    if not isinstance(mac, str) or not isinstance(request.get("seq"), int):
+        return False
+    fields = {k: v for k, v in request.items() if k != "mac"}
+    return hmac.compare_digest(mac, _mac(key, fields))
+
+
+if __name__ == "__main__":   # python -m commlib.switch.auth PATH: write a new daemon key file
+    import sys
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m commlib.switch.auth KEY_FILE")
+    write_key(sys.argv[1])
+    print(f"wrote a new daemon key to {sys.argv[1]}")
