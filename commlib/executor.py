@@ -47,24 +47,48 @@ class Channel:
     """The collectives of one algorithm, as a compressor's reduce_bucket sees them: rank, size,
     algorithm, allreduce(array) and allgather(array), each call named after the bucket."""
 
-    def __init__(self, backend, algorithm, ctx, name):
+    def __init__(self, backend, algorithm, ctx, name, phases):
         self.rank, self.size, self.algorithm = ctx.rank, ctx.size, algorithm
-        self._backend, self._name = backend, name
+        self._backend, self._name, self._phases = backend, name, phases
         self._calls = itertools.count()
 
     def allreduce(self, array):
         """Elementwise sum over ranks of a 1-D array (cast to float32 if the algorithm lacks its dtype)."""
         array = np.ascontiguousarray(array).reshape(-1)
         native = array.dtype in self._backend.dtypes
+        self._phases.mark("COMPRESS")
         out = self._backend.allreduce(array if native else array.astype(np.float32), self._next())
+        self._phases.mark(self.algorithm.upper(), comm=True, sent=array.nbytes, received=out.nbytes)
         return out.astype(array.dtype, copy=False)
 
     def allgather(self, array):
         """Every rank's 1-D array (lengths may differ), index = rank."""
-        return self._backend.allgather(np.ascontiguousarray(array).reshape(-1), self._next())
+        self._phases.mark("COMPRESS")
+        out = self._backend.allgather(np.ascontiguousarray(array).reshape(-1), self._next())
+        self._phases.mark(self.algorithm.upper(), comm=True, sent=array.nbytes, received=sum(a.nbytes for a in out))
+        return out
 
     def _next(self):
         return f"{self._name}.{next(self._calls)}"
+
+
+class Phases:
+    """The phases of one bucket's run, in order: (name, begin, end, comm, args) with monotonic times;
+    comm=True for the algorithm's collectives. `mark` closes the phase that just ended."""
+
+    __slots__ = ("spans", "_last")
+
+    def __init__(self, start):
+        self.spans, self._last = [], start
+
+    def mark(self, name, comm=False, **args):
+        now = time.monotonic()
+        self.spans.append((name, self._last, now, comm, args))
+        self._last = now
+
+    def seconds(self, comm):
+        """Time in the collectives (comm=True) or in the worker's processing (False)."""
+        return sum(end - begin for _, begin, end, is_comm, _ in self.spans if is_comm == comm)
 
 
 class Executor:
@@ -143,20 +167,27 @@ class Executor:
         name = first.name if len(bucket) == 1 else f"{first.name}+{len(bucket) - 1}"
         backend = self.dispatcher.backend(first.algorithm)
         start = time.monotonic()
+        phases = Phases(start)
         run = self._run_dense if first.compressor is None else self._run_compressed
-        results = run(bucket, backend, name)
+        results = run(bucket, backend, name, phases)
         end = time.monotonic()
         for entry, result in zip(bucket, results):
-            self._record(entry, start, end, len(bucket))
+            self._record(entry, start, end, len(bucket), phases)
             entry.handle.set(result=result)
 
-    def _run_dense(self, bucket, backend, name):
+    def _run_dense(self, bucket, backend, name, phases):
         first = bucket[0]
         arrays = [e.staged.array for e in bucket]
-        buf = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        if len(arrays) == 1:
+            buf = arrays[0]
+        else:
+            buf = np.concatenate(arrays)
+            phases.mark("FUSE")
         if first.prescale != 1.0:
             buf = scaled(buf, first.prescale)
+            phases.mark("SCALE")
         out = backend.allreduce(buf, name) if first.op in (Sum, Average) else backend.allreduce(buf, name, first.op)
+        phases.mark(first.algorithm.upper(), comm=True, sent=buf.nbytes, received=out.nbytes)
         measured = backend.measured_density(name)   # of the fused buffer when fused
         if measured is not None:
             for entry in bucket:
@@ -164,26 +195,32 @@ class Executor:
         scale = first.postscale / (self.ctx.size if first.op == Average else 1)
         if scale != 1.0:
             out = scaled(out, scale)
+            phases.mark("SCALE")
         parts = np.split(out, np.cumsum([a.size for a in arrays])[:-1]) if len(bucket) > 1 else [out]
-        return [e.staged.restore(part) for e, part in zip(bucket, parts)]
+        results = [e.staged.restore(part) for e, part in zip(bucket, parts)]
+        phases.mark("RESTORE")
+        return results
 
-    def _run_compressed(self, bucket, backend, name):
+    def _run_compressed(self, bucket, backend, name, phases):
         first = bucket[0]
         tensors = [e.staged.dense() for e in bucket]
         if first.prescale != 1.0:
             tensors = [t * first.prescale for t in tensors]
-        channel = Channel(backend, first.algorithm, self.ctx, name)
+        channel = Channel(backend, first.algorithm, self.ctx, name, phases)
         outs = first.compressor.reduce_bucket(tensors, [e.name for e in bucket], channel, first.op == Average)
-        return [out * first.postscale if first.postscale != 1.0 else out for out in outs]
+        results = [out * first.postscale if first.postscale != 1.0 else out for out in outs]
+        phases.mark("DECOMPRESS")
+        return results
 
-    def _record(self, entry, start, end, fused):
+    def _record(self, entry, start, end, fused, phases):
         t = entry.times
         self.records[entry.name] = {
             "algorithm": entry.algorithm, "compression": entry.plan.compression, "dtype": entry.staged.dtype_name,
             "nbytes": entry.staged.nbytes, "density": entry.density, "fused_with": fused - 1,
             "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start,
+            "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True),
             "note": entry.plan.note}
-        self.timeline.tensor(entry.name, t["enqueue"], t["go"], start, end, entry.algorithm)
+        self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, fused - 1)
 
 
 def scaled(array, factor):

@@ -15,7 +15,6 @@ from commlib.errors import CommError, ConfigError, InvalidTensor
 from commlib.executor import HOROVOD_OPS, OPS, Average, Entry, Executor, Sum
 from commlib.handles import Handle
 from commlib.tensors import Staged
-from commlib.timeline import Timeline
 
 log = logging.getLogger("commlib")
 
@@ -24,7 +23,7 @@ class Runtime:
     def __init__(self, settings, policy):
         self.settings = settings
         self.ctx, self.client, self._server = bootstrap.join(settings)
-        self.timeline = Timeline(settings.timeline, self.ctx.rank)
+        self.timeline = _timeline(settings.timeline, self.ctx.rank)
         self.backends, self.unavailable = start_all(self.ctx)
         self.dispatcher = Dispatcher(self.backends, self.unavailable, policy, settings)
         self.executor = Executor(self.ctx, self.client, self.dispatcher, self.timeline)
@@ -32,6 +31,11 @@ class Runtime:
 
     def backend(self, name):
         return self.dispatcher.backend(name)
+
+    def set_timeline(self, path):
+        old, self.timeline = self.timeline, _timeline(path, self.ctx.rank)
+        self.executor.timeline = self.timeline
+        old.close()
 
     @property
     def records(self):
@@ -98,6 +102,11 @@ class Runtime:
         if self._server is not None:
             self._server.join(self.settings.timeout_s)
         self.timeline.close()
+
+
+def _timeline(path, rank):
+    from commlib.timeline import Timeline   # imported late: `python -m commlib.timeline` runs the module as __main__
+    return Timeline(path, rank)
 
 
 def reduction(op):

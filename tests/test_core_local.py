@@ -110,7 +110,8 @@ def test_timeline_is_a_chrome_trace(runtime):
     commlib.allreduce(np.ones(3, np.float32), name="traced")
     commlib.shutdown()
     events = json.loads(runtime.read_text())
-    assert {e["name"] for e in events if e.get("tid") == "traced"} == {"NEGOTIATE", "QUEUE", "RING"}
+    row = next(e["tid"] for e in events if e["name"] == "thread_name" and e["args"]["name"] == "traced")
+    assert {e["name"] for e in events if e["ph"] == "X" and e["tid"] == row} == {"NEGOTIATE", "QUEUE", "RING", "RESTORE"}
 
 
 @pytest.mark.parametrize("kwargs, error, text", [
