@@ -178,9 +178,8 @@ class Executor:
     def _run_dense(self, bucket, backend, name, phases):
         first = bucket[0]
         arrays = [e.staged.array for e in bucket]
-        if len(arrays) == 1:
-            buf = arrays[0]
-        else:
+        buf = fused(arrays)
+        if buf is None:
             buf = np.concatenate(arrays)
             phases.mark("FUSE")
         if first.prescale != 1.0:
@@ -194,7 +193,7 @@ class Executor:
                 entry.density = measured[0]
         scale = first.postscale / (self.ctx.size if first.op == Average else 1)
         if scale != 1.0:
-            out = scaled(out, scale)
+            out = scaled(out, scale, inplace=not np.may_share_memory(out, buf))
             phases.mark("SCALE")
         parts = np.split(out, np.cumsum([a.size for a in arrays])[:-1]) if len(bucket) > 1 else [out]
         results = [e.staged.restore(part) for e, part in zip(bucket, parts)]
@@ -223,11 +222,30 @@ class Executor:
         self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, fused - 1)
 
 
-def scaled(array, factor):
+def scaled(array, factor, inplace=False):
     """array * factor in the array's dtype, computed in float32 at least (as Horovod scales float16:
-    a factor rounded to float16 would put the result one float16 step off)."""
+    a factor rounded to float16 would put the result one float16 step off); in place when allowed
+    and the array is float32/float64 (the same result without a second buffer)."""
+    if inplace and array.dtype in (np.float32, np.float64) and array.flags.writeable:
+        array *= factor
+        return array
     wide = np.promote_types(array.dtype, np.float32) if array.dtype.kind == "f" else np.float64
     return (array.astype(wide, copy=False) * factor).astype(array.dtype)
+
+
+def fused(arrays):
+    """The bucket's 1-D arrays as one read-only buffer without copying when they lie back to back in
+    memory (a DDP bucket's per-parameter views of its flat buffer, or a single array); else None."""
+    first = arrays[0]
+    address = first.ctypes.data
+    for array in arrays:
+        if array.dtype != first.dtype or not array.flags.c_contiguous or array.ctypes.data != address:
+            return None
+        address += array.nbytes
+    if len(arrays) == 1:
+        return first
+    total = sum(a.size for a in arrays)
+    return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,), writeable=False)
 
 
 def fuse(entries, threshold):
