@@ -172,7 +172,7 @@ class Executor:
         results = run(bucket, backend, name, phases)
         end = time.monotonic()
         for entry, result in zip(bucket, results):
-            self._record(entry, start, end, len(bucket), phases)
+            self._record(entry, name, start, end, len(bucket), phases)
             entry.handle.set(result=result)
 
     def _run_dense(self, bucket, backend, name, phases):
@@ -211,11 +211,11 @@ class Executor:
         phases.mark("DECOMPRESS")
         return results
 
-    def _record(self, entry, start, end, fused, phases):
+    def _record(self, entry, bucket, start, end, fused, phases):
         t = entry.times
         self.records[entry.name] = {
             "algorithm": entry.algorithm, "compression": entry.plan.compression, "dtype": entry.staged.dtype_name,
-            "nbytes": entry.staged.nbytes, "density": entry.density, "fused_with": fused - 1,
+            "nbytes": entry.staged.nbytes, "density": entry.density, "bucket": bucket, "fused_with": fused - 1,
             "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start,
             "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True),
             "note": entry.plan.note}
