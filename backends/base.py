@@ -83,5 +83,10 @@ class Backend(abc.ABC):
         """Counters for users (bytes, packets, resends, ...)."""
         return {}
 
+    def daemon_counters(self):
+        """{row name: fn() -> {counter: number}} of the daemons (switch, aggregators) this rank
+        reports in the timeline; only rank 0 reports, so each daemon is asked once."""
+        return {}
+
     def close(self):
         """Release sockets, processes and switch/aggregator state. Called once, on every rank."""

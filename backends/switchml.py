@@ -251,6 +251,11 @@ class SwitchMLBackend(Backend):
             return {}
         return sw.SwitchClient(self.address, 5.0).counters(self.job, self.token)
 
+    def daemon_counters(self):
+        if self.rank != 0 or self.job is None:
+            return {}
+        return {f"switch {self.address}": lambda: self.switch_counters()["counters"]}
+
     def close(self):
         if self._worker is not None:
             try:   # nobody may still wait for a result when rank 0 ends the job

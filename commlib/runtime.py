@@ -27,6 +27,7 @@ class Runtime:
         self.backends, self.unavailable = start_all(self.ctx)
         self.dispatcher = Dispatcher(self.backends, self.unavailable, policy, settings)
         self.executor = Executor(self.ctx, self.client, self.dispatcher, self.timeline)
+        self._watch_daemons()
         self._names = itertools.count()
 
     def backend(self, name):
@@ -36,6 +37,11 @@ class Runtime:
         old, self.timeline = self.timeline, _timeline(path, self.ctx.rank)
         self.executor.timeline = self.timeline
         old.close()
+        self._watch_daemons()
+
+    def _watch_daemons(self):
+        self.timeline.watch({row: fn for backend in self.backends.values()
+                             for row, fn in backend.daemon_counters().items()})
 
     @property
     def records(self):
@@ -93,6 +99,7 @@ class Runtime:
             log.warning("commlib: shutdown while a collective is still running; backends left open")
             self.client.close()
             return
+        self.timeline.close()   # before the backends: its last sample asks the switch and aggregators
         for backend in self.backends.values():
             try:
                 backend.close()
@@ -101,7 +108,6 @@ class Runtime:
         self.client.close()
         if self._server is not None:
             self._server.join(self.settings.timeout_s)
-        self.timeline.close()
 
 
 def _timeline(path, rank):

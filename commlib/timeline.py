@@ -19,14 +19,17 @@ them into one trace with a process row per rank.
 
 The trace is streamed as events happen (a JSON array Chrome reads even unfinished, so a crashed run
 keeps its trace, and a long run holds nothing in memory); close() ends the array. With '{rank}' in
-the path every rank writes its own file, else only rank 0 writes.
+the path every rank writes its own file, else only rank 0 writes. Rank 0 adds a row per daemon (the
+switch, the aggregators) with their counters' rates, sampled while the trace is on.
 """
 import json
+import logging
 import sys
 import threading
 import time
 
-WORKER_PHASES = ("FUSE", "SCALE", "COMPRESS", "DECOMPRESS", "RESTORE")
+log = logging.getLogger("commlib")
+DAEMON_ROWS = 10000   # process rows of the switch and aggregators, after the ranks'
 
 
 class Timeline:
@@ -41,6 +44,7 @@ class Timeline:
         self._lock = threading.Lock()
         self._to_wall = time.time() - time.monotonic()
         self._rows = {}    # tensor name -> its thread id (Chrome wants integers)
+        self._sources, self._samples = {}, {}   # daemons watched: row name -> fn, (time, counters)
 
     @property
     def active(self):
@@ -70,7 +74,48 @@ class Timeline:
                               "ts": self._us(time.monotonic()), "args": {"tensor": name, "rows": [int(r) for r in rows],
                                                       "counts": [int(c) for c in counts]}}])
 
+    def watch(self, sources, interval_s=0.1):
+        """Sample each daemon's counters (`sources`: {row name: fn() -> {counter: number}}) now, every
+        `interval_s` on a thread, and at close, writing their rates per second as counter tracks, one
+        process row per daemon (the switch's, the aggregators' beside the ranks'). A source that fails
+        is dropped."""
+        if self._file is None or not sources:
+            return
+        self._sources = dict(sources)
+        self._daemon_rows = {name: DAEMON_ROWS + i for i, name in enumerate(sources)}
+        with self._lock:
+            self._write([_meta("process_name", pid, name=name) for name, pid in self._daemon_rows.items()])
+        self._sample()
+        threading.Thread(target=self._sample_every, args=(interval_s,), name="commlib-timeline-daemons",
+                         daemon=True).start()
+
+    def _sample_every(self, interval_s):
+        while self._file is not None and self._sources:
+            time.sleep(interval_s)
+            self._sample()
+
+    def _sample(self):
+        for name, fn in list(self._sources.items()):
+            try:
+                values, now = fn(), time.monotonic()
+            except Exception as exc:   # the daemon went away or refused: stop asking it
+                log.info("timeline: no more counters from %s (%s)", name, exc)
+                self._sources.pop(name, None)
+                continue
+            before, self._samples[name] = self._samples.get(name), (now, values)
+            if before is None or now <= before[0]:
+                continue
+            rates = {k: (v - before[1].get(k, 0)) / (now - before[0]) for k, v in values.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            with self._lock:
+                if self._file is not None:
+                    self._write([{"name": "per second", "ph": "C", "pid": self._daemon_rows[name], "tid": 0,
+                                  "ts": self._us(now), "args": rates}])
+
     def close(self):
+        """End the trace (a last sample of the daemons first: call it while they still run)."""
+        if self._file is not None and self._sources:
+            self._sample()
         with self._lock:
             if self._file is not None:
                 # a last event with no comma after it: the finished file is strict JSON

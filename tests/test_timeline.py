@@ -58,6 +58,18 @@ def test_records_components_add_up_to_the_round(job):
             assert abs(rec["process_s"] + rec["transfer_s"] - rec["run_s"]) < 1e-3, (name, rec)
 
 
+def test_rank_0_traces_the_switch_counters_in_its_own_row(job):
+    _, paths, _, _ = job
+    events = timeline.load(paths[0])
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    switch = [pid for pid, name in rows.items() if name.startswith("switch ")]
+    assert len(switch) == 1, rows
+    samples = [e["args"] for e in events if e.get("ph") == "C" and e["pid"] == switch[0]]
+    assert samples and max(s["rx"] for s in samples) > 0, samples   # packets per second reached the switch
+    assert not any(e.get("name", "").startswith("switch ") for e in timeline.load(paths[1])), \
+        "only rank 0 asks the switch"
+
+
 def test_start_and_stop_timeline_trace_a_window(job):
     _, _, windows, _ = job
     for rank, path in enumerate(windows):
@@ -70,7 +82,7 @@ def test_merge_and_analyze(job, capsys):
     merged = out / "merged.json"
     assert timeline.main(["merge", str(merged), *paths]) == 0
     events = json.load(open(merged))["traceEvents"]
-    assert {e["pid"] for e in events} == {0, 1} and min(e["ts"] for e in events if "ts" in e) == 0
+    assert {e["pid"] for e in events} == {0, 1, timeline.DAEMON_ROWS} and min(e["ts"] for e in events if "ts" in e) == 0
     found = analyze.rounds(events)
     assert {r.algorithm for r in found} == {"ring", "switchml", "omnireduce"}
     for r in found:
