@@ -110,6 +110,18 @@ def concurrency(found, bin_us=1000.0):
     return np.array([len(s) for s in bins])
 
 
+def daemon_rates(events):
+    """daemon row name -> {counter: (median, max) per second} over the samples of its row."""
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    samples = collections.defaultdict(lambda: collections.defaultdict(list))
+    for e in events:
+        if e.get("ph") == "C" and e["pid"] in names:
+            for counter, rate in e["args"].items():
+                samples[names[e["pid"]]][counter].append(rate)
+    return {row: {c: (float(np.median(v)), float(np.max(v))) for c, v in counters.items() if max(v) > 0}
+            for row, counters in samples.items()}
+
+
 def update_counts(events):
     """tensor -> per-row update counts summed over ranks and windows, most updated first."""
     totals = collections.defaultdict(collections.Counter)
@@ -191,6 +203,10 @@ def main(argv=None):
         return 1
     print(f"{len(found)} rounds of {len({r.tensor for r in found})} tensors on {len({r.rank for r in found})} ranks\n")
     print(format_table(table(found)))
+    for row, rates in daemon_rates(events).items():
+        print(f"\n{row}, per second (median / max over the samples):")
+        for counter, (median, peak) in sorted(rates.items()):
+            print(f"  {counter:<20} {median:>12.0f} / {peak:.0f}")
     for c, share in skew_summary(events).items():
         print(f"\n{c}: the hottest 1% of rows take {share:.0%} of updates")
     for path in plot(found, events, args.out):

@@ -91,6 +91,7 @@ def test_merge_and_analyze(job, capsys):
     printed = capsys.readouterr().out
     for algorithm in ("ring", "switchml", "omnireduce"):
         assert f"\n{algorithm} " in printed, printed
+    assert "switch 127.0.0.1:" in printed and "aggregated" in printed, printed
     for png in ("latency_cdf.png", "breakdown.png", "concurrency.png"):
         assert (out / "plots" / png).stat().st_size > 1000, png
 
