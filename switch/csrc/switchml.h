@@ -20,13 +20,19 @@
  *   20  4k  payload    k = 0, 64 or 256 big-endian int32 (the partial last block zero-padded)
  *   ..   k  nf region  only with SML_F_NONFINITE
  *
- * Switch semantics per DATA packet from rank w to (slot s, set X), as in SwitchML:
- *   before = bitmap[s][X]; set bit w there and clear it in bitmap[s][1-X];
- *   new contribution: before == 0 -> overwrite values/exponent (lazy clearing), else add
- *   (int32, wrapping) and take the max exponent; countdown--; the completing packet is sent to
- *   every worker of the job (software multicast), the others are consumed;
- *   retransmission (bit already set): complete -> unicast replay of the stored result to the
- *   sender, incomplete -> dropped. */
+ * Switch semantics per DATA packet from rank w with packet id i to (slot s, set X), as in
+ * SwitchML, with the packet id as the set's version (every rank streams the same ids, growing):
+ *   the set's first use, or i newer than the set's round and that round complete: a new round,
+ *   overwrite values/exponent (lazy clearing), bitmap = {w};
+ *   i = the set's round, bit w clear: add (int32, wrapping), max exponent, countdown--; the
+ *   completing packet is sent to every worker of the job (software multicast), the others are
+ *   consumed; bit w set (a retransmission): complete -> unicast replay of the stored result to
+ *   the sender, incomplete -> dropped;
+ *   i older than the set's round: a late packet (reordered, or a retransmission that the result
+ *   overtook) of a round already finished and reused: dropped (drop_late), never aggregated;
+ *   i newer while the set's round is incomplete: ranks out of step, dropped (drop_malformed).
+ * SwitchML's one set bit tells the current round from the previous one only; a packet delayed
+ * past a whole round reached a set just reused and became its first contribution. */
 #ifndef COMMLIB_SWITCHML_H
 #define COMMLIB_SWITCHML_H
 #include <stddef.h>
@@ -64,6 +70,7 @@ typedef struct sml_counters {
     uint64_t results;           /* result packets sent on completion (one per worker) */
     uint64_t replays;           /* retransmissions answered by a unicast replay */
     uint64_t drop_incomplete;   /* retransmissions to an incomplete slot */
+    uint64_t drop_late;         /* packets of a round the slot has finished and reused (reordered, late) */
     uint64_t drop_token;        /* wrong job token */
     uint64_t drop_sender;       /* rank not in the job, or source address not the rank's */
     uint64_t drop_malformed;    /* bad slot index, size or packet id mismatch within a slot */

@@ -303,7 +303,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     j->c.rx++;
     gc->rx++;
 
-    size_t idx = (size_t)slot * 2 + set, other = (size_t)slot * 2 + (1 - set);
+    size_t idx = (size_t)slot * 2 + set;
     slot_set *s = &j->sets[idx];
     int32_t *vals = j->values + idx * j->elems;
     uint8_t *nfr = j->nfreg + idx * j->elems;
@@ -312,19 +312,36 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     uint32_t pkt_id = tp_rd32(p + 4);
     int8_t exp = (int8_t)p[10];
 
-    int fresh = !(before & bit);
-    if (fresh && before != 0 && (code != s->size || pkt_id != s->pkt_id || s->countdown == 0)) {
-        /* ranks streaming different sequences, or a stale packet: refuse to mix them in */
+    /* which round of (slot, set) this packet belongs to: packet ids grow along a rank's stream and
+     * every rank streams the same ids, so the id is the slot's version (SwitchML's set bit tells
+     * only two rounds apart; a packet delayed past a whole round needs more) */
+    int32_t age = (int32_t)(pkt_id - s->pkt_id);
+    int fresh, first;
+    if (before == 0 || (age > 0 && s->countdown == 0)) {
+        fresh = first = 1;              /* the set's first use, or the next round once it is done */
+    } else if (age == 0) {
+        fresh = !(before & bit);
+        first = 0;
+        if (fresh && code != s->size) {
+            j->c.drop_malformed++;
+            gc->drop_malformed++;
+            return;
+        }
+    } else if (age < 0) {
+        /* a late packet of an earlier round (reordered, or a retransmission overtaken by the
+         * result): its round is over; never aggregated, never answered */
+        j->c.drop_late++;
+        gc->drop_late++;
+        return;
+    } else {
+        /* a later round while this one is incomplete: ranks streaming different sequences */
         j->c.drop_malformed++;
         gc->drop_malformed++;
         return;
     }
-    /* step 1: this rank is in (slot, set) and no longer in (slot, other set) */
-    s->bitmap = before | bit;
-    j->sets[other].bitmap &= ~bit;
-
+    s->bitmap = (first ? 0 : before) | bit;
     if (fresh) {
-        if (before == 0) {  /* first contribution: overwrite (lazy clearing) */
+        if (first) {  /* first contribution: overwrite (lazy clearing) */
             sml_be_load(vals, pl, elems);
             s->exp = exp;
             s->size = (uint8_t)code;
