@@ -18,8 +18,10 @@ Each direction has its own `Faults`, applied per datagram with a seeded random s
         relay.address   # give this to the workers
         relay.link(worker_address)   # the address the service sees for that worker
 
-`tap(direction, data)` (direction "up": worker -> service, "down": back), when set, sees every
-datagram as it arrives, before any fault: what an observer on the wire reads.
+`tap(direction, data, worker)` (direction "up": worker -> service, "down": back; worker: that
+worker's address), when set, sees every datagram as it arrives, before any fault and before it is
+forwarded: what an observer on the wire reads. With `inject` it plays an attacker who can also
+send (and spoof source addresses): its packets can overtake the one it just saw.
 """
 import dataclasses
 import heapq
@@ -154,20 +156,21 @@ class FaultRelay:
             except OSError:      # ICMP from a closed port, reported on the next receive
                 continue
             if sock is self._front:
-                self._forward("up", data, self._back[self._peer(source)], None)
+                self._forward("up", data, self._back[self._peer(source)], None, source)
             else:
-                self._forward("down", data, self._front, self._worker_of[sock])
+                worker = self._worker_of[sock]
+                self._forward("down", data, self._front, worker, worker)
 
     def _peer(self, source):
         if source not in self._back:
             self.link(source)
         return source
 
-    def _forward(self, direction, data, sock, to):
+    def _forward(self, direction, data, sock, to, worker):
         f, c, rng = self.faults[direction], self.counters[direction], self.rng
         c["received"] += 1
         if self.tap is not None:
-            self.tap(direction, data)
+            self.tap(direction, data, worker)
         if rng.random() < f.loss:
             c["lost"] += 1
             return
@@ -193,12 +196,16 @@ class FaultRelay:
             self.counters[direction]["lost"] += 1
 
     def inject(self, data, to_worker=None, via=None):
-        """Send `data` as the relay would (for attacker tests): to the target from the socket that
-        carries worker `via`, or to `to_worker` from the relay's front address."""
-        if to_worker is not None:
-            self._front.sendto(data, to_worker)
-        else:
-            self._back[via].send(data)
+        """Send `data` as if it came from the other end (for attacker tests): to the target from
+        the address it knows as worker `via`, or to `to_worker` from the address the worker
+        knows as the target's. Silently lost when a buffer is full, as on a wire."""
+        try:
+            if to_worker is not None:
+                self._front.sendto(data, to_worker)
+            else:
+                self._back[via].send(data)
+        except OSError:
+            pass
 
     # -- TCP: pass-through -----------------------------------------------------------------------
     def _tcp_loop(self):

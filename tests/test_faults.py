@@ -11,7 +11,6 @@ import pytest
 import commlib.backends.omnireduce as om
 import commlib.backends.switchml as sml
 from commlib.settings import Settings
-from commlib.switch.aggregator import Aggregator
 from commlib.switch.relay import Faults, FaultRelay
 from commlib.testing import LocalGroup
 
@@ -27,13 +26,30 @@ REORDER = Faults(reorder=0.25, reorder_ms=5.0)
 NONE = Faults()
 
 
-class RelayedSwitchML(sml.SwitchMLBackend):
-    """The switchml backend whose data socket talks to the relay: it registers the address the
-    switch will see for it (the relay's socket for this worker)."""
-    relay = None
+def relayed(backend_cls, faults, seed):
+    """backend_cls whose embedded daemons (rank 0's switch, spawned aggregators) sit behind fault
+    relays: every rank talks to the relay, and registers the address the daemon sees for it (the
+    relay's socket for this worker). Returns (class, relays made)."""
+    relays = []
 
-    def _open_socket(self):
-        return list(self.relay.link(tuple(super()._open_socket())))
+    def relay_for(address):
+        host, port = address.rsplit(":", 1)
+        relay = FaultRelay((host, int(port)), up=faults, down=faults, seed=seed + len(relays)).start()
+        relays.append(relay)
+        return f"{host}:{relay.address[1]}"
+
+    class Relayed(backend_cls):
+        def _switch_address(self):                     # switchml, rank 0
+            address = super()._switch_address()
+            return relay_for(address) if self.rank == 0 else address
+
+        def _open_socket(self):                        # switchml, every rank
+            return list(relays[0].link(tuple(super()._open_socket())))
+
+        def _spawn_aggregators(self, count):           # omnireduce dedicated, rank 0
+            return [relay_for(address) for address in super()._spawn_aggregators(count)]
+
+    return Relayed, relays
 
 
 def run_ranks(n, make_backend, work, **settings):
@@ -62,23 +78,25 @@ def switchml_inputs(n):
 
 
 def run_switchml(n, faults, seed=1):
-    """Every tensor of switchml_inputs through one switch behind a relay with `faults` both ways:
-    (results by rank, relay counters, the job's switch counters)."""
+    """Every tensor of switchml_inputs through the embedded switch behind a relay with `faults`
+    both ways: (results by rank, relay counters, the job's switch counters)."""
     inputs = switchml_inputs(n)
-    with sw.SwitchServer("127.0.0.1", 0, slots=1024) as switch, \
-            FaultRelay(("127.0.0.1", switch.port), up=faults, down=faults, seed=seed) as relay:
-        backend_cls = type("Relayed", (RelayedSwitchML,), {"relay": relay})
-        seen = {}
+    backend_cls, relays = relayed(sml.SwitchMLBackend, faults, seed)
+    seen = {}
 
-        def work(rank, backend):
-            out = [backend.allreduce(x[rank], f"t{i}") for i, x in enumerate(inputs)]
-            if rank == 0:
-                seen.update(backend.switch_counters()["counters"])
-            return out
+    def work(rank, backend):
+        out = [backend.allreduce(x[rank], f"t{i}") for i, x in enumerate(inputs)]
+        if rank == 0:
+            seen.update(backend.switch_counters()["counters"])
+        return out
 
-        results = run_ranks(n, backend_cls, work, switch_addr=f"127.0.0.1:{relay.address[1]}",
-                            switch_window=32, switch_retransmit_ms=2.0, switch_retransmit_max_ms=40.0)
-        return results, relay.counters, seen
+    try:
+        results = run_ranks(n, backend_cls, work, switch_window=32, switch_retransmit_ms=2.0,
+                            switch_retransmit_max_ms=40.0)
+    finally:
+        for relay in relays:
+            relay.stop()
+    return results, relays[0].counters, seen
 
 
 def assert_identical(results, reference, n):
@@ -129,19 +147,20 @@ def omnireduce_inputs(n, block=32):
 
 
 def run_omnireduce(n, faults, seed=2):
+    """omnireduce_inputs through one spawned (dedicated) aggregator behind a relay."""
     inputs = omnireduce_inputs(n)
-    aggregator = Aggregator("127.0.0.1").start()
-    try:
-        with FaultRelay(aggregator.address, up=faults, down=faults, seed=seed) as relay:
-            def work(rank, backend):
-                return [backend.allreduce(x[rank], f"o{i}") for i, x in enumerate(inputs)]
+    backend_cls, relays = relayed(om.OmniReduceBackend, faults, seed)
 
-            results = run_ranks(n, om.OmniReduceBackend, work, omnireduce_mode="dedicated",
-                                omnireduce_aggregators=f"127.0.0.1:{relay.address[1]}", omnireduce_block_size=32,
-                                omnireduce_columns=24, omnireduce_retransmit_ms=3.0)
-            return results, relay.counters
+    def work(rank, backend):
+        return [backend.allreduce(x[rank], f"o{i}") for i, x in enumerate(inputs)]
+
+    try:
+        results = run_ranks(n, backend_cls, work, omnireduce_mode="dedicated", omnireduce_num_aggregators=1,
+                            omnireduce_block_size=32, omnireduce_columns=24, omnireduce_retransmit_ms=3.0)
     finally:
-        aggregator.close()
+        for relay in relays:
+            relay.stop()
+    return results, relays[0].counters
 
 
 @pytest.mark.parametrize("n", [2, 4])

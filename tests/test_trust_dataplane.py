@@ -1,9 +1,14 @@
 """The data plane against reordering and an attacker on the wire: packet-level checks on a real
 switch (the packets written out by hand, as in test_switch_protocol.py)."""
+import socket
+import struct
+
+import numpy as np
 import pytest
 
-from test_switch_protocol import E, Job, data, vals   # noqa: F401 (fixtures below)
-from test_switch_protocol import switch, job2          # noqa: F401
+from commlib.switch import auth
+from test_switch_protocol import E, TOKEN, Job, data, header, parse, sw, vals
+from test_switch_protocol import job2, switch          # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,3 +49,148 @@ def test_late_packet_before_the_set_is_reused_gets_the_stored_result(job2):
     assert replay["pkt"] == 20 and replay["values"] == first["values"]
     c = job2.counters()
     assert (c["replays"], c["aggregated"], c["drop_late"]) == (1, 3, 0)
+
+
+# -- the MAC: SipHash-2-4 -------------------------------------------------------------------------
+M64 = (1 << 64) - 1
+
+
+def siphash24(key, data):
+    """SipHash-2-4 written out from the paper (Aumasson and Bernstein), independent of the C."""
+    def rotl(x, b):
+        return ((x << b) | (x >> (64 - b))) & M64
+
+    def rounds(v, n):
+        v0, v1, v2, v3 = v
+        for _ in range(n):
+            v0 = (v0 + v1) & M64; v1 = rotl(v1, 13) ^ v0; v0 = rotl(v0, 32)
+            v2 = (v2 + v3) & M64; v3 = rotl(v3, 16) ^ v2
+            v0 = (v0 + v3) & M64; v3 = rotl(v3, 21) ^ v0
+            v2 = (v2 + v1) & M64; v1 = rotl(v1, 17) ^ v2; v2 = rotl(v2, 32)
+        return [v0, v1, v2, v3]
+
+    k0, k1 = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:16], "little")
+    v = [k0 ^ 0x736F6D6570736575, k1 ^ 0x646F72616E646F6D, k0 ^ 0x6C7967656E657261, k1 ^ 0x7465646279746573]
+    tail = len(data) % 8
+    words = [int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data) - tail, 8)]
+    words.append((len(data) & 0xFF) << 56 | int.from_bytes(data[len(data) - tail:], "little"))
+    for m in words:
+        v[3] ^= m
+        v = rounds(v, 2)
+        v[0] ^= m
+    v[2] ^= 0xFF
+    v = rounds(v, 4)
+    return v[0] ^ v[1] ^ v[2] ^ v[3]
+
+
+def test_siphash_reference_vectors_and_any_length():
+    lib = sw.lib
+    key = bytes(range(16))
+    # the reference implementation's vectors (key 00..0f, message 00..len-1)
+    for length, want in [(0, 0x726FDB47DD0E0E31), (1, 0x74F839C593DC67FD), (15, 0xA129CA6149BE45E5)]:
+        assert lib.tp_siphash(key, bytes(range(length)), length) == want
+        assert siphash24(key, bytes(range(length))) == want
+    rng = np.random.default_rng(0)
+    for length in [2, 7, 8, 9, 16, 40, 63, 64, 1044, 1308]:
+        k, m = rng.bytes(16), rng.bytes(length)
+        assert lib.tp_siphash(k, m, length) == siphash24(k, m), length
+
+
+# -- an authenticated switchml job: packets written by hand ---------------------------------------
+DAEMON_KEY = bytes(range(100, 132))
+
+
+@pytest.fixture
+def keyed_switch():
+    server = sw.SwitchServer("127.0.0.1", 0, slots=256, slot_group=4, testing=True, key=DAEMON_KEY).start()
+    yield server
+    server.stop()
+
+
+class KeyedJob(Job):
+    """A job registered with a nonce: its packets carry MACs under auth.job_key(daemon key, nonce)."""
+
+    def __init__(self, server, n, slots=8):
+        self.nonce = auth.new_nonce()
+        self.key = auth.job_key(DAEMON_KEY, self.nonce)
+        self.switch, self.token = server, TOKEN
+        self.socks = []
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind(("127.0.0.1", 0))
+            self.socks.append(s)
+        self.client = sw.SwitchClient(server.address)
+        self.number = self.client.register(TOKEN, [list(s.getsockname()) for s in self.socks], slots, E,
+                                           nonce=self.nonce, authenticate=True)["job"]
+
+    def packet(self, rank, pkt, slot, set, values, key=None):
+        """A DATA packet with SML_F_MAC and its MAC (under `key`, default the job's)."""
+        payload = struct.pack(f"!{E}i", *values)
+        raw = header(1, 1 | 8, self.number, rank, pkt, slot | set << 15, 0) + payload
+        return raw + siphash24(key or self.key, raw).to_bytes(8, "little")
+
+    def recv_raw(self, rank, timeout=1.0):
+        self.socks[rank].settimeout(timeout)
+        return self.socks[rank].recv(4096)
+
+
+@pytest.fixture
+def keyed(keyed_switch):
+    job = KeyedJob(keyed_switch, 2)
+    yield job
+    job.close()
+
+
+def test_results_carry_a_valid_mac_and_unsigned_data_is_dropped(keyed):
+    j = keyed.number
+    keyed.send(0, data(j, 0, 1, 0, 0, vals(1)))                         # no MAC at all
+    keyed.send(0, keyed.packet(0, 1, 0, 0, vals(1), key=bytes(16)))     # a MAC under another key
+    keyed.silent(0)
+    assert keyed.counters()["drop_bad_mac"] == 2 and keyed.counters()["aggregated"] == 0
+    keyed.send(0, keyed.packet(0, 1, 0, 0, vals(1)))
+    keyed.send(1, keyed.packet(1, 1, 0, 0, vals(2)))
+    raw = keyed.recv_raw(0)
+    assert len(raw) == 20 + 4 * E + 8 and raw[1] & 8                     # SML_F_MAC and the trailer
+    assert int.from_bytes(raw[-8:], "little") == siphash24(keyed.key, raw[:-8])
+    assert parse(raw[:-8])["values"] == [a + b for a, b in zip(vals(1), vals(2))]
+
+
+def test_spoofed_data_into_a_cleared_set_is_refused(keyed):
+    """Issue 13's first attack: a DATA packet with a sniffed header (job, token, rank) from the
+    worker's own address (a spoofed source: here the worker's socket), into a set the last round
+    just cleared. Without a MAC it became the set's first contribution: a silently wrong sum."""
+    for pkt, set in ((5, 0), (6, 1)):
+        keyed.send(0, keyed.packet(0, pkt, 2, set, vals(1)))
+        keyed.send(1, keyed.packet(1, pkt, 2, set, vals(2)))
+        keyed.recv_raw(0), keyed.recv_raw(1)
+    sniffed = keyed.packet(0, 7, 2, 0, vals(3))                          # what rank 0 will send next
+    forged = sniffed[:20] + struct.pack(f"!{E}i", *([999] * E)) + sniffed[-8:]
+    keyed.send(0, forged)                                                # arrives first
+    keyed.send(0, sniffed)
+    keyed.send(1, keyed.packet(1, 7, 2, 0, vals(4)))
+    got = parse(keyed.recv_raw(0)[:-8])
+    assert got["values"] == [a + b for a, b in zip(vals(3), vals(4))]
+    c = keyed.counters()
+    assert c["drop_bad_mac"] == 1 and c["aggregated"] == 6
+
+
+def test_replayed_data_is_refused_by_its_round(keyed):
+    """A sniffed, validly signed packet sent again after its slot moved on carries an old packet id
+    (inside the MAC): dropped as late, never aggregated; sent again while its round is open, it is
+    a duplicate (answered with the stored result once complete, as a retransmission is)."""
+    old = keyed.packet(0, 10, 4, 0, vals(1))
+    keyed.send(0, old)
+    keyed.send(0, old)                                                   # replay into the open round
+    keyed.send(1, keyed.packet(1, 10, 4, 0, vals(2)))
+    first = keyed.recv_raw(0)
+    keyed.recv_raw(1)
+    for pkt, set in ((11, 1), (12, 0)):
+        keyed.send(0, keyed.packet(0, pkt, 4, set, vals(pkt)))
+        keyed.send(1, keyed.packet(1, pkt, 4, set, vals(pkt + 1)))
+        keyed.recv_raw(0), keyed.recv_raw(1)
+    keyed.send(1, keyed.packet(1, 14, 4, 0, vals(9)))                   # round 14 open in set 0
+    keyed.send(0, old)                                                   # the replay, rounds later
+    keyed.silent(0)
+    c = keyed.counters()
+    assert (c["drop_late"], c["drop_incomplete"], c["aggregated"]) == (1, 1, 7)
+    assert parse(first[:-8])["values"] == [a + b for a, b in zip(vals(1), vals(2))]
