@@ -175,7 +175,7 @@ class OmniReduceBackend(Backend):
         self._call_lock = threading.Lock()     # one tensor at a time on the socket
         self._tensors, self._last = OrderedDict(), {}
         self._totals = dict.fromkeys(("tensors", "bytes_sent", "bytes_recv", "packets_sent", "packets_recv",
-                                      "resends", "sim_dropped", "sim_duplicated"), 0)
+                                      "resends", "sim_dropped", "sim_duplicated", "bad_mac"), 0)
         self._host = s.omnireduce_host or ("127.0.0.1" if ctx.all_local else primary_ip())
         self._bind = "0.0.0.0" if self._host != "127.0.0.1" else self._host
         self._sock = agg.make_socket(self._bind)   # local work only here: the set-up with the others is start()
@@ -370,7 +370,7 @@ class OmniReduceBackend(Backend):
                  "density": st.own_blocks / st.nblocks if st.nblocks else 0.0,
                  "union_density": st.union_blocks / st.nblocks if st.nblocks else 0.0,
                  "sim_dropped": st.sim_dropped, "sim_duplicated": st.sim_duplicated,
-                 "dup_recv": st.dup_recv, "ooo_recv": st.ooo_recv, "srtt_ms": st.srtt_us / 1e3, "rto_ms": st.rto_us / 1e3,
+                 "dup_recv": st.dup_recv, "ooo_recv": st.ooo_recv, "bad_mac": st.bad_mac, "srtt_ms": st.srtt_us / 1e3, "rto_ms": st.rto_us / 1e3,
                  "seconds": seconds}
         with self._lock:
             self._tensors.pop(name, None)
@@ -381,7 +381,7 @@ class OmniReduceBackend(Backend):
             t = self._totals
             t["tensors"] += 1
             for key in ("bytes_sent", "bytes_recv", "packets_sent", "packets_recv", "resends", "sim_dropped",
-                        "sim_duplicated"):
+                        "sim_duplicated", "bad_mac"):
                 t[key] += entry[key]
 
     def density(self, array):

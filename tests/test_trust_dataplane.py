@@ -6,9 +6,11 @@ import struct
 import numpy as np
 import pytest
 
+from commlib.errors import CommError
 from commlib.switch import auth
+from commlib.switch.relay import Faults
 from test_switch_protocol import E, TOKEN, Job, data, header, parse, sw, vals
-from test_switch_protocol import job2, switch          # noqa: F401 (fixtures)
+from test_switch_protocol import job2, switch          # noqa: F401,F811 (fixtures)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -194,3 +196,185 @@ def test_replayed_data_is_refused_by_its_round(keyed):
     c = keyed.counters()
     assert (c["drop_late"], c["drop_incomplete"], c["aggregated"]) == (1, 1, 7)
     assert parse(first[:-8])["values"] == [a + b for a, b in zip(vals(1), vals(2))]
+
+
+# -- an attacker on the wire while real jobs run --------------------------------------------------
+OMR_HDR = struct.Struct("<BBHIIIIIIIII")   # switch/csrc/omnireduce.h's omr_hdr
+
+
+class Attacker:
+    """Sees every packet of the job on the relay (tap) and, before the relay forwards it, sends
+    forgeries that overtake it: a DATA packet with the sniffed header and other values from the
+    worker's address, a RESULT with other values to the worker, a NACK/ERROR to the worker, and
+    replays of packets and results it saw earlier. `forge_up`, `forge_down`, `kill` make the
+    protocol's forgeries from a sniffed packet (bytes)."""
+
+    def __init__(self, relay, forge_up, forge_down, kill, every=3):
+        self.relay, self.forge_up, self.forge_down, self.kill, self.every = relay, forge_up, forge_down, kill, every
+        self.seen = {"up": [], "down": []}
+        self.sent = dict.fromkeys(("forged_data", "forged_results", "kills", "replays"), 0)
+        relay.tap = self.tap
+
+    def tap(self, direction, data, worker):
+        seen = self.seen[direction]
+        seen.append((data, worker))
+        count = len(seen)
+        if direction == "up":
+            if count % self.every == 0:
+                self.relay.inject(self.forge_up(data), via=worker)
+                self.sent["forged_data"] += 1
+            if count % 5 == 0 and count > 300:         # an old packet of this worker, again
+                old, owner = seen[count - 300]
+                self.relay.inject(old, via=owner)
+                self.sent["replays"] += 1
+        else:
+            if count % self.every == 0:
+                self.relay.inject(self.forge_down(data), to_worker=worker)
+                self.sent["forged_results"] += 1
+            if count % 7 == 0 and self.kill is not None:
+                self.relay.inject(self.kill(data), to_worker=worker)
+                self.sent["kills"] += 1
+            if count % 5 == 0 and count > 300:         # an old result, again
+                old, owner = seen[count - 300]
+                self.relay.inject(old, to_worker=owner)
+                self.sent["replays"] += 1
+
+
+def sml_forge(data):
+    """Other values under the sniffed header (and its stale MAC, if any)."""
+    if len(data) <= 28:
+        return data
+    body = bytearray(data)
+    body[20:24] = (int.from_bytes(body[20:24], "big") ^ 0x00FF0000).to_bytes(4, "big")
+    return bytes(body)
+
+
+def sml_nack(data):
+    """A NACK ("the switch does not know this job") for the worker, sealed like the switch's."""
+    raw = bytearray(data[:20])
+    raw[0], raw[1], raw[11] = 3, 0, 1
+    return sw.pack_header(*struct.unpack("!BBBBIHbBII", bytes(raw))[:7], token=int.from_bytes(raw[12:16], "big"),
+                          code=1)
+
+
+def omr_forge(data):
+    """Other values in the block, the checksum made right again (it is public)."""
+    fields = list(OMR_HDR.unpack(data[:40]))
+    mac = 8 if fields[1] & 16 else 0
+    payload = bytearray(data[40:len(data) - mac])
+    if not payload:
+        return data
+    payload[0:4] = (int.from_bytes(payload[0:4], "little") ^ 0x40000000).to_bytes(4, "little")
+    return omr_seal(fields, bytes(payload)) + data[len(data) - mac:]
+
+
+def omr_seal(fields, payload):
+    fields[11] = 0
+    csum = sw.lib.tp_checksum(OMR_HDR.pack(*fields) + payload, 40 + len(payload))
+    fields[11] = csum
+    return OMR_HDR.pack(*fields) + payload
+
+
+def omr_error(data):
+    """An ERROR (OMR_ERR_JOB: "the aggregator lost the job") for the worker, no MAC."""
+    fields = list(OMR_HDR.unpack(data[:40]))
+    fields[0], fields[1], fields[9] = 6, 0, 1
+    return omr_seal(fields, b"")
+
+
+def closed_form(n, i, size, dtype):
+    """Rank r's tensor i: (r + 1) * (k mod 1000) + i; the sum has a closed form."""
+    k = np.arange(size) % 1000
+    inputs = [((r + 1) * k + i).astype(dtype) for r in range(n)]
+    want = (n * (n + 1) // 2 * k + n * i).astype(dtype)
+    return inputs, want
+
+
+def attack_switchml(n, authenticate, kill=True):
+    from test_faults import relayed, run_ranks
+    import commlib.backends.switchml as sml
+    backend_cls, relays = relayed(sml.SwitchMLBackend, Faults(), 7)
+    tensors = [closed_form(n, i, size, np.int32) for i, size in enumerate((3000, 40000, 100000, 5000))]
+    attackers, stats = [], {}
+
+    def work(rank, backend):
+        if rank == 0:
+            attackers.append(Attacker(relays[0], sml_forge, sml_forge, sml_nack if kill else None))
+        backend.ctx.barrier("attack")   # the attacker listens before anyone streams
+        out = [backend.allreduce(inputs[rank], f"t{i}") for i, (inputs, _) in enumerate(tensors)]
+        stats[rank] = backend.stats()
+        if rank == 0:
+            stats["switch"] = backend.switch_counters()["counters"]
+        return out
+
+    try:
+        results = run_ranks(n, backend_cls, work, authenticate=authenticate, switch_window=32,
+                            switch_retransmit_ms=2.0, timeout_s=10.0)
+    finally:
+        for relay in relays:
+            relay.stop()
+    return results, [want for _, want in tensors], stats, attackers[0].sent
+
+
+def attack_omnireduce(n, authenticate, kill=True):
+    from test_faults import relayed, run_ranks
+    import commlib.backends.omnireduce as om
+    backend_cls, relays = relayed(om.OmniReduceBackend, Faults(), 8)
+    tensors = [closed_form(n, i, size, np.float32) for i, size in enumerate((3000, 20000, 7777))]
+    attackers, stats = [], {}
+
+    def work(rank, backend):
+        if rank == 0:
+            attackers.append(Attacker(relays[0], omr_forge, omr_forge, omr_error if kill else None))
+        backend.ctx.barrier("attack")
+        out = [backend.allreduce(inputs[rank], f"o{i}") for i, (inputs, _) in enumerate(tensors)]
+        stats[rank] = backend.stats()
+        return out
+
+    try:
+        results = run_ranks(n, backend_cls, work, authenticate=authenticate, omnireduce_mode="dedicated",
+                            omnireduce_num_aggregators=1, omnireduce_block_size=64, omnireduce_columns=16,
+                            omnireduce_retransmit_ms=3.0, timeout_s=10.0)
+    finally:
+        for relay in relays:
+            relay.stop()
+    return results, [want for _, want in tensors], stats, attackers[0].sent
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4])
+def test_switchml_job_stays_exact_under_attack(n):
+    results, wants, stats, sent = attack_switchml(n, authenticate=True)
+    for rank in range(n):
+        for i, want in enumerate(wants):
+            np.testing.assert_array_equal(results[rank][i], want, err_msg=f"tensor {i} rank {rank}")
+    assert min(sent.values()) > 0, sent
+    switch = stats["switch"]
+    assert switch["drop_bad_mac"] > 0 and switch["drop_late"] > 0, switch     # forgeries, replays
+    workers = [stats[r] for r in range(n)]
+    assert sum(w["bad_mac"] for w in workers) > 0 and sum(w["nacks"] for w in workers) > 0, workers
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4])
+def test_omnireduce_job_stays_exact_under_attack(n):
+    results, wants, stats, sent = attack_omnireduce(n, authenticate=True)
+    for rank in range(n):
+        for i, want in enumerate(wants):
+            assert results[rank][i].tobytes() == want.tobytes(), f"tensor {i} rank {rank}"
+    assert min(sent.values()) > 0, sent
+    workers = [stats[r] for r in range(n)]
+    assert sum(w["bad_mac"] for w in workers) > 0, workers
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("attack", [attack_switchml, attack_omnireduce])
+def test_the_same_attack_lands_without_macs(attack):
+    """The control: with authenticate off (the old data plane), the same attacker's forged data and
+    results silently corrupt the sums, and its forged NACK/ERROR ends the job, so the tests above
+    would fail on the old code."""
+    results, wants, _, _ = attack(2, authenticate=False, kill=False)
+    wrong = sum(int((results[r][i] != want).sum()) for r in range(2) for i, want in enumerate(wants))
+    assert wrong > 0, "the forgeries did not land: the attacker above proves nothing"
+    with pytest.raises(CommError, match="does not know this job"):
+        attack(2, authenticate=False)
