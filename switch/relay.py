@@ -18,6 +18,9 @@ Each direction has its own `Faults`, applied per datagram with a seeded random s
         relay.address   # give this to the workers
         relay.link(worker_address)   # the address the service sees for that worker
 
+`relayed(backend_cls, faults)` puts the daemons a job embeds (rank 0's switch, its spawned
+aggregators) behind relays, for tests and `make faults`.
+
 `tap(direction, data, worker)` (direction "up": worker -> service, "down": back; worker: that
 worker's address), when set, sees every datagram as it arrives, before any fault and before it is
 forwarded: what an observer on the wire reads. With `inject` it plays an attacker who can also
@@ -238,3 +241,31 @@ def _pipe(src, dst):
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+def relayed(backend_cls, faults, seed=0):
+    """A subclass of the switchml or omnireduce backend whose embedded daemons (rank 0's switch,
+    rank 0's spawned aggregators) sit behind fault relays with `faults` both ways: every rank
+    talks to the relay and registers the address the daemon sees for it (the relay's socket for
+    this worker). Returns (class, the list its relays are added to; stop them when done)."""
+    relays = []
+
+    def relay_for(address):
+        host, port = address.rsplit(":", 1)
+        relay = FaultRelay((host, int(port)), up=faults, down=faults, seed=seed + len(relays)).start()
+        relays.append(relay)
+        return f"{host}:{relay.address[1]}"
+
+    class Relayed(backend_cls):
+        def _switch_address(self):                     # switchml, rank 0 starts the switch
+            address = super()._switch_address()
+            return relay_for(address) if self.rank == 0 else address
+
+        def _open_socket(self):                        # switchml, every rank
+            return list(relays[0].link(tuple(super()._open_socket())))
+
+        def _spawn_aggregators(self, count):           # omnireduce dedicated, rank 0
+            return [relay_for(address) for address in super()._spawn_aggregators(count)]
+
+    Relayed.__name__ = f"Relayed{backend_cls.__name__}"
+    return Relayed, relays

@@ -11,7 +11,7 @@ import pytest
 import commlib.backends.omnireduce as om
 import commlib.backends.switchml as sml
 from commlib.settings import Settings
-from commlib.switch.relay import Faults, FaultRelay
+from commlib.switch.relay import Faults, FaultRelay, relayed
 from commlib.testing import LocalGroup
 
 sw = sml.sw
@@ -24,32 +24,6 @@ pytestmark = pytest.mark.timeout(120)
 NASTY = Faults(loss=0.05, duplicate=0.05, reorder=0.25, reorder_ms=5.0, delay_ms=2.0, jitter_ms=1.0)
 REORDER = Faults(reorder=0.25, reorder_ms=5.0)
 NONE = Faults()
-
-
-def relayed(backend_cls, faults, seed):
-    """backend_cls whose embedded daemons (rank 0's switch, spawned aggregators) sit behind fault
-    relays: every rank talks to the relay, and registers the address the daemon sees for it (the
-    relay's socket for this worker). Returns (class, relays made)."""
-    relays = []
-
-    def relay_for(address):
-        host, port = address.rsplit(":", 1)
-        relay = FaultRelay((host, int(port)), up=faults, down=faults, seed=seed + len(relays)).start()
-        relays.append(relay)
-        return f"{host}:{relay.address[1]}"
-
-    class Relayed(backend_cls):
-        def _switch_address(self):                     # switchml, rank 0
-            address = super()._switch_address()
-            return relay_for(address) if self.rank == 0 else address
-
-        def _open_socket(self):                        # switchml, every rank
-            return list(relays[0].link(tuple(super()._open_socket())))
-
-        def _spawn_aggregators(self, count):           # omnireduce dedicated, rank 0
-            return [relay_for(address) for address in super()._spawn_aggregators(count)]
-
-    return Relayed, relays
 
 
 def run_ranks(n, make_backend, work, **settings):

@@ -8,7 +8,7 @@ import pytest
 
 from commlib.errors import CommError
 from commlib.switch import auth
-from commlib.switch.relay import Faults
+from commlib.switch.relay import Faults, relayed
 from test_switch_protocol import E, TOKEN, Job, data, header, parse, sw, vals
 from test_switch_protocol import job2, switch          # noqa: F401,F811 (fixtures)
 
@@ -291,7 +291,7 @@ def closed_form(n, i, size, dtype):
 
 
 def attack_switchml(n, authenticate, kill=True):
-    from test_faults import relayed, run_ranks
+    from test_faults import run_ranks
     import commlib.backends.switchml as sml
     backend_cls, relays = relayed(sml.SwitchMLBackend, Faults(), 7)
     tensors = [closed_form(n, i, size, np.int32) for i, size in enumerate((3000, 40000, 100000, 5000))]
@@ -317,7 +317,7 @@ def attack_switchml(n, authenticate, kill=True):
 
 
 def attack_omnireduce(n, authenticate, kill=True):
-    from test_faults import relayed, run_ranks
+    from test_faults import run_ranks
     import commlib.backends.omnireduce as om
     backend_cls, relays = relayed(om.OmniReduceBackend, Faults(), 8)
     tensors = [closed_form(n, i, size, np.float32) for i, size in enumerate((3000, 20000, 7777))]
