@@ -398,7 +398,7 @@ class OmniReduceBackend(Backend):
         density of the last tensor (own: this rank's; union: identical on every rank), resends."""
         with self._lock:
             out = dict(self._totals)
-            out.update(mode=self.mode, block_size=self.block, columns=self.columns, threshold=self.threshold,
+            out.update(mode=self.mode, authenticated=self._key is not None, block_size=self.block, columns=self.columns, threshold=self.threshold,
                        aggregators=[f"{h}:{p}" for h, p in self._aggregators],
                        last=dict(self._last), density=self._last.get("density"),
                        union_density=self._last.get("union_density"),

@@ -245,7 +245,8 @@ class SwitchMLBackend(Backend):
 
     # -- counters and shutdown -----------------------------------------------------------------------
     def stats(self):
-        out = {"switch": self.address, "job": self.job, "embedded": self.server is not None}
+        out = {"switch": self.address, "job": self.job, "embedded": self.server is not None,
+               "authenticated": self._key is not None}
         if self._worker is not None:
             c = sw.ffi.new("sml_worker_counters *")
             sw.lib.sml_worker_counters_get(self._worker, c)
