@@ -378,3 +378,76 @@ def test_the_same_attack_lands_without_macs(attack):
     assert wrong > 0, "the forgeries did not land: the attacker above proves nothing"
     with pytest.raises(CommError, match="does not know this job"):
         attack(2, authenticate=False)
+
+
+# -- omnireduce: an authenticated job on an aggregator of this process ----------------------------
+@pytest.fixture
+def keyed_aggregator(monkeypatch):
+    """A commlib-aggregator with a daemon key, and ranks that hold it (as a key file would give it)."""
+    from commlib.backends import keys
+    from commlib.switch.aggregator import Aggregator
+    monkeypatch.setattr(keys, "daemon_key", lambda ctx, embedded, key_file="": DAEMON_KEY)
+    agg = Aggregator("127.0.0.1", 0, key=DAEMON_KEY).start()
+    yield agg
+    agg.close()
+
+
+def omnireduce_group(agg, **kw):
+    from commlib.settings import Settings
+    from commlib.testing import LocalGroup
+    return LocalGroup(2, Settings({"timeout_s": 3.0, "omnireduce_mode": "dedicated", "omnireduce_block_size": 32,
+                                   "omnireduce_aggregators": agg.address_str, **kw}))
+
+
+def test_aggregator_drops_unsigned_packets_of_an_authenticated_job(keyed_aggregator):
+    import commlib.backends.omnireduce as om
+    agg = keyed_aggregator
+    group = omnireduce_group(agg)
+    backends = group.run(lambda ctx: om.OmniReduceBackend(ctx), 20)
+    group.run(lambda ctx: backends[ctx.rank].start(), 20)
+    try:
+        x = np.arange(1000, dtype=np.float32)
+        out = group.run(lambda ctx: backends[ctx.rank].allreduce(x, "x"), 20)
+        assert all(o.tobytes() == (2 * x).tobytes() for o in out) and backends[0].stats()["authenticated"]
+        (job,) = agg._jobs.values()
+        forged = omr_seal([1, 0, 0, job.id, job.key, 2, 0, 0, 0, 0xFFFFFFFF, 0, 0], bytes(128))
+        attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        attacker.settimeout(0.3)
+        attacker.sendto(forged, agg.address)                       # the job's id and key, no MAC
+        with pytest.raises(socket.timeout):
+            attacker.recv(100)                                     # no answer, not even an ERROR
+        attacker.close()
+        stats = agg.stats()
+        assert stats["bad_mac"] == 1 and stats["refused"] == 0, stats
+    finally:
+        group.run(lambda ctx: backends[ctx.rank].close(), 20)
+
+
+def test_restarted_aggregator_is_still_a_clear_error_with_macs(keyed_aggregator):
+    """A restarted aggregator answers with an unsigned ERROR (it has no key for the job): workers
+    wait for their timeout (a forged ERROR must end no job), then report it, not a bare timeout."""
+    import time
+    import commlib.backends.omnireduce as om
+    from commlib.errors import PeerFailure
+    from commlib.switch.aggregator import Aggregator
+    agg = keyed_aggregator
+    group = omnireduce_group(agg)
+    backends = group.run(lambda ctx: om.OmniReduceBackend(ctx), 20)
+    group.run(lambda ctx: backends[ctx.rank].start(), 20)
+    port = agg.address[1]
+    agg.close()
+    again = Aggregator("127.0.0.1", port, key=DAEMON_KEY).start()   # same address, no memory of the job
+    try:
+        def reduce(ctx):
+            start = time.monotonic()
+            try:
+                backends[ctx.rank].allreduce(np.ones(100, np.float32), "x")
+            except PeerFailure as exc:
+                return exc, time.monotonic() - start
+            return None, time.monotonic() - start
+        for error, elapsed in group.run(reduce, 30):
+            assert error is not None and "does not know this job" in str(error), error
+            assert 3.0 <= elapsed < 8.0, elapsed
+    finally:
+        group.run(lambda ctx: backends[ctx.rank].close(), 20)
+        again.close()
