@@ -9,7 +9,9 @@ announced `next` values lies beyond it, sends the sum to every worker with that 
 only the workers whose next block it is send again. A worker uploads its own non-zero blocks
 (density d) and downloads the union (density D). Transport: UDP with per-column timers (adaptive,
 from the measured round trip), shadow sets and replay of finished results (idempotent under loss
-and duplication); datagrams to one peer leave in UDP GSO batches and arrive GRO-coalesced.
+and duplication); datagrams to one peer leave in UDP GSO batches and arrive GRO-coalesced. Every
+packet and result carries a MAC under the job key (backends/keys.py; `authenticate`): a forged or
+altered block or result is dropped, a replayed one is a duplicate the protocol already ignores.
 
 Aggregators
   colocated (default)  every worker runs an aggregator thread for a 1/N share of the columns; no
@@ -20,7 +22,7 @@ Aggregators
                        loopback. Bound: ~2(N-1) / (N D).
 
 Tuning guide
-  omnireduce_block_size     256 elements (1 KiB + a 40-byte header per packet). Larger blocks cost
+  omnireduce_block_size     256 elements (1 KiB + a 40-byte header and an 8-byte MAC per packet). Larger blocks cost
                             fewer packets but see fewer all-zero blocks.
   omnireduce_window_bytes   bytes in flight per worker: each column moves one block per round trip,
                             so throughput <= window / RTT. 512 KiB (512 columns of 1 KiB) covers

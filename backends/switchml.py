@@ -4,7 +4,9 @@ Every rank streams its tensor through a pool of `switch_window` slots of a comml
 block of `switch_packet_elems` values per packet; the switch adds the blocks of all ranks and
 sends each sum back to every rank. Each rank sends S and receives S bytes whatever the number of
 ranks. The per-packet loop is C (switch/csrc/switchml_worker.c), one call per tensor, the GIL
-released.
+released. Packets and results carry a MAC under the job key (backends/keys.py; `authenticate`),
+and the packet id is each slot set's version, so reordered, late and replayed packets are never
+aggregated (switch/csrc/switchml.h).
 
 Tuning guide
   switch_window          packets in flight per rank (= slots the job takes on the switch). Larger

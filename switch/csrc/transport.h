@@ -7,6 +7,7 @@
  *   - one retransmission timer: the RFC 6298 round-trip estimator (srtt + 4 rttvar, clamped);
  *   - one checksum: the word sum and the index-weighted word sum of the bytes (catches corrupted,
  *     swapped and truncated words; vectorizes);
+ *   - one MAC: SipHash-2-4 under a job key (what an attacker cannot forge; the checksum is public);
  *   - one non-zero-block scan (OmniReduce's bitmap, the sparse policy's density);
  *   - clocks and the simulator's random numbers.
  *
