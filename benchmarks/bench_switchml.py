@@ -78,7 +78,9 @@ def worker(args):
         ring_ns, engine = timed(ring, "ring"), ring.stats().get("engine")
     except commlib.CommError as exc:
         ring_ns, engine = None, f"unavailable: {exc}"
-    mac_ns = {flag: timed_embedded(ctx, timed, flag) for flag in (True, False)}
+    mac_ns, mac_cpu = {}, {}
+    for flag in (True, False):
+        mac_ns[flag], mac_cpu[flag] = timed_embedded(ctx, timed, flag, args.elements * (args.runs + 1))
     elements = args.elements * (args.runs + 1)   # the warm-up is inside the counter window too
     profile = {
         "switch_cpu_ns_per_element": (after["cpu_ns"] - before["cpu_ns"]) / elements,
@@ -92,7 +94,8 @@ def worker(args):
     profile["mac_cpu_ns_per_packet"] = mac_cpu_ns(256)
     if rank == 0:
         common.emit({"switchml_ns": sml_ns, "ring_ns": ring_ns, "engine": engine, "profile": profile,
-                     "size": ctx.size, "mac_ns": mac_ns[True], "no_mac_ns": mac_ns[False]})
+                     "size": ctx.size, "mac_ns": mac_ns[True], "no_mac_ns": mac_ns[False],
+                     "mac_cpu": mac_cpu[True], "no_mac_cpu": mac_cpu[False]})
     commlib.shutdown()
 
 
@@ -112,16 +115,25 @@ def mac_cpu_ns(elems, calls=20000):
     return costs[0] - costs[1]
 
 
-def timed_embedded(ctx, timed, authenticate):
+def timed_embedded(ctx, timed, authenticate, elements):
     """timed() through a switchml backend of its own, with the switch embedded in rank 0 (the
-    default set-up, whose daemon key the job holds) and the packets' MACs on or off."""
+    default set-up, whose daemon key the job holds) and the packets' MACs on or off; with the CPU
+    time per element of this rank's worker and of the switch (CPU time: robust to a busy host,
+    where goodput is not)."""
     from commlib.backends.switchml import SwitchMLBackend
     from commlib.settings import Settings
+    from commlib.switch.switchml import SwitchClient
     settings = Settings(dict(ctx.settings.as_dict(), switch_addr="", authenticate=authenticate), environ={})
     backend = SwitchMLBackend(ctx.joined(settings=settings))
     backend.start()
     try:
-        return timed(backend, f"switchml.mac{int(authenticate)}")
+        switch = SwitchClient(backend.address)
+        before, w_before = switch.counters()["switch"]["cpu_ns"], backend.stats()["cpu_ns"]
+        ns = timed(backend, f"switchml.mac{int(authenticate)}")
+        after, w_after = switch.counters()["switch"]["cpu_ns"], backend.stats()["cpu_ns"]
+        cpu = {"worker_cpu_ns_per_element": (w_after - w_before) / elements,
+               "switch_cpu_ns_per_element": (after - before) / elements}
+        return ns, cpu
     finally:
         backend.close()
 
@@ -177,9 +189,14 @@ def main(argv=None):
         mac = _report("switchml embedded, MACs", payload["mac_ns"], args.elements)
         no_mac = _report("switchml embedded, no MACs", payload["no_mac_ns"], args.elements)
         mac_cost = 1 - statistics.median(mac) / statistics.median(no_mac)
+        on, off = payload["mac_cpu"], payload["no_mac_cpu"]
+        worker_added = on["worker_cpu_ns_per_element"] - off["worker_cpu_ns_per_element"]
+        switch_added = on["switch_cpu_ns_per_element"] - off["switch_cpu_ns_per_element"]
         prof = payload["profile"]
-        print(f"  MAC cost: {mac_cost:.1%} of the goodput; {prof['mac_cpu_ns_per_packet']:.0f} CPU ns per "
-              f"256-value packet ({prof['mac_cpu_ns_per_packet'] / 256:.2f} ns/element per MAC)")
+        print(f"  MAC cost: {mac_cost:.1%} of the goodput; CPU ns/element with/without MACs: worker "
+              f"{on['worker_cpu_ns_per_element']:.2f}/{off['worker_cpu_ns_per_element']:.2f}, switch "
+              f"{on['switch_cpu_ns_per_element']:.2f}/{off['switch_cpu_ns_per_element']:.2f}; one MAC "
+              f"{prof['mac_cpu_ns_per_packet']:.0f} CPU ns per 256-value packet")
         print(f"  profile: switch {prof['switch_cpu_ns_per_element']:.2f} CPU ns/element, busy "
               f"{prof['switch_busy_fraction']:.0%}; worker {prof['worker_cpu_ns_per_element']:.2f} CPU ns/element, "
               f"waiting {prof['worker_wait_fraction']:.0%}; {prof['worker_resends']} resends")
@@ -188,21 +205,25 @@ def main(argv=None):
                            "ring_gbps": common.summarize(ring) if ring else None,
                            "ratio_median": statistics.median(sml) / statistics.median(ring) if ring else None,
                            "profile": prof, "embedded_mac_gbps": common.summarize(mac),
-                           "embedded_no_mac_gbps": common.summarize(no_mac), "mac_cost": mac_cost}
+                           "embedded_no_mac_gbps": common.summarize(no_mac), "mac_cost": mac_cost,
+                           "mac_cpu": on, "no_mac_cpu": off}
         rows.append(f"| {n} | {statistics.median(sml):.3f} | "
                     + (f"{statistics.median(ring):.3f} | {results[str(n)]['ratio_median']:.2f}x" if ring else "- | -")
                     + f" | {prof['switch_busy_fraction']:.0%} | {prof['switch_cpu_ns_per_element']:.2f} | "
                     f"{prof['worker_cpu_ns_per_element']:.2f} | {statistics.median(mac):.3f} | "
-                    f"{statistics.median(no_mac):.3f} | {mac_cost:.1%} | {prof['mac_cpu_ns_per_packet']:.0f} |")
+                    f"{statistics.median(no_mac):.3f} | {mac_cost:.1%} | +{worker_added:.2f} | +{switch_added:.2f} | "
+                    f"{prof['mac_cpu_ns_per_packet']:.0f} |")
     engine = next(iter(results.values()))["ring_engine"] if results else "?"
     markdown = (f"float32 allreduce of {args.elements:,} values on loopback (median goodput, Gbps = elements*32/ns; "
                 f"ring = {engine} allreduce in the same processes)\n\n"
                 "| workers | switchml Gbps | ring Gbps | switchml/ring | switch busy | switch CPU ns/elem | "
-                "worker CPU ns/elem | embedded, MACs Gbps | embedded, no MACs Gbps | MAC cost | MAC CPU ns/packet |\n"
-                "|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+                "worker CPU ns/elem | embedded, MACs Gbps | embedded, no MACs Gbps | MAC cost | MAC worker CPU "
+                "ns/elem | MAC switch CPU ns/elem | one MAC, CPU ns/packet |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
                 "\nMAC cost: the goodput lost to the packet MACs (SipHash-2-4 over every packet and result, "
-                "switch/csrc), the switch embedded in rank 0 with COMMLIB_AUTHENTICATE on and off; MAC CPU "
-                "ns/packet: one MAC of a 256-value packet (a worker makes two per packet, the switch n + 1 per "
+                "switch/csrc), the switch embedded in rank 0 with COMMLIB_AUTHENTICATE on and off (wall time: "
+                "noisy on a busy host); the CPU time per element the MACs add to a worker and to the switch "
+                "(robust); one MAC of a 256-value packet (a worker makes two per packet, the switch n + 1 per "
                 "round of n contributions).\n")
     settings = {"elements": args.elements, "runs": args.runs, "window": args.window, "quick": args.quick,
                 "offload": not args.no_offload, "packet_elems": 256}
