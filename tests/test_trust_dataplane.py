@@ -223,8 +223,8 @@ class Attacker:
             if count % self.every == 0:
                 self.relay.inject(self.forge_up(data), via=worker)
                 self.sent["forged_data"] += 1
-            if count % 5 == 0 and count > 300:         # an old packet of this worker, again
-                old, owner = seen[count - 300]
+            if count % 5 == 0 and count > 600:         # an old packet (many rounds back), again
+                old, owner = seen[count - 600]
                 self.relay.inject(old, via=owner)
                 self.sent["replays"] += 1
         else:
@@ -234,8 +234,8 @@ class Attacker:
             if count % 7 == 0 and self.kill is not None:
                 self.relay.inject(self.kill(data), to_worker=worker)
                 self.sent["kills"] += 1
-            if count % 5 == 0 and count > 300:         # an old result, again
-                old, owner = seen[count - 300]
+            if count % 5 == 0 and count > 600:         # an old result, again
+                old, owner = seen[count - 600]
                 self.relay.inject(old, to_worker=owner)
                 self.sent["replays"] += 1
 
