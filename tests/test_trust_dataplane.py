@@ -176,6 +176,22 @@ def test_spoofed_data_into_a_cleared_set_is_refused(keyed):
     assert c["drop_bad_mac"] == 1 and c["aggregated"] == 6
 
 
+def test_the_spoof_lands_on_a_job_without_macs(job2):
+    """The control of the test above: the same forgery on a job registered without a key (the old
+    data plane) becomes the set's first contribution, and the real packet is taken for a
+    retransmission: a silently wrong sum."""
+    j = job2.number
+    for pkt, set in ((5, 0), (6, 1)):
+        job2.send(0, data(j, 0, pkt, 2, set, vals(1)))
+        job2.send(1, data(j, 1, pkt, 2, set, vals(2)))
+        job2.recv(0), job2.recv(1)
+    sniffed = data(j, 0, 7, 2, 0, vals(3))
+    job2.send(0, sniffed[:20] + struct.pack(f"!{E}i", *([999] * E)))
+    job2.send(0, sniffed)
+    job2.send(1, data(j, 1, 7, 2, 0, vals(4)))
+    assert job2.recv(0)["values"] == [999 + b for b in vals(4)]
+
+
 def test_replayed_data_is_refused_by_its_round(keyed):
     """A sniffed, validly signed packet sent again after its slot moved on carries an old packet id
     (inside the MAC): dropped as late, never aggregated; sent again while its round is open, it is
