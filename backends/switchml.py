@@ -4,7 +4,9 @@ Every rank streams its tensor through a pool of `switch_window` slots of a comml
 block of `switch_packet_elems` values per packet; the switch adds the blocks of all ranks and
 sends each sum back to every rank. Each rank sends S and receives S bytes whatever the number of
 ranks. The per-packet loop is C (switch/csrc/switchml_worker.c), one call per tensor, the GIL
-released.
+released. Packets and results carry a MAC under the job key (backends/keys.py; `authenticate`),
+and the packet id is each slot set's version, so reordered, late and replayed packets are never
+aggregated (switch/csrc/switchml.h).
 
 Tuning guide
   switch_window          packets in flight per rank (= slots the job takes on the switch). Larger
@@ -36,11 +38,11 @@ import socket
 import numpy as np
 
 from commlib import kernels
-from commlib.backends import Backend, register
+from commlib.backends import Backend, keys, register
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor,
                             PeerFailure)
 from commlib.settings import define
-from commlib.switch import net
+from commlib.switch import auth, net
 from commlib.switch import switchml as sw
 from commlib.net import parse_address
 
@@ -96,6 +98,8 @@ class SwitchMLBackend(Backend):
         self.server = None       # the embedded switch (rank 0 only)
         self.address = None
         self.job = None
+        self.nonce = None        # the job's public nonce: its packets' key is auth.job_key(daemon key, nonce)
+        self._key = None         # that job key (None: packets without MACs)
         self._sock = None
         self._worker = None
         self._broken = None      # why the stream is out of step with the switch
@@ -123,8 +127,9 @@ class SwitchMLBackend(Backend):
         self.address = self._step("switch", self._switch_address)[0]
         # 2. every rank's UDP address, as the switch will see it
         workers = self._step("addrs", self._open_socket)
-        # 3. rank 0 registers the job; everyone learns its job number
-        self.job = self._step("job", lambda: self._register(workers))[0]
+        # 3. rank 0 registers the job; everyone learns its job number and nonce
+        self.job, self.nonce = self._step("job", lambda: self._register(workers))[0]
+        self._key = keys.job_key(self.ctx, keys.daemon_key(self.ctx, not self.ctx.settings.switch_addr), self.nonce)
         # 4. every rank's C worker (so that either all ranks stream or none does)
         self._step("worker", self._make_worker)
         log.debug("switchml: rank %d in job #%d on switch %s", self.rank, self.job, self.address)
@@ -133,7 +138,8 @@ class SwitchMLBackend(Backend):
         s = self.ctx.settings
         worker = sw.lib.sml_worker_new(self._sock.fileno(), self.job, self.rank, self.token, self.size,
                                        self.window, self.elems, float(s.switch_retransmit_ms),
-                                       float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)))
+                                       float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)),
+                                       sw.ffi.NULL if self._key is None else self._key)
         if worker == sw.ffi.NULL:
             raise MemoryError("switchml: could not allocate the worker state")
         self._worker = worker
@@ -146,7 +152,7 @@ class SwitchMLBackend(Backend):
             p = float(s.switch_drop_probability)
             self.server = sw.SwitchServer("127.0.0.1", 0, slots=max(self.window, 1024), ingress=p, egress=p,
                                           duplicate=float(s.switch_duplicate_probability),
-                                          offload=bool(s.switch_offload)).start()
+                                          offload=bool(s.switch_offload), key=self.ctx.secret or None).start()
         except Exception as exc:
             raise BackendUnavailable(f"could not start the embedded switch: {exc}") from exc
         return self.server.address
@@ -163,8 +169,11 @@ class SwitchMLBackend(Backend):
     def _register(self, workers):
         if self.rank != 0:
             return None
-        return sw.SwitchClient(self.address, min(self.ctx.settings.timeout_s, 30.0)).register(
-            self.token, workers, self.window, self.elems)["job"]
+        nonce = auth.new_nonce()
+        key = keys.job_key(self.ctx, keys.daemon_key(self.ctx, not self.ctx.settings.switch_addr), nonce)
+        job = sw.SwitchClient(self.address, min(self.ctx.settings.timeout_s, 30.0)).register(
+            self.token, workers, self.window, self.elems, nonce=nonce, authenticate=key is not None)["job"]
+        return job, nonce
 
     # -- the collective ---------------------------------------------------------------------------------
     def allreduce(self, array, name):
@@ -238,7 +247,8 @@ class SwitchMLBackend(Backend):
 
     # -- counters and shutdown -----------------------------------------------------------------------
     def stats(self):
-        out = {"switch": self.address, "job": self.job, "embedded": self.server is not None}
+        out = {"switch": self.address, "job": self.job, "embedded": self.server is not None,
+               "authenticated": self._key is not None}
         if self._worker is not None:
             c = sw.ffi.new("sml_worker_counters *")
             sw.lib.sml_worker_counters_get(self._worker, c)

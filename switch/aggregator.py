@@ -22,7 +22,7 @@ import threading
 import time
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError
-from commlib.switch import control, net
+from commlib.switch import auth, control, net
 from commlib._native import ffi, lib
 from commlib.net import parse_address
 
@@ -66,7 +66,8 @@ class _Job:
 class Aggregator:
     """One aggregator endpoint. `start()` serves it from a thread; `serve(stop)` from the caller."""
 
-    def __init__(self, host="127.0.0.1", port=0, job_idle_s=600.0):
+    def __init__(self, host="127.0.0.1", port=0, job_idle_s=600.0, key=None):
+        self.key = key                   # the daemon key: the jobs' data-plane keys derive from it
         self.sock = make_socket(host, port)
         self.address = self.sock.getsockname()
         self.job_idle_s = job_idle_s
@@ -162,8 +163,12 @@ class Aggregator:
         job = self._jobs.get(key)
         if job is None:
             secret = secrets.randbits(32)
+            nonce = body.get("nonce")
+            mac_key = ffi.NULL   # packets of a job that asks for it carry MACs under its job key
+            if self.key is not None and body.get("authenticate", True) and isinstance(nonce, str):
+                mac_key = auth.job_key(self.key, nonce)
             job_id = lib.omr_agg_add_job(self._agg, secret, params["size"], params["columns"], params["aggregators"],
-                                         params["index"], params["block"], loss, dup)
+                                         params["index"], params["block"], loss, dup, mac_key)
             if job_id < 0:
                 raise ConfigError(f"aggregator {self.address_str} cannot take the job (it serves {len(self._jobs)} "
                                   f"jobs, at most {lib.OMR_MAX_JOBS}; or invalid parameters {params})")

@@ -27,13 +27,17 @@ def main(argv=None):
     parser.add_argument("--port-file", default="", help="also write the addresses to this file once serving "
                         "(the READY line on stdout says the same)")
     parser.add_argument("--quiet", action="store_true", help="log warnings only")
+    parser.add_argument("--key-file", default="", help="the daemon key (`python -m commlib.switch.auth FILE`); "
+                        "/dev/stdin: read from the starter (a job's embedded aggregators)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s commlib-aggregator %(message)s")
 
     from commlib.errors import CommError
-    from commlib.switch import control
+    from commlib.switch import auth, control
     from commlib.switch.aggregator import Aggregator
+
+    key = auth.read_key(args.key_file) if args.key_file else None
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -41,7 +45,7 @@ def main(argv=None):
     aggregators = []
     try:
         for i in range(args.count):
-            aggregators.append(Aggregator(args.host, args.port + i if args.port else 0, args.job_idle_s))
+            aggregators.append(Aggregator(args.host, args.port + i if args.port else 0, args.job_idle_s, key))
     except CommError as exc:
         print(f"commlib-aggregator: {exc}", file=sys.stderr)
         return 2

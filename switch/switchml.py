@@ -5,8 +5,10 @@ One `SwitchServer` listens on host:port twice: UDP for the data plane (SwitchML 
 job of SwitchML's controller, in the control format of both daemons (switch/control.py: one JSON
 object per line, answered by {"ok": true, ...} or {"ok": false, "error": ...}):
 
-    {"op": "register", "token": T, "workers": [[ip, port], ...], "slots": W, "elems": 256}
-        -> {"ok": true, "job": n, "epoch": "..."}   (job number 0..255; pool of W slots x 2 sets)
+    {"op": "register", "token": T, "workers": [[ip, port], ...], "slots": W, "elems": 256,
+     "nonce": N, "authenticate": true}
+        -> {"ok": true, "job": n, "epoch": "..."}   (job number 0..255; pool of W slots x 2 sets;
+        on a switch with a daemon key, the job's packets carry MACs under auth.job_key(key, N))
     {"op": "unregister", "job": n, "token": T}      frees the job's slots
     {"op": "counters", "job": n}                    per-job and per-slot-group counters
     {"op": "counters"}                              switch-wide counters and every job
@@ -27,7 +29,7 @@ import struct
 import threading
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFailure
-from commlib.switch import control, net
+from commlib.switch import auth, control, net
 from commlib.net import parse_address
 
 log = logging.getLogger("commlib.switch")
@@ -92,7 +94,7 @@ class SwitchServer:
     control command `simulate` may change them (for every job) while the switch runs."""
 
     def __init__(self, host="127.0.0.1", port=0, slots=8192, slot_group=64, ingress=0.0, egress=0.0,
-                 duplicate=0.0, seed=0, run_ms=50, offload=True, testing=False):
+                 duplicate=0.0, seed=0, run_ms=50, offload=True, testing=False, key=None):
         if lib is None:
             raise BackendUnavailable(IMPORT_ERROR)
         if not 1 <= slots <= MAX_SLOTS * MAX_JOBS:
@@ -102,6 +104,7 @@ class SwitchServer:
         self.run_ms = run_ms
         self.offload = offload
         self.testing = testing
+        self.key = key           # the daemon key: the jobs' data-plane keys derive from it
         self.epoch = f"{random.getrandbits(32):08x}"
         self._jobs = {}
         self._next_job = random.randrange(MAX_JOBS)
@@ -209,8 +212,12 @@ class SwitchServer:
     def _handle(self, request):
         op = request.get("op")
         if op == "register":
+            nonce = request.get("nonce")
+            key = None
+            if self.key is not None and request.get("authenticate", True) and isinstance(nonce, str):
+                key = auth.job_key(self.key, nonce)
             return self.register(int(request["token"]), request["workers"], int(request.get("slots", 128)),
-                                 int(request.get("elems", 256)))
+                                 int(request.get("elems", 256)), key)
         if op == "unregister":
             return self.unregister(int(request["job"]), int(request["token"]))
         if op == "counters":
@@ -226,8 +233,9 @@ class SwitchServer:
             return self.status()
         raise ValueError(f"unknown op {op!r}; use register, unregister, counters, simulate or status")
 
-    def register(self, token, workers, slots, elems):
-        """Add a job; returns its job number. workers[rank] = [ipv4, port]."""
+    def register(self, token, workers, slots, elems, key=None):
+        """Add a job; returns its job number. workers[rank] = [ipv4, port]; key: the job key its
+        packets are authenticated with (None: no MACs)."""
         if not 0 <= token < 2 ** 32:
             raise ConfigError(f"token {token} is not a 32-bit unsigned integer (see token32())")
         if not 1 <= len(workers) <= MAX_WORKERS:
@@ -247,7 +255,8 @@ class SwitchServer:
             if not free:
                 raise ConfigError(f"the switch already serves {MAX_JOBS} jobs; end one first")
             number = free[0]
-            rc = lib.sml_switch_add_job(self._sw, number, token, len(workers), slots, elems)
+            rc = lib.sml_switch_add_job(self._sw, number, token, len(workers), slots, elems,
+                                        ffi.NULL if key is None else key)
             if rc == lib.SML_ADD_NO_SLOTS:
                 raise ConfigError(f"the switch has {lib.sml_switch_free_slots(self._sw)} free slots, the job asks "
                                   f"for {slots}: lower COMMLIB_SWITCH_WINDOW or start the switch with more --slots")
@@ -342,8 +351,9 @@ class SwitchClient:
             raise PeerFailure(f"the switch at {self.address} closed the connection during {op!r}")
         return control.result(control.decode(line), f"switch {self.address}: {op}")
 
-    def register(self, token, workers, slots, elems):
-        return self.request("register", token=token, workers=workers, slots=slots, elems=elems)
+    def register(self, token, workers, slots, elems, nonce=None, authenticate=False):
+        return self.request("register", token=token, workers=workers, slots=slots, elems=elems, nonce=nonce,
+                            authenticate=authenticate)
 
     def unregister(self, job, token):
         return self.request("unregister", job=job, token=token)
