@@ -34,6 +34,7 @@ Numbers
 import logging
 import os
 import socket
+import time
 
 import numpy as np
 
@@ -177,6 +178,7 @@ class SwitchMLBackend(Backend):
 
     # -- the collective ---------------------------------------------------------------------------------
     def allreduce(self, array, name):
+        self.last_busy_s = None
         array = np.ascontiguousarray(array).reshape(-1)
         dtype = array.dtype
         if dtype not in self.dtypes:
@@ -196,6 +198,7 @@ class SwitchMLBackend(Backend):
                                      f"is the collective set-up, called once on every rank) or is closed")
         ffi, lib = sw.ffi, sw.lib
         timeout_ms = int(self.ctx.settings.timeout_s * 1000)
+        start, waited_ns = time.perf_counter(), self._wait_ns()
         if dtype == I32:
             rc = lib.sml_worker_allreduce(self._worker, 1, ffi.from_buffer(array), ffi.from_buffer(out), array.size,
                                           ffi.NULL, ffi.NULL, ffi.NULL, timeout_ms)
@@ -206,6 +209,8 @@ class SwitchMLBackend(Backend):
                                           ffi.cast("int8_t *", ffi.from_buffer(exps)),
                                           ffi.cast("uint8_t *", ffi.from_buffer(nf)),
                                           ffi.cast("int8_t *", ffi.from_buffer(mexp)), timeout_ms)
+        # all but the C worker's time blocked in poll(): exponents, quantizing, MACs, syscalls
+        self.last_busy_s = max(0.0, time.perf_counter() - start - (self._wait_ns() - waited_ns) / 1e9)
         if rc < 0:
             error = self._error(rc, name)
             self._broken = str(error)
@@ -260,6 +265,11 @@ class SwitchMLBackend(Backend):
         if self.job is None:
             return {}
         return sw.SwitchClient(self.address, 5.0).counters(self.job, self.token)
+
+    def _wait_ns(self):
+        c = sw.ffi.new("sml_worker_counters *")
+        sw.lib.sml_worker_counters_get(self._worker, c)
+        return c.wait_ns
 
     def daemon_counters(self):
         if self.rank != 0 or self.job is None:

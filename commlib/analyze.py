@@ -6,8 +6,9 @@ algorithm and size band, the median and p99 of each component:
 
     negotiate   waiting for every rank to agree (the controller)
     queue       agreed, waiting for its bucket to start (the worker queue)
-    process     the worker's processing: fusion copies, scaling, compression, restoring
-    transfer    inside the algorithm's collectives: network and switch/aggregators
+    process     the worker's processing: fusion copies, scaling, compression, restoring, and inside
+                a collective its own packing (quantizing, MACs, syscalls) where it reports it (switchml)
+    transfer    waiting inside the algorithm's collectives: network and switch/aggregators
 
 and writes PNG plots after the IMC'20 study of a production parameter server: CDFs of transfer time
 per algorithm, the stacked breakdown (its Figure 5), concurrency (how many ranks are inside a
@@ -39,8 +40,10 @@ class Round:
 
     def add(self, event):
         seconds = event["dur"] / 1e6
-        if event.get("cat") == "comm":
-            self.seconds["transfer"] += seconds
+        if event.get("cat") == "comm":   # its busy_s (packing, MACs, syscalls) is the worker's processing
+            busy = event["args"].get("busy_s", 0.0)
+            self.seconds["transfer"] += seconds - busy
+            self.seconds["process"] += busy
             self.algorithm = event["args"]["algorithm"]
             self.nbytes = event["args"]["bytes"]
             self.comm_spans.append((event["ts"], event["ts"] + event["dur"]))

@@ -58,7 +58,8 @@ class Channel:
         native = array.dtype in self._backend.dtypes
         self._phases.mark("COMPRESS")
         out = self._backend.allreduce(array if native else array.astype(np.float32), self._next())
-        self._phases.mark(self.algorithm.upper(), comm=True, sent=array.nbytes, received=out.nbytes)
+        self._phases.mark(self.algorithm.upper(), comm=True, sent=array.nbytes, received=out.nbytes,
+                          **busy(self._backend))
         return out.astype(array.dtype, copy=False)
 
     def allgather(self, array):
@@ -87,8 +88,13 @@ class Phases:
         self._last = now
 
     def seconds(self, comm):
-        """Time in the collectives (comm=True) or in the worker's processing (False)."""
-        return sum(end - begin for _, begin, end, is_comm, _ in self.spans if is_comm == comm)
+        """Time waiting in the collectives (comm=True: network, switch, aggregators) or in the
+        worker's processing (False), which includes a collective's own `busy_s` where it reports one."""
+        total = 0.0
+        for _, begin, end, is_comm, args in self.spans:
+            busy = args.get("busy_s", 0.0)
+            total += (end - begin - busy if comm else busy) if is_comm else (0.0 if comm else end - begin)
+        return total
 
 
 class Executor:
@@ -186,7 +192,7 @@ class Executor:
             buf = scaled(buf, first.prescale)
             phases.mark("SCALE")
         out = backend.allreduce(buf, name) if first.op in (Sum, Average) else backend.allreduce(buf, name, first.op)
-        phases.mark(first.algorithm.upper(), comm=True, sent=buf.nbytes, received=out.nbytes)
+        phases.mark(first.algorithm.upper(), comm=True, sent=buf.nbytes, received=out.nbytes, **busy(backend))
         measured = backend.measured_density(name)   # of the fused buffer when fused
         if measured is not None:
             for entry in bucket:
@@ -220,6 +226,12 @@ class Executor:
             "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True),
             "note": entry.plan.note}
         self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, fused - 1)
+
+
+def busy(backend):
+    """{'busy_s': seconds} of the backend's last allreduce spent processing, where it can tell."""
+    seconds = backend.last_busy_s
+    return {} if seconds is None else {"busy_s": seconds}
 
 
 def scaled(array, factor, inplace=False):

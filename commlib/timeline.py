@@ -10,7 +10,8 @@ as a worker's own clock can split it):
     COMPRESS    a compressor's work before and between its collectives            |
     DECOMPRESS  ... and after the last one                                        |
     RESTORE     splitting the result and copying it back into the caller's type  /
-    <ALGORITHM> each collective of the algorithm (network + switch/aggregators), with its bytes
+    <ALGORITHM> each collective of the algorithm (network + switch/aggregators), with its bytes and,
+                where the algorithm can tell (switchml), `busy_s`: its own processing inside
 
 A bucket's phases are measured once (commlib.executor.Phases) and shared by its tensors. Timestamps are the
 monotonic clock shifted to wall-clock microseconds, so the files of the ranks of one host (or of

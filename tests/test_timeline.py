@@ -47,6 +47,7 @@ def test_every_tensor_has_its_phases_in_order_without_overlap(job):
         assert "FUSE" in small and "RESTORE" in small, small
         comm = [e for e in by_tensor[(rank, "dense.switchml")] if e["cat"] == "comm"]
         assert all(e["args"]["bytes"] == 4 << 16 and e["args"]["algorithm"] == "switchml" for e in comm), comm
+        assert all(0 < e["args"]["busy_s"] * 1e6 <= e["dur"] + 1.0 for e in comm), comm   # quantizing, MACs
 
 
 def test_records_components_add_up_to_the_round(job):
