@@ -125,6 +125,21 @@ def daemon_rates(events):
             for row, counters in samples.items()}
 
 
+def per_packet(events, row):
+    """The switch's mean queue and processing time per accepted packet over the trace, from its row's
+    counter rates (queue_ns, proc_ns, rx per second), or None when the row lacks them."""
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    totals = collections.Counter()
+    samples = sorted((e for e in events if e.get("ph") == "C" and names.get(e["pid"]) == row), key=lambda e: e["ts"])
+    for before, after in zip(samples, samples[1:]):
+        for counter in ("queue_ns", "proc_ns", "rx"):
+            totals[counter] += after["args"].get(counter, 0) * (after["ts"] - before["ts"]) / 1e6
+    if not totals["rx"] or "queue_ns" not in (samples[-1]["args"] if samples else {}):
+        return None
+    return {"queue_us": totals["queue_ns"] / totals["rx"] / 1e3, "proc_us": totals["proc_ns"] / totals["rx"] / 1e3,
+            "packets": totals["rx"]}
+
+
 def update_counts(events):
     """tensor -> per-row update counts summed over ranks and windows, most updated first."""
     totals = collections.defaultdict(collections.Counter)
@@ -210,6 +225,10 @@ def main(argv=None):
         print(f"\n{row}, per second (median / max over the samples):")
         for counter, (median, peak) in sorted(rates.items()):
             print(f"  {counter:<20} {median:>12.0f} / {peak:.0f}")
+        share = per_packet(events, row)
+        if share:
+            print(f"  its share of a packet's round: queue {share['queue_us']:.1f} us, processing "
+                  f"{share['proc_us']:.1f} us (mean over {share['packets']:.0f} packets)")
     for c, share in skew_summary(events).items():
         print(f"\n{c}: the hottest 1% of rows take {share:.0%} of updates")
     for path in plot(found, events, args.out):

@@ -90,6 +90,10 @@ typedef struct sml_counters {
     uint64_t drop_sim_ingress;  /* drop simulator */
     uint64_t drop_sim_egress;
     uint64_t dup_sim;           /* packets duplicated by the simulator */
+    /* the switch's own share of an accepted packet's round trip (per job; 0 in slot groups):
+     * queue: kernel arrival -> processing starts (socket and batch); processing: until its result
+     * (if it completed the slot) is queued for sending */
+    uint64_t queue_ns, proc_ns;
 } sml_counters;
 
 typedef struct sml_global {

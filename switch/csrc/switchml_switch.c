@@ -75,6 +75,7 @@ sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int
         return NULL;
     }
     sw->fd = fd;
+    tp_rxq_stamps(&sw->rx);   /* for queue_ns; without stamps it stays 0 */
     sw->max_slots = max_slots;
     sw->group_slots = group_slots ? group_slots : 64;
     sw->rng = 0x9e3779b97f4a7c15ull;
@@ -445,7 +446,14 @@ static long serve(sml_switch *sw, int max_ms) {
                 continue;
             }
             handled++;
+            job_t *j = l >= SML_HDR_LEN ? &sw->jobs[buf[2]] : NULL;
+            uint64_t accepted = j && j->active ? j->c.rx : 0, stamp = tp_rxq_stamp(&sw->rx, i);
+            uint64_t wall = stamp ? tp_wall_ns() : 0, t_in = tp_now_ns();
             process(sw, buf, l, from);
+            if (j && j->active && j->c.rx > accepted) {   /* counted for its job: charge it the time */
+                j->c.proc_ns += tp_now_ns() - t_in;
+                if (stamp && wall > stamp) j->c.queue_ns += wall - stamp;
+            }
             if (sw->p_dup > 0 && rnd(sw) < sw->p_dup) {  /* the simulator's duplicate */
                 if (l >= SML_HDR_LEN && sw->jobs[buf[2]].active) sw->jobs[buf[2]].c.dup_sim++;
                 process(sw, buf, l, from);

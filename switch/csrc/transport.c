@@ -15,6 +15,7 @@
 #endif
 
 #define CTL_LEN CMSG_SPACE(sizeof(int))
+#define RX_CTL_LEN (CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(struct timespec)))   /* GRO size, stamp */
 
 uint32_t tp_checksum(const void *buf, size_t len) {
     tp_ck c = {0, 0, 0, 0};
@@ -344,11 +345,12 @@ int tp_rxq_init(tp_rxq *q, int fd, size_t nmsgs, size_t bufsize, int gro) {
     q->msgs = calloc(nmsgs, sizeof *q->msgs);
     q->iov = calloc(nmsgs, sizeof *q->iov);
     q->from = calloc(nmsgs, sizeof *q->from);
-    q->ctl = calloc(nmsgs, CTL_LEN);
+    q->ctl = calloc(nmsgs, RX_CTL_LEN);
+    q->stamp = calloc(nmsgs, sizeof *q->stamp);
     q->seg = calloc(q->maxseg, sizeof *q->seg);
     q->seg_len = calloc(q->maxseg, sizeof *q->seg_len);
     q->seg_msg = calloc(q->maxseg, sizeof *q->seg_msg);
-    if (!q->bufs || !q->msgs || !q->iov || !q->from || !q->ctl || !q->seg || !q->seg_len || !q->seg_msg) {
+    if (!q->bufs || !q->msgs || !q->iov || !q->from || !q->ctl || !q->stamp || !q->seg || !q->seg_len || !q->seg_msg) {
         tp_rxq_free(q);
         return -1;
     }
@@ -371,10 +373,30 @@ void tp_rxq_free(tp_rxq *q) {
     free(q->iov);
     free(q->from);
     free(q->ctl);
+    free(q->stamp);
     free(q->seg);
     free(q->seg_len);
     free(q->seg_msg);
     memset(q, 0, sizeof *q);
+}
+
+int tp_rxq_stamps(tp_rxq *q) {
+    int one = 1;
+    q->stamps = setsockopt(q->fd, SOL_SOCKET, SO_TIMESTAMPNS, &one, sizeof one) == 0;
+    return q->stamps ? 0 : -errno;
+}
+
+/* the kernel's receive stamp of message i, 0 if it has none */
+static uint64_t rx_stamp(tp_rxq *q, int i) {
+    struct msghdr *h = &q->msgs[i].msg_hdr;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(h); cm; cm = CMSG_NXTHDR(h, cm)) {
+        if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_TIMESTAMPNS) {
+            struct timespec ts;
+            memcpy(&ts, CMSG_DATA(cm), sizeof ts);
+            return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+        }
+    }
+    return 0;
 }
 
 /* segment size of message i (its whole length without GRO); 0 if it was truncated */
@@ -408,8 +430,8 @@ int tp_rxq_recv(tp_rxq *q, int timeout_ms) {
             struct msghdr *h = &q->msgs[i].msg_hdr;
             h->msg_name = &q->from[i];
             h->msg_namelen = sizeof q->from[i];
-            h->msg_control = q->ctl + i * CTL_LEN;
-            h->msg_controllen = CTL_LEN;
+            h->msg_control = q->ctl + i * RX_CTL_LEN;
+            h->msg_controllen = RX_CTL_LEN;
             h->msg_flags = 0;
         }
         r = recvmmsg(q->fd, q->msgs, (unsigned)q->nmsgs, MSG_DONTWAIT, NULL);
@@ -421,6 +443,7 @@ int tp_rxq_recv(tp_rxq *q, int timeout_ms) {
     q->messages += (uint64_t)r;
     q->nmsg = r;
     for (int i = 0; i < r; i++) {
+        q->stamp[i] = q->stamps ? rx_stamp(q, i) : 0;
         size_t len = q->msgs[i].msg_len, seg = seg_size(q, i);
         if (!seg) {
             q->truncated++;   /* larger than any packet of ours */

@@ -48,6 +48,12 @@ static inline uint64_t tp_now_ns(void) {
 
 static inline uint64_t tp_now_us(void) { return tp_now_ns() / 1000u; }
 
+static inline uint64_t tp_wall_ns(void) {   /* the clock of the kernel's receive stamps */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 static inline uint64_t tp_cpu_ns(void) {   /* CPU time of the calling thread */
     struct timespec ts;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
@@ -216,6 +222,8 @@ typedef struct {
     const uint8_t **seg;
     uint32_t *seg_len;
     uint16_t *seg_msg;
+    uint64_t *stamp;                     /* per message: the kernel's receive time (CLOCK_REALTIME ns), 0 if none */
+    int stamps;                          /* tp_rxq_stamps() was called */
     uint64_t messages, truncated;
 } tp_rxq;
 
@@ -226,6 +234,10 @@ void tp_rxq_free(tp_rxq *q);
  * an ICMP error for an earlier send; callers decide whether that matters). */
 int tp_rxq_recv(tp_rxq *q, int timeout_ms);
 static inline const struct sockaddr_in *tp_rxq_from(const tp_rxq *q, int i) { return &q->from[q->seg_msg[i]]; }
+/* Ask the kernel to stamp each datagram's arrival (SO_TIMESTAMPNS), so that a daemon can tell how
+ * long a packet waited in its socket before it was processed: tp_wall_ns() - tp_rxq_stamp(q, i). */
+int tp_rxq_stamps(tp_rxq *q);
+static inline uint64_t tp_rxq_stamp(const tp_rxq *q, int i) { return q->stamp[q->seg_msg[i]]; }
 static inline int tp_icmp_error(int rc) { return rc == -ECONNREFUSED || rc == -EHOSTUNREACH || rc == -ENETUNREACH; }
 
 #endif /* TP_PYTHON_API_ONLY */
