@@ -55,7 +55,7 @@ from commlib.settings import define
 from commlib.tensors import Staged
 
 try:
-    from commlib.switch import aggregator as agg, control
+    from commlib.switch import aggregator as agg, auth, control
     from commlib._native import ffi, lib
     IMPORT_ERROR = ""
 except ImportError as exc:   # the C extension is not built
@@ -77,6 +77,9 @@ define("omnireduce_aggregators", "", "dedicated omnireduce aggregators 'host:por
        "empty: rank 0 starts them on loopback when every rank is on this host")
 define("omnireduce_num_aggregators", 0, "dedicated omnireduce: aggregators rank 0 starts when none are "
        "configured (0 = one per worker)")
+define("omnireduce_key_file", "", "the daemon key of the commlib-aggregator processes in "
+       "COMMLIB_OMNIREDUCE_AGGREGATORS (started with --key-file); aggregators rank 0 starts, and colocated "
+       "ones, get a fresh key from rank 0")
 define("omnireduce_host", "", "address omnireduce workers and colocated aggregators bind and advertise "
        "(default: 127.0.0.1 when every rank is local, else the default route's interface)", per_rank=True)
 define("omnireduce_retransmit_ms", 20.0, "omnireduce per-column retransmission timer (ms); doubles per resend")
@@ -169,6 +172,7 @@ class OmniReduceBackend(Backend):
         self._processes, self._aggregators, self._agg_desc = [], [], []
         self._job_hash = agg.token_hash(ctx.job_token or "no-token")
         self._seq, self._broken, self._closed = 0, None, False
+        self._secret, self._sign = {}, None    # the job's nonce and keys (rank 0 makes them), its request signer
         self._stopping, self._keepalive = threading.Event(), None
         self._lock = threading.Lock()          # stats
         self._call_lock = threading.Lock()     # one tensor at a time on the socket
@@ -200,6 +204,10 @@ class OmniReduceBackend(Backend):
     def _start(self):
         ctx, s = self.ctx, self.ctx.settings
         setup_s = max(self.timeout_s, 30.0)   # set-up waits on process starts (a spawned aggregator)
+        self._secret = ctx.exchange(f"{self._prefix}/secret", self._step("secret", self._make_secret, setup_s),
+                                    setup_s)[0]
+        if self._secret["job_key"]:
+            self._sign = auth.Signer(bytes.fromhex(self._secret["job_key"]))
         mine = self._step("aggregators", self._start_aggregators, setup_s)
         everyone = ctx.exchange(f"{self._prefix}/setup", mine, setup_s)
         if any(v["params"] != everyone[0]["params"] for v in everyone):   # the same verdict on every rank
@@ -216,13 +224,29 @@ class OmniReduceBackend(Backend):
         self._aggregators = [agg.resolve_address(a) for a in addresses]
         self._step("register", self._register, setup_s)
 
+    def _make_secret(self):
+        """Rank 0: the daemon key of the aggregators (a fresh one for those of this job, colocated or
+        started by rank 0; the key file's for configured ones, or none), the job's nonce and key. They
+        reach the other ranks through the job's own rendezvous, never the aggregators' network."""
+        if self.rank != 0:
+            return None
+        s = self.ctx.settings
+        if self.mode == "dedicated" and s.omnireduce_aggregators:
+            key = auth.read_key(s.omnireduce_key_file) if s.omnireduce_key_file else None
+        else:
+            key = auth.new_key()
+        nonce = auth.new_nonce()
+        return {"nonce": nonce, "job_key": key and auth.job_key(key, nonce).hex(),
+                "daemon_key": key.hex() if key and not s.omnireduce_aggregators else None}
+
     def _start_aggregators(self):
         """This rank's part of the aggregators; returns what the others need to know."""
         s = self.ctx.settings
         mine = {"epoch": secrets.randbits(31), "params": [self.block, self.columns, self.mode, self.threshold]}
         if self.mode == "colocated":
             # it lives exactly as long as this backend: it never collects its job as idle
-            self._colocated = agg.Aggregator(self._bind, job_idle_s=float("inf")).start(
+            self._colocated = agg.Aggregator(self._bind, job_idle_s=float("inf"),
+                                             key=bytes.fromhex(self._secret["daemon_key"])).start(
                 f"omnireduce-aggregator-rank{self.rank}")
             mine["agg"] = f"{self._host}:{self._colocated.address[1]}"
         elif not s.omnireduce_aggregators and self.rank == 0:
@@ -234,9 +258,9 @@ class OmniReduceBackend(Backend):
         s = self.ctx.settings
         request = {"job": self._job_hash, "epoch": self._epoch, "rank": self.rank, "size": self.size,
                    "columns": self.columns, "aggregators": len(self._aggregators), "block": self.block,
-                   "loss": s.omnireduce_sim_loss, "dup": s.omnireduce_sim_dup}
+                   "loss": s.omnireduce_sim_loss, "dup": s.omnireduce_sim_dup, "nonce": self._secret["nonce"]}
         jobs = agg.register(self._sock, self._aggregators, request, self.timeout_s,
-                            retry_s=max(0.05, 10 * self.retransmit_ms / 1000))
+                            retry_s=max(0.05, 10 * self.retransmit_ms / 1000), sign=self._sign)
         seed = secrets.randbits(63) | 1
         self._worker = lib.omr_worker_new(self._sock.fileno(), self.rank, self.size, self.columns,
                                           len(self._aggregators), self.block, int(self.retransmit_ms * 1000),
@@ -247,7 +271,7 @@ class OmniReduceBackend(Backend):
         for index, ((ip, port), (job, key, _)) in enumerate(zip(self._aggregators, jobs)):
             lib.omr_worker_set_agg(self._worker, index, ip.encode(), port, job, key)
         idle_s = min(idle for _, _, idle in jobs)
-        if self.rank == 0 and idle_s != float("inf"):   # one rank's keepalives hold the job's state
+        if idle_s != float("inf"):   # every rank's keepalives hold the job's state: a silent rank died
             self._keepalive = threading.Thread(target=self._keep_alive, args=(idle_s / 4,),
                                                name="omnireduce-keepalive", daemon=True)
             self._keepalive.start()
@@ -256,15 +280,18 @@ class OmniReduceBackend(Backend):
         """Dedicated aggregators drop a job that is silent for their idle time: while this backend
         is open, tell them it lives (a job may reduce nothing for a long evaluation)."""
         while not self._stopping.wait(every_s):
-            agg.keepalive(self._sock, self._aggregators, self._job_hash, self._epoch)
+            agg.keepalive(self._sock, self._aggregators, self._job_hash, self._epoch, self.rank, self._sign)
 
     def _spawn_aggregators(self, count):
         """Rank 0, all ranks local, nothing configured: start `count` commlib-aggregator processes."""
         cmd = [sys.executable, "-m", "commlib.switch.aggregator_main", "--host", "127.0.0.1", "--port", "0",
-               "--exit-with-parent", "--quiet"]
+               "--exit-with-parent", "--quiet", "--key-file", "-"]
         for _ in range(count):
-            self._processes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                                    stdin=subprocess.DEVNULL, text=True))
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.PIPE,
+                                    text=True)
+            self._processes.append(proc)
+            proc.stdin.write(self._secret["daemon_key"] + "\n")   # the key on stdin: never in argv or a file
+            proc.stdin.close()
         addresses, deadline = [], time.monotonic() + max(self.timeout_s, 30.0)   # a start on a busy host is slow
         for proc in self._processes:
             try:
@@ -410,7 +437,7 @@ class OmniReduceBackend(Backend):
             log.warning("omnireduce rank %d: closing without the others (%s)", self.rank, exc)
             done = False
         if done and self.mode == "dedicated" and self._sock is not None:
-            agg.deregister(self._sock, self._aggregators, self._job_hash, self._epoch)
+            agg.deregister(self._sock, self._aggregators, self._job_hash, self._epoch, self.rank, self._sign)
         self._release()
 
     def _release(self):

@@ -32,6 +32,7 @@ Numbers
 import logging
 import os
 import socket
+import threading
 
 import numpy as np
 
@@ -40,7 +41,7 @@ from commlib.backends import Backend, register
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor,
                             PeerFailure)
 from commlib.settings import define
-from commlib.switch import net
+from commlib.switch import auth, net
 from commlib.switch import switchml as sw
 from commlib.net import parse_address
 
@@ -48,6 +49,8 @@ log = logging.getLogger("commlib.switchml")
 
 define("switch_addr", "", "host:port of a commlib-switch (UDP data + TCP control on one port); empty: "
        "rank 0 starts a switch on loopback when every rank is on this machine")
+define("switch_key_file", "", "the daemon key of a commlib-switch started with --key-file (rank 0 reads it to "
+       "register the job); the embedded switch gets a fresh key from rank 0")
 define("switch_window", 128, "SwitchML window: packets in flight per rank = slots the job takes on the switch")
 define("switch_packet_elems", 256, "values per SwitchML packet: 64 or 256")
 define("switch_retransmit_ms", 5.0, "SwitchML per-packet retransmission timer (ms): the floor of the adaptive "
@@ -96,6 +99,11 @@ class SwitchMLBackend(Backend):
         self.server = None       # the embedded switch (rank 0 only)
         self.address = None
         self.job = None
+        self.job_key = None      # the job's key (bytes, from rank 0 through the rendezvous); None: a keyless switch
+        self._daemon_key = None  # rank 0: the switch's key
+        self._client = None      # this rank's signed control requests (keepalive, unregister, counters)
+        self._keepalive = None
+        self._stopping = threading.Event()
         self._sock = None
         self._worker = None
         self._broken = None      # why the stream is out of step with the switch
@@ -123,8 +131,13 @@ class SwitchMLBackend(Backend):
         self.address = self._step("switch", self._switch_address)[0]
         # 2. every rank's UDP address, as the switch will see it
         workers = self._step("addrs", self._open_socket)
-        # 3. rank 0 registers the job; everyone learns its job number
-        self.job = self._step("job", lambda: self._register(workers))[0]
+        # 3. rank 0 registers the job; everyone learns its job number and key, and keeps it alive
+        job = self._step("job", lambda: self._register(workers))[0]
+        self.job, self.job_key = job["job"], job["key"] and bytes.fromhex(job["key"])
+        self._client = sw.SwitchClient(self.address, 5.0, key=self.job_key, rank=self.rank)
+        self._keepalive = threading.Thread(target=self._keep_alive, args=(job["expiry_s"] / 4,),
+                                           name="switchml-keepalive", daemon=True)
+        self._keepalive.start()
         # 4. every rank's C worker (so that either all ranks stream or none does)
         self._step("worker", self._make_worker)
         log.debug("switchml: rank %d in job #%d on switch %s", self.rank, self.job, self.address)
@@ -140,13 +153,16 @@ class SwitchMLBackend(Backend):
 
     def _switch_address(self):
         s = self.ctx.settings
+        if self.rank == 0 and s.switch_key_file:
+            self._daemon_key = auth.read_key(s.switch_key_file)
         if s.switch_addr or self.rank != 0:
             return s.switch_addr
         try:
             p = float(s.switch_drop_probability)
+            self._daemon_key = auth.new_key()
             self.server = sw.SwitchServer("127.0.0.1", 0, slots=max(self.window, 1024), ingress=p, egress=p,
                                           duplicate=float(s.switch_duplicate_probability),
-                                          offload=bool(s.switch_offload)).start()
+                                          offload=bool(s.switch_offload), key=self._daemon_key).start()
         except Exception as exc:
             raise BackendUnavailable(f"could not start the embedded switch: {exc}") from exc
         return self.server.address
@@ -163,8 +179,19 @@ class SwitchMLBackend(Backend):
     def _register(self, workers):
         if self.rank != 0:
             return None
-        return sw.SwitchClient(self.address, min(self.ctx.settings.timeout_s, 30.0)).register(
-            self.token, workers, self.window, self.elems)["job"]
+        nonce = auth.new_nonce()
+        key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
+        reply = sw.SwitchClient(self.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0).register(
+            self.token, workers, self.window, self.elems, nonce=nonce)
+        return {"job": reply["job"], "key": key and key.hex(), "expiry_s": reply.get("expiry_s", 60.0)}
+
+    def _keep_alive(self, every_s):
+        """Every rank tells the switch it lives: a job one of whose ranks falls silent is removed."""
+        while not self._stopping.wait(every_s):
+            try:
+                self._client.keepalive(self.job)
+            except CommError as exc:
+                log.warning("switchml: keepalive of job #%s failed: %s", self.job, exc)
 
     # -- the collective ---------------------------------------------------------------------------------
     def allreduce(self, array, name):
@@ -222,7 +249,7 @@ class SwitchMLBackend(Backend):
         if rc == lib.SML_E_TIMEOUT:
             hint = ""
             try:   # ask the control plane why: a restarted switch no longer lists the job
-                sw.SwitchClient(self.address, 2.0).counters(self.job, self.token)
+                sw.SwitchClient(self.address, 2.0, key=self.job_key, rank=self.rank).counters(self.job, self.token)
                 hint = "the switch still holds the job, so another rank probably stopped or is far behind"
             except ConfigError:
                 return PeerFailure(f"{where}: no answer for {self.ctx.settings.timeout_s}s and the switch no longer "
@@ -249,7 +276,7 @@ class SwitchMLBackend(Backend):
         """The switch's counters for this job (packets received, aggregated, results, replays, drops)."""
         if self.job is None:
             return {}
-        return sw.SwitchClient(self.address, 5.0).counters(self.job, self.token)
+        return self._client.counters(self.job, self.token)
 
     def close(self):
         if self._worker is not None:
@@ -261,14 +288,21 @@ class SwitchMLBackend(Backend):
         self._release()
 
     def _unregister(self):
-        """Rank 0 ends the job on a switch that outlives it (an embedded one goes with rank 0)."""
-        if self.rank == 0 and self.server is None and self.job is not None:
+        """Every rank that ends ends the job on a switch that outlives it (an embedded one goes with
+        rank 0); the first one does it, the others find it gone."""
+        if self.ctx.settings.switch_addr and self._client is not None:
             try:
-                sw.SwitchClient(self.address, 5.0).unregister(self.job, self.token)
+                self._client.unregister(self.job, self.token)
+            except ConfigError:
+                pass   # another rank ended it first
             except CommError as exc:
                 log.warning("switchml: could not unregister job #%s: %s", self.job, exc)
 
     def _release(self):
+        self._stopping.set()
+        if self._keepalive is not None:
+            self._keepalive.join(10.0)
+            self._keepalive = None
         if self.server is not None:
             self.server.stop()
             self.server = None
