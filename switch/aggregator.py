@@ -223,7 +223,11 @@ class Aggregator:
 
     @staticmethod
     def _job_ident(request):
-        return str(request["job"])[:64], int(request["epoch"])
+        """(job token hash, epoch): the job a request is about."""
+        job, epoch = request["job"], request["epoch"]
+        if not isinstance(job, str) or len(job) > 64 or not isinstance(epoch, int):
+            raise ValueError("a job is named by 'job' (a string of at most 64 characters) and 'epoch' (an integer)")
+        return job, epoch
 
     def _check(self, key, request, sender, what):
         if not auth.verify(key, request):

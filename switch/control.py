@@ -181,6 +181,8 @@ class LineServer:
                             else:
                                 self._serve(key.fileobj, events)
                         except Exception:   # a bug in our own bookkeeping: drop that connection, keep serving
+                            if stop.is_set():
+                                return      # stop() shut the listening socket down under accept()
                             log.exception("control connection failed")
                             self.drops.add("internal")
                             if key.fileobj is not self.sock:
