@@ -237,13 +237,18 @@ def test_aggregator_survives_hostile_control_packets():
 def test_aggregator_caps_what_a_registration_reserves():
     aggregator = agg.Aggregator("127.0.0.1", 0).start()
     try:
-        huge = {"op": "register", "job": "big", "epoch": 1, "rank": 0, "size": 4096, "columns": 1 << 22,
-                "aggregators": 1, "index": 0, "block": 16000}
+        huge = {"op": "register", "job": "big", "epoch": 1, "rank": 0, "size": 64, "columns": 2000,
+                "aggregators": 1, "index": 0, "block": 16000}       # 2.3 GB of address space, allocated lazily
         reply = udp_request(aggregator.address, control.encode(huge))
         assert reply["ok"] is False and "MiB" in reply["error"], reply
+        assert agg.job_bytes(huge) > 2 << 30
         beyond = dict(huge, columns=1 << 40)
         assert udp_request(aggregator.address, control.encode(beyond))["ok"] is False
-        assert aggregator.stats()["jobs"] == 0 and aggregator.stats()["control"]["limit"] == 1
+        assert aggregator.stats()["jobs"] == 0 and aggregator.stats()["control"] == {"limit": 1, "invalid": 1}
+        for epoch in range(5):                                     # 5 x 230 MB would pass the 1 GiB in all
+            fits = dict(huge, epoch=epoch, columns=200)
+            udp_request(aggregator.address, control.encode(fits))
+        assert aggregator.stats()["jobs"] == 4 and aggregator.stats()["control"]["limit"] == 2
     finally:
         aggregator.close()
 
