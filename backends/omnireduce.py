@@ -79,7 +79,7 @@ define("omnireduce_num_aggregators", 0, "dedicated omnireduce: aggregators rank 
        "configured (0 = one per worker)")
 define("omnireduce_key_file", "", "the daemon key of the commlib-aggregator processes in "
        "COMMLIB_OMNIREDUCE_AGGREGATORS (started with --key-file); aggregators rank 0 starts, and colocated "
-       "ones, get a fresh key from rank 0")
+       "ones, get a fresh key from rank 0", per_rank=True)
 define("omnireduce_host", "", "address omnireduce workers and colocated aggregators bind and advertise "
        "(default: 127.0.0.1 when every rank is local, else the default route's interface)", per_rank=True)
 define("omnireduce_retransmit_ms", 20.0, "omnireduce per-column retransmission timer (ms); doubles per resend")

@@ -50,7 +50,7 @@ log = logging.getLogger("commlib.switchml")
 define("switch_addr", "", "host:port of a commlib-switch (UDP data + TCP control on one port); empty: "
        "rank 0 starts a switch on loopback when every rank is on this machine")
 define("switch_key_file", "", "the daemon key of a commlib-switch started with --key-file (rank 0 reads it to "
-       "register the job); the embedded switch gets a fresh key from rank 0")
+       "register the job); the embedded switch gets a fresh key from rank 0", per_rank=True)
 define("switch_window", 128, "SwitchML window: packets in flight per rank = slots the job takes on the switch")
 define("switch_packet_elems", 256, "values per SwitchML packet: 64 or 256")
 define("switch_retransmit_ms", 5.0, "SwitchML per-packet retransmission timer (ms): the floor of the adaptive "

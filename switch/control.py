@@ -151,15 +151,17 @@ class LineServer:
     """The switch's TCP control port, served by one thread with a selector: a connection sends lines
     (requests) and reads one answer line per request.
 
-    Bounded: at most `max_connections` open (a new one closes the connection idle the longest), a line
+    Bounded: at most `max_connections` open, `max_per_source` from one address (a new one closes
+    the connection idle the longest, of its own address when that one has its fill), a line
     of at most `max_line` bytes (a longer one is answered with an error and its connection closed),
     at most `max_pending` answer bytes a client has not read, `idle_s` without a byte closes a
     connection. `handle(request, source_ip)` answers one decoded request; `tick()` runs every
     `tick_s` (expiry of jobs)."""
 
-    def __init__(self, sock, handle, drops, max_connections=64, max_line=64 << 10, max_pending=1 << 20,
-                 idle_s=30.0, tick=None, tick_s=0.25):
+    def __init__(self, sock, handle, drops, max_connections=256, max_per_source=16, max_line=64 << 10,
+                 max_pending=1 << 20, idle_s=30.0, tick=None, tick_s=0.25):
         self.sock, self.handle, self.drops = sock, handle, drops
+        self.max_per_source = max_per_source
         self.max_connections, self.max_line, self.max_pending, self.idle_s = max_connections, max_line, \
             max_pending, idle_s
         self.tick, self.tick_s = tick, tick_s
@@ -211,9 +213,11 @@ class LineServer:
                     self.drops.add("accept_failed")
                     return
                 raise
-            if len(self._conns) >= self.max_connections:
-                self.drops.add("connections_evicted")
-                self._close(min(self._conns, key=lambda c: self._conns[c].active))
+            same = [c for c, state in self._conns.items() if state.host == host]
+            if len(same) >= self.max_per_source or len(self._conns) >= self.max_connections:
+                self.drops.add("connections_evicted")   # one address cannot push the others out
+                crowd = same if len(same) >= self.max_per_source else self._conns
+                self._close(min(crowd, key=lambda c: self._conns[c].active))
             conn.setblocking(False)
             self._conns[conn] = _Conn(host)
             self._sel.register(conn, selectors.EVENT_READ)

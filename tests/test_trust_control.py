@@ -190,11 +190,14 @@ def test_switch_control_port_is_bounded_and_survives_hostile_input():
     with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
         host, port = "127.0.0.1", server.port
         threads = threading.active_count()
-        conns = [socket.create_connection((host, port), timeout=5) for _ in range(200)]   # past the 64 kept
+        patient = socket.create_connection((host, port), timeout=5, source_address=("127.0.0.2", 0))
+        conns = [socket.create_connection((host, port), timeout=5) for _ in range(200)]   # past the 16 kept
         time.sleep(0.5)
         assert threading.active_count() == threads             # no thread per connection
         assert request_line(server.address, control.encode({"op": "status"}))["ok"] is True   # still answers
-        for conn in conns:
+        patient.sendall(control.encode({"op": "status"}))      # another address was not pushed out
+        assert control.decode(patient.makefile("rb").readline())["ok"] is True
+        for conn in conns + [patient]:
             conn.close()
         with socket.create_connection((host, port), timeout=5) as conn:   # a line without end
             try:
@@ -209,7 +212,7 @@ def test_switch_control_port_is_bounded_and_survives_hostile_input():
             assert reply["ok"] is False and reply["error"], (line[:60], reply)
         assert request_line(server.address, control.encode({"op": "status"}))["ok"] is True
         drops = sw.SwitchClient(server.address).counters()["control"]
-        assert drops["connections_evicted"] >= 136 and drops["oversize"] == 1, drops
+        assert drops["connections_evicted"] >= 184 and drops["oversize"] == 1, drops
         assert drops["malformed"] >= 5 and drops["invalid"] >= 7 and "internal" not in drops, drops
         assert server.status()["jobs"] == {}                  # nothing half-registered
 
