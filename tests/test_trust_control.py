@@ -185,6 +185,22 @@ def test_a_dead_rank_ends_its_switchml_job(tmp_path):
             backend._release()
 
 
+def test_a_killed_rank_0_process_ends_its_job(tmp_path):
+    """The same with real processes: rank 0 is SIGKILLed after its first tensor; rank 1 lives on
+    (sending keepalives) and sees the switch drop the job within the expiry."""
+    from launch import spawn
+    key_file = tmp_path / "switch.key"
+    key = auth.write_key(str(key_file))
+    with sw.SwitchServer("127.0.0.1", 0, slots=512, key=key, job_expiry_s=2.0) as server:
+        ranks = spawn(2, "dead_rank.py", 8.0, timeout=150,
+                      env={"COMMLIB_SWITCH_ADDR": server.address, "COMMLIB_SWITCH_KEY_FILE": str(key_file)})
+        assert ranks[0].returncode == -9 and ranks[1].returncode == 0, ranks.output
+        first, last = ranks.results()               # the last report of each rank
+        assert first["sum_ok"] and "jobs_after" not in first, ranks.output
+        assert last["sum_ok"] and last["jobs_after"] == [], ranks.output
+        assert server.drops.snapshot()["jobs_expired"] == 1 and server.status()["free_slots"] == 512
+
+
 # -- bullet 4: one thread per connection, lines buffered without bound; bullet 3: hostile input ----
 def test_switch_control_port_is_bounded_and_survives_hostile_input():
     with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
