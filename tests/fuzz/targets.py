@@ -12,6 +12,7 @@ targets crash the process when ASan/UBSan (tests/fuzz/build_sanitized.py) sees a
 undefined behaviour. Half of the inputs are built as plausible requests or sealed packets (the
 right job, token, key and checksum) so that the fuzzer gets past the first checks.
 """
+import os
 import socket
 import struct
 
@@ -22,6 +23,15 @@ with atheris.instrument_imports(include=["commlib"]):      # coverage of the Pyt
     from commlib.switch import switchml as sw
 
 from commlib._native import ffi, lib   # noqa: E402  (the sanitized build when run.py loaded it)
+
+if os.environ.get("COMMLIB_FUZZ_PLANTED_BUG"):   # tests/test_fuzz.py: the harness must find this one
+    _handle = sw.SwitchServer._handle
+
+    def _buggy(self, request, source):
+        if request.get("op") == "status" and "job" in request:
+            return {"bug": 1 // 0}
+        return _handle(self, request, source)
+    sw.SwitchServer._handle = _buggy
 
 OPS = ["register", "unregister", "keepalive", "counters", "simulate", "status", "nope"]
 FIELDS = ["op", "token", "workers", "slots", "elems", "nonce", "job", "rank", "seq", "mac", "epoch", "size",
