@@ -209,7 +209,7 @@ def test_switch_control_port_is_bounded_and_survives_hostile_input():
         patient = socket.create_connection((host, port), timeout=5, source_address=("127.0.0.2", 0))
         conns = [socket.create_connection((host, port), timeout=5) for _ in range(200)]   # past the 16 kept
         time.sleep(0.5)
-        assert threading.active_count() == threads             # no thread per connection
+        assert threading.active_count() <= threads             # no thread per connection
         assert request_line(server.address, control.encode({"op": "status"}))["ok"] is True   # still answers
         patient.sendall(control.encode({"op": "status"}))      # another address was not pushed out
         assert control.decode(patient.makefile("rb").readline())["ok"] is True
