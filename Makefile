@@ -8,7 +8,7 @@ HOROVOD_VERSION := 0.28.1
 HOROVOD_SRC := build/horovod-$(HOROVOD_VERSION)
 NP ?= 4
 
-.PHONY: install apt venv deps horovod develop keras3 demo test fuzz bench bench-quick clean
+.PHONY: install apt venv deps horovod develop keras3 demo test fuzz bench bench-quick faults clean
 
 install: apt venv deps horovod develop keras3
 
@@ -77,6 +77,10 @@ bench:
 
 bench-quick:
 	$(MAKE) bench BENCH_ARGS=--quick
+
+# switchml and omnireduce under loss, duplication, reordering and jitter (a user-space relay: no netem here)
+faults:
+	$(PY) benchmarks/faults.py $(FAULTS_ARGS)
 
 clean:
 	rm -rf build *.egg-info commlib/*.so switch/*.so

@@ -4,7 +4,9 @@ Every rank streams its tensor through a pool of `switch_window` slots of a comml
 block of `switch_packet_elems` values per packet; the switch adds the blocks of all ranks and
 sends each sum back to every rank. Each rank sends S and receives S bytes whatever the number of
 ranks. The per-packet loop is C (switch/csrc/switchml_worker.c), one call per tensor, the GIL
-released.
+released. Packets and results carry a MAC under the job key (backends/keys.py; `authenticate`),
+and the packet id is each slot set's version, so reordered, late and replayed packets are never
+aggregated (switch/csrc/switchml.h).
 
 Tuning guide
   switch_window          packets in flight per rank (= slots the job takes on the switch). Larger
@@ -37,7 +39,7 @@ import threading
 import numpy as np
 
 from commlib import kernels
-from commlib.backends import Backend, register
+from commlib.backends import Backend, keys, register
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor,
                             PeerFailure)
 from commlib.settings import define
@@ -49,8 +51,8 @@ log = logging.getLogger("commlib.switchml")
 
 define("switch_addr", "", "host:port of a commlib-switch (UDP data + TCP control on one port); empty: "
        "rank 0 starts a switch on loopback when every rank is on this machine")
-define("switch_key_file", "", "the daemon key of a commlib-switch started with --key-file (rank 0 reads it to "
-       "register the job); the embedded switch gets a fresh key from rank 0", per_rank=True)
+define("switch_key_file", "", "the daemon key of a commlib-switch started with --key-file (COMMLIB_SWITCH_ADDR), "
+       "read by every rank; the embedded switch uses the job's secret", per_rank=True)
 define("switch_window", 128, "SwitchML window: packets in flight per rank = slots the job takes on the switch")
 define("switch_packet_elems", 256, "values per SwitchML packet: 64 or 256")
 define("switch_retransmit_ms", 5.0, "SwitchML per-packet retransmission timer (ms): the floor of the adaptive "
@@ -99,9 +101,11 @@ class SwitchMLBackend(Backend):
         self.server = None       # the embedded switch (rank 0 only)
         self.address = None
         self.job = None
-        self.job_key = None      # the job's key (bytes, from rank 0 through the rendezvous); None: a keyless switch
-        self._daemon_key = None  # rank 0: the switch's key
-        self._client = None      # this rank's signed control requests (keepalive, unregister, counters)
+        self.nonce = None        # the job's public nonce: its packets' key is auth.job_key(daemon key, nonce)
+        self._key = None         # that job key (None: packets without MACs)
+        self._daemon_key = None  # the switch's key (the job's secret for the embedded one, else the key file's)
+        self._control_key = None  # signs this rank's control requests (keepalive, unregister, counters)
+        self._client = None      # this rank's control requests
         self._keepalive = None
         self._stopping = threading.Event()
         self._sock = None
@@ -131,10 +135,15 @@ class SwitchMLBackend(Backend):
         self.address = self._step("switch", self._switch_address)[0]
         # 2. every rank's UDP address, as the switch will see it
         workers = self._step("addrs", self._open_socket)
-        # 3. rank 0 registers the job; everyone learns its job number and key, and keeps it alive
+        # 3. rank 0 registers the job; everyone learns its job number and nonce, derives its keys and
+        #    keeps the job alive
+        self._daemon_key = self.ctx.agree(f"{self._scope}/key", keys.daemon_key, self.ctx,   # agreed, never sent
+                                          not self.ctx.settings.switch_addr, self.ctx.settings.switch_key_file)
         job = self._step("job", lambda: self._register(workers))[0]
-        self.job, self.job_key = job["job"], job["key"] and bytes.fromhex(job["key"])
-        self._client = sw.SwitchClient(self.address, 5.0, key=self.job_key, rank=self.rank)
+        self.job, self.nonce = job["job"], job["nonce"]
+        self._key = keys.job_key(self.ctx, self._daemon_key, self.nonce)
+        self._control_key = self._daemon_key and auth.job_key(self._daemon_key, self.nonce)
+        self._client = sw.SwitchClient(self.address, 5.0, key=self._control_key, rank=self.rank)
         self._keepalive = threading.Thread(target=self._keep_alive, args=(job["expiry_s"] / 4,),
                                            name="switchml-keepalive", daemon=True)
         self._keepalive.start()
@@ -146,23 +155,21 @@ class SwitchMLBackend(Backend):
         s = self.ctx.settings
         worker = sw.lib.sml_worker_new(self._sock.fileno(), self.job, self.rank, self.token, self.size,
                                        self.window, self.elems, float(s.switch_retransmit_ms),
-                                       float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)))
+                                       float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)),
+                                       sw.ffi.NULL if self._key is None else self._key)
         if worker == sw.ffi.NULL:
             raise MemoryError("switchml: could not allocate the worker state")
         self._worker = worker
 
     def _switch_address(self):
         s = self.ctx.settings
-        if self.rank == 0 and s.switch_key_file:
-            self._daemon_key = auth.read_key(s.switch_key_file)
         if s.switch_addr or self.rank != 0:
             return s.switch_addr
         try:
             p = float(s.switch_drop_probability)
-            self._daemon_key = auth.new_key()
             self.server = sw.SwitchServer("127.0.0.1", 0, slots=max(self.window, 1024), ingress=p, egress=p,
                                           duplicate=float(s.switch_duplicate_probability),
-                                          offload=bool(s.switch_offload), key=self._daemon_key).start()
+                                          offload=bool(s.switch_offload), key=self.ctx.secret or None).start()
         except Exception as exc:
             raise BackendUnavailable(f"could not start the embedded switch: {exc}") from exc
         return self.server.address
@@ -182,8 +189,9 @@ class SwitchMLBackend(Backend):
         nonce = auth.new_nonce()
         key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
         reply = sw.SwitchClient(self.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0).register(
-            self.token, workers, self.window, self.elems, nonce=nonce)
-        return {"job": reply["job"], "key": key and key.hex(), "expiry_s": reply.get("expiry_s", 60.0)}
+            self.token, workers, self.window, self.elems, nonce=nonce,
+            authenticate=keys.job_key(self.ctx, self._daemon_key, nonce) is not None)
+        return {"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0)}
 
     def _keep_alive(self, every_s):
         """Every rank tells the switch it lives: a job one of whose ranks falls silent is removed."""
@@ -249,7 +257,7 @@ class SwitchMLBackend(Backend):
         if rc == lib.SML_E_TIMEOUT:
             hint = ""
             try:   # ask the control plane why: a restarted switch no longer lists the job
-                sw.SwitchClient(self.address, 2.0, key=self.job_key, rank=self.rank).counters(self.job, self.token)
+                sw.SwitchClient(self.address, 2.0, key=self._control_key, rank=self.rank).counters(self.job, self.token)
                 hint = "the switch still holds the job, so another rank probably stopped or is far behind"
             except ConfigError:
                 return PeerFailure(f"{where}: no answer for {self.ctx.settings.timeout_s}s and the switch no longer "
@@ -265,7 +273,8 @@ class SwitchMLBackend(Backend):
 
     # -- counters and shutdown -----------------------------------------------------------------------
     def stats(self):
-        out = {"switch": self.address, "job": self.job, "embedded": self.server is not None}
+        out = {"switch": self.address, "job": self.job, "embedded": self.server is not None,
+               "authenticated": self._key is not None}
         if self._worker is not None:
             c = sw.ffi.new("sml_worker_counters *")
             sw.lib.sml_worker_counters_get(self._worker, c)

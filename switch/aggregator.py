@@ -112,7 +112,8 @@ class Aggregator:
     """One aggregator endpoint. `start()` serves it from a thread; `serve(stop)` from the caller."""
 
     def __init__(self, host="127.0.0.1", port=0, job_idle_s=600.0, key=None, limits=None):
-        self.key, self.limits = key, limits or Limits()   # key: the daemon key (None: unsigned requests)
+        # key: the daemon key (None: unsigned requests, packets without MACs); the jobs' keys derive from it
+        self.key, self.limits = key, limits or Limits()
         self.drops = control.Drops()                     # control datagrams refused or dropped, by reason
         self._replays = auth.Replays()
         self.sock = make_socket(host, port)
@@ -271,8 +272,10 @@ class Aggregator:
         if job is None:
             self._admit(params, source)
             secret = secrets.randbits(32)
+            # packets carry MACs under the job key, unless the job asks for none (a trusted fabric)
+            mac_key = job_key if job_key is not None and body.get("authenticate", True) else ffi.NULL
             job_id = lib.omr_agg_add_job(self._agg, secret, params["size"], params["columns"], params["aggregators"],
-                                         params["index"], params["block"], loss, dup)
+                                         params["index"], params["block"], loss, dup, mac_key)
             if job_id < 0:
                 raise control.Refused("limit", f"aggregator {self.address_str} cannot take the job (it serves "
                                                f"{len(self._jobs)} jobs, at most {lib.OMR_MAX_JOBS}; or out of memory)")

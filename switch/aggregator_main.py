@@ -7,8 +7,8 @@
     commlib-aggregator counters host:9200 --key-file agg.key     # its counters as JSON, while it runs
 
 Prints `READY host:port[,host:port...]` once it serves (switch/control.py, as commlib-switch does), then runs until SIGINT/SIGTERM. Without --key-file
-anyone who reaches the port may register jobs (a trusted fabric only); `--key-file -` reads the key
-from standard input (how rank 0 hands one to the aggregators it starts). Any number
+anyone who reaches the port may register jobs (a trusted fabric only); `--key-file -` (or /dev/stdin)
+reads the key from standard input (how rank 0 hands one to the aggregators it starts). Any number
 of jobs and tensors share it without restarts; columns are interleaved across the listed
 aggregators in the order of COMMLIB_OMNIREDUCE_AGGREGATORS.
 """

@@ -5,8 +5,11 @@ One `SwitchServer` listens on host:port twice: UDP for the data plane (SwitchML 
 job of SwitchML's controller, in the control format of both daemons (switch/control.py: one JSON
 object per line, answered by {"ok": true, ...} or {"ok": false, "error": ...}):
 
-    {"op": "register", "nonce": N, "token": T, "workers": [[ip, port], ...], "slots": W, "elems": 256}
-        -> {"ok": true, "job": n, "epoch": "...", "slots": W, "expiry_s": s}   (job 0..255, W slots x 2 sets)
+    {"op": "register", "nonce": N, "token": T, "workers": [[ip, port], ...], "slots": W, "elems": 256,
+     "authenticate": true}
+        -> {"ok": true, "job": n, "epoch": "...", "slots": W, "expiry_s": s}   (job 0..255, W slots x 2 sets;
+        on a switch with a daemon key, the job's packets carry MACs under auth.job_key(key, N) unless
+        "authenticate" is false)
     {"op": "keepalive", "job": n, "rank": r}        rank r of the job lives (every rank, every expiry_s / 4)
     {"op": "unregister", "job": n, "rank": r}       frees the job's slots (any rank that ends)
     {"op": "counters", "job": n}                    per-job and per-slot-group counters
@@ -131,6 +134,7 @@ class SwitchServer:
         self.run_ms = run_ms
         self.offload = offload
         self.testing = testing
+        # key: the daemon key; the jobs' control requests are signed and their packets MACed under keys derived from it
         self.key, self.limits, self.job_expiry_s = key, limits or Limits(), float(job_expiry_s)
         self.drops = control.Drops()             # control requests refused, by reason
         self._replays = auth.Replays()
@@ -238,7 +242,8 @@ class SwitchServer:
                 key = auth.job_key(self.key, nonce)
                 self._authenticate(request, key, ("register", nonce), "register")
             return self.register(int(request["token"]), request["workers"], int(request.get("slots", 128)),
-                                 int(request.get("elems", 256)), nonce, key, source)
+                                 int(request.get("elems", 256)), nonce, key, source,
+                                 authenticate=request.get("authenticate", True) is not False)
         if op in ("unregister", "keepalive") or (op == "counters" and request.get("job") is not None):
             job = self._job(request)
             if op == "unregister":
@@ -297,8 +302,9 @@ class SwitchServer:
             raise control.Refused("replay", f"{request.get('op')} refused: its seq does not grow (a replayed request)")
         return job
 
-    def register(self, token, workers, slots, elems, nonce=None, key=None, source=None):
-        """Add a job; returns its job number. workers[rank] = [ipv4, port]."""
+    def register(self, token, workers, slots, elems, nonce=None, key=None, source=None, authenticate=True):
+        """Add a job; returns its job number. workers[rank] = [ipv4, port]; key: the job key that signs
+        its control requests and, with `authenticate`, MACs its packets (None: a keyless switch)."""
         if not 0 <= token < 2 ** 32:
             raise ConfigError(f"token {token} is not a 32-bit unsigned integer (see token32())")
         if not isinstance(workers, list) or not 1 <= len(workers) <= MAX_WORKERS:
@@ -312,7 +318,8 @@ class SwitchServer:
             if not free:
                 raise control.Refused("limit", f"the switch already serves {MAX_JOBS} jobs; end one first")
             number = free[0]
-            rc = lib.sml_switch_add_job(self._sw, number, token, len(workers), slots, elems)
+            rc = lib.sml_switch_add_job(self._sw, number, token, len(workers), slots, elems,
+                                        key if key is not None and authenticate else ffi.NULL)
             if rc == lib.SML_ADD_NO_SLOTS:
                 raise control.Refused("limit", f"the switch has {lib.sml_switch_free_slots(self._sw)} free slots, "
                                                f"the job asks for {slots}: lower COMMLIB_SWITCH_WINDOW or start the "
@@ -478,8 +485,10 @@ class SwitchClient:
             raise PeerFailure(f"the switch at {self.address} closed the connection during {op!r}")
         return control.result(control.decode(line), f"switch {self.address}: {op}")
 
-    def register(self, token, workers, slots, elems, nonce=None):
+    def register(self, token, workers, slots, elems, nonce=None, authenticate=None):
         fields = {} if nonce is None else {"nonce": nonce}
+        if authenticate is not None:
+            fields["authenticate"] = authenticate
         return self.request("register", token=token, workers=workers, slots=slots, elems=elems, **fields)
 
     def unregister(self, job, token=None):

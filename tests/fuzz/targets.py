@@ -38,6 +38,7 @@ FIELDS = ["op", "token", "workers", "slots", "elems", "nonce", "job", "rank", "s
           "columns", "aggregators", "index", "block", "loss", "dup", "ingress", "egress", "duplicate", "seed"]
 KEY = bytes(range(32))
 TOKEN = 0x1234ABCD
+JOB_KEY = bytes(range(100, 116))        # the rigs' data-plane job key (their packets' MACs)
 SOURCE = ("127.0.0.1", 40000)
 
 
@@ -149,7 +150,7 @@ class _SwitchRig:
     def __init__(self):
         self.sock, *self.ranks = _loopback(3)
         self.sw = lib.sml_switch_new(self.sock.fileno(), 1024, 64, 0)
-        assert lib.sml_switch_add_job(self.sw, 0, TOKEN, 2, 64, 64) == 0
+        assert lib.sml_switch_add_job(self.sw, 0, TOKEN, 2, 64, 64, JOB_KEY) == 0
         for rank, s in enumerate(self.ranks):
             ip = struct.unpack("!I", socket.inet_aton("127.0.0.1"))[0]
             lib.sml_switch_set_addr(self.sw, 0, rank, ip, s.getsockname()[1])
@@ -161,10 +162,11 @@ _switch_rig = None
 
 def _switch_packet(fdp, rank):
     """A DATA-like packet of job 0 whose fields are fuzzed within (or just beyond) their ranges,
-    with the payload its size code asks for, sealed with the job's token and a valid checksum."""
+    with the payload its size code asks for, sealed with the job's token, a valid checksum and
+    mostly a valid MAC."""
     size_code = fdp.ConsumeIntInRange(0, 3)
-    flags = size_code | (sw.lib.SML_F_NONFINITE if fdp.ConsumeBool() else 0) | (fdp.ConsumeIntInRange(0, 31) << 3
-                                                                                  if fdp.ConsumeBool() else 0)
+    flags = size_code | (lib.SML_F_NONFINITE if fdp.ConsumeBool() else 0) | \
+        (lib.SML_F_MAC if fdp.ConsumeIntInRange(0, 7) else 0) | (fdp.ConsumeIntInRange(0, 15) << 4 if fdp.ConsumeIntInRange(0, 7) == 0 else 0)
     kind = fdp.PickValueInList([lib.SML_DATA, lib.SML_DATA, lib.SML_DATA, lib.SML_RESULT, lib.SML_NACK, 0, 255])
     slot = fdp.ConsumeIntInRange(0, 3) if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 70)
     packet_id = slot if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 300)   # mostly the slot's own
@@ -173,7 +175,13 @@ def _switch_packet(fdp, rank):
     elems = {0: 0, 1: 64, 2: 256, 3: fdp.ConsumeIntInRange(0, 300)}[size_code]
     extra = fdp.ConsumeIntInRange(-2, 2) if fdp.ConsumeIntInRange(0, 7) == 0 else 0
     payload = fdp.ConsumeBytes(max(0, elems * (5 if flags & lib.SML_F_NONFINITE else 4) + extra))
-    return header + payload
+    if not flags & lib.SML_F_MAC or not fdp.ConsumeIntInRange(0, 7):
+        return header + payload
+    return header + payload + _mac(header + payload)                       # SipHash under the job key
+
+
+def _mac(data):
+    return lib.tp_siphash(JOB_KEY, data, len(data)).to_bytes(8, "little")
 
 
 def switch_packets(data):
@@ -199,7 +207,7 @@ class _AggregatorRig:
     def __init__(self):
         self.sock, *self.ranks = _loopback(3)
         self.agg = lib.omr_agg_new(self.sock.fileno(), 12345)
-        self.job = lib.omr_agg_add_job(self.agg, self.KEY, 2, 8, 1, 0, 16, 0.0, 0.0)
+        self.job = lib.omr_agg_add_job(self.agg, self.KEY, 2, 8, 1, 0, 16, 0.0, 0.0, JOB_KEY)
         assert self.job >= 0
         for rank, s in enumerate(self.ranks):
             assert lib.omr_agg_set_worker(self.agg, self.job, rank, b"127.0.0.1", s.getsockname()[1]) == 0
@@ -212,7 +220,8 @@ _aggregator_rig = None
 
 def _aggregator_packet(fdp, rig, rank):
     """A packet of the rig's job, fields fuzzed within (or just beyond) their ranges, sealed with
-    the job's key and a valid checksum (omr_hdr: little-endian, switch/csrc/omnireduce.h)."""
+    the job's key, a valid checksum and mostly a valid MAC (omr_hdr: little-endian,
+    switch/csrc/omnireduce.h)."""
     kind = lib.OMR_DATA if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, 7)
     flags = fdp.ConsumeIntInRange(0, 15) if fdp.ConsumeIntInRange(0, 3) == 0 else fdp.ConsumeIntInRange(0, 1)
     small = lambda top: fdp.ConsumeIntInRange(0, top) if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeInt(4) & 0xFFFFFFFF
@@ -220,13 +229,17 @@ def _aggregator_packet(fdp, rig, rank):
     block = col + 8 * rnd if fdp.ConsumeIntInRange(0, 7) else small(30)        # mostly the round's own block
     nxt = 0xFFFFFFFF if fdp.ConsumeBool() else block + 8 * fdp.ConsumeIntInRange(0, 2)   # OMR_INF: the column ends
     fields = [v & 0xFFFFFFFF for v in (small(1), col, rnd, block, nxt, small(8))]   # seq col round block next ack
-    header = struct.pack("<BBHIIIIIIIII", kind, flags, rank if fdp.ConsumeIntInRange(0, 7) else small(70) & 0xFFFF,
-                         rig.job, rig.KEY, *fields, 0)
+    if fdp.ConsumeIntInRange(0, 7):
+        flags |= lib.OMR_F_MAC
+    pack = lambda csum: struct.pack("<BBHIIIIIIIII", kind, flags, rank_field, rig.job, rig.KEY, *fields, csum)
+    rank_field = rank if fdp.ConsumeIntInRange(0, 7) else small(70) & 0xFFFF
     length = 0 if flags & lib.OMR_F_ZERO else 16 * 4
     if fdp.ConsumeIntInRange(0, 7) == 0:
         length = fdp.ConsumeIntInRange(0, 200)
-    packet = header + fdp.ConsumeBytes(length)
-    return packet[:36] + lib.tp_checksum(packet, len(packet)).to_bytes(4, "little") + packet[40:]
+    payload = fdp.ConsumeBytes(length)
+    header = pack(lib.tp_checksum(pack(0) + payload, lib.OMR_HDR_BYTES + len(payload)))
+    mac = _mac(header + payload) if flags & lib.OMR_F_MAC and fdp.ConsumeIntInRange(0, 7) else b""
+    return header + payload + mac
 
 
 def aggregator_packets(data):
