@@ -223,7 +223,9 @@ class LineServer:
             self._sel.register(conn, selectors.EVENT_READ)
 
     def _serve(self, conn, events):
-        state = self._conns[conn]
+        state = self._conns.get(conn)
+        if state is None:                   # closed earlier in this round of events (evicted)
+            return
         state.active = time.monotonic()
         if events & selectors.EVENT_READ:
             try:
