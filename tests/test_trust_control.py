@@ -141,10 +141,10 @@ def test_limits_per_job_and_per_source(keyed_switch):
 
 def test_jobs_without_keepalives_expire_and_free_their_slots():
     key = auth.new_key()
-    with sw.SwitchServer("127.0.0.1", 0, slots=64, key=key, job_expiry_s=1.0) as server:
+    with sw.SwitchServer("127.0.0.1", 0, slots=64, key=key, job_expiry_s=2.0) as server:
         job, job_key, client0 = register(server, key, slots=32, workers=[("127.0.0.1", 9), ("127.0.0.1", 10)])
         client1 = sw.SwitchClient(server.address, key=job_key, rank=1)
-        for _ in range(6):                        # both ranks live: the job outlasts its expiry
+        for _ in range(10):                       # both ranks live: the job outlasts its expiry
             client0.keepalive(job)
             client1.keepalive(job)
             time.sleep(0.3)
@@ -165,7 +165,7 @@ def test_a_dead_rank_ends_its_switchml_job(tmp_path):
     job alive and any silent rank ends it; the others learn it at their next tensor."""
     key_file = tmp_path / "switch.key"
     key = auth.write_key(str(key_file))
-    with sw.SwitchServer("127.0.0.1", 0, slots=512, key=key, job_expiry_s=1.0) as server:
+    with sw.SwitchServer("127.0.0.1", 0, slots=512, key=key, job_expiry_s=2.0) as server:
         group = LocalGroup(2, Settings({"timeout_s": 5.0, "switch_retransmit_ms": 2.0, "switch_addr": server.address,
                                         "switch_key_file": str(key_file)}))
         backends = [sml.SwitchMLBackend(ctx) for ctx in group.contexts]
