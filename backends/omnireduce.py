@@ -79,6 +79,9 @@ define("omnireduce_aggregators", "", "dedicated omnireduce aggregators 'host:por
        "empty: rank 0 starts them on loopback when every rank is on this host")
 define("omnireduce_num_aggregators", 0, "dedicated omnireduce: aggregators rank 0 starts when none are "
        "configured (0 = one per worker)")
+define("omnireduce_key_file", "", "the daemon key of the commlib-aggregator processes in "
+       "COMMLIB_OMNIREDUCE_AGGREGATORS (started with --key-file), read by every rank; aggregators the job "
+       "starts itself (colocated, spawned) use the job's secret", per_rank=True)
 define("omnireduce_host", "", "address omnireduce workers and colocated aggregators bind and advertise "
        "(default: 127.0.0.1 when every rank is local, else the default route's interface)", per_rank=True)
 define("omnireduce_retransmit_ms", 20.0, "omnireduce per-column retransmission timer (ms); doubles per resend")
@@ -172,6 +175,7 @@ class OmniReduceBackend(Backend):
         self._job_hash = agg.token_hash(ctx.job_token or "no-token")
         self._seq, self._broken, self._closed = 0, None, False
         self._key = self._nonce = None              # the job key of its packets (None: no MACs), its nonce
+        self._sign = None                           # signs its control requests (keyed aggregators)
         self._stopping, self._keepalive = threading.Event(), None
         self._lock = threading.Lock()          # stats
         self._call_lock = threading.Lock()     # one tensor at a time on the socket
@@ -210,8 +214,11 @@ class OmniReduceBackend(Backend):
                               f"{[v['params'] for v in everyone]}; set them identically everywhere")
         self._epoch = everyone[0]["epoch"]
         embedded = self.mode == "colocated" or not s.omnireduce_aggregators
-        self._key = keys.job_key(ctx, keys.daemon_key(ctx, embedded), everyone[0]["nonce"])
+        daemon_key = self._step("key", lambda: keys.daemon_key(ctx, embedded, s.omnireduce_key_file), setup_s)
         self._nonce = everyone[0]["nonce"]
+        self._key = keys.job_key(ctx, daemon_key, self._nonce)
+        if daemon_key is not None:   # keyed aggregators take only requests signed with the job key
+            self._sign = auth.Signer(auth.job_key(daemon_key, self._nonce))
         if self.mode == "colocated":
             addresses = [v["agg"] for v in everyone]
             self._agg_desc = [f"{a} (colocated in rank {r})" for r, a in enumerate(addresses)]
@@ -244,7 +251,7 @@ class OmniReduceBackend(Backend):
                    "loss": s.omnireduce_sim_loss, "dup": s.omnireduce_sim_dup,
                    "nonce": self._nonce, "authenticate": self._key is not None}
         jobs = agg.register(self._sock, self._aggregators, request, self.timeout_s,
-                            retry_s=max(0.05, 10 * self.retransmit_ms / 1000))
+                            retry_s=max(0.05, 10 * self.retransmit_ms / 1000), sign=self._sign)
         seed = secrets.randbits(63) | 1
         self._worker = lib.omr_worker_new(self._sock.fileno(), self.rank, self.size, self.columns,
                                           len(self._aggregators), self.block, int(self.retransmit_ms * 1000),
@@ -256,7 +263,7 @@ class OmniReduceBackend(Backend):
             lib.omr_worker_set_agg(self._worker, index, ip.encode(), port, job, key,
                                    ffi.NULL if self._key is None else self._key)
         idle_s = min(idle for _, _, idle in jobs)
-        if self.rank == 0 and idle_s != float("inf"):   # one rank's keepalives hold the job's state
+        if idle_s != float("inf"):   # every rank's keepalives hold the job's state: a silent rank died
             self._keepalive = threading.Thread(target=self._keep_alive, args=(idle_s / 4,),
                                                name="omnireduce-keepalive", daemon=True)
             self._keepalive.start()
@@ -265,7 +272,7 @@ class OmniReduceBackend(Backend):
         """Dedicated aggregators drop a job that is silent for their idle time: while this backend
         is open, tell them it lives (a job may reduce nothing for a long evaluation)."""
         while not self._stopping.wait(every_s):
-            agg.keepalive(self._sock, self._aggregators, self._job_hash, self._epoch)
+            agg.keepalive(self._sock, self._aggregators, self._job_hash, self._epoch, self.rank, self._sign)
 
     def _spawn_aggregators(self, count):
         """Rank 0, all ranks local, nothing configured: start `count` commlib-aggregator processes."""
@@ -425,7 +432,7 @@ class OmniReduceBackend(Backend):
             log.warning("omnireduce rank %d: closing without the others (%s)", self.rank, exc)
             done = False
         if done and self.mode == "dedicated" and self._sock is not None:
-            agg.deregister(self._sock, self._aggregators, self._job_hash, self._epoch)
+            agg.deregister(self._sock, self._aggregators, self._job_hash, self._epoch, self.rank, self._sign)
         self._release()
 
     def _release(self):

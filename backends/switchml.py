@@ -34,6 +34,7 @@ Numbers
 import logging
 import os
 import socket
+import threading
 import time
 
 import numpy as np
@@ -51,6 +52,8 @@ log = logging.getLogger("commlib.switchml")
 
 define("switch_addr", "", "host:port of a commlib-switch (UDP data + TCP control on one port); empty: "
        "rank 0 starts a switch on loopback when every rank is on this machine")
+define("switch_key_file", "", "the daemon key of a commlib-switch started with --key-file (COMMLIB_SWITCH_ADDR), "
+       "read by every rank; the embedded switch uses the job's secret", per_rank=True)
 define("switch_window", 128, "SwitchML window: packets in flight per rank = slots the job takes on the switch")
 define("switch_packet_elems", 256, "values per SwitchML packet: 64 or 256")
 define("switch_retransmit_ms", 5.0, "SwitchML per-packet retransmission timer (ms): the floor of the adaptive "
@@ -101,6 +104,11 @@ class SwitchMLBackend(Backend):
         self.job = None
         self.nonce = None        # the job's public nonce: its packets' key is auth.job_key(daemon key, nonce)
         self._key = None         # that job key (None: packets without MACs)
+        self._daemon_key = None  # the switch's key (the job's secret for the embedded one, else the key file's)
+        self._control_key = None  # signs this rank's control requests (keepalive, unregister, counters)
+        self._client = None      # this rank's control requests
+        self._keepalive = None
+        self._stopping = threading.Event()
         self._sock = None
         self._worker = None
         self._broken = None      # why the stream is out of step with the switch
@@ -128,9 +136,18 @@ class SwitchMLBackend(Backend):
         self.address = self._step("switch", self._switch_address)[0]
         # 2. every rank's UDP address, as the switch will see it
         workers = self._step("addrs", self._open_socket)
-        # 3. rank 0 registers the job; everyone learns its job number and nonce
-        self.job, self.nonce = self._step("job", lambda: self._register(workers))[0]
-        self._key = keys.job_key(self.ctx, keys.daemon_key(self.ctx, not self.ctx.settings.switch_addr), self.nonce)
+        # 3. rank 0 registers the job; everyone learns its job number and nonce, derives its keys and
+        #    keeps the job alive
+        self._daemon_key = self.ctx.agree(f"{self._scope}/key", keys.daemon_key, self.ctx,   # agreed, never sent
+                                          not self.ctx.settings.switch_addr, self.ctx.settings.switch_key_file)
+        job = self._step("job", lambda: self._register(workers))[0]
+        self.job, self.nonce = job["job"], job["nonce"]
+        self._key = keys.job_key(self.ctx, self._daemon_key, self.nonce)
+        self._control_key = self._daemon_key and auth.job_key(self._daemon_key, self.nonce)
+        self._client = sw.SwitchClient(self.address, 5.0, key=self._control_key, rank=self.rank)
+        self._keepalive = threading.Thread(target=self._keep_alive, args=(job["expiry_s"] / 4,),
+                                           name="switchml-keepalive", daemon=True)
+        self._keepalive.start()
         # 4. every rank's C worker (so that either all ranks stream or none does)
         self._step("worker", self._make_worker)
         log.debug("switchml: rank %d in job #%d on switch %s", self.rank, self.job, self.address)
@@ -171,10 +188,19 @@ class SwitchMLBackend(Backend):
         if self.rank != 0:
             return None
         nonce = auth.new_nonce()
-        key = keys.job_key(self.ctx, keys.daemon_key(self.ctx, not self.ctx.settings.switch_addr), nonce)
-        job = sw.SwitchClient(self.address, min(self.ctx.settings.timeout_s, 30.0)).register(
-            self.token, workers, self.window, self.elems, nonce=nonce, authenticate=key is not None)["job"]
-        return job, nonce
+        key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
+        reply = sw.SwitchClient(self.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0).register(
+            self.token, workers, self.window, self.elems, nonce=nonce,
+            authenticate=keys.job_key(self.ctx, self._daemon_key, nonce) is not None)
+        return {"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0)}
+
+    def _keep_alive(self, every_s):
+        """Every rank tells the switch it lives: a job one of whose ranks falls silent is removed."""
+        while not self._stopping.wait(every_s):
+            try:
+                self._client.keepalive(self.job)
+            except CommError as exc:
+                log.warning("switchml: keepalive of job #%s failed: %s", self.job, exc)
 
     # -- the collective ---------------------------------------------------------------------------------
     def allreduce(self, array, name):
@@ -236,7 +262,7 @@ class SwitchMLBackend(Backend):
         if rc == lib.SML_E_TIMEOUT:
             hint = ""
             try:   # ask the control plane why: a restarted switch no longer lists the job
-                sw.SwitchClient(self.address, 2.0).counters(self.job, self.token)
+                sw.SwitchClient(self.address, 2.0, key=self._control_key, rank=self.rank).counters(self.job, self.token)
                 hint = "the switch still holds the job, so another rank probably stopped or is far behind"
             except ConfigError:
                 return PeerFailure(f"{where}: no answer for {self.ctx.settings.timeout_s}s and the switch no longer "
@@ -264,7 +290,7 @@ class SwitchMLBackend(Backend):
         """The switch's counters for this job (packets received, aggregated, results, replays, drops)."""
         if self.job is None:
             return {}
-        return sw.SwitchClient(self.address, 5.0).counters(self.job, self.token)
+        return self._client.counters(self.job, self.token)
 
     def _wait_ns(self):
         c = sw.ffi.new("sml_worker_counters *")
@@ -286,14 +312,21 @@ class SwitchMLBackend(Backend):
         self._release()
 
     def _unregister(self):
-        """Rank 0 ends the job on a switch that outlives it (an embedded one goes with rank 0)."""
-        if self.rank == 0 and self.server is None and self.job is not None:
+        """Every rank that ends ends the job on a switch that outlives it (an embedded one goes with
+        rank 0); the first one does it, the others find it gone."""
+        if self.ctx.settings.switch_addr and self._client is not None:
             try:
-                sw.SwitchClient(self.address, 5.0).unregister(self.job, self.token)
+                self._client.unregister(self.job, self.token)
+            except ConfigError:
+                pass   # another rank ended it first
             except CommError as exc:
                 log.warning("switchml: could not unregister job #%s: %s", self.job, exc)
 
     def _release(self):
+        self._stopping.set()
+        if self._keepalive is not None:
+            self._keepalive.join(10.0)
+            self._keepalive = None
         if self.server is not None:
             self.server.stop()
             self.server = None

@@ -121,7 +121,7 @@ class KeyedJob(Job):
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             s.bind(("127.0.0.1", 0))
             self.socks.append(s)
-        self.client = sw.SwitchClient(server.address)
+        self.client = sw.SwitchClient(server.address, key=self.key, rank=0)   # a keyed switch admits signed requests
         self.number = self.client.register(TOKEN, [list(s.getsockname()) for s in self.socks], slots, E,
                                            nonce=self.nonce, authenticate=True)["job"]
 
