@@ -39,6 +39,7 @@ gradients (`allreduce_sparse`, e.g. nn.Embedding(sparse=True)) and the output of
 compressors (`densify`) all become a dense array and its block bitmap. The result is dense unless
 `allreduce_sparse(..., dense=False)` asks for a sparse tensor.
 """
+import functools
 import logging
 import os
 import secrets
@@ -176,6 +177,7 @@ class OmniReduceBackend(Backend):
         self._seq, self._broken, self._closed = 0, None, False
         self._key = self._nonce = None              # the job key of its packets (None: no MACs), its nonce
         self._sign = None                           # signs its control requests (keyed aggregators)
+        self._daemon_key = None
         self._stopping, self._keepalive = threading.Event(), None
         self._lock = threading.Lock()          # stats
         self._call_lock = threading.Lock()     # one tensor at a time on the socket
@@ -215,6 +217,7 @@ class OmniReduceBackend(Backend):
         self._epoch = everyone[0]["epoch"]
         embedded = self.mode == "colocated" or not s.omnireduce_aggregators
         daemon_key = self._step("key", lambda: keys.daemon_key(ctx, embedded, s.omnireduce_key_file), setup_s)
+        self._daemon_key = daemon_key   # rank 0 reads the aggregators' counters with it (timeline)
         self._nonce = everyone[0]["nonce"]
         self._key = keys.job_key(ctx, daemon_key, self._nonce)
         if daemon_key is not None:   # keyed aggregators take only requests signed with the job key
@@ -401,6 +404,13 @@ class OmniReduceBackend(Backend):
         """Measured block density of the last `name` (this rank's own, and of the union)."""
         entry = self._tensors.get(name)
         return None if entry is None else (entry["density"], entry["union_density"])
+
+    def daemon_counters(self):
+        if self.rank != 0 or not self._aggregators:
+            return {}
+        return {f"aggregator {host}:{port}": functools.partial(agg.query, (host, port), {"op": "counters"},
+                                                               key=self._daemon_key)
+                for host, port in self._aggregators}
 
     def stats(self):
         """Bytes/packets per tensor and in total (UDP payload: 40-byte header + block), measured block

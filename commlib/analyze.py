@@ -126,18 +126,19 @@ def daemon_rates(events):
 
 
 def per_packet(events, row):
-    """The switch's mean queue and processing time per accepted packet over the trace, from its row's
-    counter rates (queue_ns, proc_ns, rx per second), or None when the row lacks them."""
+    """A daemon's mean queue and processing time per packet over the trace, from its row's counter
+    rates (queue_ns, proc_ns and packets per second), or None when the row lacks them."""
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     totals = collections.Counter()
     samples = sorted((e for e in events if e.get("ph") == "C" and names.get(e["pid"]) == row), key=lambda e: e["ts"])
     for before, after in zip(samples, samples[1:]):
-        for counter in ("queue_ns", "proc_ns", "rx"):
-            totals[counter] += after["args"].get(counter, 0) * (after["ts"] - before["ts"]) / 1e6
-    if not totals["rx"] or "queue_ns" not in (samples[-1]["args"] if samples else {}):
+        packets = "rx" if "rx" in after["args"] else "pkts_recv"   # the switch's name, the aggregators'
+        for counter, name in (("queue_ns", "queue_ns"), ("proc_ns", "proc_ns"), ("packets", packets)):
+            totals[counter] += after["args"].get(name, 0) * (after["ts"] - before["ts"]) / 1e6
+    if not totals["packets"] or "queue_ns" not in (samples[-1]["args"] if samples else {}):
         return None
-    return {"queue_us": totals["queue_ns"] / totals["rx"] / 1e3, "proc_us": totals["proc_ns"] / totals["rx"] / 1e3,
-            "packets": totals["rx"]}
+    return {"queue_us": totals["queue_ns"] / totals["packets"] / 1e3,
+            "proc_us": totals["proc_ns"] / totals["packets"] / 1e3, "packets": totals["packets"]}
 
 
 def update_counts(events):

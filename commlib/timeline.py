@@ -104,10 +104,13 @@ class Timeline:
                 self._sources.pop(name, None)
                 continue
             before, self._samples[name] = self._samples.get(name), (now, values)
-            if before is None or now <= before[0]:
+            numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if before is None:   # the track starts at 0: each later sample is the rate since the one before
+                rates = dict.fromkeys(numbers, 0.0)
+            elif now > before[0]:
+                rates = {k: (v - before[1].get(k, 0)) / (now - before[0]) for k, v in numbers.items()}
+            else:
                 continue
-            rates = {k: (v - before[1].get(k, 0)) / (now - before[0]) for k, v in values.items()
-                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
             with self._lock:
                 if self._file is not None:
                     self._write([{"name": "per second", "ph": "C", "pid": self._daemon_rows[name], "tid": 0,

@@ -59,7 +59,7 @@ def test_records_components_add_up_to_the_round(job):
             assert abs(rec["process_s"] + rec["transfer_s"] - rec["run_s"]) < 1e-3, (name, rec)
 
 
-def test_rank_0_traces_the_switch_counters_in_its_own_row(job):
+def test_rank_0_traces_the_switch_and_aggregator_counters_in_their_own_rows(job):
     _, paths, _, _ = job
     events = timeline.load(paths[0])
     rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
@@ -67,6 +67,11 @@ def test_rank_0_traces_the_switch_counters_in_its_own_row(job):
     assert len(switch) == 1, rows
     samples = [e["args"] for e in events if e.get("ph") == "C" and e["pid"] == switch[0]]
     assert samples and max(s["rx"] for s in samples) > 0, samples   # packets per second reached the switch
+    aggregators = [pid for pid, name in rows.items() if name.startswith("aggregator ")]
+    assert len(aggregators) == 2, rows   # colocated: one in each rank
+    for pid in aggregators:
+        samples = [e["args"] for e in events if e.get("ph") == "C" and e["pid"] == pid]
+        assert samples and max(s["data_recv"] for s in samples) > 0, (rows[pid], samples)
     assert not any(e.get("name", "").startswith("switch ") for e in timeline.load(paths[1])), \
         "only rank 0 asks the switch"
 
@@ -83,7 +88,7 @@ def test_merge_and_analyze(job, capsys):
     merged = out / "merged.json"
     assert timeline.main(["merge", str(merged), *paths]) == 0
     events = json.load(open(merged))["traceEvents"]
-    assert {e["pid"] for e in events} == {0, 1, timeline.DAEMON_ROWS} and min(e["ts"] for e in events if "ts" in e) == 0
+    assert {e["pid"] for e in events} == {0, 1, *range(timeline.DAEMON_ROWS, timeline.DAEMON_ROWS + 3)} and min(e["ts"] for e in events if "ts" in e) == 0
     found = analyze.rounds(events)
     assert {r.algorithm for r in found} == {"ring", "switchml", "omnireduce"}
     for r in found:
@@ -93,6 +98,10 @@ def test_merge_and_analyze(job, capsys):
     for algorithm in ("ring", "switchml", "omnireduce"):
         assert f"\n{algorithm} " in printed, printed
     assert "switch 127.0.0.1:" in printed and "aggregated" in printed, printed
+    for row in (name for name in analyze.daemon_rates(events)):   # the switch's and aggregators' own share
+        share = analyze.per_packet(events, row)
+        assert share["packets"] > 0 and share["queue_us"] >= 0 and share["proc_us"] > 0, (row, share)
+    assert printed.count("its share of a packet's round") == 3, printed
     for png in ("latency_cdf.png", "breakdown.png", "concurrency.png"):
         assert (out / "plots" / png).stat().st_size > 1000, png
 

@@ -97,6 +97,7 @@ typedef struct {
     uint64_t pkts_recv, bytes_recv, pkts_sent, bytes_sent;
     uint64_t data_recv, results_sent, replays, status_sent, acks_recv, pulls_recv;
     uint64_t dup_recv, stale_recv, bad_recv, bad_mac, refused, ctrl_recv, rounds, sim_dropped, sim_duplicated;
+    uint64_t queue_ns, proc_ns;   /* over every packet received: kernel arrival -> handling; handling */
 } omr_astats;
 
 /* worker: fd is a bound UDP socket owned by the caller */
