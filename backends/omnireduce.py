@@ -52,6 +52,7 @@ from commlib.net import primary_ip
 from commlib.backends import Backend, register
 from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, PeerFailure
 from commlib.settings import define
+from commlib.sparse import RowSlots
 from commlib.tensors import Staged
 
 try:
@@ -126,6 +127,7 @@ class OmniReduceBackend(Backend):
 
     name = "omnireduce"
     sparse = True        # skips zero blocks: auto sends block-sparse tensors here
+    rows = True          # reduces row-sparse tensors in row-aligned blocks (allreduce_rows)
     dtypes = (F32, I32)
 
     @classmethod
@@ -301,6 +303,18 @@ class OmniReduceBackend(Backend):
             self._broken = self._error(rc, st, name)
             raise self._broken
         return out
+
+    def allreduce_rows(self, rows, values, nrows, name):
+        """Row-sparse sum (commlib.sparse): unique `rows` and their values placed in row-aligned
+        blocks (whole rows per block, each with its presence count), the block bitmap taken from the
+        rows (no scan); returns the union's (rows, values)."""
+        slots = self.row_slots(nrows, values.shape[1])
+        flat, mask = slots.scatter(rows, values, values.dtype)
+        return slots.gather(self.allreduce(flat, name, mask=mask))
+
+    def row_slots(self, nrows, width):
+        """The row-aligned layout of a table of `nrows` rows of `width` elements in this job's blocks."""
+        return RowSlots(nrows, width, self.block)
 
     def allreduce_sparse(self, tensor, name, dense=True):
         """Sum a torch tensor, dense or sparse COO (nn.Embedding(sparse=True) gradients): the result

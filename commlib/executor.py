@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from commlib import controller
+from commlib import controller, sparse
 from commlib.errors import CommError, ConfigError
 
 log = logging.getLogger("commlib")
@@ -35,10 +35,14 @@ class Entry:
         self.staged, self.name, self.op, self.plan, self.compressor = staged, name, op, plan, compressor
         self.prescale, self.postscale, self.handle = prescale, postscale, handle
         self.algorithm = None    # settled by the controller
+        self.estimate = None     # the traffic model's, when it settled the algorithm
         self.density = plan.density
+        self.rows = None         # row-sparse tensors: (this rank's rows, the union's)
         self.times = {"enqueue": time.monotonic()}
 
     def fusion_key(self):
+        if self.staged.sparse is not None and self.compressor is None and self.op in (Sum, Average):
+            return (id(self),)   # row-sparse tensors travel one by one
         payload = self.staged.travel_dtype if self.compressor is None else id(self.compressor)
         return (self.algorithm, payload, self.op, self.prescale, self.postscale)
 
@@ -126,6 +130,7 @@ class Executor:
                 entry = self._entries.pop(item["name"], None)
                 if entry is not None:   # None: failed by a fatal error (or shutdown) that raced this batch
                     entry.algorithm, entry.times["go"] = item["algorithm"], now
+                    entry.estimate = item.get("estimate")
                     entries.append(entry)
         for bucket in fuse(entries, self.ctx.settings.fusion_threshold):
             try:
@@ -143,7 +148,11 @@ class Executor:
         name = first.name if len(bucket) == 1 else f"{first.name}+{len(bucket) - 1}"
         backend = self.dispatcher.backend(first.algorithm)
         start = time.monotonic()
-        run = self._run_dense if first.compressor is None else self._run_compressed
+        if first.compressor is not None:
+            run = self._run_compressed
+        else:
+            rows = first.staged.sparse is not None and first.op in (Sum, Average)
+            run = self._run_rows if rows else self._run_dense
         results = run(bucket, backend, name)
         end = time.monotonic()
         for entry, result in zip(bucket, results):
@@ -167,6 +176,18 @@ class Executor:
         parts = np.split(out, np.cumsum([a.size for a in arrays])[:-1]) if len(bucket) > 1 else [out]
         return [e.staged.restore(part) for e, part in zip(bucket, parts)]
 
+    def _run_rows(self, bucket, backend, name):
+        """A row-sparse tensor: its (rows, values) summed by the backend, a sparse result."""
+        (entry,) = bucket
+        rows = entry.staged.sparse
+        values = scaled(rows.values, entry.prescale) if entry.prescale != 1.0 else rows.values
+        out_rows, out_values = sparse.reduce_rows(backend, rows.rows, values, rows.nrows, name)
+        scale = entry.postscale / (self.ctx.size if entry.op == Average else 1)
+        if scale != 1.0:
+            out_values = scaled(out_values, scale)
+        entry.rows = (int(rows.rows.size), int(out_rows.size))
+        return [entry.staged.restore_rows(out_rows, out_values)]
+
     def _run_compressed(self, bucket, backend, name):
         first = bucket[0]
         tensors = [e.staged.dense() for e in bucket]
@@ -183,6 +204,8 @@ class Executor:
             "nbytes": entry.staged.nbytes, "density": entry.density, "fused_with": fused - 1,
             "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start,
             "note": entry.plan.note}
+        if entry.rows is not None:   # row-sparse: rows sent by this rank and in the union, the model's estimate
+            self.records[entry.name].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate)
         self.timeline.tensor(entry.name, t["enqueue"], t["go"], start, end, entry.algorithm)
 
 
