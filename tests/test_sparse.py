@@ -120,3 +120,17 @@ def test_distributed_optimizer_sparse_gradients_match_horovod(nprocs):
             assert (union_rows is None) == (sparse_as_dense == "sparse_as_dense=1"), (label, got)
             named = policy.split(";")[0].split("=")[1]
             assert named == "auto" or algorithm == named, (label, got)
+
+
+@pytest.mark.multiprocess
+def test_auto_picks_the_cheapest_algorithm_in_a_real_job():
+    """4 ranks: few scattered rows -> sparse_allgather, the same rows everywhere -> omnireduce, most
+    rows -> the dense table through switchml; records() shows the estimate the choice came from."""
+    expected = {"few_scattered": "sparse_allgather", "shared_block_rows": "omnireduce", "most_rows": "switchml"}
+    for result in spawn(4, "sparse_auto.py", timeout=300).check().results():
+        for case, algorithm in expected.items():
+            got = result["cases"][case]
+            assert got["algorithm"] == algorithm == got["estimate"]["choice"], (case, got)
+            costs = {a: max(got["estimate"][a]["up"], got["estimate"][a]["down"]) for a in expected.values()}
+            assert costs[algorithm] == min(costs.values()), (case, costs)
+            assert got["max_diff"] <= 1e-4 * 4, (case, got)   # switchml's quantization on sums of ~4
