@@ -91,6 +91,9 @@ class Dispatcher:
     def __init__(self, backends, unavailable, policy, settings):
         self.backends, self.unavailable = backends, unavailable
         self.policy, self.settings = policy, settings
+        for backend in backends.values():   # composite algorithms (hotcold) run over the others
+            if hasattr(backend, "bind"):
+                backend.bind(backends)
 
     def plan(self, name, staged, algorithm=None, compression=None, policy=None, op="sum"):
         """(Plan, compressor object or None) for a tensor. `algorithm`/`compression` given by the
@@ -186,10 +189,11 @@ class Dispatcher:
                     rows=self._row_stats(rows, meta, candidates))
 
     def _row_carrier(self, name, meta):
-        """An algorithm a policy names for a row-sparse tensor: a row carrier, or a dense one (the
-        rows then travel as a table of slots); `allgather` means Horovod's sparse path."""
+        """An algorithm a policy names for a row-sparse tensor: one that reduces rows (those of
+        CARRIERS["rows"], and hotcold, which `auto` does not weigh), or a dense one (the rows then
+        travel as a table of slots); `allgather` means Horovod's sparse path."""
         name = "sparse_allgather" if name == "allgather" else name
-        if name in CARRIERS["rows"]:
+        if getattr(registry().get(name), "rows", False):   # sparse_allgather, omnireduce, hotcold
             self.backend(name)
             return name
         return self._explicit(name, TensorMeta(meta.name, meta.shape, "float32", meta.nbytes))

@@ -38,6 +38,7 @@ class Entry:
         self.estimate = None     # the traffic model's, when it settled the algorithm
         self.density = plan.density
         self.rows = None         # row-sparse tensors: (this rank's rows, the union's)
+        self.skew = None         # hotcold's hot set for this tensor
         self.times = {"enqueue": time.monotonic()}
 
     def fusion_key(self):
@@ -186,6 +187,8 @@ class Executor:
         if scale != 1.0:
             out_values = scaled(out_values, scale)
         entry.rows = (int(rows.rows.size), int(out_rows.size))
+        if hasattr(backend, "row_record"):   # hotcold: the hot set's size and share of updates
+            entry.skew = backend.row_record(name)
         return [entry.staged.restore_rows(out_rows, out_values)]
 
     def _run_compressed(self, bucket, backend, name):
@@ -205,7 +208,8 @@ class Executor:
             "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start,
             "note": entry.plan.note}
         if entry.rows is not None:   # row-sparse: rows sent by this rank and in the union, the model's estimate
-            self.records[entry.name].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate)
+            self.records[entry.name].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate,
+                                            skew=entry.skew)
         self.timeline.tensor(entry.name, t["enqueue"], t["go"], start, end, entry.algorithm)
 
 

@@ -134,3 +134,22 @@ def test_auto_picks_the_cheapest_algorithm_in_a_real_job():
             costs = {a: max(got["estimate"][a]["up"], got["estimate"][a]["down"]) for a in expected.values()}
             assert costs[algorithm] == min(costs.values()), (case, costs)
             assert got["max_diff"] <= 1e-4 * 4, (case, got)   # switchml's quantization on sums of ~4
+
+
+# -- the hot/cold split ----------------------------------------------------------------------------
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nprocs, hot, cold", [(4, "switchml", "sparse_allgather"), (2, "ring", "omnireduce")])
+def test_hot_cold_split_equals_the_plain_sum_across_re_agreements(nprocs, hot, cold):
+    """Zipf ids, the hot set re-agreed every 3 calls (the hot rows carrying half the updates): every
+    step's result is the union of the rows, equal to the dense sum (switchml: its quantization)."""
+    env = {"COMMLIB_HOTCOLD_EVERY": "3", "COMMLIB_HOTCOLD_HOT": hot, "COMMLIB_HOTCOLD_COLD": cold}
+    for result in spawn(nprocs, "sparse_hotcold.py", timeout=300, env=env).check().results():
+        steps = result["steps"]
+        for step, got in enumerate(steps):
+            bound = (1e-4 if hot == "switchml" else 1e-6) * max(1.0, got["scale"])
+            assert got["union"] and got["max_diff"] <= bound, (step, got)
+            assert got["algorithm"] == "hotcold" and got["skew"]["agreements"] == step // 3, (step, got)
+            assert (got["skew"]["hot_k"] > 0) == (step >= 3), (step, got)
+            assert step < 3 or got["skew"]["hot_share"] >= 0.5, (step, got)
+        assert sum(s["skew"]["hot_rows"] for s in steps) > 0, steps
+        assert result["counted_updates"] == result["expected_updates"], result
