@@ -10,8 +10,11 @@ allgather, or omnireduce's row blocks). The result is the union of the rows, sum
 sparse sum. Before the first window ends every row is cold.
 
 Tuning guide
-  hotcold_k        hot rows per tensor; 0 picks the fewest rows that carried `hotcold_share` of the
-                   last window's updates (at most hotcold_max_k). The slab costs K (width + 1) values
+  hotcold_k        hot rows per tensor; 0 picks them from the last window's counts (at most
+                   hotcold_max_k): with hotcold_rule=share the fewest rows that carried `hotcold_share`
+                   of the updates, with hotcold_rule=traffic every row touched often enough that the
+                   allgather would carry it more bytes than its slot in the slab costs (p > (w+1) /
+                   ((N-1)(w + 8/itemsize)) for a row of w values touched by a rank with probability p). The slab costs K (width + 1) values
                    each way whether touched or not: worth it when the hot rows are touched by most
                    ranks at most steps (Zipf-like ids), where the allgather carries each N times.
   hotcold_every    the window, in calls per tensor: shorter follows a drifting skew, longer costs
@@ -21,6 +24,8 @@ records() shows per tensor `hot_k`, `hot_share` (of the last window's updates th
 and this call's hot and cold rows; `counts(name)` gives the last window's summed per-row counts
 (the skew plot of benchmarks/bench_sparse.py).
 """
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from commlib.backends import Backend, register
@@ -29,7 +34,9 @@ from commlib.settings import define
 from commlib.sparse import coalesce, reduce_rows
 
 define("hotcold_k", 0, "hot/cold split: hot rows per tensor; 0 = the fewest rows carrying hotcold_share of updates")
-define("hotcold_share", 0.5, "hot/cold split with hotcold_k=0: the share of the window's updates the hot set carries")
+define("hotcold_rule", "share", "hot/cold split with hotcold_k=0: 'share' (the fewest rows carrying hotcold_share of "
+       "updates) or 'traffic' (every row whose slab slot costs less than its expected allgather bytes)")
+define("hotcold_share", 0.5, "hot/cold split with hotcold_rule=share: the share of the window's updates the hot set carries")
 define("hotcold_max_k", 65536, "hot/cold split: at most this many hot rows per tensor")
 define("hotcold_every", 20, "hot/cold split: calls per tensor in a counting window; the hot set is re-agreed after each")
 define("hotcold_hot", "switchml", "hot/cold split: the algorithm summing the hot slab (switchml or ring)")
@@ -67,7 +74,9 @@ class HotColdBackend(Backend):
         super().__init__(ctx)
         s = ctx.settings
         self.k, self.share, self.max_k = int(s.hotcold_k), float(s.hotcold_share), int(s.hotcold_max_k)
-        self.every = int(s.hotcold_every)
+        self.every, self.rule = int(s.hotcold_every), s.hotcold_rule
+        if self.rule not in ("share", "traffic"):
+            raise ConfigError(f"hotcold_rule={self.rule!r}: use 'share' or 'traffic'")
         self.hot_name, self.cold_name = s.hotcold_hot, s.hotcold_cold
         if self.k < 0 or self.max_k < 1 or not 0 < self.share <= 1 or self.every < 1:
             raise ConfigError(f"hotcold: k={self.k} (>= 0), max_k={self.max_k} (>= 1), share={self.share} (in (0, 1]) "
@@ -77,6 +86,9 @@ class HotColdBackend(Backend):
                               f"sparse_allgather or omnireduce")
         self._backends = {}
         self._tensors = {}
+        # the slab's collective runs beside the cold rows' (another algorithm, its own sockets); the
+        # executor calls one backend at a time, so nothing else uses the hot carrier meanwhile
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hotcold-slab")
 
     def bind(self, backends):
         """The job's running backends (the dispatcher calls this once every backend started)."""
@@ -100,14 +112,17 @@ class HotColdBackend(Backend):
         is_hot = np.zeros(rows.size, dtype=bool)
         inside = at < hot.size
         is_hot[inside] = hot[at[inside]] == rows[inside]
-        out_rows, out_values = reduce_rows(self._carrier(self.cold_name, "sparse_allgather"), rows[~is_hot],
-                                           values[~is_hot], nrows, f"{name}.cold")
-        if hot.size:   # every rank sends the whole slab: the hot set is the same everywhere
+        hot_sum = None
+        if hot.size:   # every rank sends the whole slab (the hot set is the same everywhere), beside the cold rows
             slab = np.zeros((hot.size, width + 1), dtype=values.dtype)
             slab[at[is_hot], :width] = values[is_hot]
             slab[at[is_hot], width] = 1
-            summed = self._carrier(self.hot_name, "ring").allreduce(slab.reshape(-1), f"{name}.hot")
-            summed = summed.reshape(hot.size, width + 1)
+            hot_sum = self._pool.submit(self._carrier(self.hot_name, "ring").allreduce, slab.reshape(-1),
+                                        f"{name}.hot")
+        out_rows, out_values = reduce_rows(self._carrier(self.cold_name, "sparse_allgather"), rows[~is_hot],
+                                           values[~is_hot], nrows, f"{name}.cold")
+        if hot_sum is not None:
+            summed = hot_sum.result().reshape(hot.size, width + 1)
             present = summed[:, width] > 0.5
             out_rows = np.concatenate([out_rows, hot[present]])
             out_values = np.concatenate([out_values, summed[present, :width].astype(values.dtype, copy=False)])
@@ -118,10 +133,10 @@ class HotColdBackend(Backend):
         split.last = {"hot_k": int(hot.size), "hot_share": split.hot_share, "hot_rows": int(is_hot.sum()),
                       "cold_rows": int((~is_hot).sum()), "agreements": split.agreements}
         if split.calls % self.every == 0:
-            self._agree(split, name)
+            self._agree(split, name, width, values.dtype.itemsize)
         return out_rows, out_values
 
-    def _agree(self, split, name):
+    def _agree(self, split, name, width, itemsize):
         """Sum the window's counts over ranks and take the same hot set everywhere."""
         touched = np.flatnonzero(split.window)
         counts = split.window[touched].astype(np.int64).reshape(-1, 1)
@@ -133,6 +148,11 @@ class HotColdBackend(Backend):
         total = int(cumulative[-1]) if cumulative.size else 0
         if self.k:
             k = min(self.k, rows.size)
+        elif self.rule == "traffic":
+            # a row touched by a rank with probability p costs the allgather (N-1) p (8 + row bytes) per
+            # worker and step, and its slab slot (width + 1) values each way, touched or not
+            p = counts[order] / (self.size * self.every)
+            k = int(np.count_nonzero((self.size - 1) * p * (8 + width * itemsize) > (width + 1) * itemsize))
         else:
             k = int(np.searchsorted(cumulative, self.share * total)) + 1 if total else 0
         k = min(k, self.max_k, rows.size)
@@ -151,6 +171,9 @@ class HotColdBackend(Backend):
         """(rows, update counts summed over ranks) of the last finished window of tensor `name`."""
         split = self._tensors.get(name)
         return split.counts if split is not None else None
+
+    def close(self):
+        self._pool.shutdown(wait=True)
 
     def stats(self):
         return {name: dict(split.last, calls=split.calls) for name, split in self._tensors.items()}
