@@ -137,7 +137,7 @@ def _run(args, n):
     return common.cluster_result(ranks)
 
 
-def _plots(rows, raw, title):
+def _plots(rows, raw, title, suite):
     fig, ax = common.figure(figsize=(max(7, 0.5 * len(rows)), 4))
     colors = {"sparse_allgather": "#888888", "omnireduce": "#2ca02c", "hotcold": "#d62728", "switchml": "#1f77b4"}
     ax.bar(range(len(rows)), [r["median_ms"] for r in rows], color=[colors[r["algorithm"]] for r in rows])
@@ -146,7 +146,7 @@ def _plots(rows, raw, title):
     ax.set_yscale("log")
     ax.set_ylabel("median time per allreduce (ms)")
     ax.set_title(title, fontsize=8)
-    common.save_figure(fig, "sparse")
+    common.save_figure(fig, suite)
     fig, ax = common.figure(figsize=(6, 4))
     for n, payload in raw.items():
         for tag, workload in payload["workloads"].items():
@@ -162,7 +162,7 @@ def _plots(rows, raw, title):
     ax.set_ylabel("share of row updates in a window")
     ax.set_title("update skew (hotcold's per-row counts, summed over ranks)", fontsize=8)
     ax.legend(fontsize=6)
-    common.save_figure(fig, "sparse_skew")
+    common.save_figure(fig, f"{suite}_skew")
 
 
 def main(argv=None):
@@ -184,7 +184,7 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=170)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.runs = args.runs or (2 if args.quick else 5)
+    args.runs = args.runs or (2 if args.quick else 3)   # full: about 2.5 minutes on 2 cores
     args.workers = args.workers or ("4" if args.quick else "4,8")
     args.zipf = [float(v) for v in (args.zipf or ("1.1" if args.quick else "0.8,1.1,1.4")).split(",")]
     args.vocabs = [int(v) for v in str(args.vocabs or ("20000" if args.quick else "100000,400000")).split(",")]
@@ -214,7 +214,8 @@ def main(argv=None):
                       f"received {row['rx_kib']:9.1f} KiB (model {row['model_down_kib']:9.1f})", flush=True)
     title = (f"row-sparse allreduce, {args.ids} Zipf ids per rank per step, rows of {args.dim} float32, links "
              f"{args.rate}; median of {args.runs} runs (slowest rank)")
-    _plots(rows, raw, title)
+    suite = "sparse" if args.rate == "500mbit" else f"sparse_{args.rate}"   # another rate: its own files
+    _plots(rows, raw, title, suite)
     table = "\n".join(
         f"| {r['workers']} | {r['workload']} | {r['rows_per_rank']:.0f} | {r['algorithm']} | {r['median_ms']:.1f} | "
         f"{r['vs_allgather']:.2f}x | {r['tx_kib']:.0f} / {r['model_up_kib']:.0f} | {r['rx_kib']:.0f} / "
@@ -228,13 +229,13 @@ def main(argv=None):
                     "the rows whose slab slot costs less than their expected allgather bytes") + ".\n\n"
                 "| workers | workload | rows/rank | algorithm | median ms | vs allgather | sent KiB (model) | "
                 "received KiB (model) | hot set |\n|---|---|---|---|---|---|---|---|---|\n" + table +
-                "\n\n![sparse](results/sparse.png) ![skew](results/sparse_skew.png)\n")
+                f"\n\n![sparse](results/{suite}.png) ![skew](results/{suite}_skew.png)\n")
     settings = {k: getattr(args, k) for k in ("quick", "workers", "rate", "zipf", "vocabs", "ids", "dim", "every",
                                               "rule", "share", "omnireduce_block", "runs")}
     for payload in raw.values():   # the curves are in the plot; keep the file small
         for workload in payload["workloads"].values():
             workload["counts"] = workload["counts"][:200]
-    common.save("sparse", settings, {"rows": rows, "raw": raw}, markdown)
+    common.save(suite, settings, {"rows": rows, "raw": raw}, markdown)
     print(markdown)
     return 0
 
