@@ -32,10 +32,12 @@ Tuning guide
                             sparsifier without error feedback).
 
 Inputs: float32 and int32 (int32 exact, wrapping; float32 sums are added in arrival order, so they
-match a dense sum to float32 rounding). Dense arrays that are mostly zero, torch sparse COO
-gradients (`allreduce_sparse`, e.g. nn.Embedding(sparse=True)) and the output of sparsifying
-compressors (`densify`) all become a dense array and its block bitmap. The result is dense unless
-`allreduce_sparse(..., dense=False)` asks for a sparse tensor.
+match a dense sum to float32 rounding). Dense arrays that are mostly zero and the output of
+sparsifying compressors (`densify`) become a dense array and its block bitmap. Row-sparse tensors
+(the core's path for torch sparse COO and TF IndexedSlices gradients) go through `allreduce_rows`:
+whole rows per block, each with its presence count (commlib.sparse.RowSlots), the bitmap taken from
+the rows, the union's rows back; a touched row costs one block, never two. `allreduce_sparse` is
+the older entry for a torch tensor (densified; the result dense unless dense=False).
 """
 import logging
 import os

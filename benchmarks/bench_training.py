@@ -51,6 +51,9 @@ CONFIGS = [
     ("sparse", "commlib omnireduce", ("commlib", "embedding.*=omnireduce;*=switchml", None)),
     ("sparse", "commlib auto", ("commlib", "*=auto", None)),
     ("sparse", "commlib hotcold", ("commlib", "embedding.*=hotcold;*=switchml", None)),
+    ("sparse", "commlib sparse_allgather + ring", ("commlib", "embedding.*=sparse_allgather;*=ring", None)),
+    # the baseline once more at the end: on a shared machine the drift between the two is the noise floor
+    ("sparse", "horovod sparse (allgather) again", ("horovod", {})),
 ]
 
 RENDEZVOUS = """
@@ -118,7 +121,7 @@ def worker(args):
     torch.set_num_threads(1)
     commlib.init()
     workloads = models(args, torch)
-    out = {}
+    jobs = {}
     for workload, label, how in configs(args):
         build, batch, loss_fn, lr, momentum = workloads[workload]
         torch.manual_seed(0)
@@ -133,26 +136,37 @@ def worker(args):
             optimizer = cl.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), policy=how[1],
                                                 compression=how[2])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        rates, losses = [], []
-        for step in range(args.warmup + args.steps):
-            inputs, targets = batch(step)
-            hvd.allreduce(torch.zeros(1), name=f"{label}.sync.{step}")   # every rank starts the step together
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            loss = loss_fn(model(inputs), targets)
-            loss.backward()
-            optimizer.step()
-            elapsed = time.perf_counter() - start
-            losses.append(hvd.allreduce(loss.detach(), name=f"{label}.loss.{step}").item())
-            if step >= args.warmup:
-                rates.append(args.batch / elapsed)
-        records = commlib.records()
-        algorithms = sorted({records[name]["algorithm"] + (":" + records[name]["compression"].split("(")[0]
-                                                           if records[name]["compression"] else "")
-                             for name, _ in model.named_parameters() if name in records})
+        jobs[label] = {"workload": workload, "how": how, "model": model, "optimizer": optimizer, "batch": batch,
+                       "loss_fn": loss_fn, "rates": [], "losses": [], "algorithms": set()}
+    # --rounds > 1 interleaves the configurations (A B C A B C ...) so that the shared machine's drift
+    # falls on all of them alike; each keeps its own model and optimizer across rounds
+    total = args.warmup + args.steps
+    bounds = [round(i * total / args.rounds) for i in range(args.rounds + 1)]
+    for first, last in zip(bounds, bounds[1:]):
+        for label, job in jobs.items():
+            model, optimizer = job["model"], job["optimizer"]
+            for step in range(first, last):
+                inputs, targets = job["batch"](step)
+                hvd.allreduce(torch.zeros(1), name=f"{label}.sync.{step}")   # every rank starts the step together
+                start = time.perf_counter()
+                optimizer.zero_grad()
+                loss = job["loss_fn"](model(inputs), targets)
+                loss.backward()
+                optimizer.step()
+                elapsed = time.perf_counter() - start
+                job["losses"].append(hvd.allreduce(loss.detach(), name=f"{label}.loss.{step}").item())
+                if step >= args.warmup:
+                    job["rates"].append(args.batch / elapsed)
+            records = commlib.records()   # by name: the last configuration's, so read right after its steps
+            job["algorithms"] |= {records[name]["algorithm"] + (":" + records[name]["compression"].split("(")[0]
+                                                                if records[name]["compression"] else "")
+                                  for name, _ in model.named_parameters() if name in records}
+    out = {}
+    for label, job in jobs.items():
+        rates, model = job["rates"], job["model"]
         if hvd.rank() == 0:
             params = sum(p.numel() for p in model.parameters())
-            print(f"Model: {workload} {type(model).__name__} ({params:,} parameters), {label}")
+            print(f"Model: {job['workload']} {type(model).__name__} ({params:,} parameters), {label}")
             print(f"Batch size: {args.batch}")
             print(f"Number of CPUs: {hvd.size()}")
             for i, rate in enumerate(rates):
@@ -161,8 +175,8 @@ def worker(args):
             print(f"Img/sec per CPU: {mean:.1f} +-{1.96 * std:.1f}")
             print(f"Total img/sec on {hvd.size()} CPU(s): {hvd.size() * mean:.1f} +-{1.96 * std * hvd.size() ** 0.5:.1f}",
                   flush=True)
-            out[label] = {"workload": workload, "parameters": params, "rates": rates, "losses": losses,
-                          "commlib_algorithms": algorithms if how[0] == "commlib" else []}
+            out[label] = {"workload": job["workload"], "parameters": params, "rates": rates, "losses": job["losses"],
+                          "commlib_algorithms": sorted(job["algorithms"]) if job["how"][0] == "commlib" else []}
     if hvd.rank() == 0:
         common.emit({"size": hvd.size(), "results": out})
     commlib.shutdown()
@@ -178,11 +192,15 @@ def _read_ready(proc, what, seconds=60):
 
 
 def configs(args):
-    return [c for c in CONFIGS if args.workload in ("all", c[0])]
+    chosen = [c for c in CONFIGS if args.workload in ("all", c[0])]
+    if args.configs:   # the first of each workload stays: the ratios are against it
+        firsts = {next(c[1] for c in chosen if c[0] == w) for w in {c[0] for c in chosen}}
+        chosen = [c for c in chosen if c[1] in firsts or c[1] in args.configs.split(",")]
+    return chosen
 
 
 def _run(args, n, script=None, forwarded=("steps", "warmup", "batch", "hidden", "features", "vocab", "zipf",
-                                          "workload")):
+                                          "workload", "configs", "rounds")):
     """The Horovod job on n emulated hosts: `script` (default this file) --worker with the `forwarded`
     settings on every host; returns rank 0's emitted payload (bench_tf.py runs its workers through it)."""
     hosts = [f"w{r}" for r in range(n)]
@@ -226,6 +244,8 @@ def main(argv=None):
     parser.add_argument("--vocab", type=int, default=None, help="embedding rows (default 400000; quick 20000)")
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the sparse model's ids")
     parser.add_argument("--workload", choices=("all", "dense", "sparse"), default="all")
+    parser.add_argument("--configs", default="", help="only these configurations (labels, comma-separated)")
+    parser.add_argument("--rounds", type=int, default=1, help="interleave the configurations in this many rounds")
     parser.add_argument("--hotcold-every", type=int, default=5, help="commlib hotcold: window (steps)")
     parser.add_argument("--hotcold-rule", default="traffic", help="commlib hotcold: 'traffic' or 'share'")
     args = common.parse_training_arguments(parser, argv)
@@ -268,7 +288,7 @@ def main(argv=None):
                 "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + f"\n\n![training](results/{suite}.png)\n")
     settings = {k: getattr(args, k) for k in ("quick", "workers", "rate", "steps", "warmup", "batch", "hidden",
                                               "features", "vocab", "zipf", "workload", "hotcold_every",
-                                              "hotcold_rule")}
+                                              "hotcold_rule", "rounds")}
     common.save(suite, settings, results, markdown)
     print(markdown)
     return 0
