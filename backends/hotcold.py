@@ -103,7 +103,7 @@ class HotColdBackend(Backend):
     def allreduce(self, array, name):
         return self._carrier(self.hot_name, "ring").allreduce(array, name)
 
-    def allreduce_rows(self, rows, values, nrows, name):
+    def allreduce_rows(self, rows, values, nrows, name, counts=None):
         split = self._tensors.get(name)
         if split is None or split.window.size != nrows:
             split = self._tensors[name] = _Split(nrows)

@@ -306,7 +306,7 @@ class OmniReduceBackend(Backend):
             raise self._broken
         return out
 
-    def allreduce_rows(self, rows, values, nrows, name):
+    def allreduce_rows(self, rows, values, nrows, name, counts=None):
         """Row-sparse sum (commlib.sparse): unique `rows` and their values placed in row-aligned
         blocks (whole rows per block, each with its presence count), the block bitmap taken from the
         rows (no scan); returns the union's (rows, values)."""

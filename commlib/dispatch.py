@@ -61,6 +61,13 @@ class Plan:
 def settle_release(name, metas):
     """The controller's release of a tensor every rank submitted (metas in rank order): its name,
     the algorithm, and for traffic choices the model's estimate."""
+    release = _release(name, metas)
+    if all(meta.get("rows") for meta in metas):   # row-sparse: every rank's row count, for the allgather
+        release["counts"] = [meta["rows"]["rows"] for meta in metas]
+    return release
+
+
+def _release(name, metas):
     choices = metas[0]["choices"]
     densities = [meta.get("density") for meta in metas]
     bounded = [(bound, algorithm) for bound, algorithm in choices if bound != TRAFFIC]
@@ -175,8 +182,9 @@ class Dispatcher:
     # -- row-sparse tensors: row carriers, or the best dense algorithm on a table of row slots ---------
     def _rows(self, meta, rows, requested, bounded):
         density = rows.rows.size / rows.nrows if rows.nrows else 0.0
+        count = {"rows": int(rows.rows.size)}   # every rank's reaches the release (the allgather's sizes)
         if requested != "auto":
-            return Plan(((None, self._row_carrier(requested, meta)),), density=density)
+            return Plan(((None, self._row_carrier(requested, meta)),), density=density, rows=count)
         choices = tuple((bound, self._row_carrier(alg, meta)) for bound, alg in bounded)
         candidates = [a for a in CARRIERS["rows"] if a in self.backends and _carries(self.backends[a], meta)]
         dense = [a for a in CARRIERS["dense"] if self._enabled(a, meta) and not self.backends[a].sparse]
@@ -184,7 +192,7 @@ class Dispatcher:
         if not candidates:
             raise InvalidTensor(f"tensor {meta.name!r}: no algorithm here reduces sparse {meta.dtype} tensors")
         if len(candidates) == 1 and not choices:
-            return Plan(((None, candidates[0]),), density=density)
+            return Plan(((None, candidates[0]),), density=density, rows=count)
         return Plan(choices + tuple((TRAFFIC, a) for a in candidates), density=density,
                     rows=self._row_stats(rows, meta, candidates))
 

@@ -36,6 +36,7 @@ class Entry:
         self.prescale, self.postscale, self.handle = prescale, postscale, handle
         self.algorithm = None    # settled by the controller
         self.estimate = None     # the traffic model's, when it settled the algorithm
+        self.counts = None       # row-sparse: every rank's row count, from the release
         self.density = plan.density
         self.rows = None         # row-sparse tensors: (this rank's rows, the union's)
         self.skew = None         # hotcold's hot set for this tensor
@@ -132,6 +133,7 @@ class Executor:
                 if entry is not None:   # None: failed by a fatal error (or shutdown) that raced this batch
                     entry.algorithm, entry.times["go"] = item["algorithm"], now
                     entry.estimate = item.get("estimate")
+                    entry.counts = item.get("counts")
                     entries.append(entry)
         for bucket in fuse(entries, self.ctx.settings.fusion_threshold):
             try:
@@ -182,7 +184,7 @@ class Executor:
         (entry,) = bucket
         rows = entry.staged.sparse
         values = scaled(rows.values, entry.prescale) if entry.prescale != 1.0 else rows.values
-        out_rows, out_values = sparse.reduce_rows(backend, rows.rows, values, rows.nrows, name)
+        out_rows, out_values = sparse.reduce_rows(backend, rows.rows, values, rows.nrows, name, entry.counts)
         scale = entry.postscale / (self.ctx.size if entry.op == Average else 1)
         if scale != 1.0:
             out_values = scaled(out_values, scale)

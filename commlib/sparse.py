@@ -155,16 +155,18 @@ def union_size(sketches, counts):
     return float(min(max(estimate, max(counts, default=0)), sum(counts)))
 
 
-def reduce_rows(backend, rows, values, nrows, name):
+def reduce_rows(backend, rows, values, nrows, name, counts=None):
     """Sum unique `rows` over ranks with `backend`: its own row-sparse collective when it has one
     (sparse_allgather, omnireduce's row blocks), else the table of slots as one dense array through
     its allreduce (ring, switchml: the `dense` choice). Values travel as float32 where the backend
-    lacks their dtype. Returns the union's (unique sorted rows, values) in the input's dtype."""
+    lacks their dtype. `counts`: every rank's row count when known (the negotiation carries them), so
+    the allgather needs no round to exchange sizes. Returns the union's (unique sorted rows, values)
+    in the input's dtype."""
     dtype = values.dtype
     if dtype not in backend.dtypes:
         values = values.astype(np.float32)
     if getattr(backend, "rows", False):
-        out_rows, out_values = backend.allreduce_rows(rows, values, nrows, name)
+        out_rows, out_values = backend.allreduce_rows(rows, values, nrows, name, counts)
     else:
         slots = RowSlots(nrows, values.shape[1])
         flat, _ = slots.scatter(rows, values, values.dtype)
