@@ -8,6 +8,8 @@ backends called directly, as bench_network.py does). Reported per algorithm: the
 slowest rank, the bytes each worker's eth0 sent and received per call, and what commlib.traffic
 predicts (hot/cold: the slab both ways plus the allgather of the cold rows); the skew plot shows
 the share of updates the hottest rows take (the IMC'20 study's Figure 10) from hotcold's counts.
+Every rank's row count is handed over as the core's negotiation does (the allgather then needs one
+round); hot/cold's cold rows are counted only inside it, so its allgather exchanges sizes first.
 
     python benchmarks/bench_sparse.py [--quick] [--workers 4,8] [--rate 500mbit] [--zipf 0.8,1.1,1.4]
 Results: benchmarks/results/sparse.json, sparse.png, sparse_skew.png and RESULTS.md. Needs root.
@@ -70,9 +72,9 @@ def worker(args):
                 tx, rx = _link_bytes()
                 for i in range(warm, warm + args.runs):
                     rows, values = steps[i]
-                    ctx.barrier(f"bench/{name}/{i}")
+                    counts = ctx.exchange(f"bench/{name}/{i}/n", int(rows.size))   # as the negotiation hands them
                     start = time.perf_counter()
-                    got = sparse.reduce_rows(backend, rows, values, vocab, name)
+                    got = sparse.reduce_rows(backend, rows, values, vocab, name, counts)
                     samples.append(max(ctx.exchange(f"bench/{name}/{i}/s", time.perf_counter() - start)))
                     model.append(_model(ctx, backend, algorithm, name, rows, vocab, args.dim, traffic, sparse, i))
                     if algorithm == "sparse_allgather":
