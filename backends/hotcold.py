@@ -33,7 +33,7 @@ from commlib.errors import ConfigError
 from commlib.settings import define
 from commlib.sparse import coalesce, reduce_rows
 
-define("hotcold_k", 0, "hot/cold split: hot rows per tensor; 0 = the fewest rows carrying hotcold_share of updates")
+define("hotcold_k", 0, "hot/cold split: hot rows per tensor; 0 = chosen from the window's counts by hotcold_rule")
 define("hotcold_rule", "share", "hot/cold split with hotcold_k=0: 'share' (the fewest rows carrying hotcold_share of "
        "updates) or 'traffic' (every row whose slab slot costs less than its expected allgather bytes)")
 define("hotcold_share", 0.5, "hot/cold split with hotcold_rule=share: the share of the window's updates the hot set carries")

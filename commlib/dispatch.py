@@ -183,9 +183,9 @@ class Dispatcher:
     def _rows(self, meta, rows, requested, bounded):
         density = rows.rows.size / rows.nrows if rows.nrows else 0.0
         count = {"rows": int(rows.rows.size)}   # every rank's reaches the release (the allgather's sizes)
+        choices = tuple((bound, self._row_carrier(alg, meta)) for bound, alg in bounded)   # density rules first
         if requested != "auto":
-            return Plan(((None, self._row_carrier(requested, meta)),), density=density, rows=count)
-        choices = tuple((bound, self._row_carrier(alg, meta)) for bound, alg in bounded)
+            return Plan(choices + ((None, self._row_carrier(requested, meta)),), density=density, rows=count)
         candidates = [a for a in CARRIERS["rows"] if a in self.backends and _carries(self.backends[a], meta)]
         dense = [a for a in CARRIERS["dense"] if self._enabled(a, meta) and not self.backends[a].sparse]
         candidates += dense[:1]

@@ -36,5 +36,11 @@ for case in ("few_scattered", "shared_block_rows", "most_rows"):
     record = commlib.records()[case]
     out[case] = {"algorithm": record["algorithm"], "estimate": record["estimate"],
                  "max_diff": (got.to_dense() - reference).abs().max().item()}
-report(rank=rank, size=size, cases=out)
+# a density rule compares the densest rank's row density (touched rows / rows)
+rule = "few_scattered[density<0.01]=sparse_allgather;most_rows[density<0.01]=sparse_allgather;*=ring"
+rules = {}
+for case in ("few_scattered", "most_rows"):
+    commlib.allreduce(tensor_for(case, rank), name=case, op=commlib.Sum, policy=rule)
+    rules[case] = commlib.records()[case]["algorithm"]
+report(rank=rank, size=size, cases=out, rules=rules)
 commlib.shutdown()
