@@ -68,10 +68,16 @@ def _commlib_compression(compression, hvd):
 
 
 def _reducer(hvd, compression, policy, algorithm):
+    sparse_params = set()   # parameters whose gradient came sparse before
+
     def _allreduce_grad_async(self, p):
         if p.grad is None:
-            # other ranks may have a gradient for p (dynamic graphs): contribute zeros, as Horovod does
-            p.grad = p.data.new(p.size()).zero_()
+            # other ranks may have a gradient for p (dynamic graphs): contribute zeros, as Horovod does;
+            # for a parameter known to have sparse gradients, no rows (dense zeros could not meet the
+            # others' rows: Horovod fails there)
+            p.grad = _no_rows(p) if p in sparse_params else p.data.new(p.size()).zero_()
+        elif p.grad.is_sparse:
+            sparse_params.add(p)
         name = self._parameter_names.get(p)
         grad = p.grad
         if grad.is_sparse and self.sparse_as_dense:
@@ -86,3 +92,9 @@ def _reducer(hvd, compression, policy, algorithm):
         # with sparse_as_dense, which it turns sparse) into the zeroed gradient, as for its own
         return (lambda: commlib.synchronize(handle)), None
     return _allreduce_grad_async
+
+
+def _no_rows(p):
+    import torch
+    return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.long), p.data.new_empty((0, *p.shape[1:])),
+                                   p.shape, check_invariants=False)

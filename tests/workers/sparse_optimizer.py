@@ -78,5 +78,28 @@ for kind in ("sgd", "sparse_adam"):
                           "grad_sparse": grad_sparse,
                           "embedding": [records["embedding.weight"]["algorithm"],
                                         records["embedding.weight"].get("union_rows")]}
-report(rank=hvd.rank(), size=hvd.size(), results=out)
+
+
+def skipped_embedding():
+    """A rank that does not use the embedding at a step (its gradient is None there) contributes no
+    rows once the embedding's gradient has been sparse: the others' rows come back, on every rank."""
+    torch.manual_seed(0)
+    model = Model(head=True)
+    opt = cl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                  policy="*=auto")
+    ids = [torch.randint(0, VOCAB, (16, 4), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    for step in range(3):
+        opt.zero_grad()
+        skip = step == 2 and hvd.rank() > 0
+        out = model.head(torch.zeros(16, DIM)).squeeze(1) if skip else model(ids[step])
+        (out - 1.0).pow(2).mean().backward()
+        opt.step()
+    grad = model.embedding.weight.grad
+    everyone = hvd.allgather(torch.cat([p.detach().flatten() for p in model.parameters()]).unsqueeze(0),
+                             name="check.skipped")
+    return {"grad_sparse": grad.is_sparse, "same_on_all_ranks": all(torch.equal(everyone[0], e) for e in everyone),
+            "rows_are_rank0s": grad.is_sparse and torch.equal(grad.coalesce().indices()[0], ids[2].unique())}
+
+
+report(rank=hvd.rank(), size=hvd.size(), results=out, skipped=skipped_embedding())
 commlib.shutdown()
