@@ -201,8 +201,7 @@ class Dispatcher:
         CARRIERS["rows"], and hotcold, which `auto` does not weigh), or a dense one (the rows then
         travel as a table of slots); `allgather` means Horovod's sparse path."""
         name = "sparse_allgather" if name == "allgather" else name
-        if getattr(registry().get(name), "rows", False):   # sparse_allgather, omnireduce, hotcold
-            self.backend(name)
+        if getattr(self.backend(name), "rows", False):   # sparse_allgather, omnireduce, hotcold
             return name
         return self._explicit(name, TensorMeta(meta.name, meta.shape, "float32", meta.nbytes))
 
