@@ -86,7 +86,7 @@ class ControllerServer:
         self._listener = socket.create_server((host, port))
         self.address = self._listener.getsockname()[:2]
         self._clients = {}        # rank -> socket
-        self._pending = {}        # tensor name -> {"metas": {rank: meta}, "since": t, "warned": bool}
+        self._pending = {}        # tensor name -> its rounds, oldest first: {"metas": {rank: meta}, "since": t, "warned": bool}
         self._gathers = {}        # key -> {"values": {rank: value}, "since": t}
         self._ready = []          # [{"name", "algorithm"}] released at the next cycle
         self._done = set()        # ranks that said bye
@@ -161,10 +161,19 @@ class ControllerServer:
         kind = msg["t"]
         if kind == "submit":
             for meta in msg["metas"]:
-                entry = self._pending.setdefault(meta["name"], {"metas": {}, "since": time.monotonic(), "warned": False})
+                name = meta["name"]
+                rounds = self._pending.setdefault(name, [])
+                # a rank may submit a name again before the others' metas of its refused round arrived:
+                # its submissions fill the rounds in order
+                entry = next((e for e in rounds if rank not in e["metas"]), None)
+                if entry is None:
+                    entry = {"metas": {}, "since": time.monotonic(), "warned": False}
+                    rounds.append(entry)
                 entry["metas"][rank] = meta
-                if len(entry["metas"]) == self.size:
-                    self._complete(meta["name"], self._pending.pop(meta["name"])["metas"])
+                if len(rounds[0]["metas"]) == self.size:
+                    self._complete(name, rounds.pop(0)["metas"])
+                    if not rounds:
+                        del self._pending[name]
         elif kind == "gather":
             entry = self._gathers.setdefault(msg["key"], {"values": {}, "since": time.monotonic()})
             entry["values"][rank] = msg["value"]
@@ -179,7 +188,9 @@ class ControllerServer:
         if failed:   # a rank refused the tensor before any data moved: every rank raises its error
             rank, error = failed[0]
             kind = error.get("kind") if error.get("kind") in _ERRORS else "CommError"
-            self._broadcast({"t": "error", "kind": kind, "names": [name],
+            # refused_by: those ranks raised already and track nothing of this round; an entry of
+            # theirs under this name is a later submission, which this error must not fail
+            self._broadcast({"t": "error", "kind": kind, "names": [name], "refused_by": [r for r, _ in failed],
                              "message": f"tensor {name!r} failed on rank {rank}: {error.get('message')}"})
             return
         problem = check_agreement(name, metas)
@@ -195,11 +206,14 @@ class ControllerServer:
 
     def _expire(self):
         now = time.monotonic()
-        for name, entry in list(self._pending.items()):
+        for name, rounds in list(self._pending.items()):
+            entry = rounds[0]   # the oldest round of this name
             waited = now - entry["since"]
             missing = sorted(set(range(self.size)) - set(entry["metas"]))
             if waited > self.negotiation_timeout_s:
-                del self._pending[name]
+                rounds.pop(0)
+                if not rounds:
+                    del self._pending[name]
                 self._broadcast({"t": "error", "kind": "CommTimeout", "names": [name], "message": (
                     f"tensor {name!r} was submitted by {_ranks_text(sorted(entry['metas']))} but not by "
                     f"{_ranks_text(missing)} within {self.negotiation_timeout_s}s; every rank must reduce the same "

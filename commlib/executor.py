@@ -147,7 +147,7 @@ class Executor:
             try:
                 if msg["t"] == "go":
                     self._execute(msg["batch"])
-                elif msg["t"] == "error":
+                elif msg["t"] == "error" and self.ctx.rank not in msg.get("refused_by", ()):
                     self.fail(msg["names"], controller.error_from(msg))
                 elif msg["t"] == "stall":
                     log.warning("commlib: %s", msg["message"])

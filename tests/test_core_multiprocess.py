@@ -49,6 +49,7 @@ def test_tensor_refused_on_one_rank_fails_every_rank_at_once():
         assert "op=Average on int32" in result["message"], result
         assert result["rank"] == 1 or "failed on rank 1" in result["message"], result
         assert result["after"] == [3.0] * 4, f"the job should go on after a refused tensor: {result}"
+        assert result["everyone"] == "InvalidTensor" and result["again"] == [3.0] * 4, result
 
 
 def test_rank_that_never_calls_times_out_everywhere():

@@ -6,7 +6,8 @@ timeout:  rank 1 never submits a tensor -> CommTimeout on the others naming rank
 dead:     rank 1 exits abruptly -> PeerFailure on the others naming rank 1.
 settings: rank 1 has another fusion_threshold -> Mismatch at init on every rank naming it.
 refused:  rank 1's tensor is refused before it is submitted (op=Average on int32) -> the same
-          InvalidTensor on every rank at once (default timeouts), and the job goes on.
+          InvalidTensor on every rank at once (default timeouts), and the job goes on; a tensor
+          refused on every rank can be submitted again under its name at once.
 noinit:   (under horovodrun) rank 1 joins Horovod but never calls commlib.init() -> CommTimeout at
           init on the others, within the timeout, instead of waiting forever in Horovod's broadcast.
 """
@@ -54,7 +55,11 @@ if mode == "refused":   # the default timeouts: a rank waiting for the refused t
     r = commlib.rank()
     refused = outcome(lambda: commlib.allreduce(np.ones(4, np.int32 if r == 1 else np.float32), name="grad.w"))
     after = commlib.allreduce(np.ones(4, np.float32), name="after", op=commlib.Sum)
-    report(rank=r, after=after.tolist(), **refused)
+    # refused on every rank, then the same name submitted again at once: the controller's late notice
+    # of the refusal must not fail the new tensor
+    everyone = outcome(lambda: commlib.allreduce(np.ones(4, np.int32), name="again"))["error"]
+    again = commlib.allreduce(np.ones(4, np.float32), name="again", op=commlib.Sum)
+    report(rank=r, after=after.tolist(), everyone=everyone, again=again.tolist(), **refused)
     commlib.shutdown()
     sys.exit(0)
 commlib.init(policy="*=ring", timeout_s=4.0, negotiation_timeout_s=4.0, stall_warning_s=2.0)
