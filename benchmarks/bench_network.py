@@ -30,11 +30,6 @@ import netem  # noqa: E402
 BLOCK = 256   # omnireduce's default block: the densities are of these blocks
 
 
-def _link_bytes():
-    stats = Path("/sys/class/net/eth0/statistics")
-    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
-
-
 # -- inside each rank (its own namespace) -------------------------------------------------------------
 def worker(args):
     import numpy as np
@@ -49,13 +44,13 @@ def worker(args):
     def timed(algorithm, x, tag):
         backend = rt.backend(algorithm)
         out = backend.allreduce(x, f"{tag}.warmup")
-        samples, (tx, rx) = [], _link_bytes()
+        samples, (tx, rx) = [], common.link_bytes()
         for i in range(args.runs):
             ctx.barrier(f"bench/{tag}/{i}")
             start = time.perf_counter()
             backend.allreduce(x, tag)
             samples.append(max(ctx.exchange(f"bench/{tag}/{i}/s", time.perf_counter() - start)))
-        tx2, rx2 = _link_bytes()
+        tx2, rx2 = common.link_bytes()
         sent = ctx.exchange(f"bench/{tag}/bytes", [(tx2 - tx) / args.runs, (rx2 - rx) / args.runs])
         return {"seconds": samples, "tx_bytes": [b[0] for b in sent], "rx_bytes": [b[1] for b in sent]}, out
 

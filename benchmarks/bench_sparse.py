@@ -30,11 +30,6 @@ import netem  # noqa: E402
 ALGORITHMS = ("sparse_allgather", "omnireduce", "hotcold", "switchml")
 
 
-def _link_bytes():
-    stats = Path("/sys/class/net/eth0/statistics")
-    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
-
-
 # -- inside each rank (its own namespace) -------------------------------------------------------------
 def worker(args):
     import numpy as np
@@ -69,7 +64,7 @@ def worker(args):
                 for i in range(warm):
                     sparse.reduce_rows(backend, *steps[i], vocab, name)
                 samples, model = [], []
-                tx, rx = _link_bytes()
+                tx, rx = common.link_bytes()
                 for i in range(warm, warm + args.runs):
                     rows, values = steps[i]
                     counts = ctx.exchange(f"bench/{name}/{i}/n", int(rows.size))   # as the negotiation hands them
@@ -85,7 +80,7 @@ def worker(args):
                         bound = 1e-3 if algorithm in ("switchml", "hotcold") else 1e-4
                         scale = max(1.0, float(np.abs(exact[1]).max(initial=0.0)))
                         assert np.allclose(got[1], exact[1], atol=bound * scale), f"{algorithm} differs from the allgather"
-                tx2, rx2 = _link_bytes()
+                tx2, rx2 = common.link_bytes()
                 moved = ctx.exchange(f"bench/{name}/bytes", [(tx2 - tx) / args.runs, (rx2 - rx) / args.runs])
                 workload[algorithm] = {"seconds": samples, "tx_bytes": [m[0] for m in moved],
                                        "rx_bytes": [m[1] for m in moved],

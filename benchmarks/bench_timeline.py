@@ -71,12 +71,7 @@ def main(argv=None):
     if args.worker:
         return worker(args)
     forwarded = [f"--{k}={getattr(args, k)}" for k in ("steps", "warmup")]
-    ranks = common.spawn(2, str(Path(__file__).resolve()), "--worker", *forwarded, timeout=300)
-    output = "\n".join(rank.stdout for rank in ranks)
-    found = common.payloads(output)
-    if any(rank.returncode for rank in ranks) or not found:
-        raise RuntimeError(f"workers failed (exit {[rank.returncode for rank in ranks]}):\n{output[-6000:]}")
-    payload = found[0]
+    payload = common.local_result(__file__, forwarded)
     medians = {label: statistics.median(times) for label, times in payload["results"].items()}
     off = medians["timeline off"]
     rows = [f"| {label} | {1000 * m:.2f} | {m / off - 1:+.1%} |" for label, m in medians.items()]

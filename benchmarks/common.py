@@ -168,6 +168,23 @@ def payloads(output):
     return [json.loads(line.split(RESULT_MARK, 1)[1]) for line in output.splitlines() if RESULT_MARK in line]
 
 
+def local_result(script, forwarded, nprocs=2, timeout=300):
+    """Rank 0's payload of `script --worker FORWARDED...` run by `nprocs` local ranks (torchrun's
+    environment); RuntimeError with their output when a rank fails or nothing was emitted."""
+    ranks = spawn(nprocs, str(Path(script).resolve()), "--worker", *forwarded, timeout=timeout)
+    output = "\n".join(rank.stdout for rank in ranks)
+    found = payloads(output)
+    if any(rank.returncode for rank in ranks) or not found:
+        raise RuntimeError(f"workers failed (exit {[rank.returncode for rank in ranks]}):\n{output[-6000:]}")
+    return found[0]
+
+
+def link_bytes():
+    """(bytes sent, bytes received) so far on this namespace's eth0 (benchmarks/netem.py's link)."""
+    stats = Path("/sys/class/net/eth0/statistics")
+    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
 def cluster_result(ranks, echo=False):
     """Rank 0's payload from netem.Cluster.run's [(exit code, output)], or a RuntimeError with every
     rank's output. echo: print rank 0's other output (a benchmark's per-step lines)."""
