@@ -19,7 +19,9 @@ def join(settings):
     """(Context, ControllerClient, ControllerServer or None) for this rank."""
     engine = engines.create(settings.ring_engine, detect(), settings.timeout_s)
     placement = detect()   # creating the engine may have initialized Horovod
-    server, client = _start_controller(settings, placement, engine)
+    share = lambda address: within(settings.timeout_s, "sharing the controller's address (commlib.init)",
+                                   engine.broadcast_object, address)
+    server, client = start_controller(settings, placement, share)
     ctx = placement.joined(settings=settings, exchange_fn=client.exchange, engine=engine, job_token=client.token)
     try:
         _check_settings_agree(ctx)
@@ -30,8 +32,9 @@ def join(settings):
     return ctx, client, server
 
 
-def _start_controller(s, placement, engine):
-    """Rank 0 serves; every rank connects to the address rank 0 shares (or COMMLIB_CONTROLLER_ADDR)."""
+def start_controller(s, placement, share):
+    """Rank 0 serves; every rank connects to the address rank 0 shares (or COMMLIB_CONTROLLER_ADDR).
+    share(address or None) -> rank 0's address, on every rank."""
     options = dict(timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms,
                    negotiation_timeout_s=s.negotiation_timeout_s, stall_warning_s=s.stall_warning_s)
     server = None
@@ -46,8 +49,7 @@ def _start_controller(s, placement, engine):
             server = controller.ControllerServer(placement.size, host if placement.all_local else "0.0.0.0", 0,
                                                  **options)
             address = (host, server.address[1])
-        address = within(s.timeout_s, "sharing the controller's address (commlib.init)",
-                         engine.broadcast_object, address)
+        address = share(address)
     return server, controller.ControllerClient(address, placement.rank, s.timeout_s)
 
 

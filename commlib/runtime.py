@@ -14,6 +14,7 @@ from commlib.dispatch import Dispatcher
 from commlib.errors import CommError, ConfigError, InvalidTensor
 from commlib.executor import HOROVOD_OPS, OPS, Average, Entry, Executor, Sum
 from commlib.handles import Handle
+from commlib.process_sets import ProcessSets
 from commlib.tensors import Staged
 from commlib.timeline import Timeline
 
@@ -21,13 +22,19 @@ log = logging.getLogger("commlib")
 
 
 class Runtime:
-    def __init__(self, settings, policy):
+    """The job's (or, with job= and parent=, a process set's: see commlib.process_sets)."""
+
+    def __init__(self, settings, policy, job=None, parent=None):
         self.settings = settings
-        self.ctx, self.client, self._server = bootstrap.join(settings)
-        self.timeline = Timeline(settings.timeline, self.ctx.rank)
+        self.ctx, self.client, self._server = job or bootstrap.join(settings)
+        self.timeline = parent.timeline if parent else Timeline(settings.timeline, self.ctx.rank)
         self.backends, self.unavailable = start_all(self.ctx)
         self.dispatcher = Dispatcher(self.backends, self.unavailable, policy, settings)
         self.executor = Executor(self.ctx, self.client, self.dispatcher, self.timeline)
+        if parent is not None:   # one commlib.records() for the job and its sets
+            self.executor.records = parent.records
+        self.process_sets = ProcessSets(self)
+        self._is_set = parent is not None
         self._names = itertools.count()
 
     def backend(self, name):
@@ -85,6 +92,7 @@ class Runtime:
         return staged, op, plan, compressor
 
     def shutdown(self):
+        self.process_sets.shutdown()
         if not self.executor.stop(self.settings.timeout_s):   # still inside a collective: its native state must outlive it
             log.warning("commlib: shutdown while a collective is still running; backends left open")
             self.client.close()
@@ -97,7 +105,8 @@ class Runtime:
         self.client.close()
         if self._server is not None:
             self._server.join(self.settings.timeout_s)
-        self.timeline.close()
+        if not self._is_set:   # a set writes into the job's timeline
+            self.timeline.close()
 
 
 def reduction(op):
