@@ -1,6 +1,7 @@
 """Elastic jobs (issue 14, item 7): under horovodrun --min-np 2 --max-np 4 with a host discovery
 script, hvd.elastic.run and TorchState, training through commlib.torch.DistributedOptimizer
 survives a worker killed mid-step and one added; commlib re-forms its job at each reset."""
+import re
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import horovod.torch  # noqa: F401  built by `make install`: without it the suit
 import pytest
 
 from commlib.testing import results
-from launch import BIN, WORKERS, _env, _run, free_port
+from launch import BIN, ROOT, WORKERS, _env, _run, free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -67,3 +68,20 @@ def test_switch_job_is_registered_again_for_each_world(tmp_path):
         assert result["algorithms"] == ["ring", "switchml"], result
         jobs = result["switch_jobs"]
         assert None not in jobs and len(set(jobs[:-1])) == len(jobs) - 1 and jobs[-1] == jobs[-2], result
+
+
+def test_elastic_example_trains(tmp_path):
+    """examples/elastic_torch.py under an elastic horovodrun (no failure): the loss goes down."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
+           str(script), "--network-interfaces", "lo", sys.executable, str(ROOT / "examples" / "elastic_torch.py"),
+           "--steps", "60",
+           "--policy", "*=switchml"]
+    out = _run(cmd, 300, _env({}))
+    assert out.returncode == 0, out.stdout
+    losses = [float(v) for v in re.findall(r"step \d+: loss ([\d.]+) on 2 workers", out.stdout)]
+    assert len(losses) == 6 and losses[-1] < 0.6 * losses[0], out.stdout
