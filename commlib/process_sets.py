@@ -57,12 +57,10 @@ class ProcessSet:
 def ranks_of(process_set, size):
     """The sorted ranks of a commlib or Horovod process set; None for the whole job (None, Horovod's
     global_process_set, or a set of every rank)."""
-    if process_set is None:
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:   # 0: Horovod's global set
         return None
     ranks = getattr(process_set, "ranks", None)
     if ranks is None:
-        if getattr(process_set, "process_set_id", None) == 0:   # Horovod's global set
-            return None
         raise ConfigError(f"process_set={process_set!r} has no ranks: pass a commlib.ProcessSet(ranks), or a Horovod "
                           f"ProcessSet registered with hvd.init(process_sets=...) or hvd.add_process_set")
     ranks = sorted(int(r) for r in ranks)

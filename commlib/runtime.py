@@ -10,6 +10,7 @@ import logging
 
 from commlib import bootstrap, differentiable
 from commlib.backends import start_all
+from commlib.context import initialized_horovod
 from commlib.dispatch import Dispatcher
 from commlib.errors import CommError, ConfigError, InvalidTensor
 from commlib.executor import HOROVOD_OPS, OPS, Average, Entry, Executor, Sum
@@ -51,6 +52,7 @@ class Runtime:
     def grouped_allreduce_async(self, tensors, names, op, algorithm, compression, prescale, postscale, policy=None):
         """Handles for tensors submitted in one message: they are negotiated, released and fused
         together. A tensor refused here is refused on every rank; this rank raises its error."""
+        self._check_world()
         if self.executor.broken:
             raise self.executor.broken
         s = self.settings
@@ -75,6 +77,17 @@ class Runtime:
         if refused is not None:
             raise refused
         return [entry.handle for entry in entries]
+
+    def _check_world(self):
+        """An elastic reset gives Horovod a new world: a job formed for the old one would fail (or
+        hang) on every call, and hvd.elastic.run would reset again and again."""
+        if self._is_set or self.ctx.launcher != "horovod":
+            return
+        hvd = initialized_horovod()
+        if hvd is not None and (hvd.rank(), hvd.size()) != (self.ctx.rank, self.ctx.size):
+            raise ConfigError(f"Horovod's world changed under commlib (now rank {hvd.rank()} of {hvd.size()}, commlib's "
+                              f"job: rank {self.ctx.rank} of {self.ctx.size}): in an elastic job call "
+                              f"commlib.elastic.register(state) so that commlib re-forms at each reset")
 
     def _plan(self, tensor, name, named, op, algorithm, compression, policy):
         """(Staged, op name, Plan, compressor) for a tensor, or the error that refuses it."""

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiprocess
 STEPS, KILL_AT = 24, 6
 
 
-def elastic_run(tmp_path, env):
+def elastic_run(tmp_path, env, *extra):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n127.0.0.1:1\n")   # two "hosts" on this machine, as Horovod's own tests
     script = tmp_path / "discover.sh"
@@ -24,7 +24,7 @@ def elastic_run(tmp_path, env):
     script.chmod(0o755)
     cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
            str(script), "--gloo-timeout-seconds", "40", sys.executable, str(WORKERS / "elastic_train.py"),
-           str(STEPS), str(KILL_AT), str(hosts)]
+           str(STEPS), str(KILL_AT), str(hosts), *extra]
     return _run(cmd, 420, _env(dict(env, COMMLIB_TIMEOUT_S="20")))
 
 
@@ -50,6 +50,15 @@ def check(out, tolerance):
 
 def test_ring_survives_a_killed_worker_and_an_added_one(tmp_path):
     check(elastic_run(tmp_path, {"COMMLIB_POLICY": "*=ring"}), 1e-6)
+
+
+def test_without_register_the_changed_world_is_a_clear_error_not_endless_resets(tmp_path):
+    out = elastic_run(tmp_path, {"COMMLIB_POLICY": "*=ring"}, "noregister")
+    assert out.returncode == 0, out.stdout
+    for result in results(out.stdout, 2):   # the survivors: Horovod reset to 2 ranks, commlib still had 3
+        assert result["worlds"] == [[3, 3], [2, 3]], result
+        assert result["error"].startswith("ConfigError") and "commlib.elastic.register(state)" in result["error"] \
+            and "of 2" in result["error"], result
 
 
 def test_switch_job_is_registered_again_for_each_world(tmp_path):

@@ -33,6 +33,11 @@ def check(out, size, algorithm):
             addresses = {address for address, _ in result["switch"].values()}
             jobs = [job for _, job in result["switch"].values()]
             assert len(addresses) == 1 and len(set(jobs)) == len(jobs), result["switch"]
+        if algorithm == "omnireduce":   # every set its own aggregators, one colocated in each of its ranks
+            everyone = [address for addresses in result["aggregators"].values() for address in addresses]
+            assert len(set(everyone)) == len(everyone), result["aggregators"]
+            assert {name: len(a) for name, a in result["aggregators"].items()} == \
+                dict(result["set_sizes"], all=size), result["aggregators"]
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "switchml", "omnireduce"])

@@ -1,6 +1,6 @@
 """Elastic training through commlib.torch.DistributedOptimizer (hvd.elastic.run, TorchState).
 
-argv: steps kill_at hosts_file. Started by horovodrun --min-np 2 --max-np 4 with a discovery
+argv: steps kill_at hosts_file [noregister]. Started by horovodrun --min-np 2 --max-np 4 with a discovery
 script that prints hosts_file (localhost:2 and 127.0.0.1:1 at first). The worker on 127.0.0.1
 kills itself (SIGKILL) at step kill_at, after its backward pass, while the others wait for its
 gradients; Horovod blacklists that host and the survivors go on as a world of 2. Rank 0 then adds
@@ -9,6 +9,7 @@ worker joins and the last steps run on 3 ranks again. At every step each rank co
 gradients commlib reduced with Horovod's allreduce of the same local gradients; at the end it
 reports the worlds it saw, that difference, whether the parameters are identical on every rank
 and equal to Horovod's average of them, and commlib's view of the job (size, switch job).
+With `noregister` commlib is not told of resets: each rank reports the error it then gets.
 """
 import os
 import signal
@@ -31,7 +32,9 @@ host = os.environ.get("HOROVOD_HOSTNAME")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 opt = cl.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters())
-state = commlib.elastic.register(hvd.elastic.TorchState(model, opt, step=0))
+state = hvd.elastic.TorchState(model, opt, step=0)
+if sys.argv[4:] != ["noregister"]:
+    commlib.elastic.register(state)
 seen = {"worlds": [], "grad_diff": 0.0, "steps": 0, "switch_jobs": []}
 
 
@@ -70,6 +73,12 @@ def train(state):
         state.commit()
 
 
+if sys.argv[4:] == ["noregister"]:
+    try:
+        train(state)
+    except commlib.CommError as exc:
+        report(rank=hvd.rank(), error=f"{type(exc).__name__}: {exc}", worlds=seen["worlds"])
+        sys.exit(0)
 train(state)
 params = flat(model.parameters())
 everyone = hvd.allgather(params.unsqueeze(0), name="check.params")

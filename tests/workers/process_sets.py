@@ -118,7 +118,12 @@ if algorithm == "switchml":   # each set is its own job on the job's switch
     for ps in [None] + mine:
         backend = rt.process_sets.runtime(ps).backends["switchml"]
         switch[name_of(ps) if ps else "all"] = [str(backend.address), backend.job]
-report(rank=rank, sets=[ps.ranks for ps in mine], diffs=diffs, outside_error=outside_error,
+aggregators = {}
+if algorithm == "omnireduce":   # each set streams to aggregators of its own (colocated: one per set rank)
+    for ps in [None] + mine:
+        aggregators[name_of(ps) if ps else "all"] = rt.process_sets.runtime(ps).backends["omnireduce"].stats()[
+            "aggregators"]
+report(rank=rank, sets=[ps.ranks for ps in mine], diffs=diffs, outside_error=outside_error, aggregators=aggregators,
        optimizer_vs_horovod=float((ours - theirs).abs().max()),
        optimizer_same_in_set=all(torch.equal(in_set[0], row) for row in in_set),
        algorithms={label: r["algorithm"] for label, r in commlib.records().items()},
