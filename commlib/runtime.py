@@ -7,6 +7,7 @@
 """
 import itertools
 import logging
+import os
 
 from commlib import bootstrap, differentiable
 from commlib.backends import start_all
@@ -36,6 +37,8 @@ class Runtime:
             self.executor.records = parent.records
         self.process_sets = ProcessSets(self)
         self._is_set = parent is not None
+        # horovodrun's elastic mode: Horovod's world may change at a reset (see _check_world)
+        self._elastic = not self._is_set and self.ctx.launcher == "horovod" and os.environ.get("HOROVOD_ELASTIC") == "1"
         self._names = itertools.count()
 
     def backend(self, name):
@@ -81,7 +84,7 @@ class Runtime:
     def _check_world(self):
         """An elastic reset gives Horovod a new world: a job formed for the old one would fail (or
         hang) on every call, and hvd.elastic.run would reset again and again."""
-        if self._is_set or self.ctx.launcher != "horovod":
+        if not self._elastic:
             return
         hvd = initialized_horovod()
         if hvd is not None and (hvd.rank(), hvd.size()) != (self.ctx.rank, self.ctx.size):

@@ -71,3 +71,13 @@ def test_commlib_process_sets_without_horovod(launcher, engine):
         assert result["half"] == [float(sum(r + 1 for r in members))] * 8, result
         assert result["all"] == [10.0] * 8 and result["set_rank"] == members.index(rank), result
         assert result["engines"] == [engine, engine], result
+
+
+def test_tensorflow_tape_over_a_process_set():
+    """commlib.tensorflow.DistributedGradientTape(process_set=) equals Horovod's tape over {0,1}; rank 2 idles."""
+    out = horovodrun(3, "process_sets.py", "tf", timeout=240)
+    assert out.returncode == 0, out.stdout
+    found = results(out.stdout, 3)
+    assert [r["included"] for r in found] == [True, True, False], found
+    for result in found[:2]:   # d/dv sum((r+1) v^2) averaged over ranks 0 and 1: 3v
+        assert result["ours"] == result["horovod"] == [3.0 * i for i in range(6)], result

@@ -32,7 +32,27 @@ if sys.argv[1] == "plain":   # no Horovod: commlib.ProcessSet under mpirun (MPI 
     commlib.shutdown()
     sys.exit(0)
 
-import horovod.torch as hvd   # noqa: E402  (the plain mode runs without it)
+if sys.argv[1] == "tf":   # commlib.tensorflow's DistributedGradientTape(process_set=) beside Horovod's
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    import commlib.tensorflow as cl
+    sets = [hvd.ProcessSet([0, 1])]
+    hvd.init(process_sets=sets)
+    commlib.init(policy="*=ring")   # every rank: init is the job's collective set-up
+    result = {"rank": hvd.rank(), "included": sets[0].included()}
+    if sets[0].included():
+        v = tf.Variable(np.arange(6, dtype=np.float32))
+        grads = []
+        for make in (cl.DistributedGradientTape, hvd.DistributedGradientTape):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(v * v * (hvd.rank() + 1.0))
+            grads.append(make(tape, process_set=sets[0]).gradient(loss, [v])[0].numpy().tolist())
+        result.update(ours=grads[0], horovod=grads[1])
+    report(**result)
+    commlib.shutdown()
+    sys.exit(0)
+
+import horovod.torch as hvd   # noqa: E402  (the plain and tf modes run without it)
 import commlib.torch as cl   # noqa: E402
 
 algorithm = sys.argv[1]
