@@ -8,7 +8,7 @@ HOROVOD_VERSION := 0.28.1
 HOROVOD_SRC := build/horovod-$(HOROVOD_VERSION)
 NP ?= 4
 
-.PHONY: install apt venv deps horovod develop keras3 demo test bench bench-quick clean
+.PHONY: install apt venv deps horovod develop keras3 demo test fuzz bench bench-quick faults clean
 
 install: apt venv deps horovod develop keras3
 
@@ -26,7 +26,7 @@ venv:
 deps:
 	$(PIP) install -q --upgrade "pip<25" setuptools wheel packaging
 	$(PIP) install -q torch==2.13.0 tensorflow-cpu==2.15.1 numpy==1.26.4 cffi mpi4py \
-	    pytest pytest-timeout matplotlib tqdm psutil cloudpickle pyyaml pytorch_lightning==2.6.6
+	    pytest pytest-timeout matplotlib tqdm psutil cloudpickle pyyaml pytorch_lightning==2.6.6 atheris
 
 # horovod 0.28.1 from its sdist (no wheel for Python 3.11), its C++14 raised to C++17, which PyTorch 2.x headers need.
 horovod:
@@ -60,12 +60,27 @@ demo:
 test:
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# The fuzz targets of tests/fuzz for FUZZ_SECONDS each, corpora kept in build/fuzz/corpus (`make test` runs
+# them briefly through tests/test_fuzz.py). The packet targets run the ASan + UBSan build of the C code.
+FUZZ_SECONDS ?= 300
+fuzz:
+	@set -e; for t in switch_control aggregator_control switch_packets aggregator_packets; do \
+	  mkdir -p build/fuzz/corpus/$$t build/fuzz/crashes; echo "== fuzz $$t ($(FUZZ_SECONDS)s)"; \
+	  case $$t in *_packets) san=--sanitized;; *) san=;; esac; \
+	  $(PY) tests/fuzz/run.py $$t $$san -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	    -artifact_prefix=build/fuzz/crashes/ build/fuzz/corpus/$$t 2>&1 | grep -v '^INFO: Instrumenting' | tail -20; \
+	  test $${PIPESTATUS[0]} -eq 0; done
+
 BENCH_ARGS ?=
 bench:
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b $(BENCH_ARGS) || exit 1; done
 
 bench-quick:
 	$(MAKE) bench BENCH_ARGS=--quick
+
+# switchml and omnireduce under loss, duplication, reordering and jitter (a user-space relay: no netem here)
+faults:
+	$(PY) benchmarks/faults.py $(FAULTS_ARGS)
 
 clean:
 	rm -rf build *.egg-info commlib/*.so switch/*.so

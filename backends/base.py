@@ -74,6 +74,11 @@ class Backend(abc.ABC):
         gathered payloads implement it."""
         raise NotImplementedError(f"algorithm {self.name!r} does not gather")
 
+    # Seconds of this rank's last allreduce spent processing (quantizing, packing, MACs, syscalls)
+    # rather than waiting for the network and the switch/aggregators; None: the algorithm cannot
+    # tell them apart. commlib.records() and the timeline count it as the worker's processing.
+    last_busy_s = None
+
     def measured_density(self, name):
         """(this rank's, the union's) block density a sparse algorithm measured on its last call
         named `name`, for commlib.records(); None for dense algorithms."""
@@ -81,6 +86,11 @@ class Backend(abc.ABC):
 
     def stats(self):
         """Counters for users (bytes, packets, resends, ...)."""
+        return {}
+
+    def daemon_counters(self):
+        """{row name: fn() -> {counter: number}} of the daemons (switch, aggregators) this rank
+        reports in the timeline; only rank 0 reports, so each daemon is asked once."""
         return {}
 
     def close(self):

@@ -9,7 +9,9 @@ announced `next` values lies beyond it, sends the sum to every worker with that 
 only the workers whose next block it is send again. A worker uploads its own non-zero blocks
 (density d) and downloads the union (density D). Transport: UDP with per-column timers (adaptive,
 from the measured round trip), shadow sets and replay of finished results (idempotent under loss
-and duplication); datagrams to one peer leave in UDP GSO batches and arrive GRO-coalesced.
+and duplication); datagrams to one peer leave in UDP GSO batches and arrive GRO-coalesced. Every
+packet and result carries a MAC under the job key (backends/keys.py; `authenticate`): a forged or
+altered block or result is dropped, a replayed one is a duplicate the protocol already ignores.
 
 Aggregators
   colocated (default)  every worker runs an aggregator thread for a 1/N share of the columns; no
@@ -20,7 +22,7 @@ Aggregators
                        loopback. Bound: ~2(N-1) / (N D).
 
 Tuning guide
-  omnireduce_block_size     256 elements (1 KiB + a 40-byte header per packet). Larger blocks cost
+  omnireduce_block_size     256 elements (1 KiB + a 40-byte header and an 8-byte MAC per packet). Larger blocks cost
                             fewer packets but see fewer all-zero blocks.
   omnireduce_window_bytes   bytes in flight per worker: each column moves one block per round trip,
                             so throughput <= window / RTT. 512 KiB (512 columns of 1 KiB) covers
@@ -37,6 +39,7 @@ gradients (`allreduce_sparse`, e.g. nn.Embedding(sparse=True)) and the output of
 compressors (`densify`) all become a dense array and its block bitmap. The result is dense unless
 `allreduce_sparse(..., dense=False)` asks for a sparse tensor.
 """
+import functools
 import logging
 import os
 import secrets
@@ -49,13 +52,13 @@ from collections import OrderedDict
 import numpy as np
 
 from commlib.net import primary_ip
-from commlib.backends import Backend, register
+from commlib.backends import Backend, keys, register
 from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, PeerFailure
 from commlib.settings import define
 from commlib.tensors import Staged
 
 try:
-    from commlib.switch import aggregator as agg, control
+    from commlib.switch import aggregator as agg, auth, control
     from commlib._native import ffi, lib
     IMPORT_ERROR = ""
 except ImportError as exc:   # the C extension is not built
@@ -77,6 +80,9 @@ define("omnireduce_aggregators", "", "dedicated omnireduce aggregators 'host:por
        "empty: rank 0 starts them on loopback when every rank is on this host")
 define("omnireduce_num_aggregators", 0, "dedicated omnireduce: aggregators rank 0 starts when none are "
        "configured (0 = one per worker)")
+define("omnireduce_key_file", "", "the daemon key of the commlib-aggregator processes in "
+       "COMMLIB_OMNIREDUCE_AGGREGATORS (started with --key-file), read by every rank; aggregators the job "
+       "starts itself (colocated, spawned) use the job's secret", per_rank=True)
 define("omnireduce_host", "", "address omnireduce workers and colocated aggregators bind and advertise "
        "(default: 127.0.0.1 when every rank is local, else the default route's interface)", per_rank=True)
 define("omnireduce_retransmit_ms", 20.0, "omnireduce per-column retransmission timer (ms); doubles per resend")
@@ -169,12 +175,15 @@ class OmniReduceBackend(Backend):
         self._processes, self._aggregators, self._agg_desc = [], [], []
         self._job_hash = agg.token_hash(ctx.job_token or "no-token")
         self._seq, self._broken, self._closed = 0, None, False
+        self._key = self._nonce = None              # the job key of its packets (None: no MACs), its nonce
+        self._sign = None                           # signs its control requests (keyed aggregators)
+        self._daemon_key = None
         self._stopping, self._keepalive = threading.Event(), None
         self._lock = threading.Lock()          # stats
         self._call_lock = threading.Lock()     # one tensor at a time on the socket
         self._tensors, self._last = OrderedDict(), {}
         self._totals = dict.fromkeys(("tensors", "bytes_sent", "bytes_recv", "packets_sent", "packets_recv",
-                                      "resends", "sim_dropped", "sim_duplicated"), 0)
+                                      "resends", "sim_dropped", "sim_duplicated", "bad_mac"), 0)
         self._host = s.omnireduce_host or ("127.0.0.1" if ctx.all_local else primary_ip())
         self._bind = "0.0.0.0" if self._host != "127.0.0.1" else self._host
         self._sock = agg.make_socket(self._bind)   # local work only here: the set-up with the others is start()
@@ -206,6 +215,13 @@ class OmniReduceBackend(Backend):
             raise ConfigError(f"omnireduce settings differ across ranks (block, columns, mode, threshold): "
                               f"{[v['params'] for v in everyone]}; set them identically everywhere")
         self._epoch = everyone[0]["epoch"]
+        embedded = self.mode == "colocated" or not s.omnireduce_aggregators
+        daemon_key = self._step("key", lambda: keys.daemon_key(ctx, embedded, s.omnireduce_key_file), setup_s)
+        self._daemon_key = daemon_key   # rank 0 reads the aggregators' counters with it (timeline)
+        self._nonce = everyone[0]["nonce"]
+        self._key = keys.job_key(ctx, daemon_key, self._nonce)
+        if daemon_key is not None:   # keyed aggregators take only requests signed with the job key
+            self._sign = auth.Signer(auth.job_key(daemon_key, self._nonce))
         if self.mode == "colocated":
             addresses = [v["agg"] for v in everyone]
             self._agg_desc = [f"{a} (colocated in rank {r})" for r, a in enumerate(addresses)]
@@ -219,10 +235,11 @@ class OmniReduceBackend(Backend):
     def _start_aggregators(self):
         """This rank's part of the aggregators; returns what the others need to know."""
         s = self.ctx.settings
-        mine = {"epoch": secrets.randbits(31), "params": [self.block, self.columns, self.mode, self.threshold]}
+        mine = {"epoch": secrets.randbits(31), "params": [self.block, self.columns, self.mode, self.threshold],
+                "nonce": auth.new_nonce()}
         if self.mode == "colocated":
             # it lives exactly as long as this backend: it never collects its job as idle
-            self._colocated = agg.Aggregator(self._bind, job_idle_s=float("inf")).start(
+            self._colocated = agg.Aggregator(self._bind, job_idle_s=float("inf"), key=self.ctx.secret or None).start(
                 f"omnireduce-aggregator-rank{self.rank}")
             mine["agg"] = f"{self._host}:{self._colocated.address[1]}"
         elif not s.omnireduce_aggregators and self.rank == 0:
@@ -234,9 +251,10 @@ class OmniReduceBackend(Backend):
         s = self.ctx.settings
         request = {"job": self._job_hash, "epoch": self._epoch, "rank": self.rank, "size": self.size,
                    "columns": self.columns, "aggregators": len(self._aggregators), "block": self.block,
-                   "loss": s.omnireduce_sim_loss, "dup": s.omnireduce_sim_dup}
+                   "loss": s.omnireduce_sim_loss, "dup": s.omnireduce_sim_dup,
+                   "nonce": self._nonce, "authenticate": self._key is not None}
         jobs = agg.register(self._sock, self._aggregators, request, self.timeout_s,
-                            retry_s=max(0.05, 10 * self.retransmit_ms / 1000))
+                            retry_s=max(0.05, 10 * self.retransmit_ms / 1000), sign=self._sign)
         seed = secrets.randbits(63) | 1
         self._worker = lib.omr_worker_new(self._sock.fileno(), self.rank, self.size, self.columns,
                                           len(self._aggregators), self.block, int(self.retransmit_ms * 1000),
@@ -245,9 +263,10 @@ class OmniReduceBackend(Backend):
             self._worker = None
             raise BackendUnavailable("omnireduce: cannot create the worker (invalid settings or out of memory)")
         for index, ((ip, port), (job, key, _)) in enumerate(zip(self._aggregators, jobs)):
-            lib.omr_worker_set_agg(self._worker, index, ip.encode(), port, job, key)
+            lib.omr_worker_set_agg(self._worker, index, ip.encode(), port, job, key,
+                                   ffi.NULL if self._key is None else self._key)
         idle_s = min(idle for _, _, idle in jobs)
-        if self.rank == 0 and idle_s != float("inf"):   # one rank's keepalives hold the job's state
+        if idle_s != float("inf"):   # every rank's keepalives hold the job's state: a silent rank died
             self._keepalive = threading.Thread(target=self._keep_alive, args=(idle_s / 4,),
                                                name="omnireduce-keepalive", daemon=True)
             self._keepalive.start()
@@ -256,15 +275,21 @@ class OmniReduceBackend(Backend):
         """Dedicated aggregators drop a job that is silent for their idle time: while this backend
         is open, tell them it lives (a job may reduce nothing for a long evaluation)."""
         while not self._stopping.wait(every_s):
-            agg.keepalive(self._sock, self._aggregators, self._job_hash, self._epoch)
+            agg.keepalive(self._sock, self._aggregators, self._job_hash, self._epoch, self.rank, self._sign)
 
     def _spawn_aggregators(self, count):
         """Rank 0, all ranks local, nothing configured: start `count` commlib-aggregator processes."""
         cmd = [sys.executable, "-m", "commlib.switch.aggregator_main", "--host", "127.0.0.1", "--port", "0",
                "--exit-with-parent", "--quiet"]
+        if self.ctx.secret:   # the daemon key on the child's stdin: never on its command line
+            cmd += ["--key-file", "/dev/stdin"]
         for _ in range(count):
-            self._processes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                                    stdin=subprocess.DEVNULL, text=True))
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                    stdin=subprocess.PIPE if self.ctx.secret else subprocess.DEVNULL, text=True)
+            self._processes.append(proc)
+            if self.ctx.secret:
+                proc.stdin.write(self.ctx.secret.hex() + "\n")
+                proc.stdin.close()
         addresses, deadline = [], time.monotonic() + max(self.timeout_s, 30.0)   # a start on a busy host is slow
         for proc in self._processes:
             try:
@@ -357,7 +382,7 @@ class OmniReduceBackend(Backend):
                  "density": st.own_blocks / st.nblocks if st.nblocks else 0.0,
                  "union_density": st.union_blocks / st.nblocks if st.nblocks else 0.0,
                  "sim_dropped": st.sim_dropped, "sim_duplicated": st.sim_duplicated,
-                 "dup_recv": st.dup_recv, "ooo_recv": st.ooo_recv, "srtt_ms": st.srtt_us / 1e3, "rto_ms": st.rto_us / 1e3,
+                 "dup_recv": st.dup_recv, "ooo_recv": st.ooo_recv, "bad_mac": st.bad_mac, "srtt_ms": st.srtt_us / 1e3, "rto_ms": st.rto_us / 1e3,
                  "seconds": seconds}
         with self._lock:
             self._tensors.pop(name, None)
@@ -368,7 +393,7 @@ class OmniReduceBackend(Backend):
             t = self._totals
             t["tensors"] += 1
             for key in ("bytes_sent", "bytes_recv", "packets_sent", "packets_recv", "resends", "sim_dropped",
-                        "sim_duplicated"):
+                        "sim_duplicated", "bad_mac"):
                 t[key] += entry[key]
 
     def density(self, array):
@@ -380,12 +405,19 @@ class OmniReduceBackend(Backend):
         entry = self._tensors.get(name)
         return None if entry is None else (entry["density"], entry["union_density"])
 
+    def daemon_counters(self):
+        if self.rank != 0 or not self._aggregators:
+            return {}
+        return {f"aggregator {host}:{port}": functools.partial(agg.query, (host, port), {"op": "counters"},
+                                                               key=self._daemon_key)
+                for host, port in self._aggregators}
+
     def stats(self):
         """Bytes/packets per tensor and in total (UDP payload: 40-byte header + block), measured block
         density of the last tensor (own: this rank's; union: identical on every rank), resends."""
         with self._lock:
             out = dict(self._totals)
-            out.update(mode=self.mode, block_size=self.block, columns=self.columns, threshold=self.threshold,
+            out.update(mode=self.mode, authenticated=self._key is not None, block_size=self.block, columns=self.columns, threshold=self.threshold,
                        aggregators=[f"{h}:{p}" for h, p in self._aggregators],
                        last=dict(self._last), density=self._last.get("density"),
                        union_density=self._last.get("union_density"),
@@ -410,7 +442,7 @@ class OmniReduceBackend(Backend):
             log.warning("omnireduce rank %d: closing without the others (%s)", self.rank, exc)
             done = False
         if done and self.mode == "dedicated" and self._sock is not None:
-            agg.deregister(self._sock, self._aggregators, self._job_hash, self._epoch)
+            agg.deregister(self._sock, self._aggregators, self._job_hash, self._epoch, self.rank, self._sign)
         self._release()
 
     def _release(self):

@@ -4,7 +4,9 @@ Every rank streams its tensor through a pool of `switch_window` slots of a comml
 block of `switch_packet_elems` values per packet; the switch adds the blocks of all ranks and
 sends each sum back to every rank. Each rank sends S and receives S bytes whatever the number of
 ranks. The per-packet loop is C (switch/csrc/switchml_worker.c), one call per tensor, the GIL
-released.
+released. Packets and results carry a MAC under the job key (backends/keys.py; `authenticate`),
+and the packet id is each slot set's version, so reordered, late and replayed packets are never
+aggregated (switch/csrc/switchml.h).
 
 Tuning guide
   switch_window          packets in flight per rank (= slots the job takes on the switch). Larger
@@ -32,15 +34,17 @@ Numbers
 import logging
 import os
 import socket
+import threading
+import time
 
 import numpy as np
 
 from commlib import kernels
-from commlib.backends import Backend, register
+from commlib.backends import Backend, keys, register
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor,
                             PeerFailure)
 from commlib.settings import define
-from commlib.switch import net
+from commlib.switch import auth, net
 from commlib.switch import switchml as sw
 from commlib.net import parse_address
 
@@ -48,6 +52,8 @@ log = logging.getLogger("commlib.switchml")
 
 define("switch_addr", "", "host:port of a commlib-switch (UDP data + TCP control on one port); empty: "
        "rank 0 starts a switch on loopback when every rank is on this machine")
+define("switch_key_file", "", "the daemon key of a commlib-switch started with --key-file (COMMLIB_SWITCH_ADDR), "
+       "read by every rank; the embedded switch uses the job's secret", per_rank=True)
 define("switch_window", 128, "SwitchML window: packets in flight per rank = slots the job takes on the switch")
 define("switch_packet_elems", 256, "values per SwitchML packet: 64 or 256")
 define("switch_retransmit_ms", 5.0, "SwitchML per-packet retransmission timer (ms): the floor of the adaptive "
@@ -96,6 +102,13 @@ class SwitchMLBackend(Backend):
         self.server = None       # the embedded switch (rank 0 only)
         self.address = None
         self.job = None
+        self.nonce = None        # the job's public nonce: its packets' key is auth.job_key(daemon key, nonce)
+        self._key = None         # that job key (None: packets without MACs)
+        self._daemon_key = None  # the switch's key (the job's secret for the embedded one, else the key file's)
+        self._control_key = None  # signs this rank's control requests (keepalive, unregister, counters)
+        self._client = None      # this rank's control requests
+        self._keepalive = None
+        self._stopping = threading.Event()
         self._sock = None
         self._worker = None
         self._broken = None      # why the stream is out of step with the switch
@@ -123,8 +136,18 @@ class SwitchMLBackend(Backend):
         self.address = self._step("switch", self._switch_address)[0]
         # 2. every rank's UDP address, as the switch will see it
         workers = self._step("addrs", self._open_socket)
-        # 3. rank 0 registers the job; everyone learns its job number
-        self.job = self._step("job", lambda: self._register(workers))[0]
+        # 3. rank 0 registers the job; everyone learns its job number and nonce, derives its keys and
+        #    keeps the job alive
+        self._daemon_key = self.ctx.agree(f"{self._scope}/key", keys.daemon_key, self.ctx,   # agreed, never sent
+                                          not self.ctx.settings.switch_addr, self.ctx.settings.switch_key_file)
+        job = self._step("job", lambda: self._register(workers))[0]
+        self.job, self.nonce = job["job"], job["nonce"]
+        self._key = keys.job_key(self.ctx, self._daemon_key, self.nonce)
+        self._control_key = self._daemon_key and auth.job_key(self._daemon_key, self.nonce)
+        self._client = sw.SwitchClient(self.address, 5.0, key=self._control_key, rank=self.rank)
+        self._keepalive = threading.Thread(target=self._keep_alive, args=(job["expiry_s"] / 4,),
+                                           name="switchml-keepalive", daemon=True)
+        self._keepalive.start()
         # 4. every rank's C worker (so that either all ranks stream or none does)
         self._step("worker", self._make_worker)
         log.debug("switchml: rank %d in job #%d on switch %s", self.rank, self.job, self.address)
@@ -133,7 +156,8 @@ class SwitchMLBackend(Backend):
         s = self.ctx.settings
         worker = sw.lib.sml_worker_new(self._sock.fileno(), self.job, self.rank, self.token, self.size,
                                        self.window, self.elems, float(s.switch_retransmit_ms),
-                                       float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)))
+                                       float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)),
+                                       sw.ffi.NULL if self._key is None else self._key)
         if worker == sw.ffi.NULL:
             raise MemoryError("switchml: could not allocate the worker state")
         self._worker = worker
@@ -146,7 +170,7 @@ class SwitchMLBackend(Backend):
             p = float(s.switch_drop_probability)
             self.server = sw.SwitchServer("127.0.0.1", 0, slots=max(self.window, 1024), ingress=p, egress=p,
                                           duplicate=float(s.switch_duplicate_probability),
-                                          offload=bool(s.switch_offload)).start()
+                                          offload=bool(s.switch_offload), key=self.ctx.secret or None).start()
         except Exception as exc:
             raise BackendUnavailable(f"could not start the embedded switch: {exc}") from exc
         return self.server.address
@@ -163,11 +187,24 @@ class SwitchMLBackend(Backend):
     def _register(self, workers):
         if self.rank != 0:
             return None
-        return sw.SwitchClient(self.address, min(self.ctx.settings.timeout_s, 30.0)).register(
-            self.token, workers, self.window, self.elems)["job"]
+        nonce = auth.new_nonce()
+        key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
+        reply = sw.SwitchClient(self.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0).register(
+            self.token, workers, self.window, self.elems, nonce=nonce,
+            authenticate=keys.job_key(self.ctx, self._daemon_key, nonce) is not None)
+        return {"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0)}
+
+    def _keep_alive(self, every_s):
+        """Every rank tells the switch it lives: a job one of whose ranks falls silent is removed."""
+        while not self._stopping.wait(every_s):
+            try:
+                self._client.keepalive(self.job)
+            except CommError as exc:
+                log.warning("switchml: keepalive of job #%s failed: %s", self.job, exc)
 
     # -- the collective ---------------------------------------------------------------------------------
     def allreduce(self, array, name):
+        self.last_busy_s = None
         array = np.ascontiguousarray(array).reshape(-1)
         dtype = array.dtype
         if dtype not in self.dtypes:
@@ -187,6 +224,7 @@ class SwitchMLBackend(Backend):
                                      f"is the collective set-up, called once on every rank) or is closed")
         ffi, lib = sw.ffi, sw.lib
         timeout_ms = int(self.ctx.settings.timeout_s * 1000)
+        start, waited_ns = time.perf_counter(), self._wait_ns()
         if dtype == I32:
             rc = lib.sml_worker_allreduce(self._worker, 1, ffi.from_buffer(array), ffi.from_buffer(out), array.size,
                                           ffi.NULL, ffi.NULL, ffi.NULL, timeout_ms)
@@ -197,6 +235,8 @@ class SwitchMLBackend(Backend):
                                           ffi.cast("int8_t *", ffi.from_buffer(exps)),
                                           ffi.cast("uint8_t *", ffi.from_buffer(nf)),
                                           ffi.cast("int8_t *", ffi.from_buffer(mexp)), timeout_ms)
+        # all but the C worker's time blocked in poll(): exponents, quantizing, MACs, syscalls
+        self.last_busy_s = max(0.0, time.perf_counter() - start - (self._wait_ns() - waited_ns) / 1e9)
         if rc < 0:
             error = self._error(rc, name)
             self._broken = str(error)
@@ -222,7 +262,7 @@ class SwitchMLBackend(Backend):
         if rc == lib.SML_E_TIMEOUT:
             hint = ""
             try:   # ask the control plane why: a restarted switch no longer lists the job
-                sw.SwitchClient(self.address, 2.0).counters(self.job, self.token)
+                sw.SwitchClient(self.address, 2.0, key=self._control_key, rank=self.rank).counters(self.job, self.token)
                 hint = "the switch still holds the job, so another rank probably stopped or is far behind"
             except ConfigError:
                 return PeerFailure(f"{where}: no answer for {self.ctx.settings.timeout_s}s and the switch no longer "
@@ -238,7 +278,8 @@ class SwitchMLBackend(Backend):
 
     # -- counters and shutdown -----------------------------------------------------------------------
     def stats(self):
-        out = {"switch": self.address, "job": self.job, "embedded": self.server is not None}
+        out = {"switch": self.address, "job": self.job, "embedded": self.server is not None,
+               "authenticated": self._key is not None}
         if self._worker is not None:
             c = sw.ffi.new("sml_worker_counters *")
             sw.lib.sml_worker_counters_get(self._worker, c)
@@ -249,7 +290,17 @@ class SwitchMLBackend(Backend):
         """The switch's counters for this job (packets received, aggregated, results, replays, drops)."""
         if self.job is None:
             return {}
-        return sw.SwitchClient(self.address, 5.0).counters(self.job, self.token)
+        return self._client.counters(self.job, self.token)
+
+    def _wait_ns(self):
+        c = sw.ffi.new("sml_worker_counters *")
+        sw.lib.sml_worker_counters_get(self._worker, c)
+        return c.wait_ns
+
+    def daemon_counters(self):
+        if self.rank != 0 or self.job is None:
+            return {}
+        return {f"switch {self.address}": lambda: self.switch_counters()["counters"]}
 
     def close(self):
         if self._worker is not None:
@@ -261,14 +312,21 @@ class SwitchMLBackend(Backend):
         self._release()
 
     def _unregister(self):
-        """Rank 0 ends the job on a switch that outlives it (an embedded one goes with rank 0)."""
-        if self.rank == 0 and self.server is None and self.job is not None:
+        """Every rank that ends ends the job on a switch that outlives it (an embedded one goes with
+        rank 0); the first one does it, the others find it gone."""
+        if self.ctx.settings.switch_addr and self._client is not None:
             try:
-                sw.SwitchClient(self.address, 5.0).unregister(self.job, self.token)
+                self._client.unregister(self.job, self.token)
+            except ConfigError:
+                pass   # another rank ended it first
             except CommError as exc:
                 log.warning("switchml: could not unregister job #%s: %s", self.job, exc)
 
     def _release(self):
+        self._stopping.set()
+        if self._keepalive is not None:
+            self._keepalive.join(10.0)
+            self._keepalive = None
         if self.server is not None:
             self.server.stop()
             self.server = None

@@ -7,7 +7,8 @@ aggregators) and of the core's ring backend on the same tensor (Horovod's Gloo a
 horovodrun when Horovod is built, else torch.distributed's Gloo), the MEASURED block density
 (own and union), and the bytes each worker sent and received against the traffic models:
 OMNIREDUCE.md's (own blocks + 4 B up, the union down), commlib's exact wire model, and the ring's
-2(N-1)/N * S each way.
+2(N-1)/N * S each way. At the densest density it also times omnireduce without the packet MACs
+(COMMLIB_AUTHENTICATE=0, a trusted fabric): the MAC's cost.
 
     python benchmarks/bench_omnireduce.py [--quick] [--workers 4] [--mib 64] [--densities 0.01,0.1,1]
                                           [--modes colocated,dedicated] [--runs 5]
@@ -83,7 +84,7 @@ def worker(args):
         if engine is None and ring is not None:
             engine = ring.stats().get("engine", "ring")
         if rank == 0:
-            wire = wire_model(masks, elements, BLOCK, omni.columns)
+            wire = wire_model(masks, elements, BLOCK, omni.columns, authenticated=ctx.settings.authenticate)
             union = int(np.any(masks, axis=0).sum())
             paper = [paper_model(int(m.sum()), union, BLOCK * 4) for m in masks]
             results[str(density)] = {
@@ -94,10 +95,27 @@ def worker(args):
                 "paper_model": paper, "wire_model": wire,
                 "ring_model_bytes": 2 * (n - 1) / n * elements * 4,
             }
+        if density == max(args.densities):
+            no_mac_s = timed_without_macs(ctx, timed, x, f"nomac{density}")
+            if rank == 0:
+                results[str(density)]["no_mac_s"] = no_mac_s
     if rank == 0:
         common.emit({"engine": engine, "size": n, "columns": omni.columns, "mode": omni.mode,
                      "elements": elements, "results": results})
     commlib.shutdown()
+
+
+def timed_without_macs(ctx, timed, x, tag):
+    """timed() through an omnireduce backend of its own (same mode) whose packets carry no MACs."""
+    from commlib.backends.omnireduce import OmniReduceBackend
+    from commlib.settings import Settings
+    backend = OmniReduceBackend(ctx.joined(settings=Settings(dict(ctx.settings.as_dict(), authenticate=False),
+                                                             environ={})))
+    backend.start()
+    try:
+        return timed(backend, x, tag)[0]
+    finally:
+        backend.close()
 
 
 # -- the launcher ------------------------------------------------------------------------------------
@@ -128,7 +146,7 @@ def main(argv=None):
         return worker(args)
     modes = (args.modes or ("colocated" if args.quick else "colocated,dedicated")).split(",")
 
-    n, results, rows = args.workers, {}, []
+    n, results, rows, mac_rows = args.workers, {}, [], []
     load_before = os.getloadavg()
     for mode in modes:
         print(f"== omnireduce {mode}, {n} workers, {args.mib} MiB float32, block {BLOCK}", flush=True)
@@ -155,6 +173,13 @@ def main(argv=None):
                   f"sent {_mib(sent):7.2f} MiB (paper {_mib(up):7.2f}, wire {_mib(wire_up):7.2f}) | "
                   f"recv {_mib(recv):7.2f} MiB (paper {_mib(down):7.2f}, wire {_mib(wire_down):7.2f}) | "
                   f"ring {_mib(r['ring_model_bytes']):.2f} MiB each way | resends {sum(r['resends'])}", flush=True)
+            if "no_mac_s" in r:
+                no_mac = statistics.median(r["no_mac_s"])
+                r["mac_cost"] = 1 - no_mac / omni
+                print(f"  density {float(density):>5.0%} without MACs: omnireduce {no_mac * 1e3:8.1f} ms; "
+                      f"the MACs cost {r['mac_cost']:.1%} of the time", flush=True)
+                mac_rows.append(f"| {mode} | {float(density):.0%} | {omni * 1e3:.1f} | {no_mac * 1e3:.1f} | "
+                                f"{r['mac_cost']:.1%} |")
             rows.append(f"| {mode} | {float(density):.0%} | {own:.4f} / {r['measured_union_density']:.4f} | "
                         f"{omni * 1e3:.1f} | {ring * 1e3 if ring else float('nan'):.1f} | "
                         f"{ring / omni if ring else float('nan'):.2f}x | {_mib(sent):.2f} / {_mib(up):.2f} | "
@@ -167,7 +192,11 @@ def main(argv=None):
                 f"{load_before[0]:.1f} on {os.cpu_count()} CPUs at the start.\n\n"
                 "| aggregators | nominal density | measured own / union | omnireduce ms | ring ms | ring/omni | "
                 "sent / model MiB | recv / model MiB | ring MiB each way |\n"
-                "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+                "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+                "\nThe packet MACs' cost (SipHash-2-4 over every packet and result, switch/csrc; the rows above "
+                "are with MACs, the default): the same allreduce with COMMLIB_AUTHENTICATE=0.\n\n"
+                "| aggregators | density | with MACs ms | without ms | share of the time |\n|---|---|---|---|---|\n"
+                + "\n".join(mac_rows) + "\n")
     settings = {"workers": n, "mib": args.mib, "runs": args.runs, "densities": args.densities, "modes": modes,
                 "block": BLOCK, "quick": args.quick, "loadavg": load_before}
     common.save("omnireduce", settings, results, markdown)

@@ -8,7 +8,9 @@ prints, like p4app-switchML's allreduce benchmark,
 
 then Min/Max/Median/Mean; goodput = elements * 32 / ns (the job's duration is the slowest rank's).
 The same processes then time the ring allreduce of the same tensor through the core's engine
-(Horovod with Gloo under horovodrun, else torch.distributed's Gloo) for the ratio. The switch's
+(Horovod with Gloo under horovodrun, else torch.distributed's Gloo) for the ratio, and the cost
+of the packet MACs: the same allreduce through a switch embedded in rank 0 (the default set-up),
+with MACs (the default) and without (COMMLIB_AUTHENTICATE=0, a trusted fabric). The switch's
 own counters give the profile: its CPU time per element and its busy fraction (CPU time / wall
 time of the timed runs; well below 1 means the switch is not the bottleneck).
 
@@ -76,6 +78,9 @@ def worker(args):
         ring_ns, engine = timed(ring, "ring"), ring.stats().get("engine")
     except commlib.CommError as exc:
         ring_ns, engine = None, f"unavailable: {exc}"
+    mac_ns, mac_cpu = {}, {}
+    for flag in (True, False):
+        mac_ns[flag], mac_cpu[flag] = timed_embedded(ctx, timed, flag, args.elements * (args.runs + 1))
     elements = args.elements * (args.runs + 1)   # the warm-up is inside the counter window too
     profile = {
         "switch_cpu_ns_per_element": (after["cpu_ns"] - before["cpu_ns"]) / elements,
@@ -86,10 +91,51 @@ def worker(args):
         "switch_packets": after["rx"] - before["rx"],
         "worker_resends": w_after["resends"] - w_before["resends"],
     }
+    profile["mac_cpu_ns_per_packet"] = mac_cpu_ns(256)
     if rank == 0:
         common.emit({"switchml_ns": sml_ns, "ring_ns": ring_ns, "engine": engine, "profile": profile,
-                     "size": ctx.size})
+                     "size": ctx.size, "mac_ns": mac_ns[True], "no_mac_ns": mac_ns[False],
+                     "mac_cpu": mac_cpu[True], "no_mac_cpu": mac_cpu[False]})
     commlib.shutdown()
+
+
+def mac_cpu_ns(elems, calls=20000):
+    """CPU time of one packet's MAC (SipHash-2-4 over a header and `elems` int32), the cffi call's
+    own cost taken out: what each MAC adds on the worker (two per packet: sign, verify) and on the
+    switch (one per contribution, one per result). CPU time, so a busy host does not inflate it."""
+    import os
+    from commlib.switch.switchml import lib
+    key, packet = os.urandom(16), os.urandom(20 + 4 * elems)
+    costs = []
+    for length in (len(packet), 0):
+        start = time.process_time_ns()
+        for _ in range(calls):
+            lib.tp_siphash(key, packet, length)
+        costs.append((time.process_time_ns() - start) / calls)
+    return costs[0] - costs[1]
+
+
+def timed_embedded(ctx, timed, authenticate, elements):
+    """timed() through a switchml backend of its own, with the switch embedded in rank 0 (the
+    default set-up, whose daemon key the job holds) and the packets' MACs on or off; with the CPU
+    time per element of this rank's worker and of the switch (CPU time: robust to a busy host,
+    where goodput is not)."""
+    from commlib.backends.switchml import SwitchMLBackend
+    from commlib.settings import Settings
+    from commlib.switch.switchml import SwitchClient
+    settings = Settings(dict(ctx.settings.as_dict(), switch_addr="", authenticate=authenticate), environ={})
+    backend = SwitchMLBackend(ctx.joined(settings=settings))
+    backend.start()
+    try:
+        switch = SwitchClient(backend.address)
+        before, w_before = switch.counters()["switch"]["cpu_ns"], backend.stats()["cpu_ns"]
+        ns = timed(backend, f"switchml.mac{int(authenticate)}")
+        after, w_after = switch.counters()["switch"]["cpu_ns"], backend.stats()["cpu_ns"]
+        cpu = {"worker_cpu_ns_per_element": (w_after - w_before) / elements,
+               "switch_cpu_ns_per_element": (after - before) / elements}
+        return ns, cpu
+    finally:
+        backend.close()
 
 
 # -- the launcher ------------------------------------------------------------------------------------
@@ -140,7 +186,17 @@ def main(argv=None):
             proc.wait()
         sml = _report("switchml", payload["switchml_ns"], args.elements)
         ring = _report(f"ring/{payload['engine']}", payload["ring_ns"], args.elements) if payload["ring_ns"] else None
+        mac = _report("switchml embedded, MACs", payload["mac_ns"], args.elements)
+        no_mac = _report("switchml embedded, no MACs", payload["no_mac_ns"], args.elements)
+        mac_cost = 1 - statistics.median(mac) / statistics.median(no_mac)
+        on, off = payload["mac_cpu"], payload["no_mac_cpu"]
+        worker_added = on["worker_cpu_ns_per_element"] - off["worker_cpu_ns_per_element"]
+        switch_added = on["switch_cpu_ns_per_element"] - off["switch_cpu_ns_per_element"]
         prof = payload["profile"]
+        print(f"  MAC cost: {mac_cost:.1%} of the goodput; CPU ns/element with/without MACs: worker "
+              f"{on['worker_cpu_ns_per_element']:.2f}/{off['worker_cpu_ns_per_element']:.2f}, switch "
+              f"{on['switch_cpu_ns_per_element']:.2f}/{off['switch_cpu_ns_per_element']:.2f}; one MAC "
+              f"{prof['mac_cpu_ns_per_packet']:.0f} CPU ns per 256-value packet")
         print(f"  profile: switch {prof['switch_cpu_ns_per_element']:.2f} CPU ns/element, busy "
               f"{prof['switch_busy_fraction']:.0%}; worker {prof['worker_cpu_ns_per_element']:.2f} CPU ns/element, "
               f"waiting {prof['worker_wait_fraction']:.0%}; {prof['worker_resends']} resends")
@@ -148,16 +204,27 @@ def main(argv=None):
                            "ring_engine": payload["engine"], "ring_ns": payload["ring_ns"],
                            "ring_gbps": common.summarize(ring) if ring else None,
                            "ratio_median": statistics.median(sml) / statistics.median(ring) if ring else None,
-                           "profile": prof}
+                           "profile": prof, "embedded_mac_gbps": common.summarize(mac),
+                           "embedded_no_mac_gbps": common.summarize(no_mac), "mac_cost": mac_cost,
+                           "mac_cpu": on, "no_mac_cpu": off}
         rows.append(f"| {n} | {statistics.median(sml):.3f} | "
                     + (f"{statistics.median(ring):.3f} | {results[str(n)]['ratio_median']:.2f}x" if ring else "- | -")
                     + f" | {prof['switch_busy_fraction']:.0%} | {prof['switch_cpu_ns_per_element']:.2f} | "
-                    f"{prof['worker_cpu_ns_per_element']:.2f} |")
+                    f"{prof['worker_cpu_ns_per_element']:.2f} | {statistics.median(mac):.3f} | "
+                    f"{statistics.median(no_mac):.3f} | {mac_cost:.1%} | +{worker_added:.2f} | +{switch_added:.2f} | "
+                    f"{prof['mac_cpu_ns_per_packet']:.0f} |")
     engine = next(iter(results.values()))["ring_engine"] if results else "?"
     markdown = (f"float32 allreduce of {args.elements:,} values on loopback (median goodput, Gbps = elements*32/ns; "
                 f"ring = {engine} allreduce in the same processes)\n\n"
                 "| workers | switchml Gbps | ring Gbps | switchml/ring | switch busy | switch CPU ns/elem | "
-                "worker CPU ns/elem |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+                "worker CPU ns/elem | embedded, MACs Gbps | embedded, no MACs Gbps | MAC cost | MAC worker CPU "
+                "ns/elem | MAC switch CPU ns/elem | one MAC, CPU ns/packet |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+                "\nMAC cost: the goodput lost to the packet MACs (SipHash-2-4 over every packet and result, "
+                "switch/csrc), the switch embedded in rank 0 with COMMLIB_AUTHENTICATE on and off (wall time: "
+                "noisy on a busy host); the CPU time per element the MACs add to a worker and to the switch "
+                "(robust); one MAC of a 256-value packet (a worker makes two per packet, the switch n + 1 per "
+                "round of n contributions).\n")
     settings = {"elements": args.elements, "runs": args.runs, "window": args.window, "quick": args.quick,
                 "offload": not args.no_offload, "packet_elems": 256}
     common.save("switchml", settings, results, markdown)

@@ -23,6 +23,25 @@ sys.path.insert(0, str(ROOT / "tests"))
 from launch import horovodrun, spawn  # noqa: E402  tests/launch.py: process groups killed on timeout
 
 
+def step_breakdown(records, names):
+    """Seconds of one step spent by commlib's buckets in the worker's processing (fusion copies,
+    scaling, compression) and in the algorithms' collectives (network + switch/aggregators), from
+    commlib.records() after the step; a bucket's tensors share its times, so each bucket counts once."""
+    buckets = {records[n]["bucket"]: records[n] for n in names if n in records}
+    return {"process_s": sum(r["process_s"] for r in buckets.values()),
+            "transfer_s": sum(r["transfer_s"] for r in buckets.values())}
+
+
+def bottleneck(step_s, breakdowns):
+    """'transfer 70%' style summary: the median share of the step time in commlib's collectives and
+    processing; transfer near the whole step means the network (or switch) bounds it."""
+    if not breakdowns:
+        return "-"
+    transfer = statistics.median(b["transfer_s"] for b in breakdowns) / step_s
+    process = statistics.median(b["process_s"] for b in breakdowns) / step_s
+    return f"transfer {transfer:.0%}, worker processing {process:.0%}"
+
+
 def timeit(fn, repeats, warmup=1):
     """Seconds per call of fn(), `repeats` samples after `warmup` unmeasured calls."""
     for _ in range(warmup):

@@ -19,8 +19,9 @@ _runtime = None
 _init_lock = threading.Lock()
 
 __all__ = ["Average", "Sum", "Min", "Max", "Product", "Handle", "init", "shutdown", "is_initialized", "runtime",
-           "rank", "size", "local_rank", "local_size", "ProcessSet", "add_process_set", "allreduce_async", "grouped_allreduce_async",
-           "grouped_allreduce", "synchronize", "poll", "allreduce", "records", "backend_stats"]
+           "rank", "size", "local_rank", "local_size", "ProcessSet", "add_process_set", "allreduce_async",
+           "grouped_allreduce_async", "grouped_allreduce", "synchronize", "poll", "allreduce", "records",
+           "backend_stats", "start_timeline", "stop_timeline"]
 
 
 def init(policy=None, **settings):
@@ -150,8 +151,21 @@ def allreduce(tensor, name=None, op=Average, algorithm=None, compression=None,
 
 def records():
     """Per tensor name, the last dispatch: algorithm, compression, bytes, block density (as `auto`
-    measured it, or as omnireduce saw it: of the fused buffer when fused), timings."""
+    measured it, or as omnireduce saw it: of the fused buffer when fused), timings: negotiate_s,
+    queue_s, run_s = process_s (fusion, scaling, compression on this worker) + transfer_s (the
+    algorithm's collectives: network, switch and aggregators)."""
     return dict(runtime().records)
+
+
+def start_timeline(path):
+    """Write a Chrome trace of every tensor's phases to `path` from now on ('{rank}' in the path:
+    one file per rank, else rank 0 only), as Horovod's hvd.start_timeline; see commlib.timeline."""
+    runtime().set_timeline(path)
+
+
+def stop_timeline():
+    """End the trace that start_timeline or the `timeline` setting began."""
+    runtime().set_timeline("")
 
 
 def backend_stats():

@@ -1,11 +1,14 @@
 """Bootstrap: from a launcher's environment to a job every rank shares.
 
 The ring engine (Horovod, MPI, torch.distributed) starts first, since it may be what knows this
-rank's placement; rank 0 then starts the controller and shares its address through the engine;
+rank's placement; rank 0 then starts the controller and shares its address, with the job's secret
+(the daemon key of the switch and aggregators it embeds), through the engine: the launcher's own
+channel, never the controller's (which would carry it in clear on the job's network);
 every rank connects, and the settings that shape communication are checked equal on all ranks.
 The result is the job's Context (placement + settings + engine + exchange) and its controller;
 its engine is the one that carries the ring's data (commlib.engine.data_engine).
 """
+import secrets
 import threading
 
 from commlib import controller, engine as engines
@@ -19,10 +22,11 @@ def join(settings):
     """(Context, ControllerClient, ControllerServer or None) for this rank."""
     engine = engines.create(settings.ring_engine, detect(), settings.timeout_s)
     placement = detect()   # creating the engine may have initialized Horovod
-    share = lambda address: within(settings.timeout_s, "sharing the controller's address (commlib.init)",
-                                   engine.broadcast_object, address)
-    server, client = start_controller(settings, placement, share)
-    ctx = placement.joined(settings=settings, exchange_fn=client.exchange, engine=engine, job_token=client.token)
+    share = lambda value: within(settings.timeout_s, "sharing the controller's address and the job's secret "
+                                 "(commlib.init)", engine.broadcast_object, value)
+    server, client, secret = start_controller(settings, placement, share)
+    ctx = placement.joined(settings=settings, exchange_fn=client.exchange, engine=engine, job_token=client.token,
+                           secret=secret)
     try:
         _check_settings_agree(ctx)
         ctx = ctx.joined(engine=engines.data_engine(settings.ring_engine, ctx))
@@ -32,16 +36,23 @@ def join(settings):
     return ctx, client, server
 
 
-def start_controller(s, placement, share):
-    """Rank 0 serves; every rank connects to the address rank 0 shares (or COMMLIB_CONTROLLER_ADDR).
-    share(address or None) -> rank 0's address, on every rank."""
+def start_controller(s, placement, share, secret=None):
+    """Rank 0 serves; every rank connects to the address rank 0 shares (or COMMLIB_CONTROLLER_ADDR),
+    and gets rank 0's secret in the same broadcast. share(value) -> rank 0's value, on every rank.
+    `secret`: the job's, when there is one already (a process set's), then only the address travels.
+    Returns (server or None, client, secret)."""
     options = dict(timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms,
                    negotiation_timeout_s=s.negotiation_timeout_s, stall_warning_s=s.stall_warning_s)
     server = None
+    drawn = secret is None
+    if drawn:
+        secret = secrets.token_bytes(32) if placement.rank == 0 else None
     if s.controller_addr:
         address = parse_address(s.controller_addr, "COMMLIB_CONTROLLER_ADDR")
         if placement.rank == 0:
             server = controller.ControllerServer(placement.size, *address, **options)
+        if drawn:
+            secret = share(secret)
     else:
         host = s.controller_host or ("127.0.0.1" if placement.all_local else primary_ip())
         address = None
@@ -49,8 +60,11 @@ def start_controller(s, placement, share):
             server = controller.ControllerServer(placement.size, host if placement.all_local else "0.0.0.0", 0,
                                                  **options)
             address = (host, server.address[1])
-        address = share(address)
-    return server, controller.ControllerClient(address, placement.rank, s.timeout_s)
+        if drawn:
+            address, secret = share((address, secret))
+        else:
+            address = share(address)
+    return server, controller.ControllerClient(address, placement.rank, s.timeout_s), secret
 
 
 def _check_settings_agree(ctx):

@@ -2,7 +2,8 @@
 
 `detect()` fills in the placement (rank, size, local rank and size, launcher) from Horovod, the
 launcher's environment or mpi4py; commlib's bootstrap then adds the job: settings, the ring
-engine, `exchange` (an allgather of small JSON values through the controller) and a job token.
+engine, `exchange` (an allgather of small JSON values through the controller), a job token and
+the job's secret.
 """
 import dataclasses
 import os
@@ -23,10 +24,12 @@ class Context:
     exchange_fn: object = None       # (key, value, timeout) -> list of every rank's value
     engine: object = None            # commlib.engine.Engine: the existing ring engine (None in unit tests)
     job_token: str = ""              # random hex, identical on every rank of the job
+    secret: bytes = field(default=b"", repr=False)   # rank 0's random key for the daemons it embeds
+                                     # (switch, aggregators), shared through the launcher's broadcast
     counters: dict = field(default_factory=dict)
 
     def joined(self, **job):
-        """This placement with the job's fields (settings, exchange_fn, engine, job_token) set."""
+        """This placement with the job's fields (settings, exchange_fn, engine, job_token, secret) set."""
         return dataclasses.replace(self, **job)
 
     @property

@@ -47,24 +47,54 @@ class Channel:
     """The collectives of one algorithm, as a compressor's reduce_bucket sees them: rank, size,
     algorithm, allreduce(array) and allgather(array), each call named after the bucket."""
 
-    def __init__(self, backend, algorithm, ctx, name):
+    def __init__(self, backend, algorithm, ctx, name, phases):
         self.rank, self.size, self.algorithm = ctx.rank, ctx.size, algorithm
-        self._backend, self._name = backend, name
+        self._backend, self._name, self._phases = backend, name, phases
         self._calls = itertools.count()
 
     def allreduce(self, array):
         """Elementwise sum over ranks of a 1-D array (cast to float32 if the algorithm lacks its dtype)."""
         array = np.ascontiguousarray(array).reshape(-1)
         native = array.dtype in self._backend.dtypes
+        self._phases.mark("COMPRESS")
         out = self._backend.allreduce(array if native else array.astype(np.float32), self._next())
+        self._phases.mark(self.algorithm.upper(), comm=True, sent=array.nbytes, received=out.nbytes,
+                          **busy(self._backend))
         return out.astype(array.dtype, copy=False)
 
     def allgather(self, array):
         """Every rank's 1-D array (lengths may differ), index = rank."""
-        return self._backend.allgather(np.ascontiguousarray(array).reshape(-1), self._next())
+        self._phases.mark("COMPRESS")
+        out = self._backend.allgather(np.ascontiguousarray(array).reshape(-1), self._next())
+        self._phases.mark(self.algorithm.upper(), comm=True, sent=array.nbytes, received=sum(a.nbytes for a in out))
+        return out
 
     def _next(self):
         return f"{self._name}.{next(self._calls)}"
+
+
+class Phases:
+    """The phases of one bucket's run, in order: (name, begin, end, comm, args) with monotonic times;
+    comm=True for the algorithm's collectives. `mark` closes the phase that just ended."""
+
+    __slots__ = ("spans", "_last")
+
+    def __init__(self, start):
+        self.spans, self._last = [], start
+
+    def mark(self, name, comm=False, **args):
+        now = time.monotonic()
+        self.spans.append((name, self._last, now, comm, args))
+        self._last = now
+
+    def seconds(self, comm):
+        """Time waiting in the collectives (comm=True: network, switch, aggregators) or in the
+        worker's processing (False), which includes a collective's own `busy_s` where it reports one."""
+        total = 0.0
+        for _, begin, end, is_comm, args in self.spans:
+            busy = args.get("busy_s", 0.0)
+            total += (end - begin - busy if comm else busy) if is_comm else (0.0 if comm else end - begin)
+        return total
 
 
 class Executor:
@@ -143,54 +173,91 @@ class Executor:
         name = first.name if len(bucket) == 1 else f"{first.name}+{len(bucket) - 1}"
         backend = self.dispatcher.backend(first.algorithm)
         start = time.monotonic()
+        phases = Phases(start)
         run = self._run_dense if first.compressor is None else self._run_compressed
-        results = run(bucket, backend, name)
+        results = run(bucket, backend, name, phases)
         end = time.monotonic()
         for entry, result in zip(bucket, results):
-            self._record(entry, start, end, len(bucket))
+            self._record(entry, name, start, end, len(bucket), phases)
             entry.handle.set(result=result)
 
-    def _run_dense(self, bucket, backend, name):
+    def _run_dense(self, bucket, backend, name, phases):
         first = bucket[0]
         arrays = [e.staged.array for e in bucket]
-        buf = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        buf = fused(arrays)
+        if buf is None:
+            buf = np.concatenate(arrays)
+            phases.mark("FUSE")
         if first.prescale != 1.0:
             buf = scaled(buf, first.prescale)
+            phases.mark("SCALE")
         out = backend.allreduce(buf, name) if first.op in (Sum, Average) else backend.allreduce(buf, name, first.op)
+        phases.mark(first.algorithm.upper(), comm=True, sent=buf.nbytes, received=out.nbytes, **busy(backend))
         measured = backend.measured_density(name)   # of the fused buffer when fused
         if measured is not None:
             for entry in bucket:
                 entry.density = measured[0]
         scale = first.postscale / (self.ctx.size if first.op == Average else 1)
         if scale != 1.0:
-            out = scaled(out, scale)
+            out = scaled(out, scale, inplace=not np.may_share_memory(out, buf))
+            phases.mark("SCALE")
         parts = np.split(out, np.cumsum([a.size for a in arrays])[:-1]) if len(bucket) > 1 else [out]
-        return [e.staged.restore(part) for e, part in zip(bucket, parts)]
+        results = [e.staged.restore(part) for e, part in zip(bucket, parts)]
+        phases.mark("RESTORE")
+        return results
 
-    def _run_compressed(self, bucket, backend, name):
+    def _run_compressed(self, bucket, backend, name, phases):
         first = bucket[0]
         tensors = [e.staged.dense() for e in bucket]
         if first.prescale != 1.0:
             tensors = [t * first.prescale for t in tensors]
-        channel = Channel(backend, first.algorithm, self.ctx, name)
+        channel = Channel(backend, first.algorithm, self.ctx, name, phases)
         outs = first.compressor.reduce_bucket(tensors, [e.name for e in bucket], channel, first.op == Average)
-        return [out * first.postscale if first.postscale != 1.0 else out for out in outs]
+        results = [out * first.postscale if first.postscale != 1.0 else out for out in outs]
+        phases.mark("DECOMPRESS")
+        return results
 
-    def _record(self, entry, start, end, fused):
+    def _record(self, entry, bucket, start, end, fused, phases):
         t = entry.times
         self.records[entry.name] = {
             "algorithm": entry.algorithm, "compression": entry.plan.compression, "dtype": entry.staged.dtype_name,
-            "nbytes": entry.staged.nbytes, "density": entry.density, "fused_with": fused - 1,
+            "nbytes": entry.staged.nbytes, "density": entry.density, "bucket": bucket, "fused_with": fused - 1,
             "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start,
+            "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True),
             "note": entry.plan.note}
-        self.timeline.tensor(entry.name, t["enqueue"], t["go"], start, end, entry.algorithm)
+        self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, fused - 1)
 
 
-def scaled(array, factor):
+def busy(backend):
+    """{'busy_s': seconds} of the backend's last allreduce spent processing, where it can tell."""
+    seconds = backend.last_busy_s
+    return {} if seconds is None else {"busy_s": seconds}
+
+
+def scaled(array, factor, inplace=False):
     """array * factor in the array's dtype, computed in float32 at least (as Horovod scales float16:
-    a factor rounded to float16 would put the result one float16 step off)."""
+    a factor rounded to float16 would put the result one float16 step off); in place when allowed
+    and the array is float32/float64 (the same result without a second buffer)."""
+    if inplace and array.dtype in (np.float32, np.float64) and array.flags.writeable:
+        array *= factor
+        return array
     wide = np.promote_types(array.dtype, np.float32) if array.dtype.kind == "f" else np.float64
     return (array.astype(wide, copy=False) * factor).astype(array.dtype)
+
+
+def fused(arrays):
+    """The bucket's 1-D arrays as one read-only buffer without copying when they lie back to back in
+    memory (a DDP bucket's per-parameter views of its flat buffer, or a single array); else None."""
+    first = arrays[0]
+    address = first.ctypes.data
+    for array in arrays:
+        if array.dtype != first.dtype or not array.flags.c_contiguous or array.ctypes.data != address:
+            return None
+        address += array.nbytes
+    if len(arrays) == 1:
+        return first
+    total = sum(a.size for a in arrays)
+    return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,), writeable=False)
 
 
 def fuse(entries, threshold):

@@ -4,8 +4,9 @@ A set is a job of its own among its ranks. The first time its ranks use it (or a
 `commlib.add_process_set`), they meet through the job's controller (an exchange among them only),
 the set's first rank serves the set's own controller, the ring engine forms a subgroup (commlib's
 Gloo ring among them, Horovod's process set, torch.distributed.new_group or MPI Create_group),
-and every backend starts for the set: SwitchML registers the set as its own job on the job's
-switch, OmniReduce starts the set's own aggregators. The set's tensors are negotiated by its own
+and every backend starts for the set: SwitchML registers the set as its own job (on the configured
+switch, or on one the set's first rank embeds, keyed with the job's secret as the job's own
+embedded switch is), OmniReduce starts the set's own aggregators. The set's tensors are negotiated by its own
 controller and run on its own executor thread, so sets run at the same time as each other and
 as the whole job. Ranks form a set only with its other ranks, in the same order (as Horovod).
 """
@@ -92,6 +93,10 @@ class ProcessSets:
                 self._runtimes[ranks] = form(self.parent, ranks, hvd_set)
             return self._runtimes[ranks]
 
+    def runtimes(self):
+        with self._lock:
+            return list(self._runtimes.values())
+
     def shutdown(self):
         with self._lock:
             runtimes, self._runtimes = list(self._runtimes.values()), {}
@@ -111,9 +116,12 @@ def form(parent, ranks, hvd_set=None):
     hosts = meet("hosts", socket.gethostname())
     local = [i for i, host in enumerate(hosts) if host == hosts[me]]
     placement = Context(me, len(ranks), local.index(me), len(local), parent.ctx.launcher)
-    settings = s.replaced(controller_addr="", switch_addr=_job_switch(parent) or s.switch_addr)
-    server, client = bootstrap.start_controller(settings, placement, lambda address: meet("controller", address)[0])
-    ctx = placement.joined(settings=settings, exchange_fn=client.exchange, job_token=client.token)
+    settings = s.replaced(controller_addr="")   # the set's controller: its first rank serves it
+    # the job's secret (the daemon key of the switch and aggregators) never travels through a controller
+    server, client, _ = bootstrap.start_controller(settings, placement, lambda address: meet("controller", address)[0],
+                                                   secret=parent.ctx.secret)
+    ctx = placement.joined(settings=settings, exchange_fn=client.exchange, job_token=client.token,
+                           secret=parent.ctx.secret)
     try:
         engine = ctx.agree("process_set/ring", parent.ctx.engine.subgroup, ctx, ranks, hvd_set)
     except CommError as exc:   # the set goes on without the ring; records say why
@@ -121,12 +129,3 @@ def form(parent, ranks, hvd_set=None):
         engine = None
     return Runtime(settings, parent.dispatcher.policy, job=(ctx.joined(engine=engine), client, server), parent=parent)
 
-
-def _job_switch(parent):
-    """The switch the job's SwitchML streams through, so that a set registers as a job on it (rather
-    than embedding a switch of its own); '' when SwitchML does not run in the job."""
-    backend = parent.backends.get("switchml")
-    address = getattr(backend, "address", None)
-    if not address:
-        return ""
-    return address if isinstance(address, str) else f"{address[0]}:{address[1]}"

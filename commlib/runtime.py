@@ -18,7 +18,6 @@ from commlib.executor import HOROVOD_OPS, OPS, Average, Entry, Executor, Sum
 from commlib.handles import Handle
 from commlib.process_sets import ProcessSets
 from commlib.tensors import Staged
-from commlib.timeline import Timeline
 
 log = logging.getLogger("commlib")
 
@@ -29,20 +28,34 @@ class Runtime:
     def __init__(self, settings, policy, job=None, parent=None):
         self.settings = settings
         self.ctx, self.client, self._server = job or bootstrap.join(settings)
-        self.timeline = parent.timeline if parent else Timeline(settings.timeline, self.ctx.rank)
+        self.timeline = parent.timeline if parent else _timeline(settings.timeline, self.ctx.rank)
         self.backends, self.unavailable = start_all(self.ctx)
         self.dispatcher = Dispatcher(self.backends, self.unavailable, policy, settings)
         self.executor = Executor(self.ctx, self.client, self.dispatcher, self.timeline)
-        if parent is not None:   # one commlib.records() for the job and its sets
+        if parent is not None:   # one commlib.records() and one timeline for the job and its sets
             self.executor.records = parent.records
         self.process_sets = ProcessSets(self)
         self._is_set = parent is not None
         # horovodrun's elastic mode: Horovod's world may change at a reset (see _check_world)
         self._elastic = not self._is_set and self.ctx.launcher == "horovod" and os.environ.get("HOROVOD_ELASTIC") == "1"
+        if not self._is_set:
+            self._watch_daemons()
         self._names = itertools.count()
 
     def backend(self, name):
         return self.dispatcher.backend(name)
+
+    def set_timeline(self, path):
+        old, self.timeline = self.timeline, _timeline(path, self.ctx.rank)
+        self.executor.timeline = self.timeline
+        for runtime in self.process_sets.runtimes():   # they write into the job's
+            runtime.timeline = runtime.executor.timeline = self.timeline
+        old.close()
+        self._watch_daemons()
+
+    def _watch_daemons(self):
+        self.timeline.watch({row: fn for backend in self.backends.values()
+                             for row, fn in backend.daemon_counters().items()})
 
     @property
     def records(self):
@@ -113,6 +126,8 @@ class Runtime:
             log.warning("commlib: shutdown while a collective is still running; backends left open")
             self.client.close()
             return
+        if not self._is_set:   # a set writes into the job's timeline
+            self.timeline.close()   # before the backends: its last sample asks the switch and aggregators
         for backend in self.backends.values():
             try:
                 backend.close()
@@ -121,8 +136,11 @@ class Runtime:
         self.client.close()
         if self._server is not None:
             self._server.join(self.settings.timeout_s)
-        if not self._is_set:   # a set writes into the job's timeline
-            self.timeline.close()
+
+
+def _timeline(path, rank):
+    from commlib.timeline import Timeline   # imported late: `python -m commlib.timeline` runs the module as __main__
+    return Timeline(path, rank)
 
 
 def reduction(op):

@@ -15,6 +15,7 @@ test parses (`results`) and checks field by field, so a failure says what differ
 """
 import json
 import re
+import secrets
 import threading
 import time
 
@@ -36,8 +37,9 @@ class LocalGroup:
         self._values, self._slots, self._calls = {}, {}, [0] * size
         self._aborted = None
         self.log = []   # (rank, op, dtype, nbytes) of every collective: what went on the wire
+        secret = secrets.token_bytes(32)   # what rank 0 would share through the launcher
         self.contexts = [Context(rank, size, rank, size, "threads", settings, self._exchanger(rank),
-                                 job_token=job_token) for rank in range(size)]
+                                 job_token=job_token, secret=secret) for rank in range(size)]
 
     def channel(self, rank):
         return LocalChannel(self, rank)

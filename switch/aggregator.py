@@ -5,24 +5,40 @@ One `Aggregator` serves any number of jobs and tensors without restarting: a job
 (job token hash, epoch) a worker presents in its "register" request (switch/control.py's format,
 one datagram on the aggregator's UDP port, as the switch takes them over TCP); the answer gives the
 job id and a random key that every data packet must carry (the token check), and records the
-worker's address under its rank (so several workers on one host work). Jobs leave when a rank
-deregisters after the job's closing barrier, or after `job_idle_s` without a packet: workers of a
-live job that has nothing to reduce for a while (evaluation, checkpointing) send "keepalive", so
-only a job whose workers died is collected. Only "register" is answered (the others are best
-effort and must not reach a worker's data path).
+worker's address under its rank (so several workers on one host work).
+
+    {"op": "register", "job": H, "epoch": E, "rank": r, "size": n, "columns": c, "aggregators": a,
+     "index": i, "block": b, "nonce": N}  -> {"ok": true, "job": id, "key": k, "idle_s": s}
+    {"op": "keepalive", "job": H, "epoch": E, "rank": r}     (no answer)
+    {"op": "unregister", "job": H, "epoch": E, "rank": r}    (no answer)
+    {"op": "counters"}  -> {"ok": true, ...packet counters, "control": drops by reason, "jobs": n}
+
+Admission (an aggregator with a daemon key, switch/auth.py; `commlib-aggregator --key-file`): a
+register is signed (`seq`, `mac`) with the job key auth.job_key(daemon key, nonce), which only a
+holder of the daemon key computes; a job's keepalive and unregister with that job key, by one of
+its ranks; counters with the daemon key. A seq must grow per sender, so a sniffed request replayed
+is refused (it cannot move a rank's results elsewhere nor end the job). Without a key (a trusted
+fabric) requests are unsigned, as before. Registrations are capped (`Limits`: the memory a job
+reserves, the total, jobs per source address), so no request reserves gigabytes.
+
+Every rank of a job sends "keepalive" every idle_s / 4; a job one of whose registered ranks has
+been silent for `job_idle_s` is dropped (that rank died), as are jobs a rank deregisters after the
+job's closing barrier. Every control datagram, however malformed, is answered (register,
+counters) or dropped and counted by reason; none ends the serving loop.
 
 Used three ways: `commlib-aggregator` processes (dedicated mode, switch/aggregator_main.py),
 a thread inside every worker (colocated mode), or a role of another daemon (`serve()`).
 """
 import hashlib
 import logging
+import math
 import secrets
 import socket
 import threading
 import time
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError
-from commlib.switch import control, net
+from commlib.switch import auth, control, net
 from commlib._native import ffi, lib
 from commlib.net import parse_address
 
@@ -30,6 +46,7 @@ log = logging.getLogger("commlib.omnireduce")
 
 SOCKET_BUFFER = 4 << 20                  # bytes: a window of blocks
 _PARAMS = ("size", "columns", "aggregators", "index", "block")
+_OMR_SETS = 8                            # switch/csrc/omnireduce_internal.h: shadow sets per slot
 
 
 def token_hash(token):
@@ -55,18 +72,50 @@ def resolve_address(text):
         raise ConfigError(f"omnireduce aggregator {text!r}: cannot resolve {host!r}: {exc}") from None
 
 
-class _Job:
-    __slots__ = ("id", "key", "params", "ranks", "alive")
+class Limits:
+    """What registrations may reserve on one aggregator: bytes per job (see `job_bytes`), bytes in
+    all, jobs per source address. The defaults hold a 14 MiB window per job, far beyond the default
+    512 KiB."""
 
-    def __init__(self, job_id, key, params):
+    def __init__(self, job_bytes=256 << 20, total_bytes=1 << 30, source_jobs=16):
+        self.job_bytes, self.total_bytes, self.source_jobs = job_bytes, total_bytes, source_jobs
+
+
+def job_bytes(params):
+    """The memory omr_agg_add_job reserves for a job (switch/csrc/omnireduce_aggregator.c): two sets
+    of slots for this aggregator's share of the columns, each with a block, its shadow sets and a
+    few bytes per worker."""
+    size, columns, aggregators, index, block = (params[name] for name in _PARAMS)
+    slots = 2 * max(0, math.ceil((columns - index) / aggregators))
+    return slots * (size * 9 + block * 4 * (1 + _OMR_SETS) + 64) + size * 32
+
+
+def _check_params(params):
+    size, columns, aggregators, index, block = (params[name] for name in _PARAMS)
+    if not (1 <= size <= lib.OMR_MAX_WORKERS and 1 <= block <= lib.OMR_MAX_BLOCK and 1 <= columns <= 1 << 24
+            and 1 <= aggregators <= 1 << 16 and 0 <= index < aggregators):
+        raise ConfigError(f"registration out of range: size 1..{lib.OMR_MAX_WORKERS}, block 1..{lib.OMR_MAX_BLOCK}, "
+                          f"columns 1..{1 << 24}, aggregators 1..65536, 0 <= index < aggregators; got {params}")
+
+
+class _Job:
+    __slots__ = ("id", "key", "params", "ranks", "alive", "nonce", "job_key", "source", "bytes")
+
+    def __init__(self, job_id, key, params, nonce=None, job_key=None, source=None):
         self.id, self.key, self.params, self.ranks = job_id, key, params, set()
-        self.alive = time.monotonic()   # the last registration or keepalive
+        self.nonce, self.job_key, self.source = nonce, job_key, source
+        self.bytes = job_bytes(params)
+        self.alive = {}                  # rank -> its last registration or keepalive
 
 
 class Aggregator:
     """One aggregator endpoint. `start()` serves it from a thread; `serve(stop)` from the caller."""
 
-    def __init__(self, host="127.0.0.1", port=0, job_idle_s=600.0):
+    def __init__(self, host="127.0.0.1", port=0, job_idle_s=600.0, key=None, limits=None):
+        # key: the daemon key (None: unsigned requests, packets without MACs); the jobs' keys derive from it
+        self.key, self.limits = key, limits or Limits()
+        self.drops = control.Drops()                     # control datagrams refused or dropped, by reason
+        self._replays = auth.Replays()
         self.sock = make_socket(host, port)
         self.address = self.sock.getsockname()
         self.job_idle_s = job_idle_s
@@ -77,7 +126,7 @@ class Aggregator:
         self._jobs = {}                  # (token hash, epoch) -> _Job
         self._stop = threading.Event()
         self._thread = None
-        self._lock = threading.Lock()    # serve() vs close()/stats() from other threads
+        self._lock = threading.RLock()   # serve() vs close()/stats() from other threads (and counters within serve)
         self._ctrl = ffi.new("uint8_t[]", 4096)
         self._ip = ffi.new("char[]", 64)
         self._port = ffi.new("int *")
@@ -104,11 +153,15 @@ class Aggregator:
                 if waiting < 0:
                     log.warning("omnireduce aggregator %s: receive failed (errno %d)", self.address_str, -waiting)
                     time.sleep(poll_ms / 1000)
-                elif waiting > 0:
-                    self._control()
-                if time.monotonic() - last_gc > 1.0:
-                    last_gc = time.monotonic()
-                    self._collect_idle()
+                try:   # control handling never ends this loop (the colocated aggregator lives in a rank)
+                    if waiting > 0:
+                        self._control()
+                    if time.monotonic() - last_gc > 1.0:
+                        last_gc = time.monotonic()
+                        self._collect_idle()
+                except Exception:
+                    log.exception("omnireduce aggregator %s: control handling failed", self.address_str)
+                    self.drops.add("internal")
 
     def close(self):
         self._stop.set()
@@ -127,72 +180,159 @@ class Aggregator:
                 lib.omr_agg_stats(self._agg, st)
         out = {field: getattr(st, field) for field, _ in ffi.typeof("omr_astats").fields}
         out["jobs"] = len(self._jobs)
+        out["control"] = self.drops.snapshot()
         return out
 
-    # -- control packets (registration) --------------------------------------------------------
+    # -- control packets ---------------------------------------------------------------------------
     def _control(self):
         while True:
             n = lib.omr_agg_pop_ctrl(self._agg, self._ctrl, 4096, self._ip, self._port)
             if n < 0:
                 return
-            request = control.decode(bytes(ffi.buffer(self._ctrl, n)))
             source = (ffi.string(self._ip).decode(), self._port[0])
-            op = request.get("op") if request else None
-            if op == "register":
-                self.sock.sendto(control.encode(control.answer(lambda r: self._register(r, source), request)), source)
-            elif op == "keepalive":
-                job = self._jobs.get((request.get("job"), request.get("epoch")))
-                if job is not None:
-                    job.alive = time.monotonic()
-            elif op == "unregister":
-                job = self._jobs.pop((request.get("job"), request.get("epoch")), None)
-                if job is not None:
-                    lib.omr_agg_remove_job(self._agg, job.id)
-                    log.info("omnireduce aggregator %s: job %s closed", self.address_str, job.id)
+            request = control.decode(bytes(ffi.buffer(self._ctrl, n)))
+            reply = control.answer(lambda r: self.handle(r, source), request, self.drops)
+            if request is not None and request.get("op") in ("register", "counters") or \
+                    request is None and n < 1024:      # keepalive and unregister are not answered
+                try:
+                    self.sock.sendto(control.encode(reply), source)
+                except OSError:
+                    self.drops.add("send_failed")
+
+    def handle(self, request, source):
+        """The fields of the answer to one control request from `source` (ip, port)."""
+        op = request.get("op")
+        if op == "register":
+            return self._register(request, source)
+        if op in ("keepalive", "unregister"):
+            job_ident = self._job_ident(request)
+            job = self._jobs.get(job_ident)
+            if job is None:
+                raise ConfigError(f"job {job_ident} is not registered here")
+            rank = self._authenticate_job(job, request)
+            if op == "keepalive":
+                job.alive[rank] = time.monotonic()
+            else:
+                self._remove(job_ident)
+                log.info("omnireduce aggregator %s: job %s closed", self.address_str, job.id)
+            return {}
+        if op == "counters":
+            if self.key is not None:
+                self._check(self.key, request, ("operator",), "counters")
+            return self.stats()
+        raise ValueError(f"unknown op {str(op)[:40]!r}; use register, keepalive, unregister or counters")
+
+    @staticmethod
+    def _job_ident(request):
+        """(job token hash, epoch): the job a request is about."""
+        job, epoch = request["job"], request["epoch"]
+        if not isinstance(job, str) or len(job) > 64 or not isinstance(epoch, int):
+            raise ValueError("a job is named by 'job' (a string of at most 64 characters) and 'epoch' (an integer)")
+        return job, epoch
+
+    def _check(self, key, request, sender, what):
+        if not auth.verify(key, request):
+            raise control.Refused("bad_mac", f"{what} refused: not signed with this aggregator's key (give the job "
+                                             f"its key file: COMMLIB_OMNIREDUCE_KEY_FILE)")
+        if not self._replays.fresh(sender, request["seq"]):
+            raise control.Refused("replay", f"{what} refused: its seq does not grow (a replayed request)")
+
+    def _authenticate_job(self, job, request):
+        """The rank a keepalive/unregister comes from; signed with the job's key on a keyed aggregator."""
+        rank = request.get("rank")
+        if self.key is not None:
+            if auth.verify(job.job_key, request):
+                self._check(job.job_key, request, (job.nonce, rank), request["op"])
+            else:
+                self._check(self.key, request, ("operator",), request["op"])
+        if rank is None and self.key is None:    # an unsigned request of a client before ranks were named
+            return min(job.alive, default=0)
+        if not isinstance(rank, int) or rank not in job.alive:
+            raise ValueError(f"rank {rank!r} is not a registered rank of job {job.id}")
+        return rank
 
     def _register(self, body, source):
         try:
             params = {name: int(body[name]) for name in _PARAMS}
-            rank, key = int(body["rank"]), (str(body["job"]), int(body["epoch"]))
+            rank, ident = int(body["rank"]), self._job_ident(body)
             loss, dup = float(body.get("loss", 0.0)), float(body.get("dup", 0.0))
-        except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"malformed registration {body!r}") from None
+        except (KeyError, TypeError, ValueError, OverflowError):
+            raise ConfigError(f"malformed registration {str(body)[:300]}") from None
         if not 0 <= rank < params["size"]:
             raise ConfigError(f"rank {rank} is outside the job's size {params['size']}")
-        job = self._jobs.get(key)
+        if not (0.0 <= loss < 1.0 and 0.0 <= dup < 1.0):
+            raise ConfigError(f"loss={loss} and dup={dup} must be probabilities in [0, 1)")
+        _check_params(params)
+        nonce = job_key = None
+        if self.key is not None:
+            nonce = auth.check_nonce(body.get("nonce"))
+            job_key = auth.job_key(self.key, nonce)
+            self._check(job_key, body, (nonce, rank), "register")
+        job = self._jobs.get(ident)
         if job is None:
+            self._admit(params, source)
             secret = secrets.randbits(32)
+            # packets carry MACs under the job key, unless the job asks for none (a trusted fabric)
+            mac_key = job_key if job_key is not None and body.get("authenticate", True) else ffi.NULL
             job_id = lib.omr_agg_add_job(self._agg, secret, params["size"], params["columns"], params["aggregators"],
-                                         params["index"], params["block"], loss, dup)
+                                         params["index"], params["block"], loss, dup, mac_key)
             if job_id < 0:
-                raise ConfigError(f"aggregator {self.address_str} cannot take the job (it serves {len(self._jobs)} "
-                                  f"jobs, at most {lib.OMR_MAX_JOBS}; or invalid parameters {params})")
-            job = self._jobs[key] = _Job(job_id, secret, params)
+                raise control.Refused("limit", f"aggregator {self.address_str} cannot take the job (it serves "
+                                               f"{len(self._jobs)} jobs, at most {lib.OMR_MAX_JOBS}; or out of memory)")
+            job = self._jobs[ident] = _Job(job_id, secret, params, nonce, job_key, source[0])
             log.info("omnireduce aggregator %s: job %d registered %s", self.address_str, job_id, params)
+        elif job.nonce != nonce:
+            raise control.Refused("bad_mac", f"job {ident} is registered here by another job (another nonce)")
         elif job.params != params:
             raise ConfigError(f"rank {rank} registered with {params}, but the job's other ranks with {job.params}: "
                               f"every rank must use the same omnireduce settings")
         lib.omr_agg_set_worker(self._agg, job.id, rank, source[0].encode(), source[1])
         job.ranks.add(rank)
-        job.alive = time.monotonic()
+        job.alive[rank] = time.monotonic()
         return {"job": job.id, "key": job.key, "idle_s": self.job_idle_s}
 
+    def _admit(self, params, source):
+        lim, need = self.limits, job_bytes(params)
+        if need > lim.job_bytes:
+            raise control.Refused("limit", f"the job would reserve {need >> 20} MiB on this aggregator, at most "
+                                           f"{lim.job_bytes >> 20} MiB per job: lower omnireduce_window_bytes or "
+                                           f"the block size, or add aggregators")
+        held = sum(j.bytes for j in self._jobs.values())
+        if held + need > lim.total_bytes:
+            raise control.Refused("limit", f"the aggregator holds {held >> 20} MiB for {len(self._jobs)} jobs; this "
+                                           f"one's {need >> 20} MiB would pass its {lim.total_bytes >> 20} MiB")
+        mine = sum(1 for j in self._jobs.values() if j.source == source[0])
+        if mine >= lim.source_jobs:
+            raise control.Refused("limit", f"{source[0]} already holds {mine} jobs on this aggregator, the most one "
+                                           f"address may hold")
+
+    def _remove(self, ident):
+        job = self._jobs.pop(ident)
+        lib.omr_agg_remove_job(self._agg, job.id)
+        if job.nonce is not None:
+            self._replays.forget((job.nonce,))
+
     def _collect_idle(self):
-        for key, job in list(self._jobs.items()):
-            silent = min(lib.omr_agg_job_idle_s(self._agg, job.id), time.monotonic() - job.alive)
+        """Drop the jobs one of whose ranks has been silent (no keepalive) for job_idle_s: it died."""
+        now = time.monotonic()
+        for ident, job in list(self._jobs.items()):
+            silent = now - min(job.alive.values(), default=now)
             if silent > self.job_idle_s:
-                del self._jobs[key]
-                lib.omr_agg_remove_job(self._agg, job.id)
-                log.info("omnireduce aggregator %s: job %d idle for %.0fs, dropped", self.address_str, job.id,
-                         self.job_idle_s)
+                self._remove(ident)
+                self.drops.add("jobs_expired")
+                log.info("omnireduce aggregator %s: job %d: a rank silent for %.0fs, dropped", self.address_str,
+                         job.id, silent)
 
 
-def register(sock, aggregators, request, timeout_s, retry_s=0.2):
+def register(sock, aggregators, request, timeout_s, retry_s=0.2, sign=None):
     """Register this worker (its socket) with every aggregator [(ip, port), ...]:
     [(job, key, idle_s), ...], idle_s being how long that aggregator keeps a silent job.
+    sign: signs each request (auth.Signer of the job key) on keyed aggregators: every resend is
+    signed anew, so a resend is not a replay.
 
     "register" is retried until each aggregator answers; an aggregator that never answers is a
     CommTimeout that names it, a refusal a ConfigError with the aggregator's reason."""
+    sign = sign or (lambda r: r)
     pending = {address: index for index, address in enumerate(aggregators)}
     answers = [None] * len(aggregators)
     deadline = time.monotonic() + timeout_s
@@ -201,7 +341,7 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2):
         while pending:
             for address, index in pending.items():
                 try:
-                    sock.sendto(control.encode(dict(request, op="register", index=index)), address)
+                    sock.sendto(control.encode(sign(dict(request, op="register", index=index))), address)
                 except OSError:
                     pass    # ECONNREFUSED from an earlier attempt: nobody listens there (yet)
             resend_at = min(time.monotonic() + retry_s, deadline)
@@ -230,19 +370,42 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2):
     return answers
 
 
-def deregister(sock, aggregators, job_hash, epoch):
-    """Best effort: tell the aggregators the job is over (they also drop idle jobs)."""
-    _tell("unregister", sock, aggregators, job_hash, epoch)
+def deregister(sock, aggregators, job_hash, epoch, rank=None, sign=None):
+    """Best effort: tell the aggregators the job is over (they also drop jobs whose ranks fell silent)."""
+    _tell("unregister", sock, aggregators, job_hash, epoch, rank, sign)
 
 
-def keepalive(sock, aggregators, job_hash, epoch):
-    """Best effort: the job is alive though it sends no data (its aggregators keep its state)."""
-    _tell("keepalive", sock, aggregators, job_hash, epoch)
+def keepalive(sock, aggregators, job_hash, epoch, rank=None, sign=None):
+    """Best effort: this rank of the job lives though it may send no data (its aggregators keep its state)."""
+    _tell("keepalive", sock, aggregators, job_hash, epoch, rank, sign)
 
 
-def _tell(op, sock, aggregators, job_hash, epoch):
+def _tell(op, sock, aggregators, job_hash, epoch, rank, sign):
+    request = {"op": op, "job": job_hash, "epoch": epoch}
+    if rank is not None:
+        request["rank"] = rank
     for address in aggregators:
         try:
-            sock.sendto(control.encode({"op": op, "job": job_hash, "epoch": epoch}), address)
+            sock.sendto(control.encode(sign(request) if sign else request), address)
         except OSError:
             pass
+
+
+def query(address, request, timeout_s=5.0, key=None):
+    """One answered control request (counters) to the aggregator at (ip, port), signed with the
+    daemon key `key` when given: the answer's fields, or ConfigError/CommTimeout."""
+    if key is not None:
+        request = auth.Signer(key)(request)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.sendto(control.encode(request), address)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                data, source = sock.recvfrom(65536)
+            except socket.timeout:
+                break
+            if source == address and data[:1] == control.MARK:
+                return control.result(control.decode(data), f"omnireduce aggregator {address[0]}:{address[1]}")
+    raise CommTimeout(f"omnireduce aggregator {address[0]}:{address[1]} did not answer {request.get('op')!r} "
+                      f"within {timeout_s}s")

@@ -16,6 +16,9 @@ import hmac
 import json
 import os
 import secrets
+import threading
+import time
+from collections import OrderedDict
 
 from commlib.errors import ConfigError
 
@@ -80,6 +83,51 @@ def verify(key, request):
         return False
     fields = {k: v for k, v in request.items() if k != "mac"}
     return hmac.compare_digest(mac, _mac(key, fields))
+
+
+class Signer:
+    """A client's side: signs its requests under one key, each with a larger seq than the last (the
+    clock in ns, so a restarted client still grows past what the daemon saw from it)."""
+
+    def __init__(self, key):
+        self.key, self._seq, self._lock = key, 0, threading.Lock()
+
+    def __call__(self, request):
+        with self._lock:
+            self._seq = max(time.time_ns(), self._seq + 1)
+            seq = self._seq
+        return sign(self.key, request, seq)
+
+
+class Replays:
+    """A daemon's side: the last seq of each sender (a bounded number of them, least recent
+    forgotten first); a request whose seq does not grow past its sender's last is a replay."""
+
+    def __init__(self, limit=65536):
+        self._last, self.limit = OrderedDict(), limit
+
+    def fresh(self, sender, seq):
+        """True (and remembered) when `seq` is larger than the last one `sender` used."""
+        last = self._last.get(sender)
+        if last is not None and seq <= last:
+            return False
+        self._last[sender] = seq
+        self._last.move_to_end(sender)
+        while len(self._last) > self.limit:
+            self._last.popitem(last=False)
+        return True
+
+    def forget(self, prefix):
+        """Drop the senders whose key starts with `prefix` (a tuple): an ended job's ranks."""
+        for sender in [s for s in self._last if s[:len(prefix)] == prefix]:
+            del self._last[sender]
+
+
+def check_nonce(nonce):
+    """A job nonce from a request: a short string (new_nonce() gives 32 hex digits)."""
+    if not isinstance(nonce, str) or not 8 <= len(nonce) <= 64:
+        raise ValueError("the job nonce must be a string of 8..64 characters (auth.new_nonce())")
+    return nonce
 
 
 if __name__ == "__main__":   # python -m commlib.switch.auth PATH: write a new daemon key file

@@ -8,17 +8,29 @@ connection follow each other line by line; over UDP (an aggregator's port, which
 the data plane) one message is one datagram, told apart from data packets by its first byte `{`
 (OMR_CONTROL in switch/csrc/omnireduce.h; no data packet type has that value).
 
+Hostile input: `answer` turns every failure of a handler into an error answer and counts it by
+reason in the daemon's `Drops`, so no request ends a serving loop. `LineServer` serves the switch's
+TCP control port from one thread: bounded connections (the oldest idle one makes room for a new
+one), bounded line size, idle connections closed.
+
 Readiness: a daemon prints one line `READY host:port[,host:port...]` on stdout once every
 endpoint serves, and writes the same addresses to a file when given one (--port-file);
 `wait_ready` reads the line.
 """
+import errno
 import json
+import logging
 import os
 import queue
+import selectors
+import socket
 import threading
 import time
+from collections import Counter
 
 from commlib.errors import ConfigError
+
+log = logging.getLogger("commlib.switch")
 
 MARK = b"{"       # the first byte of every control message
 READY = "READY"
@@ -33,25 +45,60 @@ def decode(data):
     """The message in `data` (one line or one datagram), or None if it is not a JSON object."""
     try:
         message = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):   # RecursionError: deeply nested arrays
         return None
     return message if isinstance(message, dict) else None
 
 
-def answer(handle, request):
+class Refused(ConfigError):
+    """A request the daemon refuses for a reason worth counting apart (bad_mac, replay, limit, ...)."""
+
+    def __init__(self, reason, message):
+        super().__init__(message)
+        self.reason = reason
+
+
+class Drops:
+    """Requests a daemon refused or dropped, by reason; thread-safe, readable while it serves."""
+
+    def __init__(self):
+        self._counts, self._lock = Counter(), threading.Lock()
+
+    def add(self, reason, n=1):
+        with self._lock:
+            self._counts[reason] += n
+
+    def snapshot(self):
+        with self._lock:
+            return dict(self._counts)
+
+
+def answer(handle, request, drops=None):
     """The answer to `request` (a decoded message, or None): {"ok": True, **handle(request)}, or
     {"ok": False, "error": ...} when it is malformed or `handle` refuses it (ConfigError, or the
-    ValueError/KeyError/TypeError of a missing or mistyped field)."""
+    ValueError/KeyError/TypeError of a missing or mistyped field). Nothing `handle` raises escapes:
+    a daemon's serving loop must outlive any request. Refusals are counted in `drops`."""
+    def refuse(reason, error):
+        if drops is not None:
+            drops.add(reason)
+        return {"ok": False, "error": error}
+
     if request is None:
-        return {"ok": False, "error": 'a request is one JSON object, e.g. {"op": "status"}'}
+        return refuse("malformed", 'a request is one JSON object, e.g. {"op": "status"}')
     try:
         return {"ok": True, **handle(request)}
+    except Refused as exc:
+        return refuse(exc.reason, str(exc))
     except OverflowError as exc:   # cffi: a number beyond its C type that no check caught
-        return {"ok": False, "error": f"a number in the request is out of range ({exc})"}
+        return refuse("invalid", f"a number in the request is out of range ({exc})")
     except KeyError as exc:
-        return {"ok": False, "error": f"the request lacks the field {exc}"}
+        return refuse("invalid", f"the request lacks the field {exc}")
     except (ValueError, TypeError, ConfigError) as exc:
-        return {"ok": False, "error": str(exc)}
+        return refuse("invalid", str(exc)[:500])
+    except Exception as exc:       # a bug or a case nobody foresaw: answer, count, keep serving
+        log.exception("control request %.200r failed", request)
+        return refuse("internal", f"the daemon could not handle the request ({type(exc).__name__}); it was "
+                                  f"counted and the daemon keeps serving")
 
 
 def result(reply, what):
@@ -98,3 +145,143 @@ def wait_ready(proc, seconds, what="the daemon"):
             return line.split()[1].split(",")
         said.append(line.strip())
     raise RuntimeError(f"{what} did not start within {seconds:.0f}s (exit code {proc.poll()}, said {said[-3:]!r})")
+
+
+class LineServer:
+    """The switch's TCP control port, served by one thread with a selector: a connection sends lines
+    (requests) and reads one answer line per request.
+
+    Bounded: at most `max_connections` open, `max_per_source` from one address (a new one closes
+    the connection idle the longest, of its own address when that one has its fill), a line
+    of at most `max_line` bytes (a longer one is answered with an error and its connection closed),
+    at most `max_pending` answer bytes a client has not read, `idle_s` without a byte closes a
+    connection. `handle(request, source_ip)` answers one decoded request; `tick()` runs every
+    `tick_s` (expiry of jobs)."""
+
+    def __init__(self, sock, handle, drops, max_connections=256, max_per_source=16, max_line=64 << 10,
+                 max_pending=1 << 20, idle_s=30.0, tick=None, tick_s=0.25):
+        self.sock, self.handle, self.drops = sock, handle, drops
+        self.max_per_source = max_per_source
+        self.max_connections, self.max_line, self.max_pending, self.idle_s = max_connections, max_line, \
+            max_pending, idle_s
+        self.tick, self.tick_s = tick, tick_s
+        self._conns = {}   # socket -> _Conn
+
+    def serve(self, stop):
+        """Until `stop` (an Event) is set or the listening socket is closed."""
+        self.sock.setblocking(False)
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.sock, selectors.EVENT_READ)
+            self._sel = sel
+            next_tick = time.monotonic()
+            try:
+                while not stop.is_set() and self.sock.fileno() >= 0:
+                    for key, events in sel.select(self.tick_s):
+                        try:
+                            if key.fileobj is self.sock:
+                                self._accept()
+                            else:
+                                self._serve(key.fileobj, events)
+                        except Exception:   # a bug in our own bookkeeping: drop that connection, keep serving
+                            if stop.is_set():
+                                return      # stop() shut the listening socket down under accept()
+                            log.exception("control connection failed")
+                            self.drops.add("internal")
+                            if key.fileobj is not self.sock:
+                                self._close(key.fileobj)
+                    now = time.monotonic()
+                    if now >= next_tick:
+                        next_tick = now + self.tick_s
+                        self._close_idle(now)
+                        if self.tick is not None:
+                            try:
+                                self.tick()
+                            except Exception:
+                                log.exception("control tick failed")
+            finally:
+                for conn in list(self._conns):
+                    self._close(conn)
+
+    def _accept(self):
+        for _ in range(64):                 # a burst of connections, then back to serving
+            try:
+                conn, (host, _) = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:          # EMFILE and friends: say so, keep serving the others
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.drops.add("accept_failed")
+                    return
+                raise
+            same = [c for c, state in self._conns.items() if state.host == host]
+            if len(same) >= self.max_per_source or len(self._conns) >= self.max_connections:
+                self.drops.add("connections_evicted")   # one address cannot push the others out
+                crowd = same if len(same) >= self.max_per_source else self._conns
+                self._close(min(crowd, key=lambda c: self._conns[c].active))
+            conn.setblocking(False)
+            self._conns[conn] = _Conn(host)
+            self._sel.register(conn, selectors.EVENT_READ)
+
+    def _serve(self, conn, events):
+        state = self._conns.get(conn)
+        if state is None:                   # closed earlier in this round of events (evicted)
+            return
+        state.active = time.monotonic()
+        if events & selectors.EVENT_READ:
+            try:
+                data = conn.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                data = None
+            except OSError:
+                return self._close(conn)
+            if data == b"":                 # the client is done sending: finish the answers, then close
+                state.closing = True
+            if data:
+                state.inbuf += data
+                while True:
+                    end = state.inbuf.find(b"\n")
+                    if end < 0 or end > self.max_line:
+                        break
+                    line, state.inbuf = bytes(state.inbuf[:end]), state.inbuf[end + 1:]
+                    state.out += encode(answer(lambda r: self.handle(r, state.host), decode(line), self.drops))
+                if len(state.inbuf) > self.max_line:
+                    self.drops.add("oversize")
+                    state.out += encode({"ok": False, "error": f"a request line is at most {self.max_line} bytes"})
+                    state.inbuf, state.closing = bytearray(), True
+        if state.out:
+            try:
+                sent = conn.send(state.out)
+                del state.out[:sent]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                return self._close(conn)
+        if len(state.out) > self.max_pending:
+            self.drops.add("unread_answers")
+            return self._close(conn)
+        if state.closing and not state.out:
+            return self._close(conn)
+        self._sel.modify(conn, selectors.EVENT_READ | (selectors.EVENT_WRITE if state.out else 0))
+
+    def _close_idle(self, now):
+        for conn, state in list(self._conns.items()):
+            if now - state.active > self.idle_s:
+                self.drops.add("idle_closed")
+                self._close(conn)
+
+    def _close(self, conn):
+        if self._conns.pop(conn, None) is not None:
+            self._sel.unregister(conn)
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        conn.close()
+
+
+class _Conn:
+    __slots__ = ("host", "inbuf", "out", "active", "closing")
+
+    def __init__(self, host):
+        self.host, self.inbuf, self.out, self.active, self.closing = host, bytearray(), bytearray(), \
+            time.monotonic(), False

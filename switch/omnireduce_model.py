@@ -3,12 +3,14 @@
 `paper_model`: the OmniReduce paper's (Fei et al., SIGCOMM'21): a worker uploads its own non-zero blocks plus 4 bytes
 of metadata per block and downloads every block of the union.
 `wire_model`: what commlib's UDP protocol puts on the wire without loss, to the byte: one 40-byte
-header per packet (the paper's 4 bytes of `next` included), header-only packets for all-zero
-bootstrap blocks and results, and the silent workers' ACK every OMR_SETS/2 rounds.
+header per packet (the paper's 4 bytes of `next` included) and, on an authenticated job, its
+8-byte MAC, header-only packets for all-zero bootstrap blocks and results, and the silent
+workers' ACK every OMR_SETS/2 rounds.
 """
 import numpy as np
 
 HEADER = 40
+MAC = 8                  # the packet MAC of an authenticated job (switch/csrc/omnireduce.h)
 ACK_EVERY = 4            # OMR_SETS / 2
 
 
@@ -17,8 +19,9 @@ def paper_model(own_blocks, union_blocks, block_bytes):
     return own_blocks * (block_bytes + 4), union_blocks * block_bytes
 
 
-def wire_model(masks, nelems, block, columns, itemsize=4):
+def wire_model(masks, nelems, block, columns, itemsize=4, authenticated=True):
     """Exact bytes per worker [(sent, received)] for per-worker block masks (lossless run)."""
+    header = HEADER + (MAC if authenticated else 0)   # what every packet carries besides the block
     masks = [np.asarray(m, dtype=bool) for m in masks]
     n, nb = len(masks), masks[0].size
     ncols = min(columns, nb)
@@ -33,14 +36,14 @@ def wire_model(masks, nelems, block, columns, itemsize=4):
         col = stack[:, j::ncols]                     # workers x blocks of this column
         blocks = np.arange(j, nb, ncols)
         # bootstrap: everyone sends the first block, a bare header when it is zero
-        sent += HEADER + col[:, 0] * payload(j)
-        recv += HEADER + (payload(j) if col[:, 0].any() else 0)
+        sent += header + col[:, 0] * payload(j)
+        recv += header + (payload(j) if col[:, 0].any() else 0)
         union = np.nonzero(col[:, 1:].any(axis=0))[0] + 1   # later rounds, in order
         for k, pos in enumerate(union, start=1):         # round k: block blocks[pos]
             # after result k-1 (count = k) the contributors send, the others may ACK
             contributors = col[:, pos]
-            sent += contributors * (HEADER + payload(blocks[pos]))
+            sent += contributors * (header + payload(blocks[pos]))
             if k % ACK_EVERY == 0:
-                sent += ~contributors * HEADER
-            recv += HEADER + payload(blocks[pos])
+                sent += ~contributors * header
+            recv += header + payload(blocks[pos])
     return list(zip(sent.tolist(), recv.tolist()))

@@ -5,13 +5,26 @@ One `SwitchServer` listens on host:port twice: UDP for the data plane (SwitchML 
 job of SwitchML's controller, in the control format of both daemons (switch/control.py: one JSON
 object per line, answered by {"ok": true, ...} or {"ok": false, "error": ...}):
 
-    {"op": "register", "token": T, "workers": [[ip, port], ...], "slots": W, "elems": 256}
-        -> {"ok": true, "job": n, "epoch": "..."}   (job number 0..255; pool of W slots x 2 sets)
-    {"op": "unregister", "job": n, "token": T}      frees the job's slots
+    {"op": "register", "nonce": N, "token": T, "workers": [[ip, port], ...], "slots": W, "elems": 256,
+     "authenticate": true}
+        -> {"ok": true, "job": n, "epoch": "...", "slots": W, "expiry_s": s}   (job 0..255, W slots x 2 sets;
+        on a switch with a daemon key, the job's packets carry MACs under auth.job_key(key, N) unless
+        "authenticate" is false)
+    {"op": "keepalive", "job": n, "rank": r}        rank r of the job lives (every rank, every expiry_s / 4)
+    {"op": "unregister", "job": n, "rank": r}       frees the job's slots (any rank that ends)
     {"op": "counters", "job": n}                    per-job and per-slot-group counters
-    {"op": "counters"}                              switch-wide counters and every job
+    {"op": "counters"}                              switch-wide counters, control drops, every job
     {"op": "simulate", "ingress": p, "egress": p, "duplicate": p, "seed": s}   drop simulator
-    {"op": "status"}
+    {"op": "status"}                                pool, free slots, jobs (nothing secret)
+
+Admission (a switch with a daemon key, switch/auth.py; `commlib-switch --key-file`): a register
+carries `seq` and `mac` under the job key (auth.job_key(daemon key, nonce)), which only a holder of
+the daemon key can compute; a job's keepalive, unregister and counters are signed with that job
+key (or the daemon key: the operator); switch-wide counters and simulate with the daemon key. A
+seq must grow per sender and a nonce registers once, so a sniffed request cannot be replayed. A
+switch without a key (a trusted fabric) takes unsigned requests and the job's token for
+unregister and counters. Limits (`Limits`) cap slots per job, and jobs and slots per source
+address; a job one of whose ranks sent no keepalive for expiry_s is removed (a rank died).
 
 Only the registered address of each rank, with the job's token, can touch the job's slots;
 anything else is dropped and counted. Several jobs share one switch, each in its own slots.
@@ -25,9 +38,11 @@ import random
 import socket
 import struct
 import threading
+import time
+from collections import OrderedDict
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFailure
-from commlib.switch import control, net
+from commlib.switch import auth, control, net
 from commlib.net import parse_address
 
 log = logging.getLogger("commlib.switch")
@@ -80,8 +95,22 @@ def _counters_dict(c):
 
 
 class _Job:
-    def __init__(self, number, token, workers, slots, elems):
+    def __init__(self, number, token, workers, slots, elems, nonce=None, key=None, source=None):
         self.number, self.token, self.workers, self.slots, self.elems = number, token, workers, slots, elems
+        self.nonce, self.key, self.source = nonce, key, source   # key: the job key (bytes) on a keyed switch
+        self.alive = dict.fromkeys(range(len(workers)), time.monotonic())   # rank -> its last keepalive
+
+
+class Limits:
+    """What one job and one source address (of control requests) may take; None: no limit but the
+    pool's. `for_pool` gives commlib-switch's defaults."""
+
+    def __init__(self, job_slots=None, source_slots=None, source_jobs=None):
+        self.job_slots, self.source_slots, self.source_jobs = job_slots, source_slots, source_jobs
+
+    @classmethod
+    def for_pool(cls, slots):
+        return cls(job_slots=max(1, slots // 4), source_slots=max(1, slots // 2), source_jobs=16)
 
 
 class SwitchServer:
@@ -89,10 +118,13 @@ class SwitchServer:
 
     slots: capacity of the pool shared by all jobs (each job takes its window); slot_group: slots
     per counter group; ingress/egress/duplicate: the drop simulator's probabilities; testing: the
-    control command `simulate` may change them (for every job) while the switch runs."""
+    control command `simulate` may change them (for every job) while the switch runs. key: the daemon
+    key (None: a trusted fabric, requests unsigned); limits: a `Limits`; job_expiry_s: a job one of
+    whose ranks is silent (no keepalive) this long is removed."""
 
     def __init__(self, host="127.0.0.1", port=0, slots=8192, slot_group=64, ingress=0.0, egress=0.0,
-                 duplicate=0.0, seed=0, run_ms=50, offload=True, testing=False):
+                 duplicate=0.0, seed=0, run_ms=50, offload=True, testing=False, key=None, limits=None,
+                 job_expiry_s=60.0):
         if lib is None:
             raise BackendUnavailable(IMPORT_ERROR)
         if not 1 <= slots <= MAX_SLOTS * MAX_JOBS:
@@ -102,6 +134,11 @@ class SwitchServer:
         self.run_ms = run_ms
         self.offload = offload
         self.testing = testing
+        # key: the daemon key; the jobs' control requests are signed and their packets MACed under keys derived from it
+        self.key, self.limits, self.job_expiry_s = key, limits or Limits(), float(job_expiry_s)
+        self.drops = control.Drops()             # control requests refused, by reason
+        self._replays = auth.Replays()
+        self._nonces = OrderedDict()              # nonces registered so far (bounded): each registers once
         self.epoch = f"{random.getrandbits(32):08x}"
         self._jobs = {}
         self._next_job = random.randrange(MAX_JOBS)
@@ -186,35 +223,38 @@ class SwitchServer:
                 self._stopping.set()
 
     def _control_loop(self):
-        while not self._stopping.is_set():
-            try:
-                conn, _ = self._tcp.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve_client, args=(conn,), daemon=True).start()
-
-    def _serve_client(self, conn):
-        with conn, conn.makefile("rwb") as stream:
-            for line in stream:
-                stream.write(control.encode(control.answer(self.handle, control.decode(line))))
-                stream.flush()
+        control.LineServer(self._tcp, self.handle, self.drops, tick=self._expire).serve(self._stopping)
 
     # -- control operations ------------------------------------------------------------------------
-    def handle(self, request):
+    def handle(self, request, source=None):
+        """The fields of the answer to one control request from `source` (an IP address)."""
         with self._lock:
             if self._sw is None:
                 raise ValueError("the switch is shutting down")
-            return self._handle(request)
+            return self._handle(request, source)
 
-    def _handle(self, request):
+    def _handle(self, request, source):
         op = request.get("op")
         if op == "register":
+            nonce = auth.check_nonce(request["nonce"]) if self.key is not None or "nonce" in request else None
+            key = None
+            if self.key is not None:
+                key = auth.job_key(self.key, nonce)
+                self._authenticate(request, key, ("register", nonce), "register")
             return self.register(int(request["token"]), request["workers"], int(request.get("slots", 128)),
-                                 int(request.get("elems", 256)))
-        if op == "unregister":
-            return self.unregister(int(request["job"]), int(request["token"]))
+                                 int(request.get("elems", 256)), nonce, key, source,
+                                 authenticate=request.get("authenticate", True) is not False)
+        if op in ("unregister", "keepalive") or (op == "counters" and request.get("job") is not None):
+            job = self._job(request)
+            if op == "unregister":
+                return self.unregister(job.number, job.token)
+            if op == "keepalive":
+                return self.keepalive(job.number, int(request["rank"]))
+            return self.counters(job.number)
+        if op in ("counters", "simulate") and self.key is not None:
+            self._authenticate(request, self.key, ("operator",), op)
         if op == "counters":
-            return self.counters(request.get("job"), request.get("token"))
+            return self.counters()
         if op == "simulate":
             if not self.testing:
                 raise ConfigError("the drop simulator acts on every job of this switch, so 'simulate' is refused; "
@@ -224,58 +264,138 @@ class SwitchServer:
             return {}
         if op == "status":
             return self.status()
-        raise ValueError(f"unknown op {op!r}; use register, unregister, counters, simulate or status")
+        raise ValueError(f"unknown op {str(op)[:40]!r}; use register, keepalive, unregister, counters, simulate "
+                         f"or status")
 
-    def register(self, token, workers, slots, elems):
-        """Add a job; returns its job number. workers[rank] = [ipv4, port]."""
+    def _authenticate(self, request, key, sender, what):
+        """Refuse `request` unless it is signed with `key` and its seq grows past `sender`'s last."""
+        if not auth.verify(key, request):
+            raise control.Refused("bad_mac", f"{what} refused: the request is not signed with this switch's key "
+                                             f"(give the job the switch's key file: COMMLIB_SWITCH_KEY_FILE)")
+        if not self._replays.fresh(sender, request["seq"]):
+            raise control.Refused("replay", f"{what} refused: its seq does not grow (a replayed request)")
+
+    def _job(self, request):
+        """The registered job a keepalive/unregister/counters request is about, authenticated: on a keyed
+        switch signed with that job's key (by one of its ranks) or the daemon key, else with its token."""
+        number = int(request["job"])
+        job = self._jobs.get(number)
+        if job is None:
+            raise ConfigError(f"job #{number} is not registered on this switch")
+        if self.key is None:
+            token = request.get("token")
+            if request.get("op") != "keepalive" and token is not None and int(token) != job.token or \
+                    request.get("op") == "unregister" and token is None:
+                raise control.Refused("bad_token", f"job #{number} with that token is not registered on this switch")
+            return job
+        if auth.verify(job.key, request):
+            rank = request.get("rank")
+            if not isinstance(rank, int) or rank not in job.alive:
+                raise ValueError(f"rank {rank!r} is not a rank of job #{number}")
+            sender = (number, job.nonce, rank)
+        elif auth.verify(self.key, request):
+            sender = ("operator",)
+        else:
+            raise control.Refused("bad_mac", f"{request.get('op')} of job #{number} refused: not signed with the "
+                                             f"job's key")
+        if not self._replays.fresh(sender, request["seq"]):
+            raise control.Refused("replay", f"{request.get('op')} refused: its seq does not grow (a replayed request)")
+        return job
+
+    def register(self, token, workers, slots, elems, nonce=None, key=None, source=None, authenticate=True):
+        """Add a job; returns its job number. workers[rank] = [ipv4, port]; key: the job key that signs
+        its control requests and, with `authenticate`, MACs its packets (None: a keyless switch)."""
         if not 0 <= token < 2 ** 32:
             raise ConfigError(f"token {token} is not a 32-bit unsigned integer (see token32())")
-        if not 1 <= len(workers) <= MAX_WORKERS:
-            raise ConfigError(f"a job has 1..{MAX_WORKERS} workers, got {len(workers)}")
+        if not isinstance(workers, list) or not 1 <= len(workers) <= MAX_WORKERS:
+            raise ConfigError(f"a job has 1..{MAX_WORKERS} workers, a list of [ip, port]")
         if not 1 <= slots <= MAX_SLOTS or elems not in (64, 256):
             raise ConfigError(f"slots={slots} (1..{MAX_SLOTS}) and elems={elems} (64 or 256) are not valid")
-        addrs = []
-        for host, port in workers:
-            try:
-                addrs.append((struct.unpack("!I", socket.inet_aton(socket.gethostbyname(host)))[0], int(port)))
-            except OSError:
-                raise ConfigError(f"worker address {host}:{port} is not an IPv4 address") from None
-            if not 0 < addrs[-1][1] < 65536:
-                raise ConfigError(f"worker address {host}:{port}: the port is not in 1..65535")
+        addrs = [_ipv4_port(worker) for worker in workers]
         with self._lock:
+            self._admit(slots, nonce, source)
             free = [n for n in ((self._next_job + i) % MAX_JOBS for i in range(MAX_JOBS)) if n not in self._jobs]
             if not free:
-                raise ConfigError(f"the switch already serves {MAX_JOBS} jobs; end one first")
+                raise control.Refused("limit", f"the switch already serves {MAX_JOBS} jobs; end one first")
             number = free[0]
-            rc = lib.sml_switch_add_job(self._sw, number, token, len(workers), slots, elems)
+            rc = lib.sml_switch_add_job(self._sw, number, token, len(workers), slots, elems,
+                                        key if key is not None and authenticate else ffi.NULL)
             if rc == lib.SML_ADD_NO_SLOTS:
-                raise ConfigError(f"the switch has {lib.sml_switch_free_slots(self._sw)} free slots, the job asks "
-                                  f"for {slots}: lower COMMLIB_SWITCH_WINDOW or start the switch with more --slots")
+                raise control.Refused("limit", f"the switch has {lib.sml_switch_free_slots(self._sw)} free slots, "
+                                               f"the job asks for {slots}: lower COMMLIB_SWITCH_WINDOW or start the "
+                                               f"switch with more --slots")
             if rc != 0:
                 why = {lib.SML_ADD_IN_USE: "its job number is in use", lib.SML_ADD_ARG: "invalid parameters",
                        lib.SML_ADD_NOMEM: "out of memory"}.get(rc, f"code {rc}")
                 raise ConfigError(f"the switch could not add the job: {why}")
             for rank, (ip, port) in enumerate(addrs):
                 lib.sml_switch_set_addr(self._sw, number, rank, ip, port)
-            self._jobs[number] = _Job(number, token, [list(w) for w in workers], slots, elems)
+            self._jobs[number] = _Job(number, token, [list(w) for w in workers], slots, elems, nonce, key, source)
+            if nonce is not None:
+                self._nonces[nonce] = number
+                while len(self._nonces) > 65536:
+                    self._nonces.popitem(last=False)
             self._next_job = (number + 1) % MAX_JOBS   # a just-ended number is not reused at once
         log.info("commlib-switch %s: job #%d registered (%d workers, %d slots)", self.address, number,
                  len(workers), slots)
-        return {"job": number, "epoch": self.epoch, "slots": slots}
+        return {"job": number, "epoch": self.epoch, "slots": slots, "expiry_s": self.job_expiry_s}
 
-    def unregister(self, number, token):
+    def _admit(self, slots, nonce, source):
+        """Refuse a registration beyond the limits, or of a nonce seen before (a replayed register)."""
+        if nonce is not None and nonce in self._nonces:
+            raise control.Refused("replay", "register refused: a job with this nonce was registered already (a "
+                                            "replayed request?); a job makes a new nonce for each registration")
+        lim = self.limits
+        if lim.job_slots is not None and slots > lim.job_slots:
+            raise control.Refused("limit", f"the job asks for {slots} slots, this switch gives a job at most "
+                                           f"{lim.job_slots}: lower COMMLIB_SWITCH_WINDOW")
+        mine = [j for j in self._jobs.values() if j.source == source]
+        if lim.source_jobs is not None and len(mine) >= lim.source_jobs:
+            raise control.Refused("limit", f"{source} already holds {len(mine)} jobs on this switch, the most one "
+                                           f"address may hold; end one first")
+        held = sum(j.slots for j in mine)
+        if lim.source_slots is not None and held + slots > lim.source_slots:
+            raise control.Refused("limit", f"{source} holds {held} slots on this switch; {slots} more would pass "
+                                           f"its limit of {lim.source_slots} per address")
+
+    def keepalive(self, number, rank):
         with self._lock:
             job = self._jobs.get(number)
-            if job is None or job.token != token:
+            if job is None or rank not in job.alive:
+                raise ConfigError(f"job #{number} has no rank {rank} on this switch")
+            job.alive[rank] = time.monotonic()
+        return {"expiry_s": self.job_expiry_s}
+
+    def unregister(self, number, token=None):
+        with self._lock:
+            job = self._jobs.get(number)
+            if job is None or (token is not None and job.token != token):
                 raise ConfigError(f"job #{number} with that token is not registered on this switch")
-            lib.sml_switch_remove_job(self._sw, number)
-            del self._jobs[number]
+            self._remove(job)
         log.info("commlib-switch %s: job #%d ended", self.address, number)
         return {}
 
+    def _remove(self, job):
+        lib.sml_switch_remove_job(self._sw, job.number)
+        del self._jobs[job.number]
+        self._replays.forget((job.number, job.nonce))
+
+    def _expire(self):
+        """Remove the jobs one of whose ranks sent no keepalive for job_expiry_s (it died or hangs)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._sw is None:
+                return
+            for job in [j for j in self._jobs.values() if now - min(j.alive.values()) > self.job_expiry_s]:
+                rank = min(job.alive, key=job.alive.get)
+                self._remove(job)
+                self.drops.add("jobs_expired")
+                log.warning("commlib-switch %s: job #%d expired (rank %d silent for %.0fs)", self.address,
+                            job.number, rank, now - job.alive[rank])
+
     def counters(self, number=None, token=None):
         """Counters of one job (with `token`: only if the job is still the one holding that token),
-        or the switch-wide ones and every job's totals."""
+        or the switch-wide ones, the control plane's drops and every job's totals."""
         c = ffi.new("sml_counters *")
         if number is not None:
             number = int(number)
@@ -298,7 +418,8 @@ class SwitchServer:
             for n in self._jobs:
                 lib.sml_switch_job_counters(self._sw, n, c)
                 jobs[str(n)] = _counters_dict(c)
-        return {"switch": {name: int(getattr(g, name)) for name in GLOBAL_COUNTERS}, "jobs": jobs}
+        return {"switch": {name: int(getattr(g, name)) for name in GLOBAL_COUNTERS}, "jobs": jobs,
+                "control": self.drops.snapshot()}
 
     def simulate(self, ingress=0.0, egress=0.0, duplicate=0.0, seed=0):
         for p in (ingress, egress, duplicate):
@@ -315,23 +436,48 @@ class SwitchServer:
                     for n, j in self._jobs.items()}
             free = int(lib.sml_switch_free_slots(self._sw))
         return {"address": self.address, "epoch": self.epoch, "slots": self.slots, "free_slots": free, "jobs": jobs,
-                "simulate": dict(zip(("ingress", "egress", "duplicate", "seed"), self.sim))}
+                "authenticated": self.key is not None, "simulate": dict(zip(("ingress", "egress", "duplicate", "seed"), self.sim))}
+
+
+def _ipv4_port(worker):
+    """[ip, port] of a worker as the C switch wants it: (IPv4 as an integer, port). Only literal
+    addresses: a control request must not make the switch wait on a name lookup."""
+    try:
+        host, port = worker
+        ip = struct.unpack("!I", socket.inet_pton(socket.AF_INET, host))[0]
+    except (OSError, TypeError, ValueError):
+        raise ConfigError(f"worker address {str(worker)[:60]} is not [IPv4 address, port]") from None
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise ConfigError(f"worker address {host}:{port}: the port is not in 1..65535")
+    return ip, port
 
 
 class SwitchClient:
-    """The control plane seen from a job or a user: one TCP request per call."""
+    """The control plane seen from a job or a user: one TCP request per call. key: the job key (a
+    rank, with its `rank`) or the daemon key (an operator) that signs every request; None for a
+    switch without a key."""
 
-    def __init__(self, address, timeout=10.0):
+    def __init__(self, address, timeout=10.0, key=None, rank=None):
         self.address = address if isinstance(address, str) else f"{address[0]}:{address[1]}"
         self.host, self.port = parse_address(self.address, "switch address")
         self.timeout = timeout
+        self.rank = rank
+        self._sign = auth.Signer(key) if key is not None else None
+        # one request at a time: two threads' requests (keepalive, counters) must reach the switch in
+        # the order of their seq, or the later-signed one arriving first makes the other a "replay"
+        self._lock = threading.Lock()
 
     def request(self, op, **fields):
+        message = {"op": op, **fields}
+        if self.rank is not None:
+            message.setdefault("rank", self.rank)
         try:
-            with socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
-                sock.sendall(control.encode({"op": op, **fields}))
+            with self._lock, socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
+                if self._sign is not None and op != "status":
+                    message = self._sign(message)
+                sock.sendall(control.encode(message))
                 with sock.makefile("rb") as stream:
-                    line = stream.readline()
+                    line = stream.readline(1 << 20)
         except socket.timeout:
             raise CommTimeout(f"the switch at {self.address} did not answer {op!r} within {self.timeout}s; "
                               f"is commlib-switch running there?") from None
@@ -342,11 +488,17 @@ class SwitchClient:
             raise PeerFailure(f"the switch at {self.address} closed the connection during {op!r}")
         return control.result(control.decode(line), f"switch {self.address}: {op}")
 
-    def register(self, token, workers, slots, elems):
-        return self.request("register", token=token, workers=workers, slots=slots, elems=elems)
+    def register(self, token, workers, slots, elems, nonce=None, authenticate=None):
+        fields = {} if nonce is None else {"nonce": nonce}
+        if authenticate is not None:
+            fields["authenticate"] = authenticate
+        return self.request("register", token=token, workers=workers, slots=slots, elems=elems, **fields)
 
-    def unregister(self, job, token):
-        return self.request("unregister", job=job, token=token)
+    def unregister(self, job, token=None):
+        return self.request("unregister", job=job, **({} if token is None else {"token": token}))
+
+    def keepalive(self, job):
+        return self.request("keepalive", job=job)
 
     def counters(self, job=None, token=None):
         fields = {} if job is None else {"job": job}

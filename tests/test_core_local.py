@@ -110,7 +110,8 @@ def test_timeline_is_a_chrome_trace(runtime):
     commlib.allreduce(np.ones(3, np.float32), name="traced")
     commlib.shutdown()
     events = json.loads(runtime.read_text())
-    assert {e["name"] for e in events if e.get("tid") == "traced"} == {"NEGOTIATE", "QUEUE", "RING"}
+    row = next(e["tid"] for e in events if e["name"] == "thread_name" and e["args"]["name"] == "traced")
+    assert {e["name"] for e in events if e["ph"] == "X" and e["tid"] == row} == {"NEGOTIATE", "QUEUE", "RING", "RESTORE"}
 
 
 @pytest.mark.parametrize("kwargs, error, text", [
@@ -162,3 +163,14 @@ def test_grouped_allreduce_is_released_and_fused_together(runtime):
     assert {commlib.records()[f"g{i}"]["fused_with"] for i in range(6)} == {5}   # one collective
     with pytest.raises(commlib.ConfigError, match="2 tensors but 1 names"):
         commlib.grouped_allreduce(tensors[:2], ["only"])
+
+
+def test_a_bucket_of_adjacent_views_is_fused_without_a_copy():
+    from commlib.executor import fused
+    flat = np.arange(10, dtype=np.float32)
+    a, b = flat[:3], flat[3:]
+    together = fused([a, b])
+    assert np.shares_memory(together, flat) and together.tolist() == flat.tolist()
+    assert not together.flags.writeable, "the caller's memory must not be written by the backends"
+    assert fused([b, a]) is None and fused([a, flat[4:]]) is None, "non-adjacent arrays need a copy"
+    assert fused([a, flat[3:].astype(np.float64)]) is None

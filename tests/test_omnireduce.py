@@ -191,9 +191,10 @@ def test_bytes_match_traffic_model(placement):
     """Per worker and tensor: measured bytes equal the protocol's exact wire model to the byte
     (recovery traffic, if the loaded host made a timer fire, is counted apart and subtracted),
     and stay within OMNIREDUCE.md's model (own non-zero blocks + 4 bytes each up, the union down)
-    times 1.10 up / 1.04 down, plus 40 bytes per column: our 40-byte header instead of 4 bytes of
-    `next` (3.5% up, 3.9% down), silent workers' ACKs (a header per 4 silent rounds: ~3% at 4
-    workers), and one header-only bootstrap packet per column whose first block is zero."""
+    times 1.11 up / 1.05 down, plus 48 bytes per column: our 40-byte header instead of 4 bytes of
+    `next` (3.5% up, 3.9% down) and the 8-byte packet MAC (0.8%), silent workers' ACKs (a header
+    per 4 silent rounds: ~3% at 4 workers), and one header-only bootstrap packet per column whose
+    first block is zero."""
     n, block, columns, size = 4, 256, 32, 2048 * 256
     cases = [(d, sparse_inputs(n, size, d, placement, block=block, seed=3)) for d in (0.01, 0.1, 0.5, 1.0)]
 
@@ -212,8 +213,8 @@ def test_bytes_match_traffic_model(placement):
             recv = st["bytes_recv"] - st["extra_recv_bytes"]
             assert (sent, recv) == model[rank], (d, rank, st)
             up, down = paper_model(int(masks[rank].sum()), union, block * 4)
-            assert up <= sent <= 1.10 * up + 40 * columns, (d, rank, sent, up)
-            assert down <= recv <= 1.04 * down + 40 * columns, (d, rank, recv, down)
+            assert up <= sent <= 1.11 * up + 48 * columns, (d, rank, sent, up)
+            assert down <= recv <= 1.05 * down + 48 * columns, (d, rank, recv, down)
             assert st["union_blocks"] == union
 
 

@@ -16,6 +16,7 @@ def check_sums(results, context=""):
     for result in results:
         assert result["wrong"] == [] and result["embedding_error"] <= 1e-5, (result, context)
         assert result["bytes_sent"] > 0 and result["densities"], (result, context)
+        assert result["authenticated"], (result, context)   # embedded aggregators: the job's key, MACs on
 
 
 @pytest.mark.parametrize("nprocs,mode", [(3, "colocated"), (2, "dedicated")])

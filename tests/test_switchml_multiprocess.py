@@ -23,6 +23,8 @@ def check(results, mode, address=None):
         assert result["half_avg"] == {"dtype": "float16", "values": [40000.0]}, result  # no float16 overflow
         assert result["torch_half"] == {"dtype": "torch.float16", "values": [0.5 * total]}, result
         assert result["received"] > 0 and result["algorithms"] == ["switchml"], result
+        # the embedded switch holds the key rank 0 shared through the launcher; the external one has none
+        assert result["authenticated"] == (mode == "embedded"), result
         assert address is None or result["switch"] == address, result
         if embedded or mode == "external":   # (a rank beside the embedded switch's cannot know when it stops)
             assert result["answers_after_shutdown"] == (mode == "external"), \

@@ -20,7 +20,15 @@
  * packet of tensor t+1 proves that every worker finished tensor t-1.
  *
  * Packets are little-endian (hosts, not network order): a 40-byte omr_hdr, then the block
- * (absent with OMR_F_ZERO). csum (transport.h's tp_checksum) covers header (csum = 0) and payload. */
+ * (absent with OMR_F_ZERO). csum (transport.h's tp_checksum) covers header (csum = 0) and payload.
+ *
+ * Authentication (a job registered with a job key, the default): every packet of the job, both
+ * ways, has OMR_F_MAC set and ends with 8 bytes of SipHash-2-4 (transport.h) under the job key
+ * over the header (csum included) and the payload; (seq, col, round) are inside, so a replayed
+ * packet is one the protocol already treats as a duplicate. Packets without a valid MAC are
+ * dropped and counted (bad_mac). ERRORs about a job the aggregator does not know carry no MAC
+ * (it has no key for it): an authenticated worker reports one only if no progress follows before
+ * its timeout, so a forged ERROR cannot end a job. */
 #ifndef COMMLIB_OMNIREDUCE_H
 #define COMMLIB_OMNIREDUCE_H
 #include <stddef.h>
@@ -48,6 +56,8 @@
 #define OMR_F_INT32 2             /* payload is int32 (else float32) */
 #define OMR_F_ACKWAIT 4           /* STATUS: waiting for acknowledgements, not for blocks */
 #define OMR_F_RESEND 8            /* DATA sent again by the timer: answer with a replay or a STATUS */
+#define OMR_F_MAC 16              /* the packet ends with its MAC (TP_MAC_LEN bytes) */
+#define OMR_KEY_LEN 16
 
 #define OMR_FLOAT32 0             /* = TP_FLOAT32, TP_INT32 (transport.h) */
 #define OMR_INT32 1
@@ -74,7 +84,7 @@ typedef struct {
     uint64_t pkts_sent, bytes_sent, pkts_recv, bytes_recv;      /* UDP payload bytes */
     uint64_t data_sent, acks_sent, pulls_sent, resends, resend_bytes;     /* resend_bytes: all recovery uploads */
     uint64_t extra_recv_bytes;                                  /* duplicates, replays out of order, STATUS */
-    uint64_t results_recv, status_recv, dup_recv, ooo_recv, bad_recv;
+    uint64_t results_recv, status_recv, dup_recv, ooo_recv, bad_recv, bad_mac;
     uint64_t sim_dropped, sim_duplicated;
     uint64_t nblocks, ncols, own_blocks, union_blocks;          /* union: results with a payload */
     int32_t err_agg, err_rank, err_col, err_code;               /* why it failed */
@@ -86,14 +96,17 @@ typedef struct {
 typedef struct {
     uint64_t pkts_recv, bytes_recv, pkts_sent, bytes_sent;
     uint64_t data_recv, results_sent, replays, status_sent, acks_recv, pulls_recv;
-    uint64_t dup_recv, stale_recv, bad_recv, refused, ctrl_recv, rounds, sim_dropped, sim_duplicated;
+    uint64_t dup_recv, stale_recv, bad_recv, bad_mac, refused, ctrl_recv, rounds, sim_dropped, sim_duplicated;
+    uint64_t queue_ns, proc_ns;   /* over every packet received: kernel arrival -> handling; handling */
 } omr_astats;
 
 /* worker: fd is a bound UDP socket owned by the caller */
 typedef struct omr_worker omr_worker;
 omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs, int block,
                            int retransmit_us, double loss, double dup, uint64_t seed);
-int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint32_t job, uint32_t key);
+/* mac_key: the job key (OMR_KEY_LEN bytes) the job registered with, or NULL (no MACs) */
+int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint32_t job, uint32_t key,
+                       const uint8_t *mac_key);
 /* out must be zeroed; mask from tp_block_mask (transport.h). One call per tensor, GIL released. */
 int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype,
                          const uint8_t *mask, double timeout_s, omr_wstats *st);
@@ -102,9 +115,10 @@ void omr_worker_free(omr_worker *w);
 /* aggregator: fd is a bound UDP socket owned by the caller */
 typedef struct omr_agg omr_agg;
 omr_agg *omr_agg_new(int fd, uint64_t seed);
-/* returns the job id, or -1 (table full, out of memory, bad arguments) */
+/* returns the job id, or -1 (table full, out of memory, bad arguments); mac_key: the job key
+ * (OMR_KEY_LEN bytes) its packets are authenticated with, or NULL (a trusted fabric) */
 int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs, int agg_index, int block,
-                    double loss, double dup);
+                    double loss, double dup, const uint8_t *mac_key);
 int omr_agg_set_worker(omr_agg *a, int job, int rank, const char *ip, int port);
 void omr_agg_remove_job(omr_agg *a, int job);
 double omr_agg_job_idle_s(omr_agg *a, int job);

@@ -25,8 +25,9 @@ typedef struct {
 } omr_state;
 
 typedef struct {
-    int used;
+    int used, auth;
     uint32_t key;
+    uint8_t mac_key[OMR_KEY_LEN];         /* the job key of the packets' MACs (auth) */
     int nworkers, ncols, naggs, index, block, nslots;
     size_t bbytes;
     double loss, dup;
@@ -67,6 +68,7 @@ omr_agg *omr_agg_new(int fd, uint64_t seed) {
         omr_agg_free(a);
         return NULL;
     }
+    tp_rxq_stamps(&a->rq);   /* for queue_ns; without stamps it stays 0 */
     return a;
 }
 
@@ -86,7 +88,7 @@ void omr_agg_free(omr_agg *a) {
 }
 
 int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs, int agg_index, int block,
-                    double loss, double dup) {
+                    double loss, double dup, const uint8_t *mac_key) {
     if (nworkers < 1 || nworkers > OMR_MAX_WORKERS || ncols < 1 || naggs < 1 || agg_index < 0 ||
         agg_index >= naggs || block < 1 || block > OMR_MAX_BLOCK)
         return -1;
@@ -97,6 +99,8 @@ int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs
     omr_job *j = &a->jobs[id];
     memset(j, 0, sizeof *j);
     j->key = key; j->nworkers = nworkers; j->ncols = ncols; j->naggs = naggs; j->index = agg_index;
+    j->auth = mac_key != NULL;
+    if (mac_key) memcpy(j->mac_key, mac_key, OMR_KEY_LEN);
     j->block = block; j->bbytes = (size_t)block * 4; j->loss = loss; j->dup = dup;
     j->nslots = agg_index < ncols ? (ncols - agg_index + naggs - 1) / naggs : 0;
     size_t nst = (size_t)j->nslots * 2, nw = (size_t)nworkers;
@@ -181,18 +185,23 @@ static void reset_state(omr_job *j, omr_state *S, uint32_t seq, uint32_t col) {
     S->arrived = 0;
 }
 
-static void send_to(omr_agg *a, omr_job *j, int rank, const omr_hdr *h, const void *payload, size_t len) {
+/* mac: the packet's MAC (made once for a result every worker gets), NULL on a job without a key */
+static void send_to(omr_agg *a, omr_job *j, int rank, const omr_hdr *h, const void *payload, size_t len,
+                    const uint8_t *mac) {
     if (!j->has_addr[rank]) return;
     a->sq.loss = j->loss;
     a->sq.dup = j->dup;
-    omr_sendq_push_ready(&a->sq, &j->addr[rank], h, payload, len);
+    omr_sendq_push_ready(&a->sq, &j->addr[rank], h, payload, len, mac);
 }
 
-static omr_hdr result_hdr(int job_id, omr_job *j, omr_state *S, uint32_t col, uint32_t r) {
+/* A finished round's header, checksummed and (with a key) its MAC in mac. */
+static omr_hdr result_hdr(int job_id, omr_job *j, omr_state *S, uint32_t col, uint32_t r, uint8_t *mac) {
     omr_set *set = &S->sets[r % OMR_SETS];
-    omr_hdr h = {OMR_RESULT, set->flags, (uint16_t)j->index, (uint32_t)job_id, j->key, S->seq, col, r,
-                 set->block, set->next, 0, 0};
-    h.csum = omr_hdr_csum(&h, S->data + (size_t)(r % OMR_SETS) * j->bbytes, set->len);
+    const uint8_t *data = S->data + (size_t)(r % OMR_SETS) * j->bbytes;
+    omr_hdr h = {OMR_RESULT, (uint8_t)(set->flags | (j->auth ? OMR_F_MAC : 0)), (uint16_t)j->index,
+                 (uint32_t)job_id, j->key, S->seq, col, r, set->block, set->next, 0, 0};
+    h.csum = omr_hdr_csum(&h, data, set->len);
+    if (j->auth) omr_mac(j->mac_key, &h, data, set->len, mac);
     return h;
 }
 
@@ -203,8 +212,9 @@ static void replay(omr_agg *a, int job_id, omr_job *j, omr_state *S, uint32_t co
     for (uint32_t r = from; r < S->published; r++) {
         omr_set *set = &S->sets[r % OMR_SETS];
         if (!set->valid || set->round != r) continue;
-        omr_hdr h = result_hdr(job_id, j, S, col, r);
-        send_to(a, j, rank, &h, S->data + (size_t)(r % OMR_SETS) * j->bbytes, set->len);
+        uint8_t mac[TP_MAC_LEN];
+        omr_hdr h = result_hdr(job_id, j, S, col, r, mac);
+        send_to(a, j, rank, &h, S->data + (size_t)(r % OMR_SETS) * j->bbytes, set->len, j->auth ? mac : NULL);
         a->st.replays++;
     }
 }
@@ -223,10 +233,12 @@ static void send_status(omr_agg *a, int job_id, omr_job *j, omr_state *S, uint32
             if (expected && !S->seen[w]) { if (first == OMR_INF) first = (uint32_t)w; count++; }
         }
     }
-    omr_hdr h = {OMR_STATUS, flags, (uint16_t)j->index, (uint32_t)job_id, j->key, S->seq, col, S->round,
-                 S->block, count, first, 0};
+    omr_hdr h = {OMR_STATUS, (uint8_t)(flags | (j->auth ? OMR_F_MAC : 0)), (uint16_t)j->index, (uint32_t)job_id,
+                 j->key, S->seq, col, S->round, S->block, count, first, 0};
+    uint8_t mac[TP_MAC_LEN];
     h.csum = omr_hdr_csum(&h, NULL, 0);
-    send_to(a, j, rank, &h, NULL, 0);
+    if (j->auth) omr_mac(j->mac_key, &h, NULL, 0, mac);
+    send_to(a, j, rank, &h, NULL, 0, j->auth ? mac : NULL);
     a->st.status_sent++;
 }
 
@@ -246,8 +258,9 @@ static void try_publish(omr_agg *a, int job_id, omr_job *j, omr_state *S, uint32
     set->valid = 1;
     uint8_t *data = S->data + (size_t)(q % OMR_SETS) * j->bbytes;
     if (set->len) memcpy(data, S->acc, set->len);
-    omr_hdr h = result_hdr(job_id, j, S, col, q);
-    for (int w = 0; w < j->nworkers; w++) send_to(a, j, w, &h, data, set->len);
+    uint8_t mac[TP_MAC_LEN];
+    omr_hdr h = result_hdr(job_id, j, S, col, q, mac);
+    for (int w = 0; w < j->nworkers; w++) send_to(a, j, w, &h, data, set->len, j->auth ? mac : NULL);
     a->st.results_sent += (uint64_t)j->nworkers;
     a->st.rounds++;
     S->published = q + 1;
@@ -293,10 +306,11 @@ static void accumulate(omr_state *S, const uint8_t *payload, size_t len, int int
     }
 }
 
-static void refuse(omr_agg *a, const struct sockaddr_in *to, const omr_hdr *in, uint32_t code) {
+/* key: the job's key when the job is known and keyed (the ERROR is then authenticated), else NULL */
+static void refuse(omr_agg *a, const struct sockaddr_in *to, const omr_hdr *in, uint32_t code, const uint8_t *key) {
     omr_hdr h = {OMR_ERROR, 0, 0, in->job, in->key, in->seq, in->col, in->round, in->block, code, 0, 0};
     a->sq.loss = a->sq.dup = 0;
-    omr_sendq_push(&a->sq, to, &h, NULL, 0);
+    omr_sendq_push(&a->sq, to, &h, NULL, 0, key);
     a->st.refused++;
 }
 
@@ -327,14 +341,20 @@ static void handle(omr_agg *a, int i, uint64_t now) {
         return;
     }
     const struct sockaddr_in *from = tp_rxq_from(&a->rq, i);
-    if (h->job >= OMR_MAX_JOBS || !a->jobs[h->job].used) return refuse(a, from, h, OMR_ERR_JOB);
+    if (h->job >= OMR_MAX_JOBS || !a->jobs[h->job].used) return refuse(a, from, h, OMR_ERR_JOB, NULL);
     int job_id = (int)h->job;
     omr_job *j = &a->jobs[job_id];
-    if (h->key != j->key) return refuse(a, from, h, OMR_ERR_KEY);
+    /* first the MAC: nothing of an unauthenticated packet is believed, and it gets no answer */
+    if (j->auth && !omr_signed(j->mac_key, h, payload, plen)) {
+        a->st.bad_mac++;
+        return;
+    }
+    const uint8_t *key = j->auth ? j->mac_key : NULL;
+    if (h->key != j->key) return refuse(a, from, h, OMR_ERR_KEY, key);
     uint32_t col = h->col, slot = col / (uint32_t)j->naggs;
     int w = h->rank;
     if (w >= j->nworkers || col % (uint32_t)j->naggs != (uint32_t)j->index || slot >= (uint32_t)j->nslots)
-        return refuse(a, from, h, OMR_ERR_SLOT);
+        return refuse(a, from, h, OMR_ERR_SLOT, key);
     j->last_active = now;
     omr_state *S = &j->states[slot * 2 + (h->seq & 1)];
     if (!S->used || S->seq != h->seq) {
@@ -409,6 +429,11 @@ int omr_agg_run(omr_agg *a, int timeout_ms) {
         int k = omr_recvq_recv(&a->rq, (int)((deadline - now + 999) / 1000));
         if (k < 0) return k;
         now = tp_now_us();
-        for (int i = 0; i < k; i++) handle(a, i, now);
+        for (int i = 0; i < k; i++) {   /* its share of each packet's round, for the latency breakdown */
+            uint64_t stamp = tp_rxq_stamp(&a->rq, i), wall = stamp ? tp_wall_ns() : 0, t = tp_now_ns();
+            handle(a, i, now);
+            a->st.proc_ns += tp_now_ns() - t;
+            if (stamp && wall > stamp) a->st.queue_ns += wall - stamp;
+        }
     }
 }

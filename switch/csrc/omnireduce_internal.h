@@ -26,6 +26,23 @@ static inline uint32_t omr_hdr_csum(const omr_hdr *h, const void *payload, size_
     return tp_ck_final(&c);
 }
 
+/* The MAC of a packet (header as sent, then payload): SipHash-2-4 under the job key, little-endian. */
+static inline void omr_mac(const uint8_t *key, const omr_hdr *h, const void *payload, size_t len, uint8_t *out) {
+    tp_sip s;
+    tp_sip_init(&s, key);
+    tp_sip_update(&s, h, sizeof *h);
+    if (len) tp_sip_update(&s, payload, len);
+    tp_wr64le(out, tp_sip_final(&s));
+}
+
+/* Whether a received packet (payload as omr_recvq_get gives it) carries a valid MAC under key. */
+static inline int omr_signed(const uint8_t *key, const omr_hdr *h, const uint8_t *payload, size_t len) {
+    if (!(h->flags & OMR_F_MAC)) return 0;
+    uint8_t mac[TP_MAC_LEN];
+    omr_mac(key, h, payload, len, mac);
+    return memcmp(mac, payload + len, TP_MAC_LEN) == 0;
+}
+
 /* Sends: transport.h's queue (per-destination UDP GSO batches, one sendmmsg), behind the loss and
  * duplication simulator. Payloads are referenced (worker: the input tensor) or copied (aggregator). */
 #define OMR_SENDQ 256
@@ -39,10 +56,13 @@ typedef struct {
 
 int omr_sendq_init(omr_sendq *q, int fd, int copy, uint64_t *rng);
 void omr_sendq_free(omr_sendq *q);
-/* queue one packet (header csum is filled in here); applies the loss/duplication simulation */
-void omr_sendq_push(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h, const void *payload, size_t len);
-/* same, with the checksum already in h (one result sent to many workers) */
-void omr_sendq_push_ready(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h, const void *payload, size_t len);
+/* queue one packet (header csum and, with a key, OMR_F_MAC and the MAC are filled in here);
+ * applies the loss/duplication simulation */
+void omr_sendq_push(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h, const void *payload, size_t len,
+                    const uint8_t *key);
+/* same, with the checksum already in h and the MAC (or NULL) made (one result sent to many workers) */
+void omr_sendq_push_ready(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h, const void *payload, size_t len,
+                          const uint8_t *mac);
 static inline void omr_sendq_flush(omr_sendq *q) { tp_txq_flush(&q->q); }   /* losses are recovered */
 
 /* Receives: transport.h's queue with UDP GRO; every caller sees segments (datagrams). */
@@ -65,6 +85,10 @@ static inline const omr_hdr *omr_recvq_get(tp_rxq *q, int i, omr_hdr *out, const
     memcpy(out, buf, sizeof *out);
     *payload = buf + sizeof(omr_hdr);
     *payload_len = len - sizeof(omr_hdr);
+    if (out->flags & OMR_F_MAC) {          /* the MAC trails the payload; the receiver checks it */
+        if (*payload_len < TP_MAC_LEN) return NULL;
+        *payload_len -= TP_MAC_LEN;
+    }
     if (omr_hdr_csum(out, *payload, *payload_len) != out->csum) return NULL;
     return out;
 }

@@ -17,6 +17,8 @@ struct omr_worker {
     struct sockaddr_in *agg_addr;
     uint32_t *job, *key;
     uint8_t *agg_set;
+    uint8_t *mac_key;                     /* naggs * OMR_KEY_LEN: each job key (auth[a]) */
+    uint8_t *auth;
     omr_sendq sq;
     tp_rxq rq;
 };
@@ -46,7 +48,9 @@ omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs,
     w->job = calloc((size_t)naggs, sizeof *w->job);
     w->key = calloc((size_t)naggs, sizeof *w->key);
     w->agg_set = calloc((size_t)naggs, 1);
-    if (!w->agg_addr || !w->job || !w->key || !w->agg_set || omr_sendq_init(&w->sq, fd, 0, &w->rng) ||
+    w->mac_key = calloc((size_t)naggs, OMR_KEY_LEN);
+    w->auth = calloc((size_t)naggs, 1);
+    if (!w->agg_addr || !w->job || !w->key || !w->agg_set || !w->mac_key || !w->auth || omr_sendq_init(&w->sq, fd, 0, &w->rng) ||
         omr_recvq_init(&w->rq, fd)) {
         omr_worker_free(w);
         return NULL;
@@ -56,10 +60,13 @@ omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs,
     return w;
 }
 
-int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint32_t job, uint32_t key) {
+int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint32_t job, uint32_t key,
+                       const uint8_t *mac_key) {
     if (index < 0 || index >= w->naggs || omr_parse_addr(ip, port, &w->agg_addr[index])) return -1;
     w->job[index] = job;
     w->key[index] = key;
+    w->auth[index] = mac_key != NULL;
+    if (mac_key) memcpy(w->mac_key + (size_t)index * OMR_KEY_LEN, mac_key, OMR_KEY_LEN);
     w->agg_set[index] = 1;
     return 0;
 }
@@ -68,7 +75,7 @@ void omr_worker_free(omr_worker *w) {
     if (!w) return;
     omr_sendq_free(&w->sq);
     tp_rxq_free(&w->rq);
-    free(w->agg_addr); free(w->job); free(w->key); free(w->agg_set);
+    free(w->agg_addr); free(w->job); free(w->key); free(w->agg_set); free(w->mac_key); free(w->auth);
     free(w);
 }
 
@@ -77,6 +84,10 @@ static inline uint32_t next_nonzero(const uint8_t *mask, size_t nb, size_t b, si
     for (b += ncols; b < nb; b += ncols)
         if (mask[b]) return (uint32_t)b;
     return OMR_INF;
+}
+
+static inline const uint8_t *agg_key(const omr_worker *w, int a) {
+    return w->auth[a] ? w->mac_key + (size_t)a * OMR_KEY_LEN : NULL;
 }
 
 typedef struct {
@@ -96,7 +107,7 @@ static void send_data(omr_call *c, uint32_t col, uint32_t round, uint32_t block,
     omr_hdr h = {OMR_DATA, (uint8_t)((c->dtype == OMR_INT32 ? OMR_F_INT32 : 0) | (zero ? OMR_F_ZERO : 0) |
                                      (resend ? OMR_F_RESEND : 0)),
                  (uint16_t)w->rank, w->job[a], w->key[a], c->seq, col, round, block, next, round, 0};
-    omr_sendq_push(&w->sq, &w->agg_addr[a], &h, c->in + start * 4, len);
+    omr_sendq_push(&w->sq, &w->agg_addr[a], &h, c->in + start * 4, len, agg_key(w, a));
     c->st->data_sent++;
 }
 
@@ -104,7 +115,7 @@ static void send_header(omr_call *c, int type, uint32_t col, uint32_t ack) {
     omr_worker *w = c->w;
     int a = (int)(col % (uint32_t)w->naggs);
     omr_hdr h = {(uint8_t)type, 0, (uint16_t)w->rank, w->job[a], w->key[a], c->seq, col, ack, 0, 0, ack, 0};
-    omr_sendq_push(&w->sq, &w->agg_addr[a], &h, NULL, 0);
+    omr_sendq_push(&w->sq, &w->agg_addr[a], &h, NULL, 0, agg_key(w, a));
     if (type == OMR_ACK) c->st->acks_sent++;
     else c->st->pulls_sent++;
 }
@@ -134,6 +145,8 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
     uint64_t now = tp_now_us(), last_progress = now, next_scan = now + scan_us, last_resend_scan = now;
     size_t cols_left = ncols;
     int rc = OMR_OK;
+    int unsigned_error = 0, unsigned_agg = -1;   /* an ERROR without a MAC: see below */
+    int32_t unsigned_col = -1, unsigned_code = 0;
 
     st->nblocks = nb;
     st->ncols = ncols;
@@ -176,6 +189,19 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
                 h->job != w->job[a] || h->key != w->key[a]) {
                 st->bad_recv++;                   /* corrupt, foreign, or a late registration reply */
                 st->extra_recv_bytes += w->rq.seg_len[i];
+                continue;
+            }
+            if (w->auth[a] && !omr_signed(agg_key(w, a), h, payload, plen)) {
+                st->bad_mac++;
+                st->extra_recv_bytes += w->rq.seg_len[i];
+                if (h->type == OMR_ERROR && h->seq == seq && h->col < ncols) {
+                    /* an ERROR without a MAC: the aggregator lost the job (or anyone forged it);
+                     * told only if nothing else happens before the timeout */
+                    unsigned_error = 1;
+                    unsigned_agg = a;
+                    unsigned_col = (int32_t)h->col;
+                    unsigned_code = (int32_t)h->next;
+                }
                 continue;
             }
             if (h->seq != seq || h->col >= ncols) {
@@ -240,6 +266,7 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
             col->backoff = 1;
             col->last_act = now;
             last_progress = now;
+            unsigned_error = 0;
             if (h->next == OMR_INF) {
                 col->done = 1;
                 cols_left--;
@@ -293,6 +320,12 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
 finish:
     omr_sendq_flush(&w->sq);
     st->cols_left = (uint32_t)cols_left;
+    if (rc == OMR_ETIMEOUT && unsigned_error) {
+        st->err_agg = unsigned_agg;
+        st->err_col = unsigned_col;
+        st->err_code = unsigned_code;
+        rc = OMR_EREFUSED;
+    }
     if (rc == OMR_ETIMEOUT) {
         /* explain: an aggregator that went silent, else the rank an aggregator waits for */
         now = tp_now_us();

@@ -7,7 +7,8 @@
  *                      SML_NACK (switch -> worker: the job is unknown to this switch)
  *    1   1  flags      bits 0-1 size code: 0 no payload (exponent only), 1 = 64, 2 = 256 int32;
  *                      bit 2 SML_F_NONFINITE: a region of one flag byte per payload element
- *                      follows the payload (SML_NF_* bits, OR-ed by the switch)
+ *                      follows the payload (SML_NF_* bits, OR-ed by the switch);
+ *                      bit 3 SML_F_MAC: the packet ends with its MAC
  *    2   1  job        job number the switch assigned at registration
  *    3   1  rank       sender's rank in the job (RESULT: the rank whose packet it answers)
  *    4   4  packet id  worker-local packet id, echoed by the switch
@@ -19,14 +20,28 @@
  *   16   4  checksum   tp_checksum (transport.h) of bytes 0-19, this field 0 when summing
  *   20  4k  payload    k = 0, 64 or 256 big-endian int32 (the partial last block zero-padded)
  *   ..   k  nf region  only with SML_F_NONFINITE
+ *   ..   8  mac        only with SML_F_MAC: SipHash-2-4 (transport.h) under the job key of every
+ *                      byte before it (header with the packet id and pool index, payload, region),
+ *                      so a packet cannot be forged or altered without the key, and a replayed one
+ *                      carries an old packet id (see the version rule below). A job registered with
+ *                      a key (the authenticated default) takes only DATA with a valid MAC and sends
+ *                      only RESULTs with one; drops are counted (drop_bad_mac). NACKs carry none
+ *                      (the switch has no key for a job it does not know): an authenticated worker
+ *                      treats one as a hint it reports only if no result comes before its timeout.
  *
- * Switch semantics per DATA packet from rank w to (slot s, set X), as in SwitchML:
- *   before = bitmap[s][X]; set bit w there and clear it in bitmap[s][1-X];
- *   new contribution: before == 0 -> overwrite values/exponent (lazy clearing), else add
- *   (int32, wrapping) and take the max exponent; countdown--; the completing packet is sent to
- *   every worker of the job (software multicast), the others are consumed;
- *   retransmission (bit already set): complete -> unicast replay of the stored result to the
- *   sender, incomplete -> dropped. */
+ * Switch semantics per DATA packet from rank w with packet id i to (slot s, set X), as in
+ * SwitchML, with the packet id as the set's version (every rank streams the same ids, growing):
+ *   the set's first use, or i newer than the set's round and that round complete: a new round,
+ *   overwrite values/exponent (lazy clearing), bitmap = {w};
+ *   i = the set's round, bit w clear: add (int32, wrapping), max exponent, countdown--; the
+ *   completing packet is sent to every worker of the job (software multicast), the others are
+ *   consumed; bit w set (a retransmission): complete -> unicast replay of the stored result to
+ *   the sender, incomplete -> dropped;
+ *   i older than the set's round: a late packet (reordered, or a retransmission that the result
+ *   overtook) of a round already finished and reused: dropped (drop_late), never aggregated;
+ *   i newer while the set's round is incomplete: ranks out of step, dropped (drop_malformed).
+ * SwitchML's one set bit tells the current round from the previous one only; a packet delayed
+ * past a whole round reached a set just reused and became its first contribution. */
 #ifndef COMMLIB_SWITCHML_H
 #define COMMLIB_SWITCHML_H
 #include <stddef.h>
@@ -35,7 +50,8 @@
 #define SML_HDR_LEN 20
 #define SML_CSUM_OFF 16
 #define SML_MAX_ELEMS 256
-#define SML_MAX_PKT (SML_HDR_LEN + SML_MAX_ELEMS * 5)
+#define SML_MAC_LEN 8
+#define SML_MAX_PKT (SML_HDR_LEN + SML_MAX_ELEMS * 5 + SML_MAC_LEN)
 #define SML_MAX_WORKERS 64
 #define SML_MAX_JOBS 256
 #define SML_MAX_SLOTS 32768
@@ -47,6 +63,8 @@
 
 #define SML_F_SIZE 3
 #define SML_F_NONFINITE 4
+#define SML_F_MAC 8
+#define SML_KEY_LEN 16
 
 #define SML_NACK_UNKNOWN_JOB 1
 
@@ -64,12 +82,18 @@ typedef struct sml_counters {
     uint64_t results;           /* result packets sent on completion (one per worker) */
     uint64_t replays;           /* retransmissions answered by a unicast replay */
     uint64_t drop_incomplete;   /* retransmissions to an incomplete slot */
+    uint64_t drop_late;         /* packets of a round the slot has finished and reused (reordered, late) */
     uint64_t drop_token;        /* wrong job token */
+    uint64_t drop_bad_mac;      /* no MAC, or a wrong one, on a job registered with a key */
     uint64_t drop_sender;       /* rank not in the job, or source address not the rank's */
     uint64_t drop_malformed;    /* bad slot index, size or packet id mismatch within a slot */
     uint64_t drop_sim_ingress;  /* drop simulator */
     uint64_t drop_sim_egress;
     uint64_t dup_sim;           /* packets duplicated by the simulator */
+    /* the switch's own share of an accepted packet's round trip (per job; 0 in slot groups):
+     * queue: kernel arrival -> processing starts (socket and batch); processing: until its result
+     * (if it completed the slot) is queued for sending */
+    uint64_t queue_ns, proc_ns;
 } sml_counters;
 
 typedef struct sml_global {
@@ -96,12 +120,14 @@ typedef struct sml_switch sml_switch;
 sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int offload);
 void sml_switch_free(sml_switch *sw);
 /* Register job `job` (0..255) with nworkers ranks and a pool of nslots slots of elems (64/256)
- * int32. Returns 0 or an SML_ADD_* error. */
+ * int32; key: the job key (SML_KEY_LEN bytes) its packets are authenticated with, or NULL (a
+ * trusted fabric: no MAC). Returns 0 or an SML_ADD_* error. */
 #define SML_ADD_IN_USE (-1)
 #define SML_ADD_ARG (-2)
 #define SML_ADD_NO_SLOTS (-3)
 #define SML_ADD_NOMEM (-4)
-int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, uint32_t nslots, uint32_t elems);
+int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, uint32_t nslots, uint32_t elems,
+                       const uint8_t *key);
 /* Address of a rank (IPv4 address and port in host order). */
 int sml_switch_set_addr(sml_switch *sw, int job, int rank, uint32_t ipv4, uint16_t port);
 int sml_switch_remove_job(sml_switch *sw, int job);
@@ -126,6 +152,8 @@ typedef struct sml_worker_counters {
     uint64_t duplicates;        /* results for packets already answered (or of an earlier tensor) */
     uint64_t resends;           /* timer expiries */
     uint64_t ignored;           /* malformed, foreign or unexpected packets */
+    uint64_t bad_mac;           /* results without a valid MAC (authenticated workers) */
+    uint64_t nacks;             /* NACKs received (fatal at once only without a key) */
     uint64_t tensors;
     uint64_t elements;
     uint64_t wait_ns;           /* time blocked in poll() */
@@ -138,9 +166,9 @@ typedef struct sml_worker_counters {
 typedef struct sml_worker sml_worker;
 
 /* fd: a UDP socket connected to the switch. window = the job's pool size (slots). offload: as for
- * the switch (UDP GSO/GRO). */
+ * the switch (UDP GSO/GRO). key: the job key (SML_KEY_LEN bytes), or NULL as the job registered. */
 sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworkers, uint32_t window,
-                           uint32_t elems, double rto_ms, double rto_max_ms, int offload);
+                           uint32_t elems, double rto_ms, double rto_max_ms, int offload, const uint8_t *key);
 void sml_worker_free(sml_worker *w);
 void sml_worker_counters_get(sml_worker *w, sml_worker_counters *out);
 
@@ -149,7 +177,7 @@ void sml_worker_counters_get(sml_worker *w, sml_worker_counters *out);
 #define SML_R_RANGE 2           /* some rank had finite |x| >= 2^127 (elements set to NaN) */
 #define SML_E_TIMEOUT (-1)      /* no progress for timeout_ms */
 #define SML_E_REFUSED (-2)      /* the switch's port is closed (ICMP port unreachable) */
-#define SML_E_NACK (-3)         /* the switch does not know this job */
+#define SML_E_NACK (-3)         /* the switch does not know this job (with a key: and no result came) */
 #define SML_E_SOCKET (-4)       /* another socket error; errno in sml_worker_errno */
 #define SML_E_NOMEM (-5)
 

@@ -27,6 +27,14 @@ static inline void sml_seal(uint8_t *hdr) { tp_wr32(hdr + SML_CSUM_OFF, sml_head
 
 static inline int sml_sealed(const uint8_t *hdr) { return tp_rd32(hdr + SML_CSUM_OFF) == sml_header_checksum(hdr); }
 
+/* The MAC of a packet of `len` bytes (SML_F_MAC set in its flags) written after it. */
+static inline void sml_sign(uint8_t *p, size_t len, const uint8_t *key) { tp_wr64le(p + len, tp_siphash(key, p, len)); }
+
+/* Whether the MAC at p + len matches the packet's `len` bytes before it. */
+static inline int sml_signed(const uint8_t *p, size_t len, const uint8_t *key) {
+    return tp_rd64le(p + len) == tp_siphash(key, p, len);
+}
+
 /* ---- big-endian int32 lanes (switchml_lanes.c): the per-element work of the switch and the
  * worker, built for AVX2 and for the baseline, picked at load time. */
 void sml_be_load(int32_t *dst, const uint8_t *src, size_t n);       /* dst[i] = be32(src + 4i) */

@@ -20,6 +20,7 @@
 #define TX_CAP 8192
 #define ARENA 1024
 #define ARENA_STRIDE 1344   /* >= SML_MAX_PKT */
+_Static_assert(ARENA_STRIDE >= SML_MAX_PKT, "a result with its MAC fits an arena buffer");
 
 typedef struct {
     uint64_t bitmap;     /* ranks that contributed */
@@ -31,8 +32,9 @@ typedef struct {
 } slot_set;
 
 typedef struct {
-    int active;
+    int active, auth;
     uint32_t token;
+    uint8_t key[SML_KEY_LEN];  /* the job key of the packets' MACs (auth) */
     int nworkers;
     uint32_t nslots, elems, ngroups;
     struct sockaddr_in addrs[SML_MAX_WORKERS];
@@ -73,6 +75,7 @@ sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int
         return NULL;
     }
     sw->fd = fd;
+    tp_rxq_stamps(&sw->rx);   /* for queue_ns; without stamps it stays 0 */
     sw->max_slots = max_slots;
     sw->group_slots = group_slots ? group_slots : 64;
     sw->rng = 0x9e3779b97f4a7c15ull;
@@ -98,7 +101,8 @@ void sml_switch_free(sml_switch *sw) {
     free(sw);
 }
 
-int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, uint32_t nslots, uint32_t elems) {
+int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, uint32_t nslots, uint32_t elems,
+                       const uint8_t *key) {
     if (job < 0 || job >= SML_MAX_JOBS || nworkers < 1 || nworkers > SML_MAX_WORKERS || nslots < 1 ||
         nslots > SML_MAX_SLOTS || (elems != 64 && elems != 256))
         return SML_ADD_ARG;
@@ -121,6 +125,8 @@ int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, ui
             rc = SML_ADD_NOMEM;
         } else {
             j->token = token;
+            j->auth = key != NULL;
+            if (key) memcpy(j->key, key, SML_KEY_LEN);
             j->nworkers = nworkers;
             j->nslots = nslots;
             j->elems = elems;
@@ -238,12 +244,12 @@ static void emit(sml_switch *sw, uint8_t *buf, size_t len, const struct sockaddr
 }
 
 /* The result of (slot, set) in answer to the packet `in`, in a fresh buffer; returns its length. */
-static size_t build_result(const slot_set *s, const int32_t *vals, const uint8_t *nfr, const uint8_t *in,
-                           uint8_t *p) {
+static size_t build_result(const job_t *j, const slot_set *s, const int32_t *vals, const uint8_t *nfr,
+                           const uint8_t *in, uint8_t *p) {
     uint32_t elems = sml_size_elems(s->size);
     memcpy(p, in, SML_HDR_LEN);   /* job, rank, packet id, pool index and token are echoed */
     p[0] = SML_RESULT;
-    p[1] = (uint8_t)(s->size | (s->nf ? SML_F_NONFINITE : 0));
+    p[1] = (uint8_t)(s->size | (s->nf ? SML_F_NONFINITE : 0) | (j->auth ? SML_F_MAC : 0));
     p[10] = (uint8_t)s->exp;
     p[11] = 0;
     sml_seal(p);
@@ -253,6 +259,10 @@ static size_t build_result(const slot_set *s, const int32_t *vals, const uint8_t
     if (s->nf) {
         memcpy(p + len, nfr, elems);
         len += elems;
+    }
+    if (j->auth) {
+        sml_sign(p, len, j->key);
+        len += SML_MAC_LEN;
     }
     return len;
 }
@@ -275,9 +285,10 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     if (!sml_sealed(p)) { g->drop_checksum++; return; }
     if (p[0] != SML_DATA) { g->drop_type++; return; }
     unsigned flags = p[1], code = flags & SML_F_SIZE;
-    int has_nf = (flags & SML_F_NONFINITE) != 0;
+    int has_nf = (flags & SML_F_NONFINITE) != 0, has_mac = (flags & SML_F_MAC) != 0;
     uint32_t elems = sml_size_elems(code);
-    if ((flags & ~7u) || code == 3 || len != SML_HDR_LEN + (size_t)elems * (has_nf ? 5 : 4)) {
+    size_t body = SML_HDR_LEN + (size_t)elems * (has_nf ? 5 : 4);
+    if ((flags & ~15u) || code == 3 || len != body + (has_mac ? SML_MAC_LEN : 0)) {
         g->drop_short++;
         return;
     }
@@ -291,6 +302,8 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     uint16_t pool = tp_rd16(p + 8);
     uint32_t slot = pool & 0x7fffu, set = pool >> 15;
     sml_counters *gc = &j->groups[(slot < j->nslots ? slot : 0) / sw->group_slots];
+    /* first the MAC: nothing of an unauthenticated packet is believed, not even its rank */
+    if (j->auth && (!has_mac || !sml_signed(p, body, j->key))) { j->c.drop_bad_mac++; gc->drop_bad_mac++; return; }
     if (tp_rd32(p + 12) != j->token) { j->c.drop_token++; gc->drop_token++; return; }
     if (rank >= (unsigned)j->nworkers || !(j->addr_mask >> rank & 1) ||
         j->addrs[rank].sin_addr.s_addr != from->sin_addr.s_addr || j->addrs[rank].sin_port != from->sin_port) {
@@ -303,7 +316,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     j->c.rx++;
     gc->rx++;
 
-    size_t idx = (size_t)slot * 2 + set, other = (size_t)slot * 2 + (1 - set);
+    size_t idx = (size_t)slot * 2 + set;
     slot_set *s = &j->sets[idx];
     int32_t *vals = j->values + idx * j->elems;
     uint8_t *nfr = j->nfreg + idx * j->elems;
@@ -312,19 +325,36 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     uint32_t pkt_id = tp_rd32(p + 4);
     int8_t exp = (int8_t)p[10];
 
-    int fresh = !(before & bit);
-    if (fresh && before != 0 && (code != s->size || pkt_id != s->pkt_id || s->countdown == 0)) {
-        /* ranks streaming different sequences, or a stale packet: refuse to mix them in */
+    /* which round of (slot, set) this packet belongs to: packet ids grow along a rank's stream and
+     * every rank streams the same ids, so the id is the slot's version (SwitchML's set bit tells
+     * only two rounds apart; a packet delayed past a whole round needs more) */
+    int32_t age = (int32_t)(pkt_id - s->pkt_id);
+    int fresh, first;
+    if (before == 0 || (age > 0 && s->countdown == 0)) {
+        fresh = first = 1;              /* the set's first use, or the next round once it is done */
+    } else if (age == 0) {
+        fresh = !(before & bit);
+        first = 0;
+        if (fresh && code != s->size) {
+            j->c.drop_malformed++;
+            gc->drop_malformed++;
+            return;
+        }
+    } else if (age < 0) {
+        /* a late packet of an earlier round (reordered, or a retransmission overtaken by the
+         * result): its round is over; never aggregated, never answered */
+        j->c.drop_late++;
+        gc->drop_late++;
+        return;
+    } else {
+        /* a later round while this one is incomplete: ranks streaming different sequences */
         j->c.drop_malformed++;
         gc->drop_malformed++;
         return;
     }
-    /* step 1: this rank is in (slot, set) and no longer in (slot, other set) */
-    s->bitmap = before | bit;
-    j->sets[other].bitmap &= ~bit;
-
+    s->bitmap = (first ? 0 : before) | bit;
     if (fresh) {
-        if (before == 0) {  /* first contribution: overwrite (lazy clearing) */
+        if (first) {  /* first contribution: overwrite (lazy clearing) */
             sml_be_load(vals, pl, elems);
             s->exp = exp;
             s->size = (uint8_t)code;
@@ -347,7 +377,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
         gc->aggregated++;
         if (s->countdown == 0) {  /* complete: "multicast" to every worker of the job */
             uint8_t *out = take_buffer(sw);
-            size_t rlen = build_result(s, vals, nfr, p, out);
+            size_t rlen = build_result(j, s, vals, nfr, p, out);
             for (int r = 0; r < j->nworkers; r++) {
                 j->c.results++;
                 gc->results++;
@@ -356,7 +386,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
         }
     } else if (s->countdown == 0) {  /* retransmission to a complete slot: unicast replay */
         uint8_t *out = take_buffer(sw);
-        size_t rlen = build_result(s, vals, nfr, p, out);
+        size_t rlen = build_result(j, s, vals, nfr, p, out);
         j->c.replays++;
         gc->replays++;
         emit(sw, out, rlen, from, &j->c, gc);
@@ -416,7 +446,14 @@ static long serve(sml_switch *sw, int max_ms) {
                 continue;
             }
             handled++;
+            job_t *j = l >= SML_HDR_LEN ? &sw->jobs[buf[2]] : NULL;
+            uint64_t accepted = j && j->active ? j->c.rx : 0, stamp = tp_rxq_stamp(&sw->rx, i);
+            uint64_t wall = stamp ? tp_wall_ns() : 0, t_in = tp_now_ns();
             process(sw, buf, l, from);
+            if (j && j->active && j->c.rx > accepted) {   /* counted for its job: charge it the time */
+                j->c.proc_ns += tp_now_ns() - t_in;
+                if (stamp && wall > stamp) j->c.queue_ns += wall - stamp;
+            }
             if (sw->p_dup > 0 && rnd(sw) < sw->p_dup) {  /* the simulator's duplicate */
                 if (l >= SML_HDR_LEN && sw->jobs[buf[2]].active) sw->jobs[buf[2]].c.dup_sim++;
                 process(sw, buf, l, from);

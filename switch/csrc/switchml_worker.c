@@ -35,6 +35,7 @@
 #define RX_BUF 2048      /* without GRO: more than any packet */
 #define TX_CAP 512
 #define PKT_STRIDE 1344  /* >= SML_MAX_PKT, multiple of 64 */
+_Static_assert(PKT_STRIDE >= SML_MAX_PKT, "a packet with its MAC fits a chain buffer");
 
 typedef struct {
     int64_t p;           /* outstanding packet of this chain, -1 when the chain is done */
@@ -47,6 +48,8 @@ typedef struct {
 
 struct sml_worker {
     int fd, job, rank, nworkers, err;
+    int auth, nack;      /* auth: packets carry MACs under key; nack: a NACK's code, reported on timeout */
+    uint8_t key[SML_KEY_LEN];
     uint32_t token, window, elems;
     tp_rtt rtt;          /* RFC 6298 estimate (ns); rtt.rto = the timer of a new packet */
     uint32_t shift, pkt_base;
@@ -73,7 +76,7 @@ typedef struct {
 } tensor_t;
 
 sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworkers, uint32_t window,
-                           uint32_t elems, double rto_ms, double rto_max_ms, int offload) {
+                           uint32_t elems, double rto_ms, double rto_max_ms, int offload, const uint8_t *key) {
     if (window < 1 || window > SML_MAX_SLOTS || (elems != 64 && elems != 256) || nworkers < 1) return NULL;
     sml_worker *w = calloc(1, sizeof *w);
     if (!w) return NULL;
@@ -95,6 +98,8 @@ sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworke
     w->job = job;
     w->rank = rank;
     w->token = token;
+    w->auth = key != NULL;
+    if (key) memcpy(w->key, key, SML_KEY_LEN);
     w->nworkers = nworkers;
     w->window = window;
     w->elems = elems;
@@ -203,7 +208,12 @@ static uint32_t build(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c) {
     h[10] = (uint8_t)exp;
     h[11] = 0;
     tp_wr32(h + 12, w->token);
+    if (w->auth) h[1] |= SML_F_MAC;
     sml_seal(h);
+    if (w->auth) {
+        sml_sign(h, SML_HDR_LEN + len, w->key);
+        len += SML_MAC_LEN;
+    }
     return SML_HDR_LEN + len;
 }
 
@@ -263,12 +273,22 @@ static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, u
         return 0;
     }
     if (h[0] == SML_NACK) {
+        w->c.nacks++;
+        if (w->auth) {   /* anyone can forge a NACK: believed only if no result comes before the timeout */
+            w->nack = h[11] ? h[11] : 1;
+            return 0;
+        }
         w->err = h[11];
         return SML_E_NACK;
     }
     uint32_t code = h[1] & SML_F_SIZE, elems = sml_size_elems(code);
-    if (h[0] != SML_RESULT || len < SML_HDR_LEN + 4 * (size_t)elems + ((h[1] & SML_F_NONFINITE) ? elems : 0)) {
+    size_t body = SML_HDR_LEN + 4 * (size_t)elems + ((h[1] & SML_F_NONFINITE) ? elems : 0);
+    if (h[0] != SML_RESULT || len < body) {
         w->c.ignored++;
+        return 0;
+    }
+    if (w->auth && (!(h[1] & SML_F_MAC) || len != body + SML_MAC_LEN || !sml_signed(h, body, w->key))) {
+        w->c.bad_mac++;
         return 0;
     }
     uint64_t p = (uint32_t)(tp_rd32(h + 4) - w->pkt_base);
@@ -327,7 +347,7 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
             for (int i = 0; i < got && rc >= 0; i++) {  /* one segment = one datagram */
                 int r = on_packet(w, &t, w->rx.seg[i], w->rx.seg_len[i], now, &active);
                 if (r < 0) rc = r;
-                else if (r > 0) progress = now;
+                else if (r > 0) progress = now, w->nack = 0;
             }
             if (rc >= 0) rc = flush(w);
             if (rc) break;
@@ -340,7 +360,8 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
         }
         if (active == 0) break;
         if (now - progress >= timeout) {
-            rc = SML_E_TIMEOUT;
+            rc = w->nack ? SML_E_NACK : SML_E_TIMEOUT;
+            if (w->nack) w->err = w->nack;
             break;
         }
         if (now >= t.next_timer) {  /* resend every expired packet, identical, to the same slot */

@@ -15,11 +15,69 @@
 #endif
 
 #define CTL_LEN CMSG_SPACE(sizeof(int))
+#define RX_CTL_LEN (CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(struct timespec)))   /* GRO size, stamp */
 
 uint32_t tp_checksum(const void *buf, size_t len) {
     tp_ck c = {0, 0, 0, 0};
     tp_ck_update(&c, buf, len);
     return tp_ck_final(&c);
+}
+
+/* ---- SipHash-2-4 (Aumasson and Bernstein; the reference implementation's test vectors hold) ---- */
+#define ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
+#define SIPROUND                                                                                  \
+    do {                                                                                          \
+        v0 += v1; v1 = ROTL(v1, 13); v1 ^= v0; v0 = ROTL(v0, 32);                                 \
+        v2 += v3; v3 = ROTL(v3, 16); v3 ^= v2;                                                    \
+        v0 += v3; v3 = ROTL(v3, 21); v3 ^= v0;                                                    \
+        v2 += v1; v1 = ROTL(v1, 17); v1 ^= v2; v2 = ROTL(v2, 32);                                 \
+    } while (0)
+
+void tp_sip_init(tp_sip *s, const uint8_t *key) {
+    uint64_t k0 = tp_rd64le(key), k1 = tp_rd64le(key + 8);
+    s->v0 = k0 ^ 0x736f6d6570736575ull;
+    s->v1 = k1 ^ 0x646f72616e646f6dull;
+    s->v2 = k0 ^ 0x6c7967656e657261ull;
+    s->v3 = k1 ^ 0x7465646279746573ull;
+    s->tail = 0;
+    s->ntail = 0;
+    s->len = 0;
+}
+
+void tp_sip_update(tp_sip *s, const void *buf, size_t len) {
+    const uint8_t *p = (const uint8_t *)buf, *end = p + len;
+    uint64_t v0 = s->v0, v1 = s->v1, v2 = s->v2, v3 = s->v3, m;
+    s->len += len;
+    while (s->ntail && p < end) {            /* finish the word a previous piece began */
+        s->tail |= (uint64_t)*p++ << (8 * s->ntail);
+        if (++s->ntail == 8) {
+            m = s->tail;
+            v3 ^= m; SIPROUND; SIPROUND; v0 ^= m;
+            s->tail = 0;
+            s->ntail = 0;
+        }
+    }
+    for (; end - p >= 8; p += 8) {
+        memcpy(&m, p, 8);                    /* little-endian hosts (x86-64, aarch64) */
+        v3 ^= m; SIPROUND; SIPROUND; v0 ^= m;
+    }
+    for (; p < end; p++) s->tail |= (uint64_t)*p << (8 * s->ntail++);
+    s->v0 = v0; s->v1 = v1; s->v2 = v2; s->v3 = v3;
+}
+
+uint64_t tp_sip_final(tp_sip *s) {
+    uint64_t v0 = s->v0, v1 = s->v1, v2 = s->v2, v3 = s->v3, b = s->len << 56 | s->tail;
+    v3 ^= b; SIPROUND; SIPROUND; v0 ^= b;
+    v2 ^= 0xff;
+    SIPROUND; SIPROUND; SIPROUND; SIPROUND;
+    return v0 ^ v1 ^ v2 ^ v3;
+}
+
+uint64_t tp_siphash(const uint8_t *key, const void *buf, size_t len) {
+    tp_sip s;
+    tp_sip_init(&s, key);
+    tp_sip_update(&s, buf, len);
+    return tp_sip_final(&s);
 }
 
 size_t tp_block_mask(const void *x, size_t n, int dtype, size_t block, double threshold, uint8_t *mask) {
@@ -63,7 +121,7 @@ int tp_txq_init(tp_txq *q, int fd, size_t cap, int flags) {
     q->cap = cap;
     q->pkts = calloc(cap, sizeof *q->pkts);
     q->msgs = calloc(cap, sizeof *q->msgs);
-    q->iov = calloc(2 * cap, sizeof *q->iov);
+    q->iov = calloc(3 * cap, sizeof *q->iov);
     q->msg_of = calloc(cap, sizeof(uint32_t));
     q->seg = calloc(cap, sizeof(uint32_t));
     q->nsegs = calloc(cap, sizeof(uint32_t));
@@ -114,7 +172,14 @@ int tp_txq_add(tp_txq *q, const struct sockaddr_in *to, const void *hdr, uint32_
     }
     p->payload = (const uint8_t *)payload;
     p->plen = plen;
+    p->tlen = 0;
     return rc;
+}
+
+void tp_txq_trailer(tp_txq *q, const uint8_t *trailer) {
+    tp_txpkt *p = &q->pkts[q->n - 1];
+    memcpy(p->trailer, trailer, TP_MAC_LEN);
+    p->tlen = TP_MAC_LEN;
 }
 
 static int same_dest(const tp_txq *q, const tp_txpkt *a, const tp_txpkt *b) {
@@ -130,10 +195,11 @@ static int wait_for_room(tp_txq *q, int *stalls) {   /* a full socket buffer: wa
 }
 
 static int send_one(tp_txq *q, const tp_txpkt *p) {
-    struct iovec v[2];
+    struct iovec v[3];
     int k = 0;
     if (p->hlen) v[k++] = (struct iovec){(void *)p->hdr, p->hlen};
     if (p->plen) v[k++] = (struct iovec){(void *)p->payload, p->plen};
+    if (p->tlen) v[k++] = (struct iovec){(void *)p->trailer, p->tlen};
     struct msghdr m = {.msg_iov = v, .msg_iovlen = (size_t)k};
     if (!(q->flags & TP_CONNECTED)) {
         m.msg_name = (void *)&p->to;
@@ -171,7 +237,7 @@ int tp_txq_flush(tp_txq *q) {
     size_t nopen = 0;
     for (size_t i = 0; i < n; i++) {
         tp_txpkt *p = &q->pkts[i];
-        uint32_t len = p->hlen + p->plen;
+        uint32_t len = p->hlen + p->plen + p->tlen;
         size_t o = 0;
         while (o < nopen && !same_dest(q, &q->pkts[q->first[open_msg[o]]], p)) o++;
         if (o < nopen && gso) {
@@ -195,17 +261,18 @@ int tp_txq_flush(tp_txq *q) {
         else if (nopen < OPEN) open_msg[nopen++] = m;
         else open_msg[(i % OPEN)] = m;   /* more destinations than slots: forget one (less batching) */
     }
-    /* 2. lay out each message's iovecs contiguously, in packet order (header, payload) */
+    /* 2. lay out each message's iovecs contiguously, in packet order (header, payload, trailer) */
     uint32_t at = 0;
     for (size_t m = 0; m < nm; m++) {
         q->base[m] = q->cursor[m] = at;
-        at += 2 * q->nsegs[m];
+        at += 3 * q->nsegs[m];
     }
     for (size_t i = 0; i < n; i++) {
         tp_txpkt *p = &q->pkts[i];
         uint32_t *c = &q->cursor[q->msg_of[i]];
         if (p->hlen) q->iov[(*c)++] = (struct iovec){p->hdr, p->hlen};
         if (p->plen) q->iov[(*c)++] = (struct iovec){(void *)p->payload, p->plen};
+        if (p->tlen) q->iov[(*c)++] = (struct iovec){p->trailer, p->tlen};
     }
     for (size_t m = 0; m < nm; m++) {
         struct msghdr *h = &q->msgs[m].msg_hdr;
@@ -278,11 +345,12 @@ int tp_rxq_init(tp_rxq *q, int fd, size_t nmsgs, size_t bufsize, int gro) {
     q->msgs = calloc(nmsgs, sizeof *q->msgs);
     q->iov = calloc(nmsgs, sizeof *q->iov);
     q->from = calloc(nmsgs, sizeof *q->from);
-    q->ctl = calloc(nmsgs, CTL_LEN);
+    q->ctl = calloc(nmsgs, RX_CTL_LEN);
+    q->stamp = calloc(nmsgs, sizeof *q->stamp);
     q->seg = calloc(q->maxseg, sizeof *q->seg);
     q->seg_len = calloc(q->maxseg, sizeof *q->seg_len);
     q->seg_msg = calloc(q->maxseg, sizeof *q->seg_msg);
-    if (!q->bufs || !q->msgs || !q->iov || !q->from || !q->ctl || !q->seg || !q->seg_len || !q->seg_msg) {
+    if (!q->bufs || !q->msgs || !q->iov || !q->from || !q->ctl || !q->stamp || !q->seg || !q->seg_len || !q->seg_msg) {
         tp_rxq_free(q);
         return -1;
     }
@@ -305,10 +373,30 @@ void tp_rxq_free(tp_rxq *q) {
     free(q->iov);
     free(q->from);
     free(q->ctl);
+    free(q->stamp);
     free(q->seg);
     free(q->seg_len);
     free(q->seg_msg);
     memset(q, 0, sizeof *q);
+}
+
+int tp_rxq_stamps(tp_rxq *q) {
+    int one = 1;
+    q->stamps = setsockopt(q->fd, SOL_SOCKET, SO_TIMESTAMPNS, &one, sizeof one) == 0;
+    return q->stamps ? 0 : -errno;
+}
+
+/* the kernel's receive stamp of message i, 0 if it has none */
+static uint64_t rx_stamp(tp_rxq *q, int i) {
+    struct msghdr *h = &q->msgs[i].msg_hdr;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(h); cm; cm = CMSG_NXTHDR(h, cm)) {
+        if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_TIMESTAMPNS) {
+            struct timespec ts;
+            memcpy(&ts, CMSG_DATA(cm), sizeof ts);
+            return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+        }
+    }
+    return 0;
 }
 
 /* segment size of message i (its whole length without GRO); 0 if it was truncated */
@@ -342,8 +430,8 @@ int tp_rxq_recv(tp_rxq *q, int timeout_ms) {
             struct msghdr *h = &q->msgs[i].msg_hdr;
             h->msg_name = &q->from[i];
             h->msg_namelen = sizeof q->from[i];
-            h->msg_control = q->ctl + i * CTL_LEN;
-            h->msg_controllen = CTL_LEN;
+            h->msg_control = q->ctl + i * RX_CTL_LEN;
+            h->msg_controllen = RX_CTL_LEN;
             h->msg_flags = 0;
         }
         r = recvmmsg(q->fd, q->msgs, (unsigned)q->nmsgs, MSG_DONTWAIT, NULL);
@@ -355,6 +443,7 @@ int tp_rxq_recv(tp_rxq *q, int timeout_ms) {
     q->messages += (uint64_t)r;
     q->nmsg = r;
     for (int i = 0; i < r; i++) {
+        q->stamp[i] = q->stamps ? rx_stamp(q, i) : 0;
         size_t len = q->msgs[i].msg_len, seg = seg_size(q, i);
         if (!seg) {
             q->truncated++;   /* larger than any packet of ours */

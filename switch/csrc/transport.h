@@ -7,6 +7,7 @@
  *   - one retransmission timer: the RFC 6298 round-trip estimator (srtt + 4 rttvar, clamped);
  *   - one checksum: the word sum and the index-weighted word sum of the bytes (catches corrupted,
  *     swapped and truncated words; vectorizes);
+ *   - one MAC: SipHash-2-4 under a job key (what an attacker cannot forge; the checksum is public);
  *   - one non-zero-block scan (OmniReduce's bitmap, the sparse policy's density);
  *   - clocks and the simulator's random numbers.
  *
@@ -22,6 +23,11 @@
 
 /* checksum of buf[0:len] (callers zero their checksum field first) */
 uint32_t tp_checksum(const void *buf, size_t len);
+/* SipHash-2-4 of buf[0:len] under a 16-byte key: the data planes' packet MAC (its 8 bytes travel
+ * little-endian, as the reference implementation writes them) */
+#define TP_KEY_LEN 16
+#define TP_MAC_LEN 8
+uint64_t tp_siphash(const uint8_t *key, const void *buf, size_t len);
 /* which blocks of `block` elements have any |x| > threshold (NaN counts; threshold 0: any bit but
  * the sign bit): mask[b] = 0/1, returns the number of non-zero blocks. dtype: TP_FLOAT32/TP_INT32 */
 size_t tp_block_mask(const void *x, size_t n, int dtype, size_t block, double threshold, uint8_t *mask);
@@ -41,6 +47,12 @@ static inline uint64_t tp_now_ns(void) {
 }
 
 static inline uint64_t tp_now_us(void) { return tp_now_ns() / 1000u; }
+
+static inline uint64_t tp_wall_ns(void) {   /* the clock of the kernel's receive stamps */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
 
 static inline uint64_t tp_cpu_ns(void) {   /* CPU time of the calling thread */
     struct timespec ts;
@@ -104,6 +116,18 @@ static inline void tp_ck_update(tp_ck *c, const void *p, size_t len) {
 
 static inline uint32_t tp_ck_final(const tp_ck *c) { return c->s1 ^ ((c->s2 << 16) | (c->s2 >> 16)) ^ c->len; }
 
+/* ---- SipHash-2-4, incrementally (a header and a payload that live apart) --------------------- */
+typedef struct { uint64_t v0, v1, v2, v3, tail; uint32_t ntail; uint64_t len; } tp_sip;
+void tp_sip_init(tp_sip *s, const uint8_t *key);
+void tp_sip_update(tp_sip *s, const void *buf, size_t len);
+uint64_t tp_sip_final(tp_sip *s);
+static inline void tp_wr64le(uint8_t *p, uint64_t v) { for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i)); }
+static inline uint64_t tp_rd64le(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+
 /* ---- retransmission timer (RFC 6298) --------------------------------------------------------
  * Samples in any unit (the caller's clock); only from packets sent once (Karn). rto is the timer
  * of a new packet: srtt + 4 rttvar within [min, max], min before the first sample. */
@@ -148,9 +172,10 @@ static inline void tp_rtt_sample(tp_rtt *r, uint64_t sample) {
 
 typedef struct {
     struct sockaddr_in to;
-    uint32_t hlen, plen;
+    uint32_t hlen, plen, tlen;
     const uint8_t *payload;
     uint8_t hdr[TP_MAX_HDR];
+    uint8_t trailer[TP_MAC_LEN];
 } tp_txpkt;
 
 typedef struct {
@@ -174,6 +199,8 @@ void tp_txq_free(tp_txq *q);
  * Returns what that flush returned (0 when none). */
 int tp_txq_add(tp_txq *q, const struct sockaddr_in *to, const void *hdr, uint32_t hlen, const void *payload,
                uint32_t plen);
+/* Give the packet just queued a trailer of TP_MAC_LEN bytes (copied): its MAC. */
+void tp_txq_trailer(tp_txq *q, const uint8_t *trailer);
 /* Send everything queued: 0, or -ECONNREFUSED when the (connected) peer's port is closed. */
 int tp_txq_flush(tp_txq *q);
 
@@ -195,6 +222,8 @@ typedef struct {
     const uint8_t **seg;
     uint32_t *seg_len;
     uint16_t *seg_msg;
+    uint64_t *stamp;                     /* per message: the kernel's receive time (CLOCK_REALTIME ns), 0 if none */
+    int stamps;                          /* tp_rxq_stamps() was called */
     uint64_t messages, truncated;
 } tp_rxq;
 
@@ -205,6 +234,10 @@ void tp_rxq_free(tp_rxq *q);
  * an ICMP error for an earlier send; callers decide whether that matters). */
 int tp_rxq_recv(tp_rxq *q, int timeout_ms);
 static inline const struct sockaddr_in *tp_rxq_from(const tp_rxq *q, int i) { return &q->from[q->seg_msg[i]]; }
+/* Ask the kernel to stamp each datagram's arrival (SO_TIMESTAMPNS), so that a daemon can tell how
+ * long a packet waited in its socket before it was processed: tp_wall_ns() - tp_rxq_stamp(q, i). */
+int tp_rxq_stamps(tp_rxq *q);
+static inline uint64_t tp_rxq_stamp(const tp_rxq *q, int i) { return q->stamp[q->seg_msg[i]]; }
 static inline int tp_icmp_error(int rc) { return rc == -ECONNREFUSED || rc == -EHOSTUNREACH || rc == -ENETUNREACH; }
 
 #endif /* TP_PYTHON_API_ONLY */

@@ -62,6 +62,7 @@ if mode == "sums":
     st = commlib.backend_stats()["omnireduce"]
     commlib.shutdown()
     report(rank=r, wrong=wrong, embedding_error=embedding_error, bytes_sent=st["bytes_sent"],
+           authenticated=st["authenticated"],
            densities={name: round(v["density"], 4) for name, v in st["tensors"].items()})
 elif mode == "dead":
     commlib.allreduce(np.ones(1000, np.float32), name="warmup", op=commlib.Sum)

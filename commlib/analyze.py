@@ -1,0 +1,246 @@
+"""`python -m commlib.analyze TRACE... [--out DIR]`: where the time of a job went.
+
+Reads commlib timelines (one per rank, or one merged by `python -m commlib.timeline merge`), cuts
+them into rounds (one tensor's NEGOTIATE through its last phase on one rank) and prints, per
+algorithm and size band, the median and p99 of each component:
+
+    negotiate   waiting for every rank to agree (the controller)
+    queue       agreed, waiting for its bucket to start (the worker queue)
+    process     the worker's processing: fusion copies, scaling, compression, restoring, and inside
+                a collective its own packing (quantizing, MACs, syscalls) where it reports it (switchml)
+    transfer    waiting inside the algorithm's collectives: network and switch/aggregators
+
+and writes PNG plots after the IMC'20 study of a production parameter server: CDFs of transfer time
+per algorithm, the stacked breakdown (its Figure 5), concurrency (how many ranks are inside a
+collective at once, per millisecond, its Figure 7b) and, when the trace holds per-row update counts of
+sparse tensors, the update skew (share of updates taken by the hottest K rows, its Figure 10).
+"""
+import argparse
+import collections
+import os
+import sys
+
+import numpy as np
+
+from commlib.timeline import load
+
+COMPONENTS = ("negotiate", "queue", "process", "transfer")
+BANDS = ((64 << 10, "< 64 KiB"), (1 << 20, "64 KiB - 1 MiB"), (16 << 20, "1 - 16 MiB"), (float("inf"), ">= 16 MiB"))
+_COMPONENT_OF = {"NEGOTIATE": "negotiate", "QUEUE": "queue"}
+
+
+class Round:
+    """One tensor's round on one rank: its components (seconds) and its collectives' spans (µs)."""
+
+    def __init__(self, rank, tensor):
+        self.rank, self.tensor = rank, tensor
+        self.algorithm, self.nbytes = None, 0
+        self.seconds = dict.fromkeys(COMPONENTS, 0.0)
+        self.comm_spans = []
+
+    def add(self, event):
+        seconds = event["dur"] / 1e6
+        if event.get("cat") == "comm":   # its busy_s (packing, MACs, syscalls) is the worker's processing
+            busy = event["args"].get("busy_s", 0.0)
+            self.seconds["transfer"] += seconds - busy
+            self.seconds["process"] += busy
+            self.algorithm = event["args"]["algorithm"]
+            self.nbytes = event["args"]["bytes"]
+            self.comm_spans.append((event["ts"], event["ts"] + event["dur"]))
+        else:
+            self.seconds[_COMPONENT_OF.get(event["name"], "process")] += seconds
+
+    @property
+    def total(self):
+        return sum(self.seconds.values())
+
+
+def rounds(events):
+    """The rounds in `events`, in time order per (rank, tensor)."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("worker", "comm")),
+                   key=lambda e: (e["pid"], e["tid"], e["ts"]))
+    out, current = [], {}
+    for event in spans:
+        key = (event["pid"], event["tid"])
+        if event["name"] == "NEGOTIATE" or key not in current:
+            current[key] = Round(event["pid"], names.get(key, str(event["tid"])))
+            out.append(current[key])
+        current[key].add(event)
+    return [r for r in out if r.algorithm is not None]
+
+
+def band(nbytes):
+    return next(label for limit, label in BANDS if nbytes < limit)
+
+
+def table(found):
+    """Rows (algorithm, band, n, {component: (median ms, p99 ms)}, dominant component)."""
+    groups = collections.defaultdict(list)
+    for r in found:
+        groups[(r.algorithm, band(r.nbytes))].append(r)
+    order = [label for _, label in BANDS]
+    rows = []
+    for (algorithm, size), members in sorted(groups.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
+        stats = {}
+        for c in COMPONENTS:
+            values = np.array([r.seconds[c] for r in members]) * 1e3
+            stats[c] = (float(np.median(values)), float(np.percentile(values, 99)))
+        rows.append((algorithm, size, len(members), stats, max(COMPONENTS, key=lambda c: stats[c][0])))
+    return rows
+
+
+def format_table(rows):
+    head = f"{'algorithm':<12} {'size':<15} {'n':>6} " + " ".join(f"{c + ' p50/p99 ms':>24}" for c in COMPONENTS)
+    lines = [head + "  dominant", "-" * (len(head) + 10)]
+    for algorithm, size, n, stats, dominant in rows:
+        cells = " ".join(f"{stats[c][0]:>11.3f} / {stats[c][1]:>10.3f}" for c in COMPONENTS)
+        lines.append(f"{algorithm:<12} {size:<15} {n:>6} {cells}  {dominant}")
+    return "\n".join(lines)
+
+
+def concurrency(found, bin_us=1000.0):
+    """Per time bin, the number of distinct ranks inside a collective."""
+    spans = [(r.rank, b, e) for r in found for b, e in r.comm_spans]
+    if not spans:
+        return np.zeros(0, int)
+    origin, end = min(b for _, b, _ in spans), max(e for _, _, e in spans)
+    bins = [set() for _ in range(int((end - origin) // bin_us) + 1)]
+    for rank, b, e in spans:
+        for i in range(int((b - origin) // bin_us), int((e - origin) // bin_us) + 1):
+            bins[i].add(rank)
+    return np.array([len(s) for s in bins])
+
+
+def daemon_rates(events):
+    """daemon row name -> {counter: (median, max) per second} over the samples of its row."""
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    samples = collections.defaultdict(lambda: collections.defaultdict(list))
+    for e in events:
+        if e.get("ph") == "C" and e["pid"] in names:
+            for counter, rate in e["args"].items():
+                samples[names[e["pid"]]][counter].append(rate)
+    return {row: {c: (float(np.median(v)), float(np.max(v))) for c, v in counters.items() if max(v) > 0}
+            for row, counters in samples.items()}
+
+
+def per_packet(events, row):
+    """A daemon's mean queue and processing time per packet over the trace, from its row's counter
+    rates (queue_ns, proc_ns and packets per second), or None when the row lacks them."""
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    totals = collections.Counter()
+    samples = sorted((e for e in events if e.get("ph") == "C" and names.get(e["pid"]) == row), key=lambda e: e["ts"])
+    for before, after in zip(samples, samples[1:]):
+        packets = "rx" if "rx" in after["args"] else "pkts_recv"   # the switch's name, the aggregators'
+        for counter, name in (("queue_ns", "queue_ns"), ("proc_ns", "proc_ns"), ("packets", packets)):
+            totals[counter] += after["args"].get(name, 0) * (after["ts"] - before["ts"]) / 1e6
+    if not totals["packets"] or "queue_ns" not in (samples[-1]["args"] if samples else {}):
+        return None
+    return {"queue_us": totals["queue_ns"] / totals["packets"] / 1e3,
+            "proc_us": totals["proc_ns"] / totals["packets"] / 1e3, "packets": totals["packets"]}
+
+
+def update_counts(events):
+    """tensor -> per-row update counts summed over ranks and windows, most updated first."""
+    totals = collections.defaultdict(collections.Counter)
+    for e in events:
+        if e.get("name") == "UPDATE_COUNTS":
+            totals[e["args"]["tensor"]].update(dict(zip(e["args"]["rows"], e["args"]["counts"])))
+    return {t: np.sort(np.fromiter(c.values(), float))[::-1] for t, c in totals.items()}
+
+
+def plot(found, events, out_dir):
+    """The PNG plots; returns their paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    by_algorithm = collections.defaultdict(list)
+    for r in found:
+        by_algorithm[r.algorithm].append(r)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for algorithm, members in sorted(by_algorithm.items()):
+        x = np.sort([r.seconds["transfer"] * 1e3 for r in members])
+        ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=algorithm)
+    ax.set(xscale="log", xlabel="transfer time per round (ms)", ylabel="CDF", title="Round latency per algorithm")
+    ax.legend()
+    paths.append(_save(fig, out_dir, "latency_cdf.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = sorted(by_algorithm)
+    bottom = np.zeros(len(labels))
+    for c in COMPONENTS:
+        heights = np.array([np.median([r.seconds[c] for r in by_algorithm[a]]) * 1e3 for a in labels])
+        ax.bar(labels, heights, bottom=bottom, label=c)
+        bottom += heights
+    ax.set(ylabel="median ms per round", title="Latency breakdown (stacked medians)")
+    ax.legend()
+    paths.append(_save(fig, out_dir, "breakdown.png"))
+
+    busy = concurrency(found)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if busy.size:
+        values, counts = np.unique(busy, return_counts=True)
+        ax.bar(values, counts / counts.sum())
+    ax.set(xlabel="ranks inside a collective in the same millisecond", ylabel="share of milliseconds",
+           title="Concurrency")
+    paths.append(_save(fig, out_dir, "concurrency.png"))
+
+    counts = update_counts(events)
+    if counts:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for tensor, c in sorted(counts.items()):
+            k = np.arange(1, len(c) + 1)
+            ax.plot(k, np.cumsum(c) / c.sum(), label=tensor)
+        ax.set(xscale="log", xlabel="hottest K rows", ylabel="share of updates", title="Update skew")
+        ax.legend()
+        paths.append(_save(fig, out_dir, "update_skew.png"))
+    return paths
+
+
+def _save(fig, out_dir, name):
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m commlib.analyze", description=__doc__.split("\n\n")[0])
+    parser.add_argument("traces", nargs="+", help="timeline files (one per rank, or merged)")
+    parser.add_argument("--out", default="commlib-analysis", help="folder for the PNG plots")
+    args = parser.parse_args(argv)
+    events = [e for path in args.traces for e in load(path)]
+    found = rounds(events)
+    if not found:
+        print("no tensor rounds in these traces: was the timeline on while tensors were reduced?", file=sys.stderr)
+        return 1
+    print(f"{len(found)} rounds of {len({r.tensor for r in found})} tensors on {len({r.rank for r in found})} ranks\n")
+    print(format_table(table(found)))
+    for row, rates in daemon_rates(events).items():
+        print(f"\n{row}, per second (median / max over the samples):")
+        for counter, (median, peak) in sorted(rates.items()):
+            print(f"  {counter:<20} {median:>12.0f} / {peak:.0f}")
+        share = per_packet(events, row)
+        if share:
+            print(f"  its share of a packet's round: queue {share['queue_us']:.1f} us, processing "
+                  f"{share['proc_us']:.1f} us (mean over {share['packets']:.0f} packets)")
+    for c, share in skew_summary(events).items():
+        print(f"\n{c}: the hottest 1% of rows take {share:.0%} of updates")
+    for path in plot(found, events, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def skew_summary(events):
+    """tensor -> share of updates taken by its hottest 1% of rows."""
+    return {t: float(c[:max(1, len(c) // 100)].sum() / c.sum()) for t, c in update_counts(events).items() if c.sum()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Fuzz targets (atheris, tests/fuzz/run.py) for what an attacker on the segment reaches first:
+
+  switch_control      SwitchServer.handle behind control.answer (the switch's TCP control port)
+  aggregator_control  Aggregator.handle behind control.answer (an aggregator's control datagrams)
+  switch_packets      the switch's C packet handler (sml_switch_run on a loopback socket)
+  aggregator_packets  the aggregator's C packet handler (omr_agg_run on a loopback socket)
+
+Each takes the fuzzer's bytes and fails (an exception: atheris reports it as a crash, with the
+input) when a daemon would misbehave: a handler raising past `answer`, an error counted as
+"internal" (an exception nobody foresaw), an answer that is not JSON, slots that leak. The C
+targets crash the process when ASan/UBSan (tests/fuzz/build_sanitized.py) sees a memory error or
+undefined behaviour. Half of the inputs are built as plausible requests or sealed packets (the
+right job, token, key and checksum) so that the fuzzer gets past the first checks.
+"""
+import os
+import socket
+import struct
+
+import atheris
+
+with atheris.instrument_imports(include=["commlib"]):      # coverage of the Python control handlers guides the fuzzer
+    from commlib.switch import aggregator as agg, auth, control
+    from commlib.switch import switchml as sw
+
+from commlib._native import ffi, lib   # noqa: E402  (the sanitized build when run.py loaded it)
+
+if os.environ.get("COMMLIB_FUZZ_PLANTED_BUG"):   # tests/test_fuzz.py: the harness must find this one
+    _handle = sw.SwitchServer._handle
+
+    def _buggy(self, request, source):
+        if request.get("op") == "status" and "job" in request:
+            return {"bug": 1 // 0}
+        return _handle(self, request, source)
+    sw.SwitchServer._handle = _buggy
+
+OPS = ["register", "unregister", "keepalive", "counters", "simulate", "status", "nope"]
+FIELDS = ["op", "token", "workers", "slots", "elems", "nonce", "job", "rank", "seq", "mac", "epoch", "size",
+          "columns", "aggregators", "index", "block", "loss", "dup", "ingress", "egress", "duplicate", "seed"]
+KEY = bytes(range(32))
+TOKEN = 0x1234ABCD
+JOB_KEY = bytes(range(100, 116))        # the rigs' data-plane job key (their packets' MACs)
+SOURCE = ("127.0.0.1", 40000)
+
+
+def _value(fdp, depth=0):
+    kind = fdp.ConsumeIntInRange(0, 9)
+    if kind == 0:
+        return fdp.ConsumeIntInRange(-2, 300)
+    if kind == 1:
+        return fdp.ConsumeInt(fdp.ConsumeIntInRange(1, 20))
+    if kind == 2:
+        return fdp.ConsumeFloat()
+    if kind == 3:
+        return fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 40))
+    if kind == 4:
+        return None
+    if kind == 5:
+        return fdp.ConsumeBool()
+    if kind == 6 and depth < 3:
+        return [_value(fdp, depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 4))]
+    if kind == 7 and depth < 3:
+        return {fdp.ConsumeUnicodeNoSurrogates(8): _value(fdp, depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 3))}
+    if kind == 8:
+        return [["127.0.0.1", fdp.ConsumeIntInRange(0, 70000)] for _ in range(fdp.ConsumeIntInRange(0, 70))]
+    return auth.new_nonce()
+
+
+def _request(fdp):
+    """Raw bytes, or a request dict with fuzzed fields, signed or not."""
+    if fdp.ConsumeBool():
+        return control.decode(fdp.ConsumeBytes(fdp.remaining_bytes()))
+    request = {"op": fdp.PickValueInList(OPS)}
+    for _ in range(fdp.ConsumeIntInRange(0, 10)):
+        request[fdp.PickValueInList(FIELDS)] = _value(fdp)
+    how = fdp.ConsumeIntInRange(0, 2)
+    if how == 1:       # as a job would sign it (register: the job key of its nonce)
+        nonce = request.get("nonce") if isinstance(request.get("nonce"), str) else ""
+        return auth.sign(auth.job_key(KEY, nonce), request, fdp.ConsumeInt(8))
+    if how == 2:       # as the operator would
+        return auth.sign(KEY, request, fdp.ConsumeInt(8))
+    return request
+
+
+def _check_answer(reply, drops):
+    assert isinstance(reply, dict) and isinstance(reply.get("ok"), bool), reply
+    control.encode(reply)                                   # every answer can go on the wire
+    assert "internal" not in drops.snapshot(), "a handler raised an exception nobody foresaw (see the log)"
+
+
+# -- control handlers -------------------------------------------------------------------------------
+_switches = None
+
+
+def switch_control(data):
+    global _switches
+    if _switches is None:
+        _switches = [sw.SwitchServer("127.0.0.1", 0, slots=1024, testing=True, limits=sw.Limits.for_pool(1024)),
+                     sw.SwitchServer("127.0.0.1", 0, slots=1024, key=KEY)]
+        for server in _switches:
+            server.start()
+    fdp = atheris.FuzzedDataProvider(data)
+    server = _switches[fdp.ConsumeIntInRange(0, 1)]
+    reply = control.answer(lambda r: server.handle(r, "10.0.0.1"), _request(fdp), server.drops)
+    _check_answer(reply, server.drops)
+    with server._lock:
+        held = sum(job.slots for job in server._jobs.values())
+        assert lib.sml_switch_free_slots(server._sw) + held == server.slots, "slots leaked"
+        for job in list(server._jobs.values()):             # the next input starts with an empty switch
+            server._remove(job)
+
+
+_aggregators = None
+
+
+def aggregator_control(data):
+    global _aggregators
+    if _aggregators is None:
+        _aggregators = [agg.Aggregator("127.0.0.1", 0), agg.Aggregator("127.0.0.1", 0, key=KEY)]
+    fdp = atheris.FuzzedDataProvider(data)
+    aggregator = _aggregators[fdp.ConsumeIntInRange(0, 1)]
+    reply = control.answer(lambda r: aggregator.handle(r, SOURCE), _request(fdp), aggregator.drops)
+    _check_answer(reply, aggregator.drops)
+    for ident in list(aggregator._jobs):
+        aggregator._remove(ident)
+
+
+# -- C packet handlers ------------------------------------------------------------------------------
+def _loopback(n):
+    socks = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        s.setblocking(False)
+        socks.append(s)
+    return socks
+
+
+def _drain(socks):
+    for s in socks:
+        try:
+            while s.recv(65536):
+                pass
+        except (BlockingIOError, ConnectionRefusedError):
+            pass
+
+
+class _SwitchRig:
+    """A C switch on a loopback socket with job 0 (2 ranks: our two sender sockets)."""
+
+    def __init__(self):
+        self.sock, *self.ranks = _loopback(3)
+        self.sw = lib.sml_switch_new(self.sock.fileno(), 1024, 64, 0)
+        assert lib.sml_switch_add_job(self.sw, 0, TOKEN, 2, 64, 64, JOB_KEY) == 0
+        for rank, s in enumerate(self.ranks):
+            ip = struct.unpack("!I", socket.inet_aton("127.0.0.1"))[0]
+            lib.sml_switch_set_addr(self.sw, 0, rank, ip, s.getsockname()[1])
+        self.address = self.sock.getsockname()
+
+
+_switch_rig = None
+
+
+def _switch_packet(fdp, rank):
+    """A DATA-like packet of job 0 whose fields are fuzzed within (or just beyond) their ranges,
+    with the payload its size code asks for, sealed with the job's token, a valid checksum and
+    mostly a valid MAC."""
+    size_code = fdp.ConsumeIntInRange(0, 3)
+    flags = size_code | (lib.SML_F_NONFINITE if fdp.ConsumeBool() else 0) | \
+        (lib.SML_F_MAC if fdp.ConsumeIntInRange(0, 7) else 0) | (fdp.ConsumeIntInRange(0, 15) << 4 if fdp.ConsumeIntInRange(0, 7) == 0 else 0)
+    kind = fdp.PickValueInList([lib.SML_DATA, lib.SML_DATA, lib.SML_DATA, lib.SML_RESULT, lib.SML_NACK, 0, 255])
+    slot = fdp.ConsumeIntInRange(0, 3) if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 70)
+    packet_id = slot if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 300)   # mostly the slot's own
+    header = sw.pack_header(kind, flags & 0xFF, 0, rank if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 255),
+                            packet_id, slot | fdp.ConsumeIntInRange(0, 1) << 15, fdp.ConsumeIntInRange(-128, 127), TOKEN)
+    elems = {0: 0, 1: 64, 2: 256, 3: fdp.ConsumeIntInRange(0, 300)}[size_code]
+    extra = fdp.ConsumeIntInRange(-2, 2) if fdp.ConsumeIntInRange(0, 7) == 0 else 0
+    payload = fdp.ConsumeBytes(max(0, elems * (5 if flags & lib.SML_F_NONFINITE else 4) + extra))
+    if not flags & lib.SML_F_MAC or not fdp.ConsumeIntInRange(0, 7):
+        return header + payload
+    return header + payload + _mac(header + payload)                       # SipHash under the job key
+
+
+def _mac(data):
+    return lib.tp_siphash(JOB_KEY, data, len(data)).to_bytes(8, "little")
+
+
+def switch_packets(data):
+    global _switch_rig
+    _switch_rig = _switch_rig or _SwitchRig()
+    fdp = atheris.FuzzedDataProvider(data)
+    rank = fdp.ConsumeIntInRange(0, 1)
+    for _ in range(fdp.ConsumeIntInRange(1, 8)):             # a few packets per input: slots fill and complete
+        if fdp.ConsumeBool():
+            packet = _switch_packet(fdp, rank)
+        else:
+            packet = fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 1400))
+        _switch_rig.ranks[rank].sendto(packet, _switch_rig.address)
+        rank = fdp.ConsumeIntInRange(0, 1)
+    assert lib.sml_switch_run(_switch_rig.sw, 0) >= 0
+    _drain(_switch_rig.ranks)
+
+
+class _AggregatorRig:
+    """A C aggregator on a loopback socket with one job (2 ranks: our two sender sockets)."""
+    KEY = 0x5EC12E7
+
+    def __init__(self):
+        self.sock, *self.ranks = _loopback(3)
+        self.agg = lib.omr_agg_new(self.sock.fileno(), 12345)
+        self.job = lib.omr_agg_add_job(self.agg, self.KEY, 2, 8, 1, 0, 16, 0.0, 0.0, JOB_KEY)
+        assert self.job >= 0
+        for rank, s in enumerate(self.ranks):
+            assert lib.omr_agg_set_worker(self.agg, self.job, rank, b"127.0.0.1", s.getsockname()[1]) == 0
+        self.address = self.sock.getsockname()
+        self.ctrl, self.ip, self.port = ffi.new("uint8_t[]", 4096), ffi.new("char[]", 64), ffi.new("int *")
+
+
+_aggregator_rig = None
+
+
+def _aggregator_packet(fdp, rig, rank):
+    """A packet of the rig's job, fields fuzzed within (or just beyond) their ranges, sealed with
+    the job's key, a valid checksum and mostly a valid MAC (omr_hdr: little-endian,
+    switch/csrc/omnireduce.h)."""
+    kind = lib.OMR_DATA if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, 7)
+    flags = fdp.ConsumeIntInRange(0, 15) if fdp.ConsumeIntInRange(0, 3) == 0 else fdp.ConsumeIntInRange(0, 1)
+    small = lambda top: fdp.ConsumeIntInRange(0, top) if fdp.ConsumeIntInRange(0, 15) else fdp.ConsumeInt(4) & 0xFFFFFFFF
+    col, rnd = small(2), small(2)
+    block = col + 8 * rnd if fdp.ConsumeIntInRange(0, 7) else small(30)        # mostly the round's own block
+    nxt = 0xFFFFFFFF if fdp.ConsumeBool() else block + 8 * fdp.ConsumeIntInRange(0, 2)   # OMR_INF: the column ends
+    fields = [v & 0xFFFFFFFF for v in (small(1), col, rnd, block, nxt, small(8))]   # seq col round block next ack
+    if fdp.ConsumeIntInRange(0, 7):
+        flags |= lib.OMR_F_MAC
+    pack = lambda csum: struct.pack("<BBHIIIIIIIII", kind, flags, rank_field, rig.job, rig.KEY, *fields, csum)
+    rank_field = rank if fdp.ConsumeIntInRange(0, 7) else small(70) & 0xFFFF
+    length = 0 if flags & lib.OMR_F_ZERO else 16 * 4
+    if fdp.ConsumeIntInRange(0, 7) == 0:
+        length = fdp.ConsumeIntInRange(0, 200)
+    payload = fdp.ConsumeBytes(length)
+    header = pack(lib.tp_checksum(pack(0) + payload, lib.OMR_HDR_BYTES + len(payload)))
+    mac = _mac(header + payload) if flags & lib.OMR_F_MAC and fdp.ConsumeIntInRange(0, 7) else b""
+    return header + payload + mac
+
+
+def aggregator_packets(data):
+    global _aggregator_rig
+    _aggregator_rig = rig = _aggregator_rig or _AggregatorRig()
+    fdp = atheris.FuzzedDataProvider(data)
+    for _ in range(fdp.ConsumeIntInRange(1, 8)):
+        rank = fdp.ConsumeIntInRange(0, 1)
+        packet = _aggregator_packet(fdp, rig, rank) if fdp.ConsumeBool() else fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 300))
+        rig.ranks[rank].sendto(packet, rig.address)
+    while lib.omr_agg_run(rig.agg, 1) > 0:                  # control datagrams wait for Python: pop them
+        while lib.omr_agg_pop_ctrl(rig.agg, rig.ctrl, 4096, rig.ip, rig.port) >= 0:
+            pass
+    _drain(rig.ranks)
+
+
+def asan_selftest(data):
+    """Not a target: a checksum read 64 bytes past a 4-byte buffer, which the sanitized build must
+    report (tests/test_fuzz.py checks that it does, so a build that lost its sanitizers fails)."""
+    lib.tp_checksum(ffi.new("uint8_t[]", 4), 68)
+
+
+TARGETS = {f.__name__: f for f in (switch_control, aggregator_control, switch_packets, aggregator_packets)}
+SELFTESTS = {"asan_selftest": asan_selftest}

@@ -1,0 +1,46 @@
+"""The fuzz targets of tests/fuzz (atheris), a short bounded run each: what `make test` runs. A crash
+(a handler raising past `answer`, an error counted as "internal", leaked slots, an ASan or UBSan
+report from the C packet handlers) fails the test with the fuzzer's output and the crashing input.
+`make fuzz` runs the same targets for minutes with a corpus (tests/fuzz/run.py says how)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+RUN = Path(__file__).resolve().parent / "fuzz" / "run.py"
+pytestmark = pytest.mark.timeout(300)
+
+
+def fuzz(tmp_path, target, *flags, timeout=240, env=None):
+    out = subprocess.run([sys.executable, str(RUN), target, *flags, f"-artifact_prefix={tmp_path}/"],
+                         capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+                         env=None if env is None else dict(os.environ, **env))
+    return out.returncode, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("target", ["switch_control", "aggregator_control"])
+def test_control_handlers(tmp_path, target):
+    rc, log = fuzz(tmp_path, target, "-runs=3000", "-max_total_time=30")
+    assert rc == 0 and "Done 3000 runs" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("target", ["switch_packets", "aggregator_packets"])
+def test_packet_handlers_under_asan_and_ubsan(tmp_path, target):
+    rc, log = fuzz(tmp_path, target, "--sanitized", "-runs=1500", "-max_total_time=30")
+    assert rc == 0 and "Done 1500 runs" in log, log[-3000:]
+
+
+def test_the_sanitized_build_reports_memory_errors(tmp_path):
+    """The packet runs above prove something only if the C code they run is instrumented."""
+    rc, log = fuzz(tmp_path, "asan_selftest", "--sanitized", "-runs=1")
+    assert rc != 0 and "heap-buffer-overflow" in log, log[-3000:]
+
+
+def test_the_control_fuzzer_finds_a_planted_bug(tmp_path):
+    """The control runs above prove something only if a handler's unforeseen exception is a crash."""
+    rc, log = fuzz(tmp_path, "switch_control", "-runs=200000", "-max_total_time=60",
+                   env={"COMMLIB_FUZZ_PLANTED_BUG": "1"})
+    assert rc != 0 and "nobody foresaw" in log and list(tmp_path.glob("crash-*")), log[-3000:]

@@ -1,0 +1,116 @@
+"""The timeline and its analysis: a real 2-rank job with the timeline on (ring, switchml, omnireduce,
+PowerSGD, a fused bucket), its traces parsed back, merged and analysed."""
+import json
+
+import pytest
+
+from commlib import analyze, timeline
+from launch import spawn
+
+pytestmark = pytest.mark.multiprocess
+ALGORITHMS = {"dense.ring": "RING", "dense.switchml": "SWITCHML", "sparse": "OMNIREDUCE", "low.rank": "RING"}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("timeline")
+    trace, window = out / "trace.{rank}.json", out / "window.{rank}.json"
+    ranks = spawn(2, "traced.py", trace, window, timeout=180).check()
+    paths = [str(trace).replace("{rank}", str(r)) for r in range(2)]
+    return out, paths, [str(window).replace("{rank}", str(r)) for r in range(2)], ranks.results()
+
+
+def spans_by_tensor(events):
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    out = {}
+    for e in events:
+        if e.get("ph") == "X":
+            out.setdefault((e["pid"], names[(e["pid"], e["tid"])]), []).append(e)
+    return out
+
+
+def test_every_tensor_has_its_phases_in_order_without_overlap(job):
+    _, paths, _, _ = job
+    for rank, path in enumerate(paths):
+        events = json.load(open(path))   # a finished trace is strict JSON
+        by_tensor = spans_by_tensor(events)
+        for tensor, phase in ALGORITHMS.items():
+            spans = sorted(by_tensor[(rank, tensor)], key=lambda e: e["ts"])
+            names = [e["name"] for e in spans]
+            assert names.count("NEGOTIATE") == 3 and phase in names, (rank, tensor, names)
+            for a, b in zip(spans, spans[1:]):   # ordered, non-overlapping (1 µs of float rounding)
+                assert a["ts"] + a["dur"] <= b["ts"] + 1.0, (rank, tensor, a, b)
+        low_rank = [e["name"] for e in by_tensor[(rank, "low.rank")]]
+        assert low_rank[:6] == ["NEGOTIATE", "QUEUE", "COMPRESS", "RING", "COMPRESS", "RING"], low_rank
+        assert low_rank[6] == "DECOMPRESS", low_rank   # PowerSGD: P's, then Q's, then decompress
+        small = [e["name"] for e in by_tensor[(rank, "small.3")]]
+        assert "FUSE" in small and "RESTORE" in small, small
+        comm = [e for e in by_tensor[(rank, "dense.switchml")] if e["cat"] == "comm"]
+        assert all(e["args"]["bytes"] == 4 << 16 and e["args"]["algorithm"] == "switchml" for e in comm), comm
+        assert all(0 < e["args"]["busy_s"] * 1e6 <= e["dur"] + 1.0 for e in comm), comm   # quantizing, MACs
+
+
+def test_records_components_add_up_to_the_round(job):
+    _, _, _, results = job
+    for result in results:
+        for name, rec in result["records"].items():
+            assert all(v >= 0 for v in rec.values() if isinstance(v, float)), (name, rec)
+            # run_s = process_s + transfer_s, up to the few µs between the last phase and the record
+            assert abs(rec["process_s"] + rec["transfer_s"] - rec["run_s"]) < 1e-3, (name, rec)
+
+
+def test_rank_0_traces_the_switch_and_aggregator_counters_in_their_own_rows(job):
+    _, paths, _, _ = job
+    events = timeline.load(paths[0])
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    switch = [pid for pid, name in rows.items() if name.startswith("switch ")]
+    assert len(switch) == 1, rows
+    samples = [e["args"] for e in events if e.get("ph") == "C" and e["pid"] == switch[0]]
+    assert samples and max(s["rx"] for s in samples) > 0, samples   # packets per second reached the switch
+    aggregators = [pid for pid, name in rows.items() if name.startswith("aggregator ")]
+    assert len(aggregators) == 2, rows   # colocated: one in each rank
+    for pid in aggregators:
+        samples = [e["args"] for e in events if e.get("ph") == "C" and e["pid"] == pid]
+        assert samples and max(s["data_recv"] for s in samples) > 0, (rows[pid], samples)
+    assert not any(e.get("name", "").startswith("switch ") for e in timeline.load(paths[1])), \
+        "only rank 0 asks the switch"
+
+
+def test_start_and_stop_timeline_trace_a_window(job):
+    _, _, windows, _ = job
+    for rank, path in enumerate(windows):
+        tensors = {name for _, name in spans_by_tensor(timeline.load(path))}
+        assert tensors == {"windowed"}, (rank, tensors)
+
+
+def test_merge_and_analyze(job, capsys):
+    out, paths, _, _ = job
+    merged = out / "merged.json"
+    assert timeline.main(["merge", str(merged), *paths]) == 0
+    events = json.load(open(merged))["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1, *range(timeline.DAEMON_ROWS, timeline.DAEMON_ROWS + 3)} and min(e["ts"] for e in events if "ts" in e) == 0
+    found = analyze.rounds(events)
+    assert {r.algorithm for r in found} == {"ring", "switchml", "omnireduce"}
+    for r in found:
+        assert all(v >= 0 for v in r.seconds.values()), r.seconds
+    assert analyze.main([str(merged), "--out", str(out / "plots")]) == 0
+    printed = capsys.readouterr().out
+    for algorithm in ("ring", "switchml", "omnireduce"):
+        assert f"\n{algorithm} " in printed, printed
+    assert "switch 127.0.0.1:" in printed and "aggregated" in printed, printed
+    for row in (name for name in analyze.daemon_rates(events)):   # the switch's and aggregators' own share
+        share = analyze.per_packet(events, row)
+        assert share["packets"] > 0 and share["queue_us"] >= 0 and share["proc_us"] > 0, (row, share)
+    assert printed.count("its share of a packet's round") == 3, printed
+    for png in ("latency_cdf.png", "breakdown.png", "concurrency.png"):
+        assert (out / "plots" / png).stat().st_size > 1000, png
+
+
+def test_analyze_reads_an_unfinished_trace_and_update_counts(tmp_path):
+    trace = timeline.Timeline(str(tmp_path / "t.json"), 0)
+    trace.counts("embedding", [5, 1, 9], [90, 5, 5])
+    trace._file.flush()   # the job crashed here: no closing bracket
+    events = timeline.load(str(tmp_path / "t.json"))
+    counts = analyze.update_counts(events)
+    assert counts["embedding"].tolist() == [90, 5, 5]
+    assert analyze.skew_summary(events) == {"embedding": 0.9}

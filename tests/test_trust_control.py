@@ -1,0 +1,391 @@
+"""Issue 13, the control planes: an attacker on the segment (who reads every control request and
+sends its own TCP and UDP) can neither stop the switch or an aggregator, nor register, end or
+divert a job, nor exhaust their slots, memory, job numbers or threads.
+
+Each test names the bullet of the issue it checks. Daemons run in this process (SwitchServer,
+Aggregator) or as their own processes (the CLIs); requests are sent as raw bytes, the way an
+attacker would."""
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from commlib.errors import ConfigError, PeerFailure
+from commlib.settings import Settings
+from commlib.testing import LocalGroup
+
+import commlib.switch.switchml as sw   # noqa: E402
+
+if sw.lib is None:   # not built: a failure of the suite, never a quiet skip
+    raise ImportError(sw.IMPORT_ERROR)
+import commlib.backends.switchml as sml                              # noqa: E402
+from commlib.switch import aggregator as agg, auth, control          # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = 0x1234ABCD
+HOSTILE = [b"[1, 2]\n", b"42\n", b'"op"\n', b"\xff\xfe\n", b"[" * 60000 + b"\n",
+           b'{"op": "register", "token": 1e999999, "workers": 5}\n',
+           b'{"op": "register", "nonce": [1], "token": {}, "workers": [[1, 2, 3]]}\n',
+           b'{"op": "register", "token": 1, "workers": [["localhost", 9]], "slots": 99999999999999999999999}\n',
+           b'{"op": "unregister", "job": [1], "token": "x"}\n', b'{"op": "keepalive", "job": 1e308, "rank": null}\n',
+           b'{"op": "counters", "job": {"a": 1}}\n', b'{"op": "simulate", "seed": -1}\n', b'{"op": 7}\n',
+           b'{"op": "register", "token": 1, "workers": [["1.2.3.4", 9]], "slots": 8, "elems": 64, "nonce": "x"}\n']
+
+
+def request_line(address, line, timeout=5.0):
+    """One raw line to the switch's control port, its answer line decoded."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+        conn.sendall(line)
+        return control.decode(conn.makefile("rb").readline())
+
+
+def udp_request(address, data, timeout=2.0):
+    """One raw datagram to an aggregator; its answer decoded, or None when it answers nothing."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(timeout)
+        sock.sendto(data, address)
+        try:
+            return control.decode(sock.recv(65536))
+        except socket.timeout:
+            return None
+
+
+@pytest.fixture
+def keyed_switch():
+    key = auth.new_key()
+    server = sw.SwitchServer("127.0.0.1", 0, slots=1024, slot_group=64, key=key,
+                             limits=sw.Limits.for_pool(1024)).start()
+    yield server, key
+    server.stop()
+
+
+def register(server, key, slots=8, workers=(("127.0.0.1", 9),)):
+    """A job as rank 0 registers it: its number, its job key and its rank-0 client."""
+    nonce = auth.new_nonce()
+    job_key = auth.job_key(key, nonce)
+    client = sw.SwitchClient(server.address, key=job_key, rank=0)
+    return client.register(TOKEN, [list(w) for w in workers], slots, 64, nonce=nonce)["job"], job_key, client
+
+
+# -- bullet 1: the token is the only credential of unregister; anyone may register ----------------
+def test_sniffed_token_or_request_ends_no_job(keyed_switch):
+    """On a keyed switch the token (in every data packet) ends nothing, nor does a request that is
+    not signed with the job's key, nor a sniffed signed request sent again (its seq does not grow)."""
+    server, key = keyed_switch
+    job, job_key, client = register(server, key, workers=[("127.0.0.1", 9), ("127.0.0.1", 10)])
+    for line in (control.encode({"op": "unregister", "job": job, "token": TOKEN}),
+                 control.encode(auth.sign(auth.new_key()[:16], {"op": "unregister", "job": job, "rank": 0}, 1)),
+                 control.encode({"op": "counters", "job": job, "token": TOKEN})):
+        reply = request_line(server.address, line)
+        assert reply["ok"] is False and "not signed" in reply["error"], reply
+    sniffed = auth.Signer(job_key)({"op": "keepalive", "job": job, "rank": 1})
+    assert request_line(server.address, control.encode(sniffed))["ok"] is True
+    replay = request_line(server.address, control.encode(sniffed))
+    assert replay["ok"] is False and "replayed" in replay["error"], replay
+    assert str(job) in server.status()["jobs"]
+    drops = server.drops.snapshot()
+    assert drops["bad_mac"] == 3 and drops["replay"] == 1, drops
+    client.unregister(job)                                  # the job's own rank ends it
+    assert server.status()["jobs"] == {}
+
+
+def test_registering_needs_the_daemon_key(keyed_switch):
+    """Anyone could register jobs: now a register must be signed with the job key derived from the
+    daemon key, and a captured register cannot be replayed (a nonce registers once)."""
+    server, key = keyed_switch
+    unsigned = {"op": "register", "token": TOKEN, "workers": [["127.0.0.1", 9]], "slots": 8, "elems": 64,
+                "nonce": auth.new_nonce()}
+    reply = request_line(server.address, control.encode(unsigned))
+    assert reply["ok"] is False and "COMMLIB_SWITCH_KEY_FILE" in reply["error"], reply
+    wrong = auth.sign(auth.job_key(auth.new_key(), unsigned["nonce"]), unsigned, time.time_ns())
+    assert request_line(server.address, control.encode(wrong))["ok"] is False
+    signed = auth.sign(auth.job_key(key, unsigned["nonce"]), unsigned, time.time_ns())
+    first = request_line(server.address, control.encode(signed))
+    assert first["ok"] is True and first["expiry_s"] == server.job_expiry_s
+    sw.SwitchClient(server.address, key=auth.job_key(key, unsigned["nonce"]), rank=0).unregister(first["job"])
+    again = request_line(server.address, control.encode(signed))      # captured, replayed after the job ended
+    assert again["ok"] is False and "replayed" in again["error"], again
+    assert server.status()["jobs"] == {}
+    with pytest.raises(ConfigError, match="refused"):                  # the operator's counters need the key
+        sw.SwitchClient(server.address).counters()
+    assert "switch" in sw.SwitchClient(server.address, key=key).counters()
+
+
+# -- bullet 4: one request takes every slot, 256 every job number, nothing expires -----------------
+def test_limits_per_job_and_per_source(keyed_switch):
+    server, key = keyed_switch                    # 1024 slots: a job may take 256, an address 512
+    with pytest.raises(ConfigError, match="at most 256"):
+        register(server, key, slots=1024)
+    register(server, key, slots=256)
+    register(server, key, slots=256)
+    with pytest.raises(ConfigError, match="limit of 512 per address"):
+        register(server, key, slots=1)
+    assert server.status()["free_slots"] == 512
+    many = sw.SwitchServer("127.0.0.1", 0, slots=1024, key=key, limits=sw.Limits.for_pool(1024)).start()
+    try:
+        for _ in range(16):
+            register(many, key, slots=1)
+        with pytest.raises(ConfigError, match="16 jobs"):
+            register(many, key, slots=1)
+        assert len(many.status()["jobs"]) == 16
+    finally:
+        many.stop()
+
+
+def test_jobs_without_keepalives_expire_and_free_their_slots():
+    key = auth.new_key()
+    with sw.SwitchServer("127.0.0.1", 0, slots=64, key=key, job_expiry_s=2.0) as server:
+        job, job_key, client0 = register(server, key, slots=32, workers=[("127.0.0.1", 9), ("127.0.0.1", 10)])
+        client1 = sw.SwitchClient(server.address, key=job_key, rank=1)
+        for _ in range(10):                       # both ranks live: the job outlasts its expiry
+            client0.keepalive(job)
+            client1.keepalive(job)
+            time.sleep(0.3)
+        assert server.status()["free_slots"] == 32
+        deadline = time.monotonic() + 5           # rank 1 falls silent (it died): the job goes
+        while server.status()["jobs"] and time.monotonic() < deadline:
+            try:
+                client0.keepalive(job)
+            except ConfigError as exc:            # it went between the check and the keepalive
+                assert "not registered" in str(exc)
+            time.sleep(0.2)
+        assert server.status()["jobs"] == {} and server.status()["free_slots"] == 64
+        assert server.drops.snapshot()["jobs_expired"] == 1
+
+
+def test_a_dead_rank_ends_its_switchml_job(tmp_path):
+    """Rank 0 dying left its job registered for good (128 slots per crash). Now every rank keeps the
+    job alive and any silent rank ends it; the others learn it at their next tensor."""
+    key_file = tmp_path / "switch.key"
+    key = auth.write_key(str(key_file))
+    with sw.SwitchServer("127.0.0.1", 0, slots=512, key=key, job_expiry_s=2.0) as server:
+        group = LocalGroup(2, Settings({"timeout_s": 5.0, "switch_retransmit_ms": 2.0, "switch_addr": server.address,
+                                        "switch_key_file": str(key_file)}))
+        backends = [sml.SwitchMLBackend(ctx) for ctx in group.contexts]
+        group.run(lambda ctx: backends[ctx.rank].start(), 30)
+        out = group.run(lambda ctx: backends[ctx.rank].allreduce(np.arange(1000, dtype=np.int32), "x"), 30)
+        np.testing.assert_array_equal(out[0], 2 * np.arange(1000, dtype=np.int32))
+        assert len(server.status()["jobs"]) == 1 and backends[0]._control_key is not None
+        backends[0]._stopping.set()               # rank 0 dies: its keepalives stop, it unregisters nothing
+        backends[0]._keepalive.join(10)
+        deadline = time.monotonic() + 10
+        while server.status()["jobs"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.status()["jobs"] == {} and server.status()["free_slots"] == 512
+        with pytest.raises(PeerFailure, match="does not know this job"):
+            backends[1].allreduce(np.ones(10, np.int32), "y")
+        for backend in backends:
+            backend._release()
+
+
+def test_a_killed_rank_0_process_ends_its_job(tmp_path):
+    """The same with real processes: rank 0 is SIGKILLed after its first tensor; rank 1 lives on
+    (sending keepalives) and sees the switch drop the job within the expiry."""
+    from launch import spawn
+    key_file = tmp_path / "switch.key"
+    key = auth.write_key(str(key_file))
+    with sw.SwitchServer("127.0.0.1", 0, slots=512, key=key, job_expiry_s=2.0) as server:
+        ranks = spawn(2, "dead_rank.py", 8.0, timeout=150,
+                      env={"COMMLIB_SWITCH_ADDR": server.address, "COMMLIB_SWITCH_KEY_FILE": str(key_file)})
+        assert ranks[0].returncode == -9 and ranks[1].returncode == 0, ranks.output
+        first, last = ranks.results()               # the last report of each rank
+        assert first["sum_ok"] and "jobs_after" not in first, ranks.output
+        assert last["sum_ok"] and last["jobs_after"] == [], ranks.output
+        assert server.drops.snapshot()["jobs_expired"] == 1 and server.status()["free_slots"] == 512
+
+
+# -- bullet 4: one thread per connection, lines buffered without bound; bullet 3: hostile input ----
+def test_switch_control_port_is_bounded_and_survives_hostile_input():
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
+        host, port = "127.0.0.1", server.port
+        threads = threading.active_count()
+        patient = socket.create_connection((host, port), timeout=5, source_address=("127.0.0.2", 0))
+        conns = [socket.create_connection((host, port), timeout=5) for _ in range(200)]   # past the 16 kept
+        time.sleep(0.5)
+        assert threading.active_count() <= threads             # no thread per connection
+        assert request_line(server.address, control.encode({"op": "status"}))["ok"] is True   # still answers
+        patient.sendall(control.encode({"op": "status"}))      # another address was not pushed out
+        assert control.decode(patient.makefile("rb").readline())["ok"] is True
+        for conn in conns + [patient]:
+            conn.close()
+        with socket.create_connection((host, port), timeout=5) as conn:   # a line without end
+            try:
+                for _ in range(64):
+                    conn.sendall(b"x" * 16384)
+            except OSError:
+                pass                                               # closed by the switch: what we want
+            reply = control.decode(conn.makefile("rb").readline())
+            assert reply["ok"] is False and "at most" in reply["error"], reply
+        for line in HOSTILE:
+            reply = request_line(server.address, line)
+            assert reply["ok"] is False and reply["error"], (line[:60], reply)
+        assert request_line(server.address, control.encode({"op": "status"}))["ok"] is True
+        drops = sw.SwitchClient(server.address).counters()["control"]
+        assert drops["connections_evicted"] >= 184 and drops["oversize"] == 1, drops
+        assert drops["malformed"] >= 5 and drops["invalid"] >= 7 and "internal" not in drops, drops
+        assert server.status()["jobs"] == {}                  # nothing half-registered
+
+
+# -- bullet 3: one malformed control packet kills an aggregator; sizes not capped -----------------
+def test_aggregator_survives_hostile_control_packets():
+    aggregator = agg.Aggregator("127.0.0.1", 0).start()
+    try:
+        for line in HOSTILE + [b'{"op": "keepalive", "job": [1], "epoch": 1}', b'{"op": "unregister", "job": {}}',
+                               b'{"op": "keepalive", "job": "a", "epoch": 99999999999999999999999999}',
+                               b'{"op": "register", "rank": 0, "size": 1e400}', b"{" + b"x" * 5000, b"{not json",
+                               b'{"op": "register", "job": [], "epoch": 1, "rank": 0, "size": 1, "columns": 1, '
+                               b'"aggregators": 1, "index": 0, "block": 16}']:
+            udp_request(aggregator.address, line.rstrip(b"\n"), timeout=0.2)
+        assert aggregator._thread.is_alive()
+        request = {"job": "j", "epoch": 1, "rank": 0, "size": 1, "columns": 4, "aggregators": 1, "block": 16}
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            assert agg.register(sock, [aggregator.address], request, 5.0)[0][0] >= 0   # still serves
+        stats = aggregator.stats()     # what does not start with "{" is a data packet to the C loop
+        assert stats["bad_recv"] == 5 and stats["control"] == {"malformed": 1, "invalid": 13}, stats
+    finally:
+        aggregator.close()
+
+
+def test_aggregator_caps_what_a_registration_reserves():
+    aggregator = agg.Aggregator("127.0.0.1", 0).start()
+    try:
+        huge = {"op": "register", "job": "big", "epoch": 1, "rank": 0, "size": 64, "columns": 2000,
+                "aggregators": 1, "index": 0, "block": 16000}       # 2.3 GB of address space, allocated lazily
+        reply = udp_request(aggregator.address, control.encode(huge))
+        assert reply["ok"] is False and "MiB" in reply["error"], reply
+        assert agg.job_bytes(huge) > 2 << 30
+        beyond = dict(huge, columns=1 << 40)
+        assert udp_request(aggregator.address, control.encode(beyond))["ok"] is False
+        assert aggregator.stats()["jobs"] == 0 and aggregator.stats()["control"] == {"limit": 1, "invalid": 1}
+        for epoch in range(5):                                     # 5 x 230 MB would pass the 1 GiB in all
+            fits = dict(huge, epoch=epoch, columns=200)
+            udp_request(aggregator.address, control.encode(fits))
+        assert aggregator.stats()["jobs"] == 4 and aggregator.stats()["control"]["limit"] == 2
+    finally:
+        aggregator.close()
+
+
+# -- bullet 2: omnireduce's deregister and a replayed register ---------------------------------------
+def test_aggregator_refuses_unsigned_and_replayed_requests():
+    key = auth.new_key()
+    aggregator = agg.Aggregator("127.0.0.1", 0, key=key, job_idle_s=600).start()
+    try:
+        nonce = auth.new_nonce()
+        sign = auth.Signer(auth.job_key(key, nonce))
+        request = {"op": "register", "job": "j", "epoch": 1, "rank": 0, "size": 2, "columns": 4, "aggregators": 1,
+                   "index": 0, "block": 16, "nonce": nonce}
+        unsigned = udp_request(aggregator.address, control.encode(request))
+        assert unsigned["ok"] is False and "not signed" in unsigned["error"], unsigned
+        signed = control.encode(sign(request))
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rank0:
+            rank0.settimeout(5)
+            rank0.sendto(signed, aggregator.address)
+            assert control.decode(rank0.recv(65536))["ok"] is True
+        diverted = udp_request(aggregator.address, signed)       # the same bytes from the attacker's port
+        assert diverted["ok"] is False and "replayed" in diverted["error"], diverted
+        for body in ({"op": "unregister", "job": "j", "epoch": 1}, {"op": "unregister", "job": "j", "epoch": 1,
+                                                                   "rank": 0, "seq": 1, "mac": "0" * 32}):
+            assert udp_request(aggregator.address, control.encode(body), timeout=0.2) is None
+        assert aggregator.stats()["jobs"] == 1                   # nothing ended it
+        drops = aggregator.stats()["control"]
+        assert drops["bad_mac"] == 3 and drops["replay"] == 1, drops
+        goodbye = control.encode(sign({"op": "unregister", "job": "j", "epoch": 1, "rank": 0}))
+        assert udp_request(aggregator.address, goodbye, timeout=0.2) is None
+        deadline = time.monotonic() + 5
+        while aggregator.stats()["jobs"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert aggregator.stats()["jobs"] == 0                   # the job's own rank ends it
+    finally:
+        aggregator.close()
+
+
+def test_keyed_omnireduce_job_end_to_end(tmp_path):
+    """Dedicated keyed aggregators: the ranks hold only the job key (rank 0 reads the key file) and
+    register, keep alive and end the job with signed requests."""
+    import commlib.backends.omnireduce as om
+    key_file = tmp_path / "agg.key"
+    key = auth.write_key(str(key_file))
+    aggregators = [agg.Aggregator("127.0.0.1", 0, key=key, job_idle_s=2.0).start() for _ in range(2)]
+    try:
+        group = LocalGroup(3, Settings({"timeout_s": 10.0, "omnireduce_retransmit_ms": 5.0,
+                                        "omnireduce_mode": "dedicated", "omnireduce_block_size": 16,
+                                        "omnireduce_aggregators": ",".join(a.address_str for a in aggregators),
+                                        "omnireduce_key_file": str(key_file)}))
+        backends = [om.OmniReduceBackend(ctx) for ctx in group.contexts]
+        group.run(lambda ctx: backends[ctx.rank].start(), 30)
+        x = np.arange(3 * 1000, dtype=np.int32).reshape(3, 1000)
+
+        def work(ctx):
+            first = backends[ctx.rank].allreduce(x[ctx.rank], "a")
+            time.sleep(2.5)                       # longer than the idle time: keepalives of every rank hold it
+            return first, backends[ctx.rank].allreduce(x[ctx.rank], "b")
+
+        for first, second in group.run(work, 40):
+            np.testing.assert_array_equal(first, x.sum(axis=0))
+            np.testing.assert_array_equal(second, x.sum(axis=0))
+        group.run(lambda ctx: backends[ctx.rank].close(), 30)
+        deadline = time.monotonic() + 5
+        while any(a.stats()["jobs"] for a in aggregators) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for a in aggregators:
+            s = a.stats()
+            assert s["jobs"] == 0 and "bad_mac" not in s["control"] and "replay" not in s["control"], s
+    finally:
+        for a in aggregators:
+            a.close()
+
+
+# -- bullet 3: the aggregator's counters while it runs; the daemons' key files -----------------------
+def test_aggregator_cli_counters_and_key_file(tmp_path):
+    key_file = tmp_path / "agg.key"
+    auth.write_key(str(key_file))
+    cmd = [sys.executable, "-m", "commlib.switch.aggregator_main"]
+    proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", "0", "--key-file", str(key_file), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        address, = control.wait_ready(proc, 30, "commlib-aggregator")
+        host, port = address.rsplit(":", 1)
+        udp_request((host, int(port)), b"{nope", timeout=0.2)
+        out = subprocess.run(cmd + ["counters", address, "--key-file", str(key_file)], capture_output=True,
+                             text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        counters = json.loads(out.stdout)
+        assert counters["ctrl_recv"] >= 1 and counters["control"]["malformed"] == 1, counters
+        out = subprocess.run(cmd + ["counters", address], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 1 and "not signed" in out.stderr, out.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_switch_cli_with_a_key_file(tmp_path):
+    key_file = tmp_path / "switch.key"
+    key = auth.write_key(str(key_file))
+    cli = [sys.executable, "-m", "commlib.switch"]
+    proc = subprocess.Popen(cli + ["--port", "0", "--slots", "1000", "--key-file", str(key_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        address, = control.wait_ready(proc, 30, "commlib-switch")
+        status = sw.SwitchClient(address).status()
+        assert status["authenticated"] is True and status["slots"] == 1000
+        with pytest.raises(ConfigError, match="at most 250"):                 # --job-slots default: a quarter
+            register(type("S", (), {"address": address})(), key, slots=251)
+        out = subprocess.run(cli + ["counters", address, "--key-file", str(key_file)], capture_output=True,
+                             text=True, timeout=30)
+        assert out.returncode == 0 and json.loads(out.stdout)["control"]["limit"] == 1, (out.stdout, out.stderr)
+        out = subprocess.run(cli + ["counters", address], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 1 and "refused" in out.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+    bad = tmp_path / "short.key"
+    bad.write_text("abcd\n")
+    out = subprocess.run(cli + ["--port", "0", "--key-file", str(bad)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "at least 16" in out.stderr

@@ -1,0 +1,469 @@
+"""The data plane against reordering and an attacker on the wire: packet-level checks on a real
+switch (the packets written out by hand, as in test_switch_protocol.py)."""
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+from commlib.errors import CommError
+from commlib.switch import auth
+from commlib.switch.relay import Faults, relayed
+from test_switch_protocol import E, TOKEN, Job, data, header, parse, sw, vals
+from test_switch_protocol import job2, switch          # noqa: F401,F811 (fixtures)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def complete(job, pkt, slot, set, seeds=(1, 2)):
+    """Every rank contributes packet `pkt` to (slot, set); returns rank 0's result."""
+    for rank, seed in enumerate(seeds):
+        job.send(rank, data(job.number, rank, pkt, slot, set, vals(seed)))
+    result = job.recv(0)
+    job.recv(1)
+    return result
+
+
+def test_late_packet_of_a_finished_round_is_never_aggregated(job2):
+    """Rounds k (set 0), k+1 (set 1), k+2 (set 0) of one slot; rank 0's packet of round k arrives
+    again after round k+2 began in its set (reordered past a whole round). The old switch took it
+    as the reused set's first contribution and then refused rank 0's real packet for ever."""
+    j = job2.number
+    complete(job2, 10, 3, 0)
+    complete(job2, 11, 3, 1)
+    job2.send(1, data(j, 1, 12, 3, 0, vals(6)))        # round k+2 starts: rank 1 first
+    job2.send(0, data(j, 0, 10, 3, 0, vals(1)))        # the late copy of rank 0's round k
+    job2.silent(0)
+    job2.send(0, data(j, 0, 12, 3, 0, vals(5)))        # rank 0's real packet completes the round
+    got = job2.recv(0)
+    assert got["pkt"] == 12 and got["values"] == [a + b for a, b in zip(vals(5), vals(6))]
+    assert job2.counters()["drop_late"] == 1
+
+
+def test_late_packet_before_the_set_is_reused_gets_the_stored_result(job2):
+    """Rank 0's retransmission of round k arriving while round k+1 runs in the other set: the
+    stored result of round k is replayed (unicast), nothing is aggregated."""
+    j = job2.number
+    first = complete(job2, 20, 1, 0)
+    job2.send(1, data(j, 1, 21, 1, 1, vals(3)))
+    job2.send(0, data(j, 0, 20, 1, 0, vals(1)))
+    replay = job2.recv(0)
+    assert replay["pkt"] == 20 and replay["values"] == first["values"]
+    c = job2.counters()
+    assert (c["replays"], c["aggregated"], c["drop_late"]) == (1, 3, 0)
+
+
+# -- the MAC: SipHash-2-4 -------------------------------------------------------------------------
+M64 = (1 << 64) - 1
+
+
+def siphash24(key, data):
+    """SipHash-2-4 written out from the paper (Aumasson and Bernstein), independent of the C."""
+    def rotl(x, b):
+        return ((x << b) | (x >> (64 - b))) & M64
+
+    def rounds(v, n):
+        v0, v1, v2, v3 = v
+        for _ in range(n):
+            v0 = (v0 + v1) & M64; v1 = rotl(v1, 13) ^ v0; v0 = rotl(v0, 32)
+            v2 = (v2 + v3) & M64; v3 = rotl(v3, 16) ^ v2
+            v0 = (v0 + v3) & M64; v3 = rotl(v3, 21) ^ v0
+            v2 = (v2 + v1) & M64; v1 = rotl(v1, 17) ^ v2; v2 = rotl(v2, 32)
+        return [v0, v1, v2, v3]
+
+    k0, k1 = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:16], "little")
+    v = [k0 ^ 0x736F6D6570736575, k1 ^ 0x646F72616E646F6D, k0 ^ 0x6C7967656E657261, k1 ^ 0x7465646279746573]
+    tail = len(data) % 8
+    words = [int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data) - tail, 8)]
+    words.append((len(data) & 0xFF) << 56 | int.from_bytes(data[len(data) - tail:], "little"))
+    for m in words:
+        v[3] ^= m
+        v = rounds(v, 2)
+        v[0] ^= m
+    v[2] ^= 0xFF
+    v = rounds(v, 4)
+    return v[0] ^ v[1] ^ v[2] ^ v[3]
+
+
+def test_siphash_reference_vectors_and_any_length():
+    lib = sw.lib
+    key = bytes(range(16))
+    # the reference implementation's vectors (key 00..0f, message 00..len-1)
+    for length, want in [(0, 0x726FDB47DD0E0E31), (1, 0x74F839C593DC67FD), (15, 0xA129CA6149BE45E5)]:
+        assert lib.tp_siphash(key, bytes(range(length)), length) == want
+        assert siphash24(key, bytes(range(length))) == want
+    rng = np.random.default_rng(0)
+    for length in [2, 7, 8, 9, 16, 40, 63, 64, 1044, 1308]:
+        k, m = rng.bytes(16), rng.bytes(length)
+        assert lib.tp_siphash(k, m, length) == siphash24(k, m), length
+
+
+# -- an authenticated switchml job: packets written by hand ---------------------------------------
+DAEMON_KEY = bytes(range(100, 132))
+
+
+@pytest.fixture
+def keyed_switch():
+    server = sw.SwitchServer("127.0.0.1", 0, slots=256, slot_group=4, testing=True, key=DAEMON_KEY).start()
+    yield server
+    server.stop()
+
+
+class KeyedJob(Job):
+    """A job registered with a nonce: its packets carry MACs under auth.job_key(daemon key, nonce)."""
+
+    def __init__(self, server, n, slots=8):
+        self.nonce = auth.new_nonce()
+        self.key = auth.job_key(DAEMON_KEY, self.nonce)
+        self.switch, self.token = server, TOKEN
+        self.socks = []
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind(("127.0.0.1", 0))
+            self.socks.append(s)
+        self.client = sw.SwitchClient(server.address, key=self.key, rank=0)   # a keyed switch admits signed requests
+        self.number = self.client.register(TOKEN, [list(s.getsockname()) for s in self.socks], slots, E,
+                                           nonce=self.nonce, authenticate=True)["job"]
+
+    def packet(self, rank, pkt, slot, set, values, key=None):
+        """A DATA packet with SML_F_MAC and its MAC (under `key`, default the job's)."""
+        payload = struct.pack(f"!{E}i", *values)
+        raw = header(1, 1 | 8, self.number, rank, pkt, slot | set << 15, 0) + payload
+        return raw + siphash24(key or self.key, raw).to_bytes(8, "little")
+
+    def recv_raw(self, rank, timeout=1.0):
+        self.socks[rank].settimeout(timeout)
+        return self.socks[rank].recv(4096)
+
+
+@pytest.fixture
+def keyed(keyed_switch):
+    job = KeyedJob(keyed_switch, 2)
+    yield job
+    job.close()
+
+
+def test_results_carry_a_valid_mac_and_unsigned_data_is_dropped(keyed):
+    j = keyed.number
+    keyed.send(0, data(j, 0, 1, 0, 0, vals(1)))                         # no MAC at all
+    keyed.send(0, keyed.packet(0, 1, 0, 0, vals(1), key=bytes(16)))     # a MAC under another key
+    keyed.silent(0)
+    assert keyed.counters()["drop_bad_mac"] == 2 and keyed.counters()["aggregated"] == 0
+    keyed.send(0, keyed.packet(0, 1, 0, 0, vals(1)))
+    keyed.send(1, keyed.packet(1, 1, 0, 0, vals(2)))
+    raw = keyed.recv_raw(0)
+    assert len(raw) == 20 + 4 * E + 8 and raw[1] & 8                     # SML_F_MAC and the trailer
+    assert int.from_bytes(raw[-8:], "little") == siphash24(keyed.key, raw[:-8])
+    assert parse(raw[:-8])["values"] == [a + b for a, b in zip(vals(1), vals(2))]
+
+
+def test_spoofed_data_into_a_cleared_set_is_refused(keyed):
+    """Issue 13's first attack: a DATA packet with a sniffed header (job, token, rank) from the
+    worker's own address (a spoofed source: here the worker's socket), into a set the last round
+    just cleared. Without a MAC it became the set's first contribution: a silently wrong sum."""
+    for pkt, set in ((5, 0), (6, 1)):
+        keyed.send(0, keyed.packet(0, pkt, 2, set, vals(1)))
+        keyed.send(1, keyed.packet(1, pkt, 2, set, vals(2)))
+        keyed.recv_raw(0), keyed.recv_raw(1)
+    sniffed = keyed.packet(0, 7, 2, 0, vals(3))                          # what rank 0 will send next
+    forged = sniffed[:20] + struct.pack(f"!{E}i", *([999] * E)) + sniffed[-8:]
+    keyed.send(0, forged)                                                # arrives first
+    keyed.send(0, sniffed)
+    keyed.send(1, keyed.packet(1, 7, 2, 0, vals(4)))
+    got = parse(keyed.recv_raw(0)[:-8])
+    assert got["values"] == [a + b for a, b in zip(vals(3), vals(4))]
+    c = keyed.counters()
+    assert c["drop_bad_mac"] == 1 and c["aggregated"] == 6
+
+
+def test_the_spoof_lands_on_a_job_without_macs(job2):
+    """The control of the test above: the same forgery on a job registered without a key (the old
+    data plane) becomes the set's first contribution, and the real packet is taken for a
+    retransmission: a silently wrong sum."""
+    j = job2.number
+    for pkt, set in ((5, 0), (6, 1)):
+        job2.send(0, data(j, 0, pkt, 2, set, vals(1)))
+        job2.send(1, data(j, 1, pkt, 2, set, vals(2)))
+        job2.recv(0), job2.recv(1)
+    sniffed = data(j, 0, 7, 2, 0, vals(3))
+    job2.send(0, sniffed[:20] + struct.pack(f"!{E}i", *([999] * E)))
+    job2.send(0, sniffed)
+    job2.send(1, data(j, 1, 7, 2, 0, vals(4)))
+    assert job2.recv(0)["values"] == [999 + b for b in vals(4)]
+
+
+def test_replayed_data_is_refused_by_its_round(keyed):
+    """A sniffed, validly signed packet sent again after its slot moved on carries an old packet id
+    (inside the MAC): dropped as late, never aggregated; sent again while its round is open, it is
+    a duplicate (answered with the stored result once complete, as a retransmission is)."""
+    old = keyed.packet(0, 10, 4, 0, vals(1))
+    keyed.send(0, old)
+    keyed.send(0, old)                                                   # replay into the open round
+    keyed.send(1, keyed.packet(1, 10, 4, 0, vals(2)))
+    first = keyed.recv_raw(0)
+    keyed.recv_raw(1)
+    for pkt, set in ((11, 1), (12, 0)):
+        keyed.send(0, keyed.packet(0, pkt, 4, set, vals(pkt)))
+        keyed.send(1, keyed.packet(1, pkt, 4, set, vals(pkt + 1)))
+        keyed.recv_raw(0), keyed.recv_raw(1)
+    keyed.send(1, keyed.packet(1, 14, 4, 0, vals(9)))                   # round 14 open in set 0
+    keyed.send(0, old)                                                   # the replay, rounds later
+    keyed.silent(0)
+    c = keyed.counters()
+    assert (c["drop_late"], c["drop_incomplete"], c["aggregated"]) == (1, 1, 7)
+    assert parse(first[:-8])["values"] == [a + b for a, b in zip(vals(1), vals(2))]
+
+
+# -- an attacker on the wire while real jobs run --------------------------------------------------
+OMR_HDR = struct.Struct("<BBHIIIIIIIII")   # switch/csrc/omnireduce.h's omr_hdr
+
+
+class Attacker:
+    """Sees every packet of the job on the relay (tap) and, before the relay forwards it, sends
+    forgeries that overtake it: a DATA packet with the sniffed header and other values from the
+    worker's address, a RESULT with other values to the worker, a NACK/ERROR to the worker, and
+    replays of packets and results it saw earlier. `forge_up`, `forge_down`, `kill` make the
+    protocol's forgeries from a sniffed packet (bytes)."""
+
+    def __init__(self, relay, forge_up, forge_down, kill, every=3):
+        self.relay, self.forge_up, self.forge_down, self.kill, self.every = relay, forge_up, forge_down, kill, every
+        self.seen = {"up": [], "down": []}
+        self.sent = dict.fromkeys(("forged_data", "forged_results", "kills", "replays"), 0)
+        relay.tap = self.tap
+
+    def tap(self, direction, data, worker):
+        seen = self.seen[direction]
+        seen.append((data, worker))
+        count = len(seen)
+        if direction == "up":
+            if count % self.every == 0:
+                self.relay.inject(self.forge_up(data), via=worker)
+                self.sent["forged_data"] += 1
+            if count % 5 == 0 and count > 600:         # an old packet (many rounds back), again
+                old, owner = seen[count - 600]
+                self.relay.inject(old, via=owner)
+                self.sent["replays"] += 1
+        else:
+            if count % self.every == 0:
+                self.relay.inject(self.forge_down(data), to_worker=worker)
+                self.sent["forged_results"] += 1
+            if count % 7 == 0 and self.kill is not None:
+                self.relay.inject(self.kill(data), to_worker=worker)
+                self.sent["kills"] += 1
+            if count % 5 == 0 and count > 600:         # an old result, again
+                old, owner = seen[count - 600]
+                self.relay.inject(old, to_worker=owner)
+                self.sent["replays"] += 1
+
+
+def sml_forge(data):
+    """Other values under the sniffed header (and its stale MAC, if any)."""
+    if len(data) <= 28:
+        return data
+    body = bytearray(data)
+    body[20:24] = (int.from_bytes(body[20:24], "big") ^ 0x00FF0000).to_bytes(4, "big")
+    return bytes(body)
+
+
+def sml_nack(data):
+    """A NACK ("the switch does not know this job") for the worker, sealed like the switch's."""
+    raw = bytearray(data[:20])
+    raw[0], raw[1], raw[11] = 3, 0, 1
+    return sw.pack_header(*struct.unpack("!BBBBIHbBII", bytes(raw))[:7], token=int.from_bytes(raw[12:16], "big"),
+                          code=1)
+
+
+def omr_forge(data):
+    """Other values in the block, the checksum made right again (it is public)."""
+    fields = list(OMR_HDR.unpack(data[:40]))
+    mac = 8 if fields[1] & 16 else 0
+    payload = bytearray(data[40:len(data) - mac])
+    if not payload:
+        return data
+    payload[0:4] = (int.from_bytes(payload[0:4], "little") ^ 0x40000000).to_bytes(4, "little")
+    return omr_seal(fields, bytes(payload)) + data[len(data) - mac:]
+
+
+def omr_seal(fields, payload):
+    fields[11] = 0
+    csum = sw.lib.tp_checksum(OMR_HDR.pack(*fields) + payload, 40 + len(payload))
+    fields[11] = csum
+    return OMR_HDR.pack(*fields) + payload
+
+
+def omr_error(data):
+    """An ERROR (OMR_ERR_JOB: "the aggregator lost the job") for the worker, no MAC."""
+    fields = list(OMR_HDR.unpack(data[:40]))
+    fields[0], fields[1], fields[9] = 6, 0, 1
+    return omr_seal(fields, b"")
+
+
+def closed_form(n, i, size, dtype):
+    """Rank r's tensor i: (r + 1) * (k mod 1000) + i; the sum has a closed form."""
+    k = np.arange(size) % 1000
+    inputs = [((r + 1) * k + i).astype(dtype) for r in range(n)]
+    want = (n * (n + 1) // 2 * k + n * i).astype(dtype)
+    return inputs, want
+
+
+def attack_switchml(n, authenticate, kill=True):
+    from test_faults import run_ranks
+    import commlib.backends.switchml as sml
+    backend_cls, relays = relayed(sml.SwitchMLBackend, Faults(), 7)
+    tensors = [closed_form(n, i, size, np.int32) for i, size in enumerate((3000, 40000, 100000, 5000))]
+    attackers, stats = [], {}
+
+    def work(rank, backend):
+        if rank == 0:
+            attackers.append(Attacker(relays[0], sml_forge, sml_forge, sml_nack if kill else None))
+        backend.ctx.barrier("attack")   # the attacker listens before anyone streams
+        out = [backend.allreduce(inputs[rank], f"t{i}") for i, (inputs, _) in enumerate(tensors)]
+        stats[rank] = backend.stats()
+        if rank == 0:
+            stats["switch"] = backend.switch_counters()["counters"]
+        return out
+
+    try:
+        results = run_ranks(n, backend_cls, work, authenticate=authenticate, switch_window=32,
+                            switch_retransmit_ms=2.0, timeout_s=10.0)
+    finally:
+        for relay in relays:
+            relay.stop()
+    return results, [want for _, want in tensors], stats, attackers[0].sent
+
+
+def attack_omnireduce(n, authenticate, kill=True):
+    from test_faults import run_ranks
+    import commlib.backends.omnireduce as om
+    backend_cls, relays = relayed(om.OmniReduceBackend, Faults(), 8)
+    tensors = [closed_form(n, i, size, np.float32) for i, size in enumerate((3000, 20000, 7777))]
+    attackers, stats = [], {}
+
+    def work(rank, backend):
+        if rank == 0:
+            attackers.append(Attacker(relays[0], omr_forge, omr_forge, omr_error if kill else None))
+        backend.ctx.barrier("attack")
+        out = [backend.allreduce(inputs[rank], f"o{i}") for i, (inputs, _) in enumerate(tensors)]
+        stats[rank] = backend.stats()
+        return out
+
+    try:
+        results = run_ranks(n, backend_cls, work, authenticate=authenticate, omnireduce_mode="dedicated",
+                            omnireduce_num_aggregators=1, omnireduce_block_size=64, omnireduce_columns=16,
+                            omnireduce_retransmit_ms=3.0, timeout_s=10.0)
+    finally:
+        for relay in relays:
+            relay.stop()
+    return results, [want for _, want in tensors], stats, attackers[0].sent
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4])
+def test_switchml_job_stays_exact_under_attack(n):
+    results, wants, stats, sent = attack_switchml(n, authenticate=True)
+    for rank in range(n):
+        for i, want in enumerate(wants):
+            np.testing.assert_array_equal(results[rank][i], want, err_msg=f"tensor {i} rank {rank}")
+    assert min(sent.values()) > 0, sent
+    switch = stats["switch"]
+    assert switch["drop_bad_mac"] > 0 and switch["drop_late"] > 0, switch     # forgeries, replays
+    workers = [stats[r] for r in range(n)]
+    assert sum(w["bad_mac"] for w in workers) > 0 and sum(w["nacks"] for w in workers) > 0, workers
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 4])
+def test_omnireduce_job_stays_exact_under_attack(n):
+    results, wants, stats, sent = attack_omnireduce(n, authenticate=True)
+    for rank in range(n):
+        for i, want in enumerate(wants):
+            assert results[rank][i].tobytes() == want.tobytes(), f"tensor {i} rank {rank}"
+    assert min(sent.values()) > 0, sent
+    workers = [stats[r] for r in range(n)]
+    assert sum(w["bad_mac"] for w in workers) > 0, workers
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("attack", [attack_switchml, attack_omnireduce])
+def test_the_same_attack_lands_without_macs(attack):
+    """The control: with authenticate off (the old data plane), the same attacker's forged data and
+    results silently corrupt the sums, and its forged NACK/ERROR ends the job, so the tests above
+    would fail on the old code."""
+    results, wants, _, _ = attack(2, authenticate=False, kill=False)
+    wrong = sum(int((results[r][i] != want).sum()) for r in range(2) for i, want in enumerate(wants))
+    assert wrong > 0, "the forgeries did not land: the attacker above proves nothing"
+    with pytest.raises(CommError, match="does not know this job"):
+        attack(2, authenticate=False)
+
+
+# -- omnireduce: an authenticated job on an aggregator of this process ----------------------------
+@pytest.fixture
+def keyed_aggregator(monkeypatch):
+    """A commlib-aggregator with a daemon key, and ranks that hold it (as a key file would give it)."""
+    from commlib.backends import keys
+    from commlib.switch.aggregator import Aggregator
+    monkeypatch.setattr(keys, "daemon_key", lambda ctx, embedded, key_file="": DAEMON_KEY)
+    agg = Aggregator("127.0.0.1", 0, key=DAEMON_KEY).start()
+    yield agg
+    agg.close()
+
+
+def omnireduce_group(agg, **kw):
+    from commlib.settings import Settings
+    from commlib.testing import LocalGroup
+    return LocalGroup(2, Settings({"timeout_s": 3.0, "omnireduce_mode": "dedicated", "omnireduce_block_size": 32,
+                                   "omnireduce_aggregators": agg.address_str, **kw}))
+
+
+def test_aggregator_drops_unsigned_packets_of_an_authenticated_job(keyed_aggregator):
+    import commlib.backends.omnireduce as om
+    agg = keyed_aggregator
+    group = omnireduce_group(agg)
+    backends = group.run(lambda ctx: om.OmniReduceBackend(ctx), 20)
+    group.run(lambda ctx: backends[ctx.rank].start(), 20)
+    try:
+        x = np.arange(1000, dtype=np.float32)
+        out = group.run(lambda ctx: backends[ctx.rank].allreduce(x, "x"), 20)
+        assert all(o.tobytes() == (2 * x).tobytes() for o in out) and backends[0].stats()["authenticated"]
+        (job,) = agg._jobs.values()
+        forged = omr_seal([1, 0, 0, job.id, job.key, 2, 0, 0, 0, 0xFFFFFFFF, 0, 0], bytes(128))
+        attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        attacker.settimeout(0.3)
+        attacker.sendto(forged, agg.address)                       # the job's id and key, no MAC
+        with pytest.raises(socket.timeout):
+            attacker.recv(100)                                     # no answer, not even an ERROR
+        attacker.close()
+        stats = agg.stats()
+        assert stats["bad_mac"] == 1 and stats["refused"] == 0, stats
+    finally:
+        group.run(lambda ctx: backends[ctx.rank].close(), 20)
+
+
+def test_restarted_aggregator_is_still_a_clear_error_with_macs(keyed_aggregator):
+    """A restarted aggregator answers with an unsigned ERROR (it has no key for the job): workers
+    wait for their timeout (a forged ERROR must end no job), then report it, not a bare timeout."""
+    import time
+    import commlib.backends.omnireduce as om
+    from commlib.errors import PeerFailure
+    from commlib.switch.aggregator import Aggregator
+    agg = keyed_aggregator
+    group = omnireduce_group(agg)
+    backends = group.run(lambda ctx: om.OmniReduceBackend(ctx), 20)
+    group.run(lambda ctx: backends[ctx.rank].start(), 20)
+    port = agg.address[1]
+    agg.close()
+    again = Aggregator("127.0.0.1", port, key=DAEMON_KEY).start()   # same address, no memory of the job
+    try:
+        def reduce(ctx):
+            start = time.monotonic()
+            try:
+                backends[ctx.rank].allreduce(np.ones(100, np.float32), "x")
+            except PeerFailure as exc:
+                return exc, time.monotonic() - start
+            return None, time.monotonic() - start
+        for error, elapsed in group.run(reduce, 30):
+            assert error is not None and "does not know this job" in str(error), error
+            assert 3.0 <= elapsed < 8.0, elapsed
+    finally:
+        group.run(lambda ctx: backends[ctx.rank].close(), 20)
+        again.close()

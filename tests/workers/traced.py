@@ -1,0 +1,32 @@
+"""A short job with the timeline on: dense tensors through ring, switchml and omnireduce, a fused
+bucket and a compressed one (PowerSGD), a few steps each; then a window of steps traced by
+start_timeline/stop_timeline. argv: the trace path ('{rank}' in it), the window's trace path."""
+import sys
+
+import numpy as np
+
+import commlib
+from commlib.testing import report
+
+trace, window = sys.argv[1], sys.argv[2]
+commlib.init(policy="dense.ring=ring; dense.switchml=switchml; sparse=omnireduce; low.rank=powersgd(rank=2); *=ring",
+             timeline=trace)
+r = commlib.rank()
+rng = np.random.default_rng(r)
+for step in range(3):
+    commlib.allreduce(np.full(1 << 16, r + 1.0, np.float32), name="dense.ring")
+    commlib.allreduce(np.full(1 << 16, r + 1.0, np.float32), name="dense.switchml")
+    sparse = np.zeros(1 << 16, np.float32)
+    sparse[rng.integers(0, sparse.size, 100)] = 1.0
+    commlib.allreduce(sparse, name="sparse")
+    commlib.allreduce(rng.standard_normal((64, 32)).astype(np.float32), name="low.rank")
+    handles = [commlib.allreduce_async(np.full(100, float(i), np.float32), name=f"small.{i}") for i in range(8)]
+    [commlib.synchronize(h) for h in handles]
+records = {name: {k: v for k, v in rec.items() if k.endswith("_s")} | {"algorithm": rec["algorithm"]}
+           for name, rec in commlib.records().items()}
+commlib.stop_timeline()
+commlib.allreduce(np.ones(10, np.float32), name="untraced")
+commlib.start_timeline(window)
+commlib.allreduce(np.ones(10, np.float32), name="windowed")
+commlib.shutdown()
+report(rank=r, records=records)
