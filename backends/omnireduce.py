@@ -34,10 +34,12 @@ Tuning guide
                             sparsifier without error feedback).
 
 Inputs: float32 and int32 (int32 exact, wrapping; float32 sums are added in arrival order, so they
-match a dense sum to float32 rounding). Dense arrays that are mostly zero, torch sparse COO
-gradients (`allreduce_sparse`, e.g. nn.Embedding(sparse=True)) and the output of sparsifying
-compressors (`densify`) all become a dense array and its block bitmap. The result is dense unless
-`allreduce_sparse(..., dense=False)` asks for a sparse tensor.
+match a dense sum to float32 rounding). Dense arrays that are mostly zero and the output of
+sparsifying compressors (`densify`) become a dense array and its block bitmap. Row-sparse tensors
+(the core's path for torch sparse COO and TF IndexedSlices gradients) go through `allreduce_rows`:
+whole rows per block, each with its presence count (commlib.sparse.RowSlots), the bitmap taken from
+the rows, the union's rows back; a touched row costs one block, never two. `allreduce_sparse` is
+the older entry for a torch tensor (densified; the result dense unless dense=False).
 """
 import functools
 import logging
@@ -55,6 +57,7 @@ from commlib.net import primary_ip
 from commlib.backends import Backend, keys, register
 from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, PeerFailure
 from commlib.settings import define
+from commlib.sparse import RowSlots
 from commlib.tensors import Staged
 
 try:
@@ -132,6 +135,7 @@ class OmniReduceBackend(Backend):
 
     name = "omnireduce"
     sparse = True        # skips zero blocks: auto sends block-sparse tensors here
+    rows = True          # reduces row-sparse tensors in row-aligned blocks (allreduce_rows)
     dtypes = (F32, I32)
 
     @classmethod
@@ -326,6 +330,18 @@ class OmniReduceBackend(Backend):
             self._broken = self._error(rc, st, name)
             raise self._broken
         return out
+
+    def allreduce_rows(self, rows, values, nrows, name, counts=None):
+        """Row-sparse sum (commlib.sparse): unique `rows` and their values placed in row-aligned
+        blocks (whole rows per block, each with its presence count), the block bitmap taken from the
+        rows (no scan); returns the union's (rows, values)."""
+        slots = self.row_slots(nrows, values.shape[1])
+        flat, mask = slots.scatter(rows, values, values.dtype)
+        return slots.gather(self.allreduce(flat, name, mask=mask))
+
+    def row_slots(self, nrows, width):
+        """The row-aligned layout of a table of `nrows` rows of `width` elements in this job's blocks."""
+        return RowSlots(nrows, width, self.block)
 
     def allreduce_sparse(self, tensor, name, dense=True):
         """Sum a torch tensor, dense or sparse COO (nn.Embedding(sparse=True) gradients): the result

@@ -8,13 +8,17 @@ configuration trains the same model from the same start in the same processes, o
           and PowerSGD (rank 4; its factors summed by the ring or by the switch);
   sparse: an EmbeddingBag(sparse=True) recommendation model whose feature ids follow a Zipf law
           (a few thousand hot rows take most updates, as in the IMC'20 measurements):
-          Horovod with sparse_as_dense (dense allreduce), Horovod's own sparse path (allgather of
-          the sparse gradients), and commlib's omnireduce (the embedding) + switchml (the rest).
+          Horovod's own sparse path (allgather of the sparse gradients: the baseline), Horovod with
+          sparse_as_dense (dense allreduce), and commlib with the embedding's rows through its sparse
+          allgather, omnireduce's row blocks, `auto` (the traffic model's choice) and the hot/cold
+          split (hot rows summed by the switch; window and rule: --hotcold-every, --hotcold-rule),
+          the rest through switchml. --workload sparse runs only these; --zipf sets the exponent.
 Rank 0 prints each in the Horovod synthetic-benchmark format; the loss curve of each configuration is
 kept, so a configuration that is fast but does not learn is visible (results/training.png).
 
     python benchmarks/bench_training.py [--quick] [--workers 4] [--rate 500mbit] [--steps 30]
-Results: benchmarks/results/training.json, training.png and RESULTS.md. Needs root (namespaces, tc).
+Results: benchmarks/results/training.json, training.png (training_<workload>.* with --workload) and RESULTS.md.
+Needs root (namespaces, tc).
 """
 import select
 import statistics
@@ -40,9 +44,16 @@ CONFIGS = [
     # factors over the ring (Horovod), or summed by the switch
     ("dense", "commlib powersgd(rank=4)", ("commlib", "*=ring:powersgd(rank=4)", None)),
     ("dense", "commlib powersgd(rank=4) via switch", ("commlib", "*=switchml:powersgd(rank=4)", None)),
-    ("sparse", "horovod sparse_as_dense", ("horovod", {"sparse_as_dense": True})),
+    # the sparse model's baseline first: Horovod's own sparse path (an allgather of indices and values)
     ("sparse", "horovod sparse (allgather)", ("horovod", {})),
+    ("sparse", "horovod sparse_as_dense", ("horovod", {"sparse_as_dense": True})),
+    ("sparse", "commlib sparse_allgather", ("commlib", "embedding.*=sparse_allgather;*=switchml", None)),
     ("sparse", "commlib omnireduce", ("commlib", "embedding.*=omnireduce;*=switchml", None)),
+    ("sparse", "commlib auto", ("commlib", "*=auto", None)),
+    ("sparse", "commlib hotcold", ("commlib", "embedding.*=hotcold;*=switchml", None)),
+    ("sparse", "commlib sparse_allgather + ring", ("commlib", "embedding.*=sparse_allgather;*=ring", None)),
+    # the baseline once more at the end: on a shared machine the drift between the two is the noise floor
+    ("sparse", "horovod sparse (allgather) again", ("horovod", {})),
 ]
 
 RENDEZVOUS = """
@@ -68,7 +79,7 @@ def models(args, torch):
     gen = torch.Generator().manual_seed(1234)                 # the teacher: the same on every rank
     teacher = torch.randn(args.features, 10, generator=gen)
     row_weight = torch.randn(args.vocab, generator=gen)
-    zipf = 1.0 / torch.arange(1, args.vocab + 1, dtype=torch.float64) ** 1.1
+    zipf = 1.0 / torch.arange(1, args.vocab + 1, dtype=torch.float64) ** args.zipf
     perm = torch.randperm(args.vocab, generator=gen)          # hot rows scattered over the table
 
     def dense_model():
@@ -110,8 +121,8 @@ def worker(args):
     torch.set_num_threads(1)
     commlib.init()
     workloads = models(args, torch)
-    out = {}
-    for workload, label, how in CONFIGS:
+    jobs = {}
+    for workload, label, how in configs(args):
         build, batch, loss_fn, lr, momentum = workloads[workload]
         torch.manual_seed(0)
         model = build()
@@ -125,26 +136,37 @@ def worker(args):
             optimizer = cl.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), policy=how[1],
                                                 compression=how[2])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        rates, losses = [], []
-        for step in range(args.warmup + args.steps):
-            inputs, targets = batch(step)
-            hvd.allreduce(torch.zeros(1), name=f"{label}.sync.{step}")   # every rank starts the step together
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            loss = loss_fn(model(inputs), targets)
-            loss.backward()
-            optimizer.step()
-            elapsed = time.perf_counter() - start
-            losses.append(hvd.allreduce(loss.detach(), name=f"{label}.loss.{step}").item())
-            if step >= args.warmup:
-                rates.append(args.batch / elapsed)
-        records = commlib.records()
-        algorithms = sorted({records[name]["algorithm"] + (":" + records[name]["compression"].split("(")[0]
-                                                           if records[name]["compression"] else "")
-                             for name, _ in model.named_parameters() if name in records})
+        jobs[label] = {"workload": workload, "how": how, "model": model, "optimizer": optimizer, "batch": batch,
+                       "loss_fn": loss_fn, "rates": [], "losses": [], "algorithms": set()}
+    # --rounds > 1 interleaves the configurations (A B C A B C ...) so that the shared machine's drift
+    # falls on all of them alike; each keeps its own model and optimizer across rounds
+    total = args.warmup + args.steps
+    bounds = [round(i * total / args.rounds) for i in range(args.rounds + 1)]
+    for first, last in zip(bounds, bounds[1:]):
+        for label, job in jobs.items():
+            model, optimizer = job["model"], job["optimizer"]
+            for step in range(first, last):
+                inputs, targets = job["batch"](step)
+                hvd.allreduce(torch.zeros(1), name=f"{label}.sync.{step}")   # every rank starts the step together
+                start = time.perf_counter()
+                optimizer.zero_grad()
+                loss = job["loss_fn"](model(inputs), targets)
+                loss.backward()
+                optimizer.step()
+                elapsed = time.perf_counter() - start
+                job["losses"].append(hvd.allreduce(loss.detach(), name=f"{label}.loss.{step}").item())
+                if step >= args.warmup:
+                    job["rates"].append(args.batch / elapsed)
+            records = commlib.records()   # by name: the last configuration's, so read right after its steps
+            job["algorithms"] |= {records[name]["algorithm"] + (":" + records[name]["compression"].split("(")[0]
+                                                                if records[name]["compression"] else "")
+                                  for name, _ in model.named_parameters() if name in records}
+    out = {}
+    for label, job in jobs.items():
+        rates, model = job["rates"], job["model"]
         if hvd.rank() == 0:
             params = sum(p.numel() for p in model.parameters())
-            print(f"Model: {workload} {type(model).__name__} ({params:,} parameters), {label}")
+            print(f"Model: {job['workload']} {type(model).__name__} ({params:,} parameters), {label}")
             print(f"Batch size: {args.batch}")
             print(f"Number of CPUs: {hvd.size()}")
             for i, rate in enumerate(rates):
@@ -153,8 +175,8 @@ def worker(args):
             print(f"Img/sec per CPU: {mean:.1f} +-{1.96 * std:.1f}")
             print(f"Total img/sec on {hvd.size()} CPU(s): {hvd.size() * mean:.1f} +-{1.96 * std * hvd.size() ** 0.5:.1f}",
                   flush=True)
-            out[label] = {"workload": workload, "parameters": params, "rates": rates, "losses": losses,
-                          "commlib_algorithms": algorithms if how[0] == "commlib" else []}
+            out[label] = {"workload": job["workload"], "parameters": params, "rates": rates, "losses": job["losses"],
+                          "commlib_algorithms": sorted(job["algorithms"]) if job["how"][0] == "commlib" else []}
     if hvd.rank() == 0:
         common.emit({"size": hvd.size(), "results": out})
     commlib.shutdown()
@@ -169,7 +191,16 @@ def _read_ready(proc, what, seconds=60):
     return line.split()[1]
 
 
-def _run(args, n, script=None, forwarded=("steps", "warmup", "batch", "hidden", "features", "vocab")):
+def configs(args):
+    chosen = [c for c in CONFIGS if args.workload in ("all", c[0])]
+    if args.configs:   # the first of each workload stays: the ratios are against it
+        firsts = {next(c[1] for c in chosen if c[0] == w) for w in {c[0] for c in chosen}}
+        chosen = [c for c in chosen if c[1] in firsts or c[1] in args.configs.split(",")]
+    return chosen
+
+
+def _run(args, n, script=None, forwarded=("steps", "warmup", "batch", "hidden", "features", "vocab", "zipf",
+                                          "workload", "configs", "rounds")):
     """The Horovod job on n emulated hosts: `script` (default this file) --worker with the `forwarded`
     settings on every host; returns rank 0's emitted payload (bench_tf.py runs its workers through it)."""
     hosts = [f"w{r}" for r in range(n)]
@@ -185,7 +216,9 @@ def _run(args, n, script=None, forwarded=("steps", "warmup", "batch", "hidden", 
                    "HOROVOD_GLOO_RENDEZVOUS_PORT": rendezvous_port, "HOROVOD_CONTROLLER": "gloo",
                    "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": "eth0", "HOROVOD_SIZE": str(n),
                    "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1", "HOROVOD_CROSS_SIZE": str(n),
-                   "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}   # horovodrun --gloo-timeout-seconds, as in tests
+                   "HOROVOD_GLOO_TIMEOUT_SECONDS": "120",   # horovodrun --gloo-timeout-seconds, as in tests
+                   "COMMLIB_HOTCOLD_EVERY": str(getattr(args, "hotcold_every", 20)),
+                   "COMMLIB_HOTCOLD_RULE": getattr(args, "hotcold_rule", "share")}
             forwarded = ["--worker", *[f"--{k}={getattr(args, k)}" for k in forwarded]]
             script = ["bash", "-c", 'HOROVOD_RANK=$RANK HOROVOD_CROSS_RANK=$RANK HOROVOD_HOSTNAME=w$RANK exec "$@"',
                       "rank", sys.executable, str(script or Path(__file__)), *forwarded]
@@ -195,18 +228,26 @@ def _run(args, n, script=None, forwarded=("steps", "warmup", "batch", "hidden", 
     return common.cluster_result(ranks, echo=True)
 
 
-def _plot(results, title):
+def _plot(results, title, suite):
     fig, axes = common.figure(1, 2, figsize=(11, 4))
     for ax, workload in zip(axes, ("dense", "sparse")):
+        if not any(r["workload"] == workload for r in results.values()):
+            continue
         common.plot_losses(ax, {label: r for label, r in results.items() if r["workload"] == workload})
         ax.set_title(f"{workload} model", fontsize=9)
     fig.suptitle(title, fontsize=9)
-    common.save_figure(fig, "training")
+    common.save_figure(fig, suite)
 
 
 def main(argv=None):
     parser = common.training_arguments(__doc__, steps=30)
     parser.add_argument("--vocab", type=int, default=None, help="embedding rows (default 400000; quick 20000)")
+    parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the sparse model's ids")
+    parser.add_argument("--workload", choices=("all", "dense", "sparse"), default="all")
+    parser.add_argument("--configs", default="", help="only these configurations (labels, comma-separated)")
+    parser.add_argument("--rounds", type=int, default=1, help="interleave the configurations in this many rounds")
+    parser.add_argument("--hotcold-every", type=int, default=5, help="commlib hotcold: window (steps)")
+    parser.add_argument("--hotcold-rule", default="traffic", help="commlib hotcold: 'traffic' or 'share'")
     args = common.parse_training_arguments(parser, argv)
     args.vocab = args.vocab or (20000 if args.quick else 400000)
     if args.worker:
@@ -215,32 +256,40 @@ def main(argv=None):
     if not ok:
         raise SystemExit(f"bench_training: {why}")
 
-    print(f"== {args.workers} emulated hosts, links {args.rate} each way, {len(CONFIGS)} configurations", flush=True)
+    print(f"== {args.workers} emulated hosts, links {args.rate} each way, {len(configs(args))} configurations",
+          flush=True)
     payload = _run(args, args.workers)
     n, results = payload["size"], payload["results"]
     rows, baseline = [], {}
-    for workload, label, _ in CONFIGS:
+    for workload, label, _ in configs(args):
         r = results[label]
         r["size"] = n
         total = statistics.fmean(r["rates"]) * n
-        baseline.setdefault(workload, total)
-        r["total_samples_per_s"] = total
+        median = statistics.median(r["rates"]) * n   # robust to the shared machine's stalls
+        baseline.setdefault(workload, (total, median))
+        r["total_samples_per_s"], r["median_samples_per_s"] = total, median
         losses = r["losses"]
-        rows.append(f"| {workload} | {label} | {r['parameters']:,} | {total:.0f} | {total / baseline[workload]:.2f}x | "
+        rows.append(f"| {workload} | {label} | {r['parameters']:,} | {total:.0f} | {total / baseline[workload][0]:.2f}x | "
+                    f"{median:.0f} | {median / baseline[workload][1]:.2f}x | "
                     f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | "
                     f"{', '.join(r['commlib_algorithms']) or '-'} |")
     title = (f"{n} emulated hosts, links {args.rate} each way, batch {args.batch} per worker, "
              f"{args.steps} timed steps after {args.warmup}")
-    _plot(results, title)
+    suite = "training" if args.workload == "all" else f"training_{args.workload}"   # keeps the other's results
+    suite += "" if args.zipf == 1.1 else f"_zipf{args.zipf:g}"
+    _plot(results, title, suite)
     markdown = (f"Data-parallel SGD through Horovod's DistributedOptimizer, with and without commlib; {title}. "
                 "Samples/s = mean over the timed steps x workers (the Horovod synthetic-benchmark figure); ratios "
                 "against the first configuration of each model, measured in the same job. The loss is the mean "
                 "over ranks at the first step and over the last three.\n\n"
-                "| model | configuration | parameters | samples/s | vs first | loss first -> last | commlib algorithms |\n"
-                "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n![training](results/training.png)\n")
+                "Median: the median step's rate x workers.\n\n"
+                "| model | configuration | parameters | samples/s | vs first | median samples/s | vs first (median) | "
+                "loss first -> last | commlib algorithms |\n"
+                "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + f"\n\n![training](results/{suite}.png)\n")
     settings = {k: getattr(args, k) for k in ("quick", "workers", "rate", "steps", "warmup", "batch", "hidden",
-                                              "features", "vocab")}
-    common.save("training", settings, results, markdown)
+                                              "features", "vocab", "zipf", "workload", "hotcold_every",
+                                              "hotcold_rule", "rounds")}
+    common.save(suite, settings, results, markdown)
     print(markdown)
     return 0
 

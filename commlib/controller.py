@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 
-from commlib.dispatch import settle
+from commlib.dispatch import settle_release
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, Mismatch,
                             PeerFailure)
 
@@ -188,8 +188,7 @@ class ControllerServer:
         if problem:
             self._broadcast({"t": "error", "kind": "Mismatch", "names": [name], "message": problem})
         else:
-            densities = [meta.get("density") for meta in metas.values()]
-            self._ready.append({"name": name, "algorithm": settle(metas[0]["choices"], densities)})
+            self._ready.append(settle_release(name, [metas[r] for r in sorted(metas)]))
 
     def _release(self):
         if self._ready:

@@ -10,10 +10,18 @@ A plan may depend on the measured block density (`auto`, and rules such as
 `emb.*[density<0.05]=omnireduce`): each rank measures its own tensor, so its plan holds a list of
 choices, (bound, algorithm) pairs, and the controller takes the first whose bound lies above the
 densest rank's density.
+
+Row-sparse tensors (torch sparse COO gradients, commlib.sparse.RowSparse) travel as (rows, values):
+`auto` lists the row carriers and the best dense algorithm as ("traffic", algorithm) choices, each
+rank adds what it measured (its rows, a sketch of them), and the controller takes the algorithm
+that commlib.traffic estimates moves the fewest bytes per worker (`settle_release`); a density
+rule there compares the row density (touched rows / rows).
 """
 from dataclasses import dataclass
 
-from commlib import compressors
+import numpy as np
+
+from commlib import compressors, sparse, traffic
 from commlib.backends import TensorMeta, registry
 from commlib.errors import BackendUnavailable, ConfigError, InvalidTensor
 
@@ -29,7 +37,10 @@ CARRIERS = {
     "sparse": ("omnireduce", "allgather"),
     # payloads that must be decoded one by one (signs, quantized codes)
     "gather": ("allgather",),
+    # row-sparse tensors (rows, values); `auto` weighs them, and the best dense algorithm, by traffic
+    "rows": ("sparse_allgather", "omnireduce"),
 }
+TRAFFIC = "traffic"   # the bound of choices the traffic model settles
 
 
 @dataclass(frozen=True)
@@ -39,11 +50,36 @@ class Plan:
     compression: str = None   # the compressor's canonical text (its repr), None for none
     density: float = None     # this rank's measured block density, when the choices depend on it
     note: str = None          # why the policy's choice was not taken, for commlib.records()
+    rows: dict = None         # a row-sparse tensor's measurements for the traffic model (not agreed)
 
     @property
     def algorithm(self):
         """The algorithm, when no density decides it."""
         return self.choices[0][1] if len(self.choices) == 1 else None
+
+
+def settle_release(name, metas):
+    """The controller's release of a tensor every rank submitted (metas in rank order): its name,
+    the algorithm, and for traffic choices the model's estimate."""
+    release = _release(name, metas)
+    if all(meta.get("rows") for meta in metas):   # row-sparse: every rank's row count, for the allgather
+        release["counts"] = [meta["rows"]["rows"] for meta in metas]
+    return release
+
+
+def _release(name, metas):
+    choices = metas[0]["choices"]
+    densities = [meta.get("density") for meta in metas]
+    bounded = [(bound, algorithm) for bound, algorithm in choices if bound != TRAFFIC]
+    weighed = [algorithm for bound, algorithm in choices if bound == TRAFFIC]
+    if not weighed:
+        return {"name": name, "algorithm": settle(choices, densities)}
+    densest = None if None in densities else max(densities, default=None)
+    for bound, algorithm in bounded:   # density rules before the model
+        if densest is not None and densest < bound:
+            return {"name": name, "algorithm": algorithm}
+    estimate = traffic.estimate([meta["rows"] for meta in metas], weighed)
+    return {"name": name, "algorithm": estimate["choice"], "estimate": estimate}
 
 
 def settle(choices, densities):
@@ -62,6 +98,9 @@ class Dispatcher:
     def __init__(self, backends, unavailable, policy, settings):
         self.backends, self.unavailable = backends, unavailable
         self.policy, self.settings = policy, settings
+        for backend in backends.values():   # composite algorithms (hotcold) run over the others
+            if hasattr(backend, "bind"):
+                backend.bind(backends)
 
     def plan(self, name, staged, algorithm=None, compression=None, policy=None, op="sum"):
         """(Plan, compressor object or None) for a tensor. `algorithm`/`compression` given by the
@@ -79,6 +118,8 @@ class Dispatcher:
         compressor = compressors.resolve(compression)
         if compressor is not None:
             return Plan(((None, self._compressed(compressor, algorithm or "auto", name)),), repr(compressor)), compressor
+        if staged.sparse is not None:
+            return self._rows(meta, staged.sparse, algorithm or "auto", bounded), None
         choices = tuple((bound, self._explicit(alg, meta)) for bound, alg in bounded)
         choices += self._dense(algorithm or "auto", meta)
         if len(choices) == 1:
@@ -138,6 +179,43 @@ class Dispatcher:
     def _enabled(self, name, meta):
         return name in self.backends and self.backends[name].enabled(meta)
 
+    # -- row-sparse tensors: row carriers, or the best dense algorithm on a table of row slots ---------
+    def _rows(self, meta, rows, requested, bounded):
+        density = rows.rows.size / rows.nrows if rows.nrows else 0.0
+        count = {"rows": int(rows.rows.size)}   # every rank's reaches the release (the allgather's sizes)
+        choices = tuple((bound, self._row_carrier(alg, meta)) for bound, alg in bounded)   # density rules first
+        if requested != "auto":
+            return Plan(choices + ((None, self._row_carrier(requested, meta)),), density=density, rows=count)
+        candidates = [a for a in CARRIERS["rows"] if a in self.backends and _carries(self.backends[a], meta)]
+        dense = [a for a in CARRIERS["dense"] if self._enabled(a, meta) and not self.backends[a].sparse]
+        candidates += dense[:1]
+        if not candidates:
+            raise InvalidTensor(f"tensor {meta.name!r}: no algorithm here reduces sparse {meta.dtype} tensors")
+        if len(candidates) == 1 and not choices:
+            return Plan(((None, candidates[0]),), density=density, rows=count)
+        return Plan(choices + tuple((TRAFFIC, a) for a in candidates), density=density,
+                    rows=self._row_stats(rows, meta, candidates))
+
+    def _row_carrier(self, name, meta):
+        """An algorithm a policy names for a row-sparse tensor: one that reduces rows (those of
+        CARRIERS["rows"], and hotcold, which `auto` does not weigh), or a dense one (the rows then
+        travel as a table of slots); `allgather` means Horovod's sparse path."""
+        name = "sparse_allgather" if name == "allgather" else name
+        if getattr(self.backend(name), "rows", False):   # sparse_allgather, omnireduce, hotcold
+            return name
+        return self._explicit(name, TensorMeta(meta.name, meta.shape, "float32", meta.nbytes))
+
+    def _row_stats(self, rows, meta, candidates):
+        """What the traffic model needs from this rank (commlib.traffic.estimate)."""
+        stats = {"rows": int(rows.rows.size), "sketch": sparse.sketch(rows.rows), "nrows": rows.nrows,
+                 "width": rows.width, "itemsize": rows.values.dtype.itemsize}
+        if "omnireduce" in candidates:
+            slots = self.backends["omnireduce"].row_slots(rows.nrows, rows.width)
+            groups = np.unique(slots.touched_blocks(rows.rows))
+            stats.update(block=slots.block, group_blocks=slots.group // slots.block, blocks=int(groups.size),
+                         block_sketch=sparse.sketch(groups))
+        return stats
+
     # -- compressed tensors: the payload kind decides ------------------------------------------------
     def _compressed(self, compressor, requested, name):
         allowed = compressor.carriers()
@@ -150,6 +228,12 @@ class Dispatcher:
                 return algorithm
         raise BackendUnavailable(f"tensor {name!r}: compression {compressor.name!r} needs one of {allowed}, none of "
                                  f"which runs here ({'; '.join(f'{a}: {self.unavailable.get(a)}' for a in allowed)})")
+
+
+def _carries(backend, meta):
+    """The backend sums this dtype, natively or widened to float32 without loss."""
+    dtype = np.dtype(meta.dtype)
+    return dtype in backend.dtypes or (dtype.kind == "f" and dtype.itemsize < 4)
 
 
 def check_carrier(compressor, algorithm, where):

@@ -39,6 +39,11 @@ class Engine:
         only those ranks call it. hvd_set: the Horovod process set of those ranks, if one was given."""
         raise BackendUnavailable(f"the {self.name} ring engine cannot reduce over a subset of ranks")
 
+    def allgather_sized(self, array, sizes, name):
+        """allgather when every rank's length is already known (`sizes`, by rank): engines that
+        exchange lengths first skip that round."""
+        return self.allgather(array, name)
+
     def _split(self, flat, lengths):
         return np.split(flat, np.cumsum(lengths)[:-1])
 
@@ -242,6 +247,16 @@ class GlooEngine(Engine):
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         self.group.allgather([parts], [padded]).wait()
         return [p.numpy()[:n] for p, n in zip(parts, lengths)]
+
+    def allgather_sized(self, array, sizes, name):
+        import torch
+        if array.size != sizes[self.ctx.rank]:
+            raise ValueError(f"allgather {name!r}: this rank's array has {array.size} elements, not {sizes[self.ctx.rank]}")
+        padded = torch.zeros(max(sizes), dtype=torch.from_numpy(array[:0]).dtype)
+        padded[:array.size] = torch.from_numpy(np.ascontiguousarray(array))
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self.group.allgather([parts], [padded]).wait()
+        return [p.numpy()[:n] for p, n in zip(parts, sizes)]
 
     def broadcast_object(self, obj):
         return self.ctx.exchange("gloo/broadcast", obj)[0]

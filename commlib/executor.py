@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from commlib import controller
+from commlib import controller, sparse
 from commlib.errors import CommError, ConfigError
 
 log = logging.getLogger("commlib")
@@ -35,10 +35,16 @@ class Entry:
         self.staged, self.name, self.op, self.plan, self.compressor = staged, name, op, plan, compressor
         self.prescale, self.postscale, self.handle = prescale, postscale, handle
         self.algorithm = None    # settled by the controller
+        self.estimate = None     # the traffic model's, when it settled the algorithm
+        self.counts = None       # row-sparse: every rank's row count, from the release
         self.density = plan.density
+        self.rows = None         # row-sparse tensors: (this rank's rows, the union's)
+        self.skew = None         # hotcold's hot set for this tensor
         self.times = {"enqueue": time.monotonic()}
 
     def fusion_key(self):
+        if self.staged.sparse is not None and self.compressor is None and self.op in (Sum, Average):
+            return (id(self),)   # row-sparse tensors travel one by one
         payload = self.staged.travel_dtype if self.compressor is None else id(self.compressor)
         return (self.algorithm, payload, self.op, self.prescale, self.postscale)
 
@@ -103,6 +109,7 @@ class Executor:
     def __init__(self, ctx, client, dispatcher, timeline):
         self.ctx, self.client, self.dispatcher, self.timeline = ctx, client, dispatcher, timeline
         self.records = {}
+        self._traced_windows = {}   # tensor name -> the hot/cold agreement whose counts are in the timeline
         self.broken = None       # the first fatal error: every later call raises it
         self._entries = {}
         self._lock = threading.Lock()
@@ -156,6 +163,8 @@ class Executor:
                 entry = self._entries.pop(item["name"], None)
                 if entry is not None:   # None: failed by a fatal error (or shutdown) that raced this batch
                     entry.algorithm, entry.times["go"] = item["algorithm"], now
+                    entry.estimate = item.get("estimate")
+                    entry.counts = item.get("counts")
                     entries.append(entry)
         for bucket in fuse(entries, self.ctx.settings.fusion_threshold):
             try:
@@ -174,7 +183,11 @@ class Executor:
         backend = self.dispatcher.backend(first.algorithm)
         start = time.monotonic()
         phases = Phases(start)
-        run = self._run_dense if first.compressor is None else self._run_compressed
+        if first.compressor is not None:
+            run = self._run_compressed
+        else:
+            rows = first.staged.sparse is not None and first.op in (Sum, Average)
+            run = self._run_rows if rows else self._run_dense
         results = run(bucket, backend, name, phases)
         end = time.monotonic()
         for entry, result in zip(bucket, results):
@@ -206,6 +219,28 @@ class Executor:
         phases.mark("RESTORE")
         return results
 
+    def _run_rows(self, bucket, backend, name, phases):
+        """A row-sparse tensor: its (rows, values) summed by the backend, a sparse result."""
+        (entry,) = bucket
+        rows = entry.staged.sparse
+        values = rows.values
+        if entry.prescale != 1.0:
+            values = scaled(values, entry.prescale)
+            phases.mark("SCALE")
+        out_rows, out_values = sparse.reduce_rows(backend, rows.rows, values, rows.nrows, name, entry.counts)
+        phases.mark(entry.algorithm.upper(), comm=True, sent=values.nbytes + rows.rows.nbytes,
+                    received=out_values.nbytes + out_rows.nbytes, **busy(backend))
+        scale = entry.postscale / (self.ctx.size if entry.op == Average else 1)
+        if scale != 1.0:
+            out_values = scaled(out_values, scale)
+        entry.rows = (int(rows.rows.size), int(out_rows.size))
+        if hasattr(backend, "row_record"):   # hotcold: the hot set's size and share of updates
+            entry.skew = backend.row_record(name)
+            self._trace_counts(entry, backend)
+        result = entry.staged.restore_rows(out_rows, out_values)
+        phases.mark("RESTORE")
+        return [result]
+
     def _run_compressed(self, bucket, backend, name, phases):
         first = bucket[0]
         tensors = [e.staged.dense() for e in bucket]
@@ -217,6 +252,17 @@ class Executor:
         phases.mark("DECOMPRESS")
         return results
 
+    def _trace_counts(self, entry, backend):
+        """Rank 0 writes a finished window's update counts per row (summed over ranks) to the
+        timeline once per agreement: the skew `commlib.analyze` plots."""
+        agreements = entry.skew.get("agreements", 0)
+        if agreements and self.ctx.rank == 0 and self.timeline.active and \
+                self._traced_windows.get(entry.name) != agreements:
+            self._traced_windows[entry.name] = agreements
+            counts = backend.counts(entry.name)
+            if counts is not None:
+                self.timeline.counts(entry.name, counts[0], counts[1].reshape(-1))
+
     def _record(self, entry, bucket, start, end, fused, phases):
         t = entry.times
         self.records[entry.name] = {
@@ -225,6 +271,9 @@ class Executor:
             "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start,
             "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True),
             "note": entry.plan.note}
+        if entry.rows is not None:   # row-sparse: rows sent by this rank and in the union, the model's estimate
+            self.records[entry.name].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate,
+                                            skew=entry.skew)
         self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, fused - 1)
 
 

@@ -86,7 +86,7 @@ class Runtime:
             entries.append(Entry(staged, name, op_name, plan, compressor, prescale, postscale, handle))
             metas.append({"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op_name,
                           "choices": plan.choices, "compression": plan.compression, "density": plan.density,
-                          "prescale": prescale, "postscale": postscale})
+                          "prescale": prescale, "postscale": postscale, "rows": plan.rows})
         for entry in entries:
             self.executor.track(entry)
         self.client.submit(metas)

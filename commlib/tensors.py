@@ -1,14 +1,17 @@
 """numpy arrays and torch tensors in, the same type, device, dtype and shape out.
 
 Backends only see contiguous 1-D numpy arrays on the host. torch CPU tensors are viewed without
-a copy; CUDA tensors are staged through pinned host memory; sparse COO tensors are densified
-(the result is dense); bfloat16, which numpy lacks, travels as float32. The host array is made
+a copy; CUDA tensors are staged through pinned host memory; bfloat16, which numpy lacks, travels
+as float32. torch sparse COO tensors (and commlib.sparse.RowSparse) are held as coalesced
+(rows, values), `sparse`, which the sparse algorithms reduce without densifying; only a compressor
+or a dense fallback asks for the dense `array`. The host array is made
 only when asked for: a compressor works on the caller's tensor where it lives.
 """
 from functools import cached_property
 
 import numpy as np
 
+from commlib import sparse as row_sparse
 from commlib.errors import InvalidTensor
 
 
@@ -18,7 +21,16 @@ class Staged:
     def __init__(self, tensor):
         self.tensor = tensor
         self.torch = _is_torch(tensor)
-        if self.torch:
+        self.sparse = None   # coalesced RowSparse for sparse inputs
+        if isinstance(tensor, row_sparse.RowSparse):
+            self.sparse = tensor.coalesced()
+            self.shape, self.dtype = tensor.shape, tensor.values.dtype
+            if self.dtype.kind not in "fiu":
+                raise InvalidTensor(f"dtype {self.dtype} cannot be reduced; use a float or integer dtype")
+            self.dtype_name, self.travel_dtype = self.dtype.name, self.dtype
+            self.numel = int(np.prod(self.shape, dtype=np.int64))
+            self.nbytes = self.numel * self.dtype.itemsize
+        elif self.torch:
             import torch
             self.device, self.dtype, self.shape = tensor.device, tensor.dtype, tuple(tensor.shape)
             if tensor.is_complex() or tensor.dtype == torch.bool:
@@ -28,6 +40,8 @@ class Staged:
             self.nbytes = self.numel * tensor.element_size()
             travel = torch.float32 if tensor.dtype == torch.bfloat16 else tensor.dtype
             self.travel_dtype = torch.empty(0, dtype=travel).numpy().dtype
+            if tensor.is_sparse:
+                self.sparse = row_sparse.from_torch(tensor).coalesced()
         elif isinstance(tensor, np.ndarray):
             self.shape, self.dtype = tensor.shape, tensor.dtype
             if tensor.dtype.kind not in "fiu":
@@ -40,6 +54,8 @@ class Staged:
     @cached_property
     def array(self):
         """The contiguous 1-D host array of `travel_dtype` the backends reduce."""
+        if self.sparse is not None and not self.torch:
+            return self._densified()
         if not self.torch:
             return np.ascontiguousarray(self.tensor).reshape(-1)
         import torch
@@ -54,9 +70,24 @@ class Staged:
             t = host
         return t.contiguous().view(-1).numpy()
 
+    def _densified(self):
+        out = np.zeros((self.sparse.nrows, self.sparse.width), dtype=self.travel_dtype)
+        out[self.sparse.rows] = self.sparse.values
+        return out.reshape(-1)
+
     def dense(self):
         """The caller's tensor, densified if it is sparse (what compressors work on)."""
+        if self.sparse is not None and not self.torch:
+            return self._densified().reshape(self.shape)
         return self.tensor.to_dense() if self.torch and self.tensor.is_sparse else self.tensor
+
+    def restore_rows(self, rows, values):
+        """A row-sparse result (unique sorted rows) in the caller's form: a coalesced torch sparse COO
+        tensor on the caller's device and dtype, or a RowSparse."""
+        k = self.sparse.sparse_dim
+        if not self.torch:
+            return row_sparse.RowSparse(rows, values.astype(self.dtype, copy=False), self.shape, k)
+        return row_sparse.to_torch(rows, values, self.shape, k, self.dtype, self.device)
 
     def restore(self, flat):
         """The reduced 1-D host array back in the caller's type, dtype, device and shape."""

@@ -73,7 +73,8 @@ def test_types_dtypes_shapes_round_trip(runtime):
     assert out.dtype == torch.bfloat16 and out.shape == (2, 3) and torch.equal(out, t)
     assert torch.equal(commlib.allreduce(torch.tensor(3.0), name="scalar"), torch.tensor(3.0))
     sparse = torch.sparse_coo_tensor([[0, 3]], [1.0, 2.0], (5,))
-    assert torch.equal(commlib.allreduce(sparse, name="sparse", op=commlib.Sum), sparse.to_dense())
+    summed = commlib.allreduce(sparse, name="sparse", op=commlib.Sum)   # sparse in, sparse out
+    assert summed.is_sparse and summed.is_coalesced() and torch.equal(summed.to_dense(), sparse.to_dense())
 
 
 def test_scale_factors(runtime):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from commlib.switch import control
+from commlib.switch import auth, control
 from commlib.testing import results
 from test_core_multiprocess import check_closed_form
 from test_omnireduce_multiprocess import check_sums as check_omnireduce
@@ -63,16 +63,20 @@ def test_switchml_through_a_switch_on_its_own_host():
 
 
 @pytest.mark.parametrize("mode", ["colocated", "dedicated"])
-def test_omnireduce_across_hosts(mode):
+def test_omnireduce_across_hosts(mode, tmp_path):
     hosts = ["w0", "w1", "w2"]
     with netem.Cluster(hosts + ["aggregators"], rate="1gbit", unshaped={"aggregators"}) as cluster:
         env, procs = {}, []
         try:
-            if mode == "dedicated":
+            if mode == "dedicated":   # keyed aggregators of their own, the ranks given the same key file
+                key_file = tmp_path / "aggregators.key"
+                auth.write_key(str(key_file))
                 procs.append(cluster.popen("aggregators", [
                     sys.executable, "-m", "commlib.switch.aggregator_main", "--host", cluster.address("aggregators"),
-                    "--port", "0", "--count", "2", "--quiet"], stdout=subprocess.PIPE, text=True, cwd=ROOT))
+                    "--port", "0", "--count", "2", "--quiet", "--key-file", str(key_file)],
+                    stdout=subprocess.PIPE, text=True, cwd=ROOT))
                 env["COMMLIB_OMNIREDUCE_AGGREGATORS"] = _ready_line(procs[0])
+                env["COMMLIB_OMNIREDUCE_KEY_FILE"] = str(key_file)
             start = time.monotonic()
             outs = _run(cluster, hosts, "omnireduce_worker.py", "sums", mode, env=env)
         finally:

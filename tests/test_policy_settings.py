@@ -92,7 +92,7 @@ def test_registry_finds_every_backend_whatever_was_imported_first():
     import sys
     code = "import commlib.backends.switchml; from commlib.backends import registry; print(sorted(registry()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == "['allgather', 'omnireduce', 'ring', 'switchml']", out.stdout + out.stderr
+    assert out.stdout.strip() == "['allgather', 'hotcold', 'omnireduce', 'ring', 'sparse_allgather', 'switchml']", out.stdout + out.stderr
 
 
 def test_collective_failures_are_horovods_internal_error_without_needing_horovod():

@@ -57,13 +57,15 @@ def test_compression_within_its_error(compression, tolerance):
 
 @pytest.mark.parametrize("sparse_as_dense", ["0", "1"])
 def test_embedding_indexed_slices_take_the_sparse_path(sparse_as_dense):
-    """IndexedSlices reach omnireduce (exact) and come back as IndexedSlices (dense with sparse_as_dense),
-    eagerly and in tf.function."""
+    """IndexedSlices reach omnireduce as rows (exact; densified first with sparse_as_dense) and come back
+    as IndexedSlices (dense with sparse_as_dense), eagerly and in tf.function."""
     out = horovodrun(2, "tf_training.py", "embedding", "embedding*=omnireduce;*=ring", "none",
                      f"sparse_as_dense={sparse_as_dense}", timeout=300)
     for result in check_training(out, 2, 1e-6):
         assert result["embedding_gradient_type"] == ("EagerTensor" if sparse_as_dense == "1" else "IndexedSlices")
         assert result["eager_equals_function"], result
+        rows = result["embedding_rows"]
+        assert rows and all((r is None) == (sparse_as_dense == "1") for r in rows), result
         assert any(name.startswith("embedding") and alg == "omnireduce" for name, alg, _ in result["records"]), result
 
 

@@ -8,14 +8,17 @@ tf.function SGD step, identity numpy_function in place of commlib, p10 of 30 ste
 costs ~0.25 ms for 44 small gradients (150K parameters) where one crossing per tensor costs ~1.1 ms,
 and ~2.5 ms for 10 gradients of 4.2M parameters (the copy of the outputs back into TF tensors).
 
-IndexedSlices (embedding gradients) are densified before crossing, so the policy sees what they
-are, a block-sparse tensor (`auto` and `omnireduce` take the sparse path), and the result goes back
-as IndexedSlices of the rows that are non-zero after the reduction, the form the optimizer got it
-in; with sparse_as_dense it goes back dense, as Horovod does.
+IndexedSlices (embedding gradients) cross as (values, indices, dense_shape) and reach commlib as
+a commlib.sparse.RowSparse, the same row-sparse path torch's sparse gradients take (never
+densified); they come back as IndexedSlices of the union of the rows the ranks sent, summed, as
+Horovod's allgather gives them. With sparse_as_dense they are densified first and come back
+dense, as Horovod does.
 """
+import numpy as np
 import tensorflow as tf
 
 import commlib
+from commlib.sparse import RowSparse
 from commlib.tensorflow.names import tensor_names
 
 # dtypes numpy (and so commlib) cannot carry travel as float32 and are cast back afterwards
@@ -46,29 +49,79 @@ class GradientReducer:
             return grads
         names = tensor_names(vars, len(grads), use_generic_names)
         names = [names[i] for i in present]
-        sparse = [isinstance(grads[i], tf.IndexedSlices) for i in present]
-        dense = [tf.convert_to_tensor(grads[i]) for i in present]
-        travel = [tf.cast(t, tf.float32) if t.dtype in _WIDENED else t for t in dense]
+        sparse = [isinstance(grads[i], tf.IndexedSlices) and grads[i].dense_shape is not None and not self.sparse_as_dense
+                  for i in present]
+        inputs, shapes = [], []   # per gradient: [dense] or [values, indices, dense_shape]
+        for i, is_sparse in zip(present, sparse):
+            if is_sparse:
+                g = grads[i]
+                values = tf.cast(g.values, tf.float32) if g.values.dtype in _WIDENED else g.values
+                shape = tf.cast(g.dense_shape, tf.int64)
+                inputs += [values, tf.cast(g.indices, tf.int64), shape]
+                shapes.append((g.values, shape))
+            else:
+                t = tf.convert_to_tensor(grads[i])
+                inputs.append(tf.cast(t, tf.float32) if t.dtype in _WIDENED else t)
+                shapes.append((t, None))
+        travel = []   # output dtypes: dense -> its dtype; sparse -> values' dtype, int64 indices
+        k = 0
+        for is_sparse in sparse:
+            travel += [inputs[k].dtype, tf.int64] if is_sparse else [inputs[k].dtype]
+            k += 3 if is_sparse else 1
+        reduce = lambda *arrays: self.reduce_arrays(names, *self._pack(sparse, arrays))
         if tf.executing_eagerly():
-            reduced = [tf.convert_to_tensor(out) for out in self.reduce_arrays(names, *map(_host_view, travel))]
+            reduced = [tf.convert_to_tensor(out) for out in reduce(*map(_host_view, inputs))]
         else:
-            reduced = tf.numpy_function(lambda *arrays: self.reduce_arrays(names, *arrays), travel,
-                                        [t.dtype for t in travel], stateful=True, name="commlib_allreduce")
-            for out, t in zip(reduced, travel):
-                out.set_shape(t.shape)
-        for i, out, before, was_sparse in zip(present, reduced, dense, sparse):
-            out = tf.cast(out, before.dtype) if out.dtype != before.dtype else out
-            grads[i] = _nonzero_rows(out) if was_sparse and not self.sparse_as_dense else out
+            reduced = tf.numpy_function(reduce, inputs, travel, stateful=True, name="commlib_allreduce")
+        k = 0
+        for i, is_sparse, (before, shape) in zip(present, sparse, shapes):
+            if is_sparse:
+                values, indices = reduced[k], reduced[k + 1]
+                values.set_shape(tf.TensorShape([None]).concatenate(before.shape[1:]))
+                indices.set_shape([None])
+                values = tf.cast(values, before.dtype) if values.dtype != before.dtype else values
+                grads[i] = tf.IndexedSlices(values, indices, dense_shape=shape)
+                k += 2
+            else:
+                out = reduced[k]
+                out.set_shape(before.shape)
+                grads[i] = tf.cast(out, before.dtype) if out.dtype != before.dtype else out
+                k += 1
         return grads
 
+    @staticmethod
+    def _pack(sparse, arrays):
+        """The crossing's flat arrays as commlib's inputs: a RowSparse per sparse gradient."""
+        out, k = [], 0
+        for is_sparse in sparse:
+            if is_sparse:
+                values, indices, shape = arrays[k:k + 3]
+                out.append(RowSparse(indices, values, tuple(int(d) for d in shape)))
+                k += 3
+            else:
+                out.append(arrays[k])
+                k += 1
+        return out
+
     def reduce_arrays(self, names, *arrays):
-        """Submit every array, then wait for each: commlib sees the whole step at once."""
+        """Submit every array (or RowSparse), then wait for each: commlib sees the whole step at once.
+        Returns the flat outputs: an array per dense input, (values, rows) per RowSparse."""
         handles = [commlib.allreduce_async(a, name=n, op=self.op, algorithm=self.algorithm,
                                            compression=self.compression, policy=self.policy,
                                            prescale_factor=self.prescale, postscale_factor=self.postscale,
                                            process_set=self.process_set)
                    for n, a in zip(names, arrays)]
-        return [commlib.synchronize(h) for h in handles]
+        flat = []
+        for handle, array in zip(handles, arrays):
+            out = commlib.synchronize(handle)
+            if isinstance(array, RowSparse):
+                if not isinstance(out, RowSparse):   # a compressor reduced it densely: its non-zero rows
+                    out = _rows_of(out, array)
+                flat += [out.values.reshape((out.rows.size,) + array.shape[1:]).astype(array.values.dtype,
+                                                                                       copy=False), out.rows]
+            else:
+                flat.append(out)
+        return flat
 
 
 def _host_view(tensor):
@@ -77,8 +130,8 @@ def _host_view(tensor):
     return view() if view is not None else tensor.numpy()
 
 
-def _nonzero_rows(dense):
-    """A reduced embedding gradient back as IndexedSlices of the rows some rank touched."""
-    flat = tf.reshape(dense, [tf.shape(dense)[0], -1])
-    rows = tf.reshape(tf.where(tf.reduce_any(tf.not_equal(flat, 0), axis=1)), [-1])
-    return tf.IndexedSlices(tf.gather(dense, rows), rows, dense_shape=tf.shape(dense, out_type=tf.int64))
+def _rows_of(dense, like):
+    """A dense result (a compressor's) of a row-sparse input as RowSparse of its non-zero rows."""
+    table = np.asarray(dense).reshape(like.nrows, -1)
+    rows = np.flatnonzero(np.any(table != 0, axis=1))
+    return RowSparse(rows, table[rows], like.shape)

@@ -38,7 +38,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         horovod's Compression.none / Compression.fp16; applies to every gradient.
     policy: a commlib.Policy (or its text) choosing (algorithm, compressor) per parameter name;
         default: the policy commlib.init() was given. `algorithm` forces one algorithm for all.
-    Other arguments are Horovod's (process_set, sparse_as_dense, ...).
+    Sparse gradients (nn.Embedding(sparse=True)) travel as (rows, values) and come back sparse and
+    coalesced (torch.optim.SparseAdam works); with Horovod's sparse_as_dense=True they are densified
+    before the policy sees them, as Horovod does.
+    Other arguments are Horovod's (sparse_as_dense, backward_passes_per_step, ...).
     """
     import horovod.torch as hvd
     if not hvd.is_initialized():
@@ -66,23 +69,33 @@ def _commlib_compression(compression, hvd):
 
 
 def _reducer(hvd, compression, policy, algorithm):
+    sparse_params = set()   # parameters whose gradient came sparse before
+
     def _allreduce_grad_async(self, p):
         if p.grad is None:
-            # other ranks may have a gradient for p (dynamic graphs): contribute zeros, as Horovod does
-            p.grad = p.data.new(p.size()).zero_()
+            # other ranks may have a gradient for p (dynamic graphs): contribute zeros, as Horovod does;
+            # for a parameter known to have sparse gradients, no rows (dense zeros could not meet the
+            # others' rows: Horovod fails there)
+            p.grad = _no_rows(p) if p in sparse_params else p.data.new(p.size()).zero_()
+        elif p.grad.is_sparse:
+            sparse_params.add(p)
         name = self._parameter_names.get(p)
         grad = p.grad
+        if grad.is_sparse and self.sparse_as_dense:
+            grad = grad.to_dense()   # as Horovod: the policy sees a dense tensor
         average = self.op == hvd.Average
         handle = commlib.allreduce_async(
             grad, name=name, op=commlib.Average if average else commlib.Sum, algorithm=algorithm,
             compression=compression, policy=policy, process_set=self.process_set,
             prescale_factor=1.0 / self.gradient_predivide_factor if average else 1.0,
             postscale_factor=self.gradient_predivide_factor if average else 1.0)
-
-        def result():
-            out = commlib.synchronize(handle)
-            if p.grad.is_sparse:       # the sum of sparse gradients comes back dense
-                p.grad = out
-            return out
-        return result, None
+        # Horovod's synchronize() calls this; for a sparse p.grad it adds the result (sparse, or dense
+        # with sparse_as_dense, which it turns sparse) into the zeroed gradient, as for its own
+        return (lambda: commlib.synchronize(handle)), None
     return _allreduce_grad_async
+
+
+def _no_rows(p):
+    import torch
+    return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.long), p.data.new_empty((0, *p.shape[1:])),
+                                   p.shape, check_invariants=False)

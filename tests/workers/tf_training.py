@@ -114,6 +114,9 @@ else:
                                                                               **hvd_kwargs), True)
         checks["embedding_gradient_type"] = seen[0][0]
         checks["eager_equals_function"] = bool(np.array_equal(flat(eager_model), flat(ours)))
+        # row-sparse travel (rows counted) unless sparse_as_dense densified it first
+        checks["embedding_rows"] = [r.get("union_rows") for name, r in commlib.records().items()
+                                    if name.startswith("embedding")]
 
 mine, reference = flat(ours), flat(theirs)
 everyone = hvd.allgather(tf.constant(mine[None]), name="check.params").numpy()
