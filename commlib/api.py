@@ -10,6 +10,7 @@ from commlib.errors import CommError, ConfigError
 from commlib.executor import Average, Max, Min, Product, Sum
 from commlib.handles import Handle
 from commlib.policy import Policy
+from commlib.process_sets import ProcessSet
 from commlib.runtime import Runtime
 from commlib.settings import Settings
 
@@ -18,9 +19,9 @@ _runtime = None
 _init_lock = threading.Lock()
 
 __all__ = ["Average", "Sum", "Min", "Max", "Product", "Handle", "init", "shutdown", "is_initialized", "runtime",
-           "rank", "size", "local_rank", "local_size", "allreduce_async", "grouped_allreduce_async",
-           "grouped_allreduce", "synchronize", "poll", "allreduce", "records", "backend_stats",
-           "start_timeline", "stop_timeline"]
+           "rank", "size", "local_rank", "local_size", "ProcessSet", "add_process_set", "allreduce_async",
+           "grouped_allreduce_async", "grouped_allreduce", "synchronize", "poll", "allreduce", "records",
+           "backend_stats", "start_timeline", "stop_timeline"]
 
 
 def init(policy=None, **settings):
@@ -78,18 +79,30 @@ def local_size():
     return runtime().ctx.local_size
 
 
+def add_process_set(process_set):
+    """Horovod's hvd.add_process_set for commlib: returns the ProcessSet (from a ProcessSet, a
+    Horovod one, or a list of ranks) that `process_set=` reduces over. Its ranks form it now, so
+    each of them must call this, in the same order for all its sets; other ranks only get the object."""
+    process_set = process_set if hasattr(process_set, "ranks") else ProcessSet(process_set)
+    rt = runtime()
+    if process_set.ranks is not None and rt.ctx.rank in process_set.ranks:
+        rt.process_sets.runtime(process_set)
+    return process_set
+
+
 def allreduce_async(tensor, name=None, op=Average, algorithm=None, compression=None,
-                    prescale_factor=1.0, postscale_factor=1.0, policy=None):
+                    prescale_factor=1.0, postscale_factor=1.0, policy=None, process_set=None):
     """Start reducing `tensor` across ranks; returns a Handle for synchronize()/poll(). For a torch
     tensor that requires grad the result is differentiable, as Horovod's allreduce is.
     `algorithm`/`compression` force a choice; otherwise `policy` (a Policy or its text; default:
-    commlib.init's) picks them from the name, size and dtype."""
+    commlib.init's) picks them from the name, size and dtype. `process_set`: reduce over those
+    ranks only (a commlib.ProcessSet or Horovod's; only its ranks may call), default every rank."""
     return grouped_allreduce_async([tensor], [name], op, algorithm, compression, prescale_factor,
-                                   postscale_factor, policy)[0]
+                                   postscale_factor, policy, process_set)[0]
 
 
 def grouped_allreduce_async(tensors, names=None, op=Average, algorithm=None, compression=None,
-                            prescale_factor=1.0, postscale_factor=1.0, policy=None):
+                            prescale_factor=1.0, postscale_factor=1.0, policy=None, process_set=None):
     """allreduce_async of several tensors at once (Horovod's grouped_allreduce): one message to the
     controller, so they are released together and fused into as few collectives as they allow.
     `names`: one per tensor (or None). Returns their Handles."""
@@ -98,22 +111,24 @@ def grouped_allreduce_async(tensors, names=None, op=Average, algorithm=None, com
     names = [None] * len(tensors) if names is None else list(names)
     if len(names) != len(tensors):
         raise ConfigError(f"grouped_allreduce: {len(tensors)} tensors but {len(names)} names")
-    handles = runtime().grouped_allreduce_async(tensors, names, op, algorithm, compression, float(prescale_factor),
-                                                float(postscale_factor), policy)
+    over = runtime().process_sets.runtime(process_set)
+    handles = over.grouped_allreduce_async(tensors, names, op, algorithm, compression, float(prescale_factor),
+                                           float(postscale_factor), policy)
     for tensor, handle in zip(tensors, handles):
         if differentiable.wants_grad(tensor):   # as Horovod's: backward reduces the gradient the same way
             reduce_grad = lambda grad, name=handle.name: allreduce(grad, f"{name}.grad", op, algorithm, compression,
-                                                                    prescale_factor, postscale_factor, policy)
+                                                                    prescale_factor, postscale_factor, policy,
+                                                                    process_set)
             handle.then(lambda out, tensor=tensor, reduce_grad=reduce_grad:
                         differentiable.attach(tensor, out, reduce_grad))
     return handles
 
 
 def grouped_allreduce(tensors, names=None, op=Average, algorithm=None, compression=None,
-                      prescale_factor=1.0, postscale_factor=1.0, policy=None):
+                      prescale_factor=1.0, postscale_factor=1.0, policy=None, process_set=None):
     """Reduce several tensors at once (see grouped_allreduce_async); returns their results."""
     return [synchronize(h) for h in grouped_allreduce_async(tensors, names, op, algorithm, compression,
-                                                            prescale_factor, postscale_factor, policy)]
+                                                            prescale_factor, postscale_factor, policy, process_set)]
 
 
 def synchronize(handle):
@@ -127,10 +142,11 @@ def poll(handle):
 
 
 def allreduce(tensor, name=None, op=Average, algorithm=None, compression=None,
-              prescale_factor=1.0, postscale_factor=1.0, policy=None):
-    """Reduce `tensor` across ranks (Average by default) and return the result."""
+              prescale_factor=1.0, postscale_factor=1.0, policy=None, process_set=None):
+    """Reduce `tensor` across ranks (Average by default: over the process set's size when one is
+    given) and return the result."""
     return synchronize(allreduce_async(tensor, name, op, algorithm, compression, prescale_factor,
-                                       postscale_factor, policy))
+                                       postscale_factor, policy, process_set))
 
 
 def records():

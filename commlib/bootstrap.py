@@ -22,7 +22,9 @@ def join(settings):
     """(Context, ControllerClient, ControllerServer or None) for this rank."""
     engine = engines.create(settings.ring_engine, detect(), settings.timeout_s)
     placement = detect()   # creating the engine may have initialized Horovod
-    server, client, secret = _start_controller(settings, placement, engine)
+    share = lambda value: within(settings.timeout_s, "sharing the controller's address and the job's secret "
+                                 "(commlib.init)", engine.broadcast_object, value)
+    server, client, secret = start_controller(settings, placement, share)
     ctx = placement.joined(settings=settings, exchange_fn=client.exchange, engine=engine, job_token=client.token,
                            secret=secret)
     try:
@@ -34,18 +36,23 @@ def join(settings):
     return ctx, client, server
 
 
-def _start_controller(s, placement, engine):
+def start_controller(s, placement, share, secret=None):
     """Rank 0 serves; every rank connects to the address rank 0 shares (or COMMLIB_CONTROLLER_ADDR),
-    and gets rank 0's secret in the same broadcast."""
+    and gets rank 0's secret in the same broadcast. share(value) -> rank 0's value, on every rank.
+    `secret`: the job's, when there is one already (a process set's), then only the address travels.
+    Returns (server or None, client, secret)."""
     options = dict(timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms,
                    negotiation_timeout_s=s.negotiation_timeout_s, stall_warning_s=s.stall_warning_s)
     server = None
-    secret = secrets.token_bytes(32) if placement.rank == 0 else None
+    drawn = secret is None
+    if drawn:
+        secret = secrets.token_bytes(32) if placement.rank == 0 else None
     if s.controller_addr:
         address = parse_address(s.controller_addr, "COMMLIB_CONTROLLER_ADDR")
         if placement.rank == 0:
             server = controller.ControllerServer(placement.size, *address, **options)
-        secret = within(s.timeout_s, "sharing the job's secret (commlib.init)", engine.broadcast_object, secret)
+        if drawn:
+            secret = share(secret)
     else:
         host = s.controller_host or ("127.0.0.1" if placement.all_local else primary_ip())
         address = None
@@ -53,8 +60,10 @@ def _start_controller(s, placement, engine):
             server = controller.ControllerServer(placement.size, host if placement.all_local else "0.0.0.0", 0,
                                                  **options)
             address = (host, server.address[1])
-        address, secret = within(s.timeout_s, "sharing the controller's address (commlib.init)",
-                                 engine.broadcast_object, (address, secret))
+        if drawn:
+            address, secret = share((address, secret))
+        else:
+            address = share(address)
     return server, controller.ControllerClient(address, placement.rank, s.timeout_s), secret
 
 

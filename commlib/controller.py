@@ -174,12 +174,14 @@ class ControllerServer:
                     self._complete(name, rounds.pop(0)["metas"])
                     if not rounds:
                         del self._pending[name]
-        elif kind == "gather":
-            entry = self._gathers.setdefault(msg["key"], {"values": {}, "since": time.monotonic()})
+        elif kind == "gather":   # among every rank, or among msg["ranks"] only (a process set forming)
+            among = msg.get("ranks") or list(range(self.size))
+            entry = self._gathers.setdefault(msg["key"], {"values": {}, "since": time.monotonic(), "among": among})
             entry["values"][rank] = msg["value"]
-            if len(entry["values"]) == self.size:
+            if len(entry["values"]) == len(entry["among"]):
                 values = self._gathers.pop(msg["key"])["values"]
-                self._broadcast({"t": "gathered", "key": msg["key"], "values": [values[r] for r in range(self.size)]})
+                self._send_to(entry["among"], {"t": "gathered", "key": msg["key"],
+                                               "values": [values.get(r) for r in entry["among"]]})
         elif kind == "bye":
             self._done.add(rank)
 
@@ -226,9 +228,12 @@ class ControllerServer:
         for key, entry in list(self._gathers.items()):
             if now - entry["since"] > self.timeout_s:
                 del self._gathers[key]
-                missing = sorted(set(range(self.size)) - set(entry["values"]))
-                self._broadcast_error("CommTimeout", f"exchange {key!r}: {_ranks_text(missing)} did not take "
-                                      f"part within {self.timeout_s}s")
+                missing = sorted(set(entry["among"]) - set(entry["values"]))
+                message = f"exchange {key!r}: {_ranks_text(missing)} did not take part within {self.timeout_s}s"
+                if len(entry["among"]) == self.size:
+                    self._broadcast_error("CommTimeout", message)
+                else:   # a process set that did not form: its ranks fail, the job goes on
+                    self._send_to(entry["among"], {"t": "gathered", "key": key, "error": message})
 
     def _broadcast_error(self, kind, message):
         """An error that breaks the job (names=None): every rank fails everything in flight."""
@@ -236,8 +241,12 @@ class ControllerServer:
         self._failed = True
 
     def _broadcast(self, msg):
-        for rank, sock in self._clients.items():
-            if rank not in self._done:
+        self._send_to(self._clients, msg)
+
+    def _send_to(self, ranks, msg):
+        for rank in ranks:
+            sock = self._clients.get(rank)
+            if sock is not None and rank not in self._done:
                 try:
                     send_msg(sock, msg)
                 except OSError:
@@ -310,7 +319,7 @@ class ControllerClient:
                 return
             if msg["t"] == "gathered":
                 with self._cond:
-                    self._gathered[msg["key"]] = msg["values"]
+                    self._gathered[msg["key"]] = msg
                     self._cond.notify_all()
             else:
                 if msg["t"] == "error" and msg["names"] is None:
@@ -328,14 +337,19 @@ class ControllerClient:
     def submit(self, metas):
         self._send({"t": "submit", "metas": metas})
 
-    def exchange(self, key, value, timeout):
-        self._send({"t": "gather", "key": key, "value": value})
+    def exchange(self, key, value, timeout, ranks=None):
+        """Every rank's value (index = rank), or with `ranks` (this rank among them) only theirs,
+        in that order: the other ranks need not take part."""
+        self._send({"t": "gather", "key": key, "value": value, **({"ranks": list(ranks)} if ranks else {})})
         with self._cond:
             if not self._cond.wait_for(lambda: key in self._gathered or self._lost, timeout + 1.0):
                 raise CommTimeout(f"exchange {key!r} got no answer within {timeout}s")
             if key not in self._gathered:
                 raise error_from(self._lost)
-            return self._gathered.pop(key)
+            answer = self._gathered.pop(key)
+        if "error" in answer:
+            raise CommTimeout(answer["error"])
+        return answer["values"]
 
     def close(self):
         if self._closed:

@@ -34,6 +34,11 @@ class Engine:
     def broadcast_object(self, obj):
         raise NotImplementedError
 
+    def subgroup(self, ctx, ranks, hvd_set=None):
+        """This engine over `ranks` (job ranks, sorted) only, for a process set whose Context is ctx;
+        only those ranks call it. hvd_set: the Horovod process set of those ranks, if one was given."""
+        raise BackendUnavailable(f"the {self.name} ring engine cannot reduce over a subset of ranks")
+
     def allgather_sized(self, array, sizes, name):
         """allgather when every rank's length is already known (`sizes`, by rank): engines that
         exchange lengths first skip that round."""
@@ -61,13 +66,28 @@ class HorovodEngine(Engine):
     name = "horovod"
     module = "horovod.torch"
 
-    def __init__(self):
+    def __init__(self, process_set=None):
         import importlib
         hvd = importlib.import_module(self.module)
         if not hvd.is_initialized():
             hvd.init()
         self.hvd = hvd
-        super().__init__(hvd.size())
+        # Horovod's process set this engine reduces over (None: every rank)
+        self._over = {} if process_set is None else {"process_set": process_set}
+        super().__init__(hvd.size() if process_set is None else len(process_set.ranks))
+
+    def subgroup(self, ctx, ranks, hvd_set=None):
+        if hvd_set is None:   # a commlib.ProcessSet: Horovod's set of the same ranks, if the job added one
+            from horovod.common import process_sets
+            ids = process_sets._basics._get_process_set_ids_and_ranks()
+            found = [i for i, members in ids.items() if list(members) == list(ranks)]
+            if not found:
+                raise BackendUnavailable(f"ring_engine=horovod reduces a process set through Horovod's own: call "
+                                         f"hvd.add_process_set({list(ranks)}) on every rank (or pass Horovod's "
+                                         f"ProcessSet), or leave COMMLIB_RING_ENGINE=auto")
+            hvd_set = process_sets.ProcessSet(list(ranks))
+            hvd_set.process_set_id = found[0]
+        return type(self)(hvd_set)
 
     def _tensor(self, array):
         import torch
@@ -75,11 +95,12 @@ class HorovodEngine(Engine):
 
     def allreduce(self, array, name, op="sum"):
         hvd_op = {"sum": self.hvd.Sum, "min": self.hvd.Min, "max": self.hvd.Max, "product": self.hvd.Product}[op]
-        return self.hvd.allreduce(self._tensor(array), op=hvd_op, name=f"commlib.{name}").numpy()
+        return self.hvd.allreduce(self._tensor(array), op=hvd_op, name=f"commlib.{name}", **self._over).numpy()
 
     def allgather(self, array, name):
-        lengths = self.hvd.allgather(self._tensor(np.array([array.size], np.int64)), name=f"commlib.{name}.lengths")
-        flat = self.hvd.allgather(self._tensor(array), name=f"commlib.{name}").numpy()
+        lengths = self.hvd.allgather(self._tensor(np.array([array.size], np.int64)), name=f"commlib.{name}.lengths",
+                                     **self._over)
+        flat = self.hvd.allgather(self._tensor(array), name=f"commlib.{name}", **self._over).numpy()
         return self._split(flat, lengths.numpy().tolist())
 
     def broadcast_object(self, obj):
@@ -100,11 +121,15 @@ class HorovodTensorFlowEngine(HorovodEngine):
 class MPIEngine(Engine):
     name = "mpi"
 
-    def __init__(self):
+    def __init__(self, comm=None):
         from mpi4py import MPI
         self.MPI = MPI
-        self.comm = MPI.COMM_WORLD.Dup()   # our own communicator: no clash with the user's messages
+        self.comm = comm or MPI.COMM_WORLD.Dup()   # our own communicator: no clash with the user's messages
         super().__init__(self.comm.Get_size())
+
+    def subgroup(self, ctx, ranks, hvd_set=None):
+        # Create_group: collective over the group's members only (MPI-3), unlike Comm.Split
+        return MPIEngine(self.comm.Create_group(self.comm.Get_group().Incl(list(ranks))))
 
     def allreduce(self, array, name, op="sum"):
         out = np.array(array, copy=True)
@@ -126,11 +151,17 @@ class MPIEngine(Engine):
 class TorchEngine(Engine):
     name = "torch"
 
-    def __init__(self, timeout_s=None):
+    def __init__(self, timeout_s=None, ranks=None):
         import torch.distributed as dist
         timeout = datetime.timedelta(seconds=timeout_s or 1800)   # gloo's own bound on a dead peer
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=timeout)
+        self.timeout_s = timeout_s
+        if ranks is not None:   # a process set's group: only its members take part in making it
+            self.group = dist.new_group(list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=True)
+            self.dist = dist
+            super().__init__(len(ranks))
+            return
         # commlib's own gloo group over the job's rendezvous (the one DDP uses): its collectives run
         # on commlib's background thread and must never interleave with those DDP or the user issue
         # on the default group (gloo pairs collectives by call order), and a default NCCL group
@@ -138,6 +169,9 @@ class TorchEngine(Engine):
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.dist = dist
         super().__init__(dist.get_world_size())
+
+    def subgroup(self, ctx, ranks, hvd_set=None):
+        return TorchEngine(self.timeout_s, ranks)
 
     def allreduce(self, array, name, op="sum"):
         import torch
@@ -190,6 +224,9 @@ class GlooEngine(Engine):
         self.group = dist.ProcessGroupGloo(dist.PrefixStore(f"commlib/{ctx.job_token}", self._store),
                                            ctx.rank, ctx.size, options)
         self.ctx = ctx
+
+    def subgroup(self, ctx, ranks, hvd_set=None):
+        return GlooEngine(ctx)   # a ring of its own among the set, over a store its first rank serves
 
     def allreduce(self, array, name, op="sum"):
         import torch

@@ -12,6 +12,8 @@ def check(hvd, op, horovod_kwargs):
         raise ConfigError("grouped allreduce (groups=, num_groups=) is Horovod's own fusion; commlib fuses by "
                           "itself (COMMLIB_FUSION_THRESHOLD), so leave groups unset")
     process_set = horovod_kwargs.get("process_set")
-    if process_set is not None and process_set != hvd.global_process_set:
-        raise ConfigError("commlib reduces over all ranks; process sets are not supported yet")
+    if process_set is not None and (not isinstance(process_set, hvd.ProcessSet) or process_set.process_set_id is None):
+        raise ConfigError(f"process_set={process_set}: Horovod's optimizer needs a Horovod ProcessSet registered "
+                          f"with hvd.init(process_sets=[...]) or hvd.add_process_set(...) (commlib then reduces "
+                          f"over the same ranks)")
     return op

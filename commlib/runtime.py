@@ -7,27 +7,39 @@
 """
 import itertools
 import logging
+import os
 
 from commlib import bootstrap, differentiable
 from commlib.backends import start_all
+from commlib.context import initialized_horovod
 from commlib.dispatch import Dispatcher
 from commlib.errors import CommError, ConfigError, InvalidTensor
 from commlib.executor import HOROVOD_OPS, OPS, Average, Entry, Executor, Sum
 from commlib.handles import Handle
+from commlib.process_sets import ProcessSets
 from commlib.tensors import Staged
 
 log = logging.getLogger("commlib")
 
 
 class Runtime:
-    def __init__(self, settings, policy):
+    """The job's (or, with job= and parent=, a process set's: see commlib.process_sets)."""
+
+    def __init__(self, settings, policy, job=None, parent=None):
         self.settings = settings
-        self.ctx, self.client, self._server = bootstrap.join(settings)
-        self.timeline = _timeline(settings.timeline, self.ctx.rank)
+        self.ctx, self.client, self._server = job or bootstrap.join(settings)
+        self.timeline = parent.timeline if parent else _timeline(settings.timeline, self.ctx.rank)
         self.backends, self.unavailable = start_all(self.ctx)
         self.dispatcher = Dispatcher(self.backends, self.unavailable, policy, settings)
         self.executor = Executor(self.ctx, self.client, self.dispatcher, self.timeline)
-        self._watch_daemons()
+        if parent is not None:   # one commlib.records() and one timeline for the job and its sets
+            self.executor.records = parent.records
+        self.process_sets = ProcessSets(self)
+        self._is_set = parent is not None
+        # horovodrun's elastic mode: Horovod's world may change at a reset (see _check_world)
+        self._elastic = not self._is_set and self.ctx.launcher == "horovod" and os.environ.get("HOROVOD_ELASTIC") == "1"
+        if not self._is_set:
+            self._watch_daemons()
         self._names = itertools.count()
 
     def backend(self, name):
@@ -36,6 +48,8 @@ class Runtime:
     def set_timeline(self, path):
         old, self.timeline = self.timeline, _timeline(path, self.ctx.rank)
         self.executor.timeline = self.timeline
+        for runtime in self.process_sets.runtimes():   # they write into the job's
+            runtime.timeline = runtime.executor.timeline = self.timeline
         old.close()
         self._watch_daemons()
 
@@ -54,6 +68,7 @@ class Runtime:
     def grouped_allreduce_async(self, tensors, names, op, algorithm, compression, prescale, postscale, policy=None):
         """Handles for tensors submitted in one message: they are negotiated, released and fused
         together. A tensor refused here is refused on every rank; this rank raises its error."""
+        self._check_world()
         if self.executor.broken:
             raise self.executor.broken
         s = self.settings
@@ -79,6 +94,17 @@ class Runtime:
             raise refused
         return [entry.handle for entry in entries]
 
+    def _check_world(self):
+        """An elastic reset gives Horovod a new world: a job formed for the old one would fail (or
+        hang) on every call, and hvd.elastic.run would reset again and again."""
+        if not self._elastic:
+            return
+        hvd = initialized_horovod()
+        if hvd is not None and (hvd.rank(), hvd.size()) != (self.ctx.rank, self.ctx.size):
+            raise ConfigError(f"Horovod's world changed under commlib (now rank {hvd.rank()} of {hvd.size()}, commlib's "
+                              f"job: rank {self.ctx.rank} of {self.ctx.size}): in an elastic job call "
+                              f"commlib.elastic.register(state) so that commlib re-forms at each reset")
+
     def _plan(self, tensor, name, named, op, algorithm, compression, policy):
         """(Staged, op name, Plan, compressor) for a tensor, or the error that refuses it."""
         op = reduction(op)
@@ -95,11 +121,13 @@ class Runtime:
         return staged, op, plan, compressor
 
     def shutdown(self):
+        self.process_sets.shutdown()
         if not self.executor.stop(self.settings.timeout_s):   # still inside a collective: its native state must outlive it
             log.warning("commlib: shutdown while a collective is still running; backends left open")
             self.client.close()
             return
-        self.timeline.close()   # before the backends: its last sample asks the switch and aggregators
+        if not self._is_set:   # a set writes into the job's timeline
+            self.timeline.close()   # before the backends: its last sample asks the switch and aggregators
         for backend in self.backends.values():
             try:
                 backend.close()

@@ -83,6 +83,12 @@ class Settings:
         except KeyError:
             raise AttributeError(f"no setting {name!r}; declare it with commlib.settings.define()") from None
 
+    def replaced(self, **values):
+        """A copy with these values (a process set's job: the parent's switch, its own controller)."""
+        copy = object.__new__(Settings)
+        copy._values = dict(self._values, **values)
+        return copy
+
     def as_dict(self):
         return dict(self._values)
 

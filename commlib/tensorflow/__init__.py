@@ -118,7 +118,7 @@ def _reducer(hvd, compression, op, gradient_predivide_factor, sparse_as_dense, p
         policy = Policy.parse(policy)
     commlib.init()
     return GradientReducer(op == hvd.Average, gradient_predivide_factor, compression, policy, algorithm,
-                           sparse_as_dense), op
+                           sparse_as_dense, horovod_kwargs.get("process_set")), op
 
 
 def _tape_without_horovod(gradtape, compression, op, predivide, sparse_as_dense, policy, algorithm, horovod_kwargs):

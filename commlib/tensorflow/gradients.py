@@ -33,13 +33,14 @@ class GradientReducer:
     be the same on every rank, as Horovod's are."""
 
     def __init__(self, average=True, gradient_predivide_factor=1.0, compression=None, policy=None,
-                 algorithm=None, sparse_as_dense=False):
+                 algorithm=None, sparse_as_dense=False, process_set=None):
         self.op = commlib.Average if average else commlib.Sum
         # Horovod splits Average into a prescale before the sum and a postscale after it
         self.prescale = 1.0 / gradient_predivide_factor if average else 1.0
         self.postscale = gradient_predivide_factor if average else 1.0
         self.compression, self.policy, self.algorithm = compression, policy, algorithm
         self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set   # None: every rank
 
     def __call__(self, grads, vars=None, use_generic_names=False):
         grads = list(grads)
@@ -107,7 +108,8 @@ class GradientReducer:
         Returns the flat outputs: an array per dense input, (values, rows) per RowSparse."""
         handles = [commlib.allreduce_async(a, name=n, op=self.op, algorithm=self.algorithm,
                                            compression=self.compression, policy=self.policy,
-                                           prescale_factor=self.prescale, postscale_factor=self.postscale)
+                                           prescale_factor=self.prescale, postscale_factor=self.postscale,
+                                           process_set=self.process_set)
                    for n, a in zip(names, arrays)]
         flat = []
         for handle, array in zip(handles, arrays):

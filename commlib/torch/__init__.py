@@ -54,8 +54,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     opt = hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
                                    backward_passes_per_step=backward_passes_per_step, op=op,
                                    gradient_predivide_factor=gradient_predivide_factor, **horovod_kwargs)
-    if hvd.size() > 1:   # Horovod registers its hooks only then
-        opt._allreduce_grad_async = types.MethodType(_reducer(hvd, compression, policy, algorithm), opt)
+    # Horovod calls it only when it registered its hooks (several ranks, or an elastic job whose
+    # world may grow); commlib reduces over the optimizer's process set, as Horovod would
+    opt._allreduce_grad_async = types.MethodType(_reducer(hvd, compression, policy, algorithm), opt)
     return opt
 
 
@@ -85,7 +86,7 @@ def _reducer(hvd, compression, policy, algorithm):
         average = self.op == hvd.Average
         handle = commlib.allreduce_async(
             grad, name=name, op=commlib.Average if average else commlib.Sum, algorithm=algorithm,
-            compression=compression, policy=policy,
+            compression=compression, policy=policy, process_set=self.process_set,
             prescale_factor=1.0 / self.gradient_predivide_factor if average else 1.0,
             postscale_factor=self.gradient_predivide_factor if average else 1.0)
         # Horovod's synchronize() calls this; for a sparse p.grad it adds the result (sparse, or dense
