@@ -294,9 +294,10 @@ def scaled(array, factor, inplace=False):
     return (array.astype(wide, copy=False) * factor).astype(array.dtype)
 
 
-def fused(arrays):
-    """The bucket's 1-D arrays as one read-only buffer without copying when they lie back to back in
-    memory (a DDP bucket's per-parameter views of its flat buffer, or a single array); else None."""
+def fused(arrays, writeable=False):
+    """The bucket's 1-D arrays as one buffer without copying when they lie back to back in memory (a
+    DDP bucket's per-parameter views of its flat buffer, or a single array); else None. Read-only
+    unless asked: the backends must not write the caller's memory."""
     first = arrays[0]
     address = first.ctypes.data
     for array in arrays:
@@ -306,7 +307,7 @@ def fused(arrays):
     if len(arrays) == 1:
         return first
     total = sum(a.size for a in arrays)
-    return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,), writeable=False)
+    return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,), writeable=writeable)
 
 
 def fuse(entries, threshold):

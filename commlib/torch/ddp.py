@@ -20,6 +20,7 @@ import torch
 
 import commlib
 from commlib.errors import ConfigError
+from commlib.executor import fused
 
 
 class CommlibState:
@@ -151,9 +152,22 @@ class _Completer:
         while True:
             handles, views, buffer, future = self._queue.get()
             try:
-                for handle, view in zip(handles, views):
-                    view.copy_(commlib.synchronize(handle))   # bounded: Handle.wait has its own timeout
+                results = [commlib.synchronize(handle) for handle in handles]   # bounded: Handle.wait's timeout
+                flat = _flat(results, buffer)
+                if flat is None:   # not one piece of memory (several buckets, compressors): into the bucket
+                    for view, result in zip(views, results):
+                        view.copy_(result)
+                    flat = buffer
             except Exception as exc:   # Mismatch, CommTimeout, PeerFailure: raised where DDP waits
                 future.set_exception(exc)
                 continue
-            future.set_result(buffer)
+            future.set_result(flat)   # DDP copies the hook's result into the gradients itself
+
+
+def _flat(results, buffer):
+    """The results as one flat tensor like the bucket's buffer, without copying, when they lie back
+    to back in one piece of host memory (a fused bucket's reduced buffer split per parameter); else None."""
+    if buffer.device.type != "cpu" or any(r.dtype != buffer.dtype or r.device != buffer.device for r in results):
+        return None
+    flat = fused([r.numpy().reshape(-1) for r in results], writeable=True)
+    return None if flat is None or flat.size != buffer.numel() else torch.from_numpy(flat)
