@@ -231,11 +231,8 @@ class Aggregator:
         return job, epoch
 
     def _check(self, key, request, sender, what):
-        if not auth.verify(key, request):
-            raise control.Refused("bad_mac", f"{what} refused: not signed with this aggregator's key (give the job "
-                                             f"its key file: COMMLIB_OMNIREDUCE_KEY_FILE)")
-        if not self._replays.fresh(sender, request["seq"]):
-            raise control.Refused("replay", f"{what} refused: its seq does not grow (a replayed request)")
+        self._replays.admit(key, request, sender, what, "this aggregator's key (give the job its key file: "
+                                                        "COMMLIB_OMNIREDUCE_KEY_FILE)")
 
     def _authenticate_job(self, job, request):
         """The rank a keepalive/unregister comes from; signed with the job's key on a keyed aggregator."""

@@ -106,6 +106,15 @@ class Replays:
     def __init__(self, limit=65536):
         self._last, self.limit = OrderedDict(), limit
 
+    def admit(self, key, request, sender, what, hint):
+        """Refuse `request` (control.Refused, counted by reason) unless it is signed with `key` and
+        its seq grows past `sender`'s last; `hint` says which key file the job should be given."""
+        from commlib.switch import control
+        if not verify(key, request):
+            raise control.Refused("bad_mac", f"{what} refused: the request is not signed with {hint}")
+        if not self.fresh(sender, request["seq"]):
+            raise control.Refused("replay", f"{what} refused: its seq does not grow (a replayed request)")
+
     def fresh(self, sender, seq):
         """True (and remembered) when `seq` is larger than the last one `sender` used."""
         last = self._last.get(sender)

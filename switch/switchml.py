@@ -269,11 +269,8 @@ class SwitchServer:
 
     def _authenticate(self, request, key, sender, what):
         """Refuse `request` unless it is signed with `key` and its seq grows past `sender`'s last."""
-        if not auth.verify(key, request):
-            raise control.Refused("bad_mac", f"{what} refused: the request is not signed with this switch's key "
-                                             f"(give the job the switch's key file: COMMLIB_SWITCH_KEY_FILE)")
-        if not self._replays.fresh(sender, request["seq"]):
-            raise control.Refused("replay", f"{what} refused: its seq does not grow (a replayed request)")
+        self._replays.admit(key, request, sender, what, "this switch's key (give the job the switch's key file: "
+                                                        "COMMLIB_SWITCH_KEY_FILE)")
 
     def _job(self, request):
         """The registered job a keepalive/unregister/counters request is about, authenticated: on a keyed
