@@ -184,8 +184,7 @@ def main(argv=None):
                 "| configuration | samples/s | vs DDP default | loss first -> last | where the step went |\n"
                 "|---|---|---|---|---|\n"
                 + "\n".join(rows) + "\n\n![ddp](results/ddp.png)\n")
-    settings = {k: getattr(args, k) for k in ("quick", "workers", "rate", "steps", "warmup", "batch", "hidden",
-                                              "features")}
+    settings = common.training_settings(args)
     common.save("ddp", settings, results, markdown)
     print(markdown)
     return 0

@@ -226,8 +226,7 @@ def main(argv=None):
                 "| configuration | samples/s | vs horovod | loss first -> last | max loss diff vs horovod | reduction ms | "
                 "commlib allreduce ms | boundary ms/step | commlib algorithms |\n|---|---|---|---|---|---|---|---|---|\n"
                 + "\n".join(rows) + "\n\n![tf](results/tf.png)\n")
-    settings = {k: getattr(args, k) for k in ("quick", "workers", "rate", "steps", "warmup", "batch", "hidden",
-                                              "features")}
+    settings = common.training_settings(args)
     common.save("tf", settings, results, markdown)
     print(markdown)
     return 0

@@ -286,9 +286,7 @@ def main(argv=None):
                 "| model | configuration | parameters | samples/s | vs first | median samples/s | vs first (median) | "
                 "loss first -> last | commlib algorithms |\n"
                 "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + f"\n\n![training](results/{suite}.png)\n")
-    settings = {k: getattr(args, k) for k in ("quick", "workers", "rate", "steps", "warmup", "batch", "hidden",
-                                              "features", "vocab", "zipf", "workload", "hotcold_every",
-                                              "hotcold_rule", "rounds")}
+    settings = common.training_settings(args, "vocab", "zipf", "workload", "hotcold_every", "hotcold_rule", "rounds")
     common.save(suite, settings, results, markdown)
     print(markdown)
     return 0

@@ -139,6 +139,14 @@ def training_arguments(description, steps, warmup=2, warmup_help="untimed steps"
     return parser
 
 
+TRAINING_SETTINGS = ("quick", "workers", "rate", "steps", "warmup", "batch", "hidden", "features")
+
+
+def training_settings(args, *extra):
+    """The settings a training benchmark records: the shared options and its own `extra` ones."""
+    return {k: getattr(args, k) for k in TRAINING_SETTINGS + extra}
+
+
 def parse_training_arguments(parser, argv):
     """Parsed options with the quick/full defaults filled in."""
     args = parser.parse_args(argv)

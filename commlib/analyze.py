@@ -113,29 +113,35 @@ def concurrency(found, bin_us=1000.0):
     return np.array([len(s) for s in bins])
 
 
-def daemon_rates(events):
-    """daemon row name -> {counter: (median, max) per second} over the samples of its row."""
+def daemon_samples(events):
+    """daemon row name (switch, aggregators) -> its counter samples in time order (rates per second,
+    each since the sample before; a row starts with a sample of zeros)."""
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    samples = collections.defaultdict(lambda: collections.defaultdict(list))
+    rows = collections.defaultdict(list)
     for e in events:
         if e.get("ph") == "C" and e["pid"] in names:
-            for counter, rate in e["args"].items():
-                samples[names[e["pid"]]][counter].append(rate)
-    return {row: {c: (float(np.median(v)), float(np.max(v))) for c, v in counters.items() if max(v) > 0}
-            for row, counters in samples.items()}
+            rows[names[e["pid"]]].append(e)
+    return {row: sorted(samples, key=lambda e: e["ts"]) for row, samples in rows.items()}
 
 
-def per_packet(events, row):
-    """A daemon's mean queue and processing time per packet over the trace, from its row's counter
-    rates (queue_ns, proc_ns and packets per second), or None when the row lacks them."""
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+def daemon_rates(samples):
+    """{counter: (median, max) per second} over a daemon's samples, the counters that moved."""
+    values = collections.defaultdict(list)
+    for e in samples:
+        for counter, rate in e["args"].items():
+            values[counter].append(rate)
+    return {c: (float(np.median(v)), float(np.max(v))) for c, v in values.items() if max(v) > 0}
+
+
+def per_packet(samples):
+    """A daemon's mean queue and processing time per packet over its samples (queue_ns, proc_ns and
+    packets per second, each rate times the interval it covers), or None when it lacks them."""
     totals = collections.Counter()
-    samples = sorted((e for e in events if e.get("ph") == "C" and names.get(e["pid"]) == row), key=lambda e: e["ts"])
     for before, after in zip(samples, samples[1:]):
         packets = "rx" if "rx" in after["args"] else "pkts_recv"   # the switch's name, the aggregators'
         for counter, name in (("queue_ns", "queue_ns"), ("proc_ns", "proc_ns"), ("packets", packets)):
             totals[counter] += after["args"].get(name, 0) * (after["ts"] - before["ts"]) / 1e6
-    if not totals["packets"] or "queue_ns" not in (samples[-1]["args"] if samples else {}):
+    if not totals["packets"] or "queue_ns" not in samples[-1]["args"]:
         return None
     return {"queue_us": totals["queue_ns"] / totals["packets"] / 1e3,
             "proc_us": totals["proc_ns"] / totals["packets"] / 1e3, "packets": totals["packets"]}
@@ -222,11 +228,11 @@ def main(argv=None):
         return 1
     print(f"{len(found)} rounds of {len({r.tensor for r in found})} tensors on {len({r.rank for r in found})} ranks\n")
     print(format_table(table(found)))
-    for row, rates in daemon_rates(events).items():
+    for row, samples in daemon_samples(events).items():
         print(f"\n{row}, per second (median / max over the samples):")
-        for counter, (median, peak) in sorted(rates.items()):
+        for counter, (median, peak) in sorted(daemon_rates(samples).items()):
             print(f"  {counter:<20} {median:>12.0f} / {peak:.0f}")
-        share = per_packet(events, row)
+        share = per_packet(samples)
         if share:
             print(f"  its share of a packet's round: queue {share['queue_us']:.1f} us, processing "
                   f"{share['proc_us']:.1f} us (mean over {share['packets']:.0f} packets)")

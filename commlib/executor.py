@@ -98,8 +98,8 @@ class Phases:
         worker's processing (False), which includes a collective's own `busy_s` where it reports one."""
         total = 0.0
         for _, begin, end, is_comm, args in self.spans:
-            busy = args.get("busy_s", 0.0)
-            total += (end - begin - busy if comm else busy) if is_comm else (0.0 if comm else end - begin)
+            waiting = end - begin - args.get("busy_s", 0.0) if is_comm else 0.0
+            total += waiting if comm else end - begin - waiting
         return total
 
 

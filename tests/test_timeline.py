@@ -98,8 +98,8 @@ def test_merge_and_analyze(job, capsys):
     for algorithm in ("ring", "switchml", "omnireduce"):
         assert f"\n{algorithm} " in printed, printed
     assert "switch 127.0.0.1:" in printed and "aggregated" in printed, printed
-    for row in (name for name in analyze.daemon_rates(events)):   # the switch's and aggregators' own share
-        share = analyze.per_packet(events, row)
+    for row, samples in analyze.daemon_samples(events).items():   # the switch's and aggregators' own share
+        share = analyze.per_packet(samples)
         assert share["packets"] > 0 and share["queue_us"] >= 0 and share["proc_us"] > 0, (row, share)
     assert printed.count("its share of a packet's round") == 3, printed
     for png in ("latency_cdf.png", "breakdown.png", "concurrency.png"):
