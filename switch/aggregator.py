@@ -16,7 +16,7 @@ worker's address under its rank (so several workers on one host work).
 Admission (an aggregator with a daemon key, switch/auth.py; `commlib-aggregator --key-file`): a
 register is signed (`seq`, `mac`) with the job key auth.job_key(daemon key, nonce), which only a
 holder of the daemon key computes; a job's keepalive and unregister with that job key, by one of
-its ranks; counters with the daemon key. A seq must grow per sender, so a sniffed request replayed
+its ranks; counters with the daemon key. A seq is accepted once per sender (auth.Replays' window), so a sniffed request replayed
 is refused (it cannot move a rank's results elsewhere nor end the job). Without a key (a trusted
 fabric) requests are unsigned, as before. Registrations are capped (`Limits`: the memory a job
 reserves, the total, jobs per source address), so no request reserves gigabytes.

@@ -9,7 +9,8 @@
   registration), so each job's packets are keyed apart and a key learnt from one job opens no other.
   The C data path keys its per-packet MAC with it (SipHash-2-4, switch/csrc).
 - control MAC: every control request carries `mac`, a keyed BLAKE2b over its other fields and a
-  per-sender sequence number `seq` that must grow, so a sniffed request cannot be replayed.
+  per-sender sequence number `seq` (the signer's clock in ns), each accepted once within a window,
+  so a sniffed request cannot be replayed.
 """
 import hashlib
 import hmac
@@ -77,7 +78,7 @@ def sign(key, request, seq):
 
 
 def verify(key, request):
-    """True when `request` carries a valid MAC under `key` (the caller checks that seq grows)."""
+    """True when `request` carries a valid MAC under `key` (the caller checks that seq is fresh: Replays)."""
     mac = request.get("mac")
     if not isinstance(mac, str) or not isinstance(request.get("seq"), int):
         return False
@@ -87,7 +88,7 @@ def verify(key, request):
 
 class Signer:
     """A client's side: signs its requests under one key, each with a larger seq than the last (the
-    clock in ns, so a restarted client still grows past what the daemon saw from it)."""
+    clock in ns, so a restarted client's seqs are new to the daemon)."""
 
     def __init__(self, key):
         self.key, self._seq, self._lock = key, 0, threading.Lock()
@@ -100,36 +101,51 @@ class Signer:
 
 
 class Replays:
-    """A daemon's side: the last seq of each sender (a bounded number of them, least recent
-    forgotten first); a request whose seq does not grow past its sender's last is a replay."""
+    """A daemon's side, an anti-replay window per sender (as IPsec's): a request is fresh when its
+    seq was not seen from its sender and lies within WINDOW_NS of the largest seq the sender used
+    (Signer's seq is its clock in ns). Several clients signing as one sender (an operator's
+    concurrent requests) may arrive out of order within the window; a replayed request carries a
+    seen seq, or one older than the window. Bounded: `limit` senders (least recent forgotten first),
+    `per_sender` seqs each (a sender flooding more than that within the window loses its oldest)."""
 
-    def __init__(self, limit=65536):
-        self._last, self.limit = OrderedDict(), limit
+    WINDOW_NS = 30 * 10**9
+
+    def __init__(self, limit=65536, per_sender=1024):
+        self._seen, self.limit, self.per_sender = OrderedDict(), limit, per_sender
 
     def admit(self, key, request, sender, what, hint):
         """Refuse `request` (control.Refused, counted by reason) unless it is signed with `key` and
-        its seq grows past `sender`'s last; `hint` says which key file the job should be given."""
+        its seq is fresh for `sender`; `hint` says which key file the job should be given."""
         from commlib.switch import control
         if not verify(key, request):
             raise control.Refused("bad_mac", f"{what} refused: the request is not signed with {hint}")
         if not self.fresh(sender, request["seq"]):
-            raise control.Refused("replay", f"{what} refused: its seq does not grow (a replayed request)")
+            raise control.Refused("replay", f"{what} refused: its seq was seen before or is older than "
+                                            f"{self.WINDOW_NS // 10**9} s (a replayed request)")
 
     def fresh(self, sender, seq):
-        """True (and remembered) when `seq` is larger than the last one `sender` used."""
-        last = self._last.get(sender)
-        if last is not None and seq <= last:
+        """True (and remembered) when `sender` has not used `seq` and it is within the window."""
+        seen = self._seen.get(sender)
+        if seen is None:
+            seen = self._seen[sender] = set()
+        newest = max(seen, default=seq)
+        if seq in seen or seq <= newest - self.WINDOW_NS or (len(seen) >= self.per_sender and seq < min(seen)):
             return False
-        self._last[sender] = seq
-        self._last.move_to_end(sender)
-        while len(self._last) > self.limit:
-            self._last.popitem(last=False)
+        seen.add(seq)
+        floor = max(newest, seq) - self.WINDOW_NS
+        for old in [s for s in seen if s <= floor]:
+            seen.discard(old)
+        while len(seen) > self.per_sender:
+            seen.discard(min(seen))
+        self._seen.move_to_end(sender)
+        while len(self._seen) > self.limit:
+            self._seen.popitem(last=False)
         return True
 
     def forget(self, prefix):
         """Drop the senders whose key starts with `prefix` (a tuple): an ended job's ranks."""
-        for sender in [s for s in self._last if s[:len(prefix)] == prefix]:
-            del self._last[sender]
+        for sender in [s for s in self._seen if s[:len(prefix)] == prefix]:
+            del self._seen[sender]
 
 
 def check_nonce(nonce):

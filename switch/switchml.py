@@ -21,7 +21,7 @@ Admission (a switch with a daemon key, switch/auth.py; `commlib-switch --key-fil
 carries `seq` and `mac` under the job key (auth.job_key(daemon key, nonce)), which only a holder of
 the daemon key can compute; a job's keepalive, unregister and counters are signed with that job
 key (or the daemon key: the operator); switch-wide counters and simulate with the daemon key. A
-seq must grow per sender and a nonce registers once, so a sniffed request cannot be replayed. A
+seq is accepted once per sender (auth.Replays' window) and a nonce registers once, so a sniffed request cannot be replayed. A
 switch without a key (a trusted fabric) takes unsigned requests and the job's token for
 unregister and counters. Limits (`Limits`) cap slots per job, and jobs and slots per source
 address; a job one of whose ranks sent no keepalive for expiry_s is removed (a rank died).
@@ -268,7 +268,7 @@ class SwitchServer:
                          f"or status")
 
     def _authenticate(self, request, key, sender, what):
-        """Refuse `request` unless it is signed with `key` and its seq grows past `sender`'s last."""
+        """Refuse `request` unless it is signed with `key` and its seq is fresh for `sender`."""
         self._replays.admit(key, request, sender, what, "this switch's key (give the job the switch's key file: "
                                                         "COMMLIB_SWITCH_KEY_FILE)")
 
@@ -296,7 +296,8 @@ class SwitchServer:
             raise control.Refused("bad_mac", f"{request.get('op')} of job #{number} refused: not signed with the "
                                              f"job's key")
         if not self._replays.fresh(sender, request["seq"]):
-            raise control.Refused("replay", f"{request.get('op')} refused: its seq does not grow (a replayed request)")
+            raise control.Refused("replay", f"{request.get('op')} refused: its seq was seen before or is too old "
+                                            f"(a replayed request)")
         return job
 
     def register(self, token, workers, slots, elems, nonce=None, key=None, source=None, authenticate=True):

@@ -77,7 +77,7 @@ def register(server, key, slots=8, workers=(("127.0.0.1", 9),)):
 # -- bullet 1: the token is the only credential of unregister; anyone may register ----------------
 def test_sniffed_token_or_request_ends_no_job(keyed_switch):
     """On a keyed switch the token (in every data packet) ends nothing, nor does a request that is
-    not signed with the job's key, nor a sniffed signed request sent again (its seq does not grow)."""
+    not signed with the job's key, nor a sniffed signed request sent again (its seq was seen)."""
     server, key = keyed_switch
     job, job_key, client = register(server, key, workers=[("127.0.0.1", 9), ("127.0.0.1", 10)])
     for line in (control.encode({"op": "unregister", "job": job, "token": TOKEN}),
@@ -94,6 +94,37 @@ def test_sniffed_token_or_request_ends_no_job(keyed_switch):
     assert drops["bad_mac"] == 3 and drops["replay"] == 1, drops
     client.unregister(job)                                  # the job's own rank ends it
     assert server.status()["jobs"] == {}
+
+
+def test_concurrent_operator_requests_are_not_replays(keyed_switch):
+    """Two operator clients signing at once may reach the switch out of seq order: both are served
+    (the replay window), while each one sent again, or one older than the window, is refused."""
+    server, key = keyed_switch
+    first, second = auth.Signer(key), auth.Signer(key)
+    early = first({"op": "counters"})
+    late = second({"op": "counters"})
+    assert late["seq"] > early["seq"]
+    for request in (late, early):                           # the later seq arrives first
+        reply = request_line(server.address, control.encode(request))
+        assert reply["ok"] is True, reply
+    for request in (late, early):
+        reply = request_line(server.address, control.encode(request))
+        assert reply["ok"] is False and "replayed" in reply["error"], reply
+    stale = auth.sign(key, {"op": "counters"}, late["seq"] - auth.Replays.WINDOW_NS - 1)
+    reply = request_line(server.address, control.encode(stale))
+    assert reply["ok"] is False and "replayed" in reply["error"], reply
+    assert server.drops.snapshot()["replay"] == 3
+
+
+def test_replay_window_is_bounded_per_sender():
+    """A sender flooding fresh seqs keeps at most `per_sender` of them; the oldest then falls out
+    of the window, so memory stays bounded and an old seq is still refused."""
+    replays = auth.Replays(limit=2, per_sender=4)
+    assert all(replays.fresh("a", seq) for seq in (10, 11, 12, 13, 14))
+    assert not replays.fresh("a", 10) and not replays.fresh("a", 14)
+    assert replays.fresh("a", 9) is False                   # below every remembered seq when full
+    replays.fresh("b", 1), replays.fresh("c", 1)            # a third sender evicts the least recent
+    assert replays.fresh("a", 15) is True                   # "a" was forgotten, starts anew
 
 
 def test_registering_needs_the_daemon_key(keyed_switch):
