@@ -9,7 +9,7 @@ import itertools
 import logging
 import os
 
-from commlib import bootstrap, differentiable
+from commlib import bootstrap, differentiable, study
 from commlib.backends import start_all
 from commlib.context import initialized_horovod
 from commlib.dispatch import Dispatcher
@@ -28,7 +28,7 @@ class Runtime:
     def __init__(self, settings, policy, job=None, parent=None):
         self.settings = settings
         self.ctx, self.client, self._server = job or bootstrap.join(settings)
-        self.timeline = parent.timeline if parent else _timeline(settings.timeline, self.ctx.rank)
+        self.timeline = parent.timeline if parent else _timeline(study.trace_path(settings), self.ctx.rank)
         self.backends, self.unavailable = start_all(self.ctx)
         self.dispatcher = Dispatcher(self.backends, self.unavailable, policy, settings)
         self.executor = Executor(self.ctx, self.client, self.dispatcher, self.timeline)
@@ -128,6 +128,10 @@ class Runtime:
             return
         if not self._is_set:   # a set writes into the job's timeline
             self.timeline.close()   # before the backends: its last sample asks the switch and aggregators
+            try:
+                study.finish(self.ctx)
+            except Exception as exc:   # shutting down: the job's own work is done; say why there is no study
+                log.warning("commlib: the study of this job (%s) failed: %s", self.settings.study, exc)
         for backend in self.backends.values():
             try:
                 backend.close()

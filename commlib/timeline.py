@@ -167,14 +167,19 @@ def merge(paths):
     return events
 
 
+def write(path, events):
+    """A merged trace file (Perfetto and chrome://tracing read it)."""
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 3 or argv[0] != "merge":
         print("usage: python -m commlib.timeline merge OUT.json RANK0.json RANK1.json ...", file=sys.stderr)
         return 2
     events = merge(argv[2:])
-    with open(argv[1], "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    write(argv[1], events)
     print(f"merged {len(argv) - 2} traces, {len(events)} events -> {argv[1]}")
     return 0
 

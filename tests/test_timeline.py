@@ -114,3 +114,31 @@ def test_analyze_reads_an_unfinished_trace_and_update_counts(tmp_path):
     counts = analyze.update_counts(events)
     assert counts["embedding"].tolist() == [90, 5, 5]
     assert analyze.skew_summary(events) == {"embedding": 0.9}
+
+
+def test_one_setting_gives_the_study_of_a_job(tmp_path):
+    """COMMLIB_STUDY=DIR alone: at shutdown rank 0 leaves the merged trace of both ranks, the breakdown
+    table with the hot/cold tensor's update skew, and the plots."""
+    study = tmp_path / "study"
+    spawn(2, "sparse_hotcold.py", env={"COMMLIB_STUDY": str(study), "COMMLIB_HOTCOLD_EVERY": "3"}, timeout=180).check()
+    events = json.load(open(study / "trace.json"))["traceEvents"]
+    assert {0, 1} <= {e["pid"] for e in events}, "both ranks' rows in the merged trace"
+    assert {r.algorithm for r in analyze.rounds(events)} >= {"hotcold"}
+    breakdown = (study / "breakdown.txt").read_text()
+    assert "\nhotcold " in breakdown and "embedding: the hottest 1% of rows take" in breakdown, breakdown
+    assert "wrote their traces on their own hosts" not in breakdown, breakdown
+    for png in ("latency_cdf.png", "breakdown.png", "concurrency.png", "update_skew.png"):
+        assert (study / png).stat().st_size > 1000, png
+
+
+def test_study_names_the_ranks_whose_traces_are_on_other_hosts(tmp_path):
+    """Rank 0 analyzes what it can read and says which ranks' traces to copy in."""
+    from types import SimpleNamespace
+    from commlib import study
+    timeline.Timeline(str(tmp_path / "trace.{rank}.json"), 0).close()   # rank 0 traced nothing
+    where = [["host-a", (tmp_path / "trace.0.json").stat().st_size], ["host-b", 1234]]   # rank 1's file is on host-b
+    ctx = SimpleNamespace(rank=0, size=2, settings=SimpleNamespace(study=str(tmp_path)),
+                          exchange=lambda key, value: where)
+    breakdown = open(study.finish(ctx)).read()
+    assert "Ranks [1] wrote their traces on their own hosts (['host-b'])" in breakdown, breakdown
+    assert "no tensor rounds in these traces" in breakdown, breakdown
