@@ -99,14 +99,6 @@ def _run(args, n):
     return common.cluster_result(ranks)
 
 
-def _rate_bps(text):
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, scale in units.items():
-        if text.lower().endswith(unit):
-            return float(text[:-len(unit)]) * scale
-    raise SystemExit(f"--rate {text!r}: write e.g. 500mbit or 1gbit")
-
-
 def _plot(rows, title):
     labels = [f"N={r['workers']}\n{r['workload']}\n{r['algorithm']}" for r in rows]
     fig, ax = common.figure(figsize=(max(6, 0.9 * len(rows)), 4))
@@ -140,7 +132,7 @@ def main(argv=None):
     if not ok:
         raise SystemExit(f"bench_network: {why}")
 
-    rate = _rate_bps(args.rate)
+    rate = common.rate_bps(args.rate)
     results, rows = {}, []
     for n in [int(v) for v in args.workers.split(",")]:
         print(f"== {n} emulated hosts, links {args.rate} each way, {args.elements:,} float32 "
