@@ -24,20 +24,50 @@ from launch import horovodrun, spawn  # noqa: E402  tests/launch.py: process gro
 
 
 LINK_BUSY = 0.5   # the share of its rate a link must carry for the wire to count as the limit (bottleneck())
+# bottleneck()'s rule as each RESULTS.md section states it
+BOTTLENECK_RULE = (
+    "Bottleneck (benchmarks/common.bottleneck), of the row's time: the server's share (switch or aggregators: "
+    "their queue + processing, from commlib.records() or, where it lacks them, their counters by Little's law "
+    "over the window: a lower bound), the network's (commlib's transfer minus the server's share) and the "
+    "workers' (commlib's processing, plus what neither covers, e.g. the model's compute); the largest is "
+    "named, with the shares. Link = bytes the worker's link sent / (rate x time); a network share during "
+    f"which the link carried under {LINK_BUSY:.0%} of its rate is named workers (CPU-bound). With no "
+    f"breakdown, a link busy {LINK_BUSY:.0%} of the time or more names the network; else the column says "
+    "what was not measured.")
 
 
-def step_breakdown(records, names):
+def step_breakdown(records, names, server_s=None):
     """Seconds of one step spent by commlib's buckets in the worker's processing (fusion copies,
     scaling, compression) and in the algorithms' collectives (network + switch/aggregators), from
     commlib.records() after the step; a bucket's tensors share its times, so each bucket counts once.
-    server_s, the switch's/aggregators' share of transfer_s, where every bucket's record carries it
-    (records()' server_queue_s + server_proc_s)."""
+    server_s, the switch's/aggregators' share of transfer_s: records()' server_queue_s + server_proc_s
+    where every bucket's record carries them, else the `server_s` given (Probe's, from the daemons)."""
     buckets = {records[n]["bucket"]: records[n] for n in names if n in records}
     out = {"process_s": sum(r["process_s"] for r in buckets.values()),
            "transfer_s": sum(r["transfer_s"] for r in buckets.values())}
     if buckets and all("server_queue_s" in r for r in buckets.values()):
         out["server_s"] = sum(r["server_queue_s"] + r["server_proc_s"] for r in buckets.values())
+    elif server_s is not None:
+        out["server_s"] = server_s
     return out
+
+
+class Probe:
+    """Around a rank's timed step on the emulated network: `tx_bytes` its eth0 sent (link_bytes) and
+    `server_s` the server's share of its transfer (daemon_ns before and after, server_seconds; None
+    but on rank 0, or with no `backends` given). The daemons are asked outside the link's count."""
+
+    def __init__(self, backends=None):
+        self.backends, self.tx_bytes, self.server_s = backends or {}, None, None
+
+    def __enter__(self):
+        self._before = daemon_ns(self.backends)
+        self._tx = link_bytes()[0]
+        return self
+
+    def __exit__(self, *exc):
+        self.tx_bytes = link_bytes()[0] - self._tx
+        self.server_s = server_seconds(self._before, daemon_ns(self.backends))
 
 
 def call_breakdown(fn):
@@ -52,27 +82,32 @@ def call_breakdown(fn):
     return result, {"process_s": cpu, "transfer_s": max(0.0, wall - cpu), "seconds": wall}
 
 
-def daemon_ns(backend):
-    """The queue + processing nanoseconds the server (switch job, aggregators) of `backend` has spent
-    on packets so far, summed over its daemons; None where it reports none (ranks other than 0, the
-    ring, daemons without those counters). Two readings around timed calls give server_seconds."""
-    counters = [fn() for fn in backend.daemon_counters().values()]
-    if not counters or any("queue_ns" not in c for c in counters):
-        return None
-    return sum(c["queue_ns"] + c["proc_ns"] for c in counters)
+def daemon_ns(backends):
+    """{name: (backend, ns)} for each of `backends` ({name: backend}, e.g. runtime().backends) whose
+    server (switch job, aggregators) reports its queue + processing nanoseconds: their sum over its
+    daemons so far. Only rank 0 reads them (the others get {}); two readings around timed calls
+    give server_seconds."""
+    out = {}
+    for name, backend in backends.items():
+        counters = [fn() for fn in backend.daemon_counters().values()]
+        if counters and all("queue_ns" in c for c in counters):
+            out[name] = (backend, sum(c["queue_ns"] + c["proc_ns"] for c in counters))
+    return out
 
 
-def server_seconds(backend, ns_before, ns_after, calls=1):
+def server_seconds(before, after, calls=1):
     """The server's share of one worker's transfer per call, from two daemon_ns readings `calls`
-    calls apart, when records() lack it: by Little's law on a worker's window of W packets in flight
-    (switchml's window, omnireduce's columns), a round lasts W x transfer / P for its P packets, so the
-    server's share of the transfer is (queue + processing per packet) x P / W, and over the n workers'
-    packets: their total queue + processing / (n x W). A window not always full (a tensor smaller than
-    it, its tail) makes rounds shorter than that, so this is a lower bound of the server's share."""
-    if ns_before is None or ns_after is None:
+    calls apart (None where no backend reported both), when records() lack it: by Little's law on a
+    worker's window of W packets in flight (switchml's window, omnireduce's columns), a round lasts
+    W x transfer / P for its P packets, so the server's share of the transfer is (queue + processing
+    per packet) x P / W; over the n workers' packets, their total queue + processing / (n x W). A
+    window not always full (a tensor smaller than it, its tail) makes rounds shorter than that, so
+    this is a lower bound of the server's share."""
+    shared = before.keys() & after.keys()
+    if not shared:
         return None
-    window = getattr(backend, "window", None) or getattr(backend, "columns")
-    return (ns_after - ns_before) / (backend.ctx.size * window) / 1e9 / calls
+    return sum((after[k][1] - before[k][1]) / (b.ctx.size * (getattr(b, "window", None) or b.columns))
+               for k in shared for b in [after[k][0]]) / 1e9 / calls
 
 
 def bottleneck(seconds, breakdowns=(), link=None, server="switch", unmeasured="n/a"):
@@ -99,7 +134,7 @@ def bottleneck(seconds, breakdowns=(), link=None, server="switch", unmeasured="n
     if not breakdowns:
         if isinstance(link, (int, float)) and link >= LINK_BUSY:
             return f"network ({link_text})"
-        return unmeasured + (f" ({link_text})" if link_text else "")
+        return unmeasured + (f"; {link_text}" if link_text else "")
     process = statistics.median(b["process_s"] for b in breakdowns) / seconds
     transfer = statistics.median(b["transfer_s"] for b in breakdowns) / seconds
     served = [b["server_s"] for b in breakdowns if b.get("server_s") is not None]

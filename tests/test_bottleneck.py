@@ -35,8 +35,8 @@ def samples(process_s, transfer_s, server_s=None, runs=3):
     ("medians over the samples", 1.0, samples(0.1, 0.8) + samples(0.9, 0.05, runs=1), None, "switch",
      "network (80%; workers 20%, switch n/a, link n/a)"),
     ("no breakdown, busy link", 1.0, [], 0.93, "switch", "network (link 93%)"),
-    ("no breakdown, quiet link", 1.0, [], 0.3, "switch", "n/a: Horovod's allreduce (link 30%)"),
-    ("nothing measured", 1.0, [], "n/a: loopback", "switch", "n/a: Horovod's allreduce (n/a: loopback)"),
+    ("no breakdown, quiet link", 1.0, [], 0.3, "switch", "n/a: Horovod's allreduce; link 30%"),
+    ("nothing measured", 1.0, [], "n/a: loopback", "switch", "n/a: Horovod's allreduce; n/a: loopback"),
 ])
 def test_bottleneck_rule(case, seconds, breakdowns, link, server, expected):
     got = common.bottleneck(seconds, breakdowns, link=link, server=server, unmeasured="n/a: Horovod's allreduce")
@@ -66,15 +66,16 @@ class FakeBackend:
 
 
 def test_server_seconds_from_the_daemons_counters():
-    before = common.daemon_ns(FakeBackend([{"queue_ns": 1_000, "proc_ns": 500, "rx": 9}, {"queue_ns": 0, "proc_ns": 0}]))
-    backend = FakeBackend([{"queue_ns": 1_000 + 2_000_000_000, "proc_ns": 500 + 560_000_000},
-                           {"queue_ns": 300_000_000, "proc_ns": 100_000_000}])
-    after = common.daemon_ns(backend)
+    backend = FakeBackend([{"queue_ns": 1_000, "proc_ns": 500, "rx": 9}, {"queue_ns": 0, "proc_ns": 0}])
+    before = common.daemon_ns({"switchml": backend, "ring": FakeBackend([])})
+    assert set(before) == {"switchml"}, f"only a backend whose daemons report queue_ns is read: {before}"
+    backend.counters = [{"queue_ns": 1_000 + 2_000_000_000, "proc_ns": 500 + 560_000_000},
+                        {"queue_ns": 300_000_000, "proc_ns": 100_000_000}]
+    after = common.daemon_ns({"switchml": backend})
     # 2.96 s of queue + processing over 4 workers x 128 packets in flight, over 2 calls
-    assert common.server_seconds(backend, before, after, calls=2) == pytest.approx(2.96 / (4 * 128) / 2)
-    assert common.daemon_ns(FakeBackend([{"rx": 5}])) is None, "a daemon without queue_ns counted as zero"
-    assert common.daemon_ns(FakeBackend([])) is None, "no daemons (not rank 0, the ring) counted as zero"
-    assert common.server_seconds(backend, None, after) is None
+    assert common.server_seconds(before, after, calls=2) == pytest.approx(2.96 / (4 * 128) / 2)
+    assert common.daemon_ns({"switchml": FakeBackend([{"rx": 5}])}) == {}, "a daemon without queue_ns counted as zero"
+    assert common.server_seconds({}, after) is None, "no reading before: no server share"
 
 
 def test_call_breakdown_splits_a_call_into_cpu_and_waiting():
