@@ -112,7 +112,7 @@ def server_seconds(before, after, calls=1):
 
 def bottleneck(seconds, breakdowns=(), link=None, server="switch", unmeasured="n/a"):
     """What bounded a benchmark row whose median time is `seconds`: "network", "workers" or the server
-    (`server`: "switch" or "aggregators"), with the shares that decided it, e.g.
+    (`server`: "switch" or "aggregators"; None for algorithms without one), with the shares that decided it, e.g.
     "network (81%; workers 12%, switch 7%, link 93%)".
 
     breakdowns: per timed sample, the seconds it spent in commlib's processing on the worker (process_s:
@@ -139,8 +139,9 @@ def bottleneck(seconds, breakdowns=(), link=None, server="switch", unmeasured="n
     transfer = statistics.median(b["transfer_s"] for b in breakdowns) / seconds
     served = [b["server_s"] for b in breakdowns if b.get("server_s") is not None]
     switch = statistics.median(served) / seconds if served else None
-    shares = {"network": max(0.0, transfer - (switch or 0.0)), "workers": max(process, 1.0 - transfer),
-              server: switch}
+    shares = {"network": max(0.0, transfer - (switch or 0.0)), "workers": max(process, 1.0 - transfer)}
+    if server:   # None: an algorithm without one (the ring, an allgather)
+        shares[server] = switch
     verdict = max((k for k in shares if shares[k] is not None), key=shares.get)
     others = [f"{k} {'n/a' if v is None else format(v, '.0%')}" for k, v in shares.items() if k != verdict]
     if verdict == "network" and isinstance(link, (int, float)) and link < LINK_BUSY * shares["network"]:

@@ -34,6 +34,7 @@ def samples(process_s, transfer_s, server_s=None, runs=3):
      "network (60%; workers 40%, switch n/a, link 35%)"),
     ("medians over the samples", 1.0, samples(0.1, 0.8) + samples(0.9, 0.05, runs=1), None, "switch",
      "network (80%; workers 20%, switch n/a, link n/a)"),
+    ("no server (an allgather, the ring)", 1.0, samples(0.1, 0.8), 0.9, None, "network (80%; workers 20%, link 90%)"),
     ("no breakdown, busy link", 1.0, [], 0.93, "switch", "network (link 93%)"),
     ("no breakdown, quiet link", 1.0, [], 0.3, "switch", "n/a: Horovod's allreduce; link 30%"),
     ("nothing measured", 1.0, [], "n/a: loopback", "switch", "n/a: Horovod's allreduce; n/a: loopback"),
