@@ -82,6 +82,14 @@ def call_breakdown(fn):
     return result, {"process_s": cpu, "transfer_s": max(0.0, wall - cpu), "seconds": wall}
 
 
+def slowest_call(ctx, key, fn):
+    """(fn()'s result on this rank, the slowest rank's seconds, its breakdown: call_breakdown), the
+    ranks' measurements exchanged over the job's context under `key`; every rank calls it."""
+    result, split = call_breakdown(fn)
+    seconds, process_s, transfer_s = max(ctx.exchange(key, [split["seconds"], split["process_s"], split["transfer_s"]]))
+    return result, seconds, {"process_s": process_s, "transfer_s": transfer_s}
+
+
 def daemon_ns(backends):
     """{name: (backend, ns)} for each of `backends` ({name: backend}, e.g. runtime().backends) whose
     server (switch job, aggregators) reports its queue + processing nanoseconds: their sum over its
@@ -112,15 +120,15 @@ def server_seconds(before, after, calls=1):
 
 def bottleneck(seconds, breakdowns=(), link=None, server="switch", unmeasured="n/a"):
     """What bounded a benchmark row whose median time is `seconds`: "network", "workers" or the server
-    (`server`: "switch" or "aggregators"; None for algorithms without one), with the shares that decided it, e.g.
-    "network (81%; workers 12%, switch 7%, link 93%)".
+    (`server`: "switch" or "aggregators"; None for algorithms without one), with the shares that
+    decided it, e.g. "network (81%; workers 12%, switch 7%, link 93%)".
 
     breakdowns: per timed sample, the seconds it spent in commlib's processing on the worker (process_s:
     fusion, scaling, compression, quantization), in its collectives (transfer_s: network + server) and,
     where measured, the server's part of transfer_s (server_s: queue + processing; step_breakdown,
     server_seconds); medians over the samples. link: the bytes the worker's link carried / (rate x
     seconds), or a text saying why it is unknown ("n/a: loopback"). unmeasured: what the column says
-    with no breakdown and no link rate, why they are unknown (e.g. "n/a: Horovod's own allreduce").
+    with no breakdown and no busy link: why (e.g. "n/a: Horovod's own allreduce").
 
     The rule. Shares of `seconds`: the server's is server_s, the network's is transfer_s - server_s,
     the workers' is process_s plus what neither covers (the rest of a training step: the model's
@@ -130,7 +138,7 @@ def bottleneck(seconds, breakdowns=(), link=None, server="switch", unmeasured="n
     the workers are named. With no breakdown the link alone decides: a link busy LINK_BUSY of the
     row's time or more names the network; else the column says `unmeasured` and the link.
     """
-    link_text = link if isinstance(link, str) else None if link is None else f"link {link:.0%}"
+    link_text = None if link is None else f"link {link}" if isinstance(link, str) else f"link {link:.0%}"
     if not breakdowns:
         if isinstance(link, (int, float)) and link >= LINK_BUSY:
             return f"network ({link_text})"

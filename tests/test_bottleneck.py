@@ -23,7 +23,7 @@ def samples(process_s, transfer_s, server_s=None, runs=3):
     ("server share dominates", 1.0, samples(0.1, 0.8, server_s=0.6), None, "switch",
      "switch (60%; network 20%, workers 20%, link n/a)"),
     ("aggregators named as such", 2.0, samples(0.2, 1.6, server_s=1.0), "n/a: loopback", "aggregators",
-     "aggregators (50%; network 30%, workers 20%, n/a: loopback)"),
+     "aggregators (50%; network 30%, workers 20%, link n/a: loopback)"),
     # a training step: what neither processing nor transfer covers is the model's compute, on the workers
     ("compute outside commlib", 1.0, samples(0.05, 0.3), None, "switch",
      "workers (70%; network 30%, switch n/a, link n/a)"),
@@ -37,7 +37,7 @@ def samples(process_s, transfer_s, server_s=None, runs=3):
     ("no server (an allgather, the ring)", 1.0, samples(0.1, 0.8), 0.9, None, "network (80%; workers 20%, link 90%)"),
     ("no breakdown, busy link", 1.0, [], 0.93, "switch", "network (link 93%)"),
     ("no breakdown, quiet link", 1.0, [], 0.3, "switch", "n/a: Horovod's allreduce; link 30%"),
-    ("nothing measured", 1.0, [], "n/a: loopback", "switch", "n/a: Horovod's allreduce; n/a: loopback"),
+    ("nothing measured", 1.0, [], "n/a: loopback", "switch", "n/a: Horovod's allreduce; link n/a: loopback"),
 ])
 def test_bottleneck_rule(case, seconds, breakdowns, link, server, expected):
     got = common.bottleneck(seconds, breakdowns, link=link, server=server, unmeasured="n/a: Horovod's allreduce")
@@ -85,3 +85,15 @@ def test_call_breakdown_splits_a_call_into_cpu_and_waiting():
     assert result == 7
     assert b["transfer_s"] >= 0.15 and b["process_s"] < 0.05, f"a sleep is waiting, not processing: {b}"
     assert b["process_s"] + b["transfer_s"] == pytest.approx(b["seconds"])
+
+
+def test_slowest_call_reports_the_slowest_ranks_breakdown():
+    class Ctx:   # two ranks: this one (a short sleep) and another whose call took 9 s, 1 of them CPU
+        def exchange(self, key, value):
+            assert key == "bench/x/0/s"
+            return [value, [9.0, 1.0, 8.0]]
+
+    import time
+    result, seconds, split = common.slowest_call(Ctx(), "bench/x/0/s", lambda: time.sleep(0.01) or "out")
+    assert (result, seconds, split) == ("out", 9.0, {"process_s": 1.0, "transfer_s": 8.0}), \
+        "the row's time and breakdown must be the slowest rank's, the result this rank's own"
