@@ -69,12 +69,10 @@ def worker(args):
                 for i in range(warm, warm + args.runs):
                     rows, values = steps[i]
                     counts = ctx.exchange(f"bench/{name}/{i}/n", int(rows.size))   # as the negotiation hands them
-                    got, split = common.call_breakdown(
-                        lambda: sparse.reduce_rows(backend, rows, values, vocab, name, counts))
-                    slowest = max(ctx.exchange(f"bench/{name}/{i}/s", [split["seconds"], split["process_s"],
-                                                                       split["transfer_s"]]))
-                    samples.append(slowest[0])
-                    breakdowns.append({"process_s": slowest[1], "transfer_s": slowest[2]})
+                    got, seconds, split = common.slowest_call(ctx, f"bench/{name}/{i}/s", lambda: sparse.reduce_rows(
+                        backend, rows, values, vocab, name, counts))
+                    samples.append(seconds)
+                    breakdowns.append(split)
                     model.append(_model(ctx, backend, algorithm, name, rows, vocab, args.dim, traffic, sparse, i))
                     if algorithm == "sparse_allgather":
                         reference[i] = got

@@ -306,7 +306,8 @@ def main(argv=None):
                 "median step; the server is named aggregators where the policy sends tensors to omnireduce.\n\n"
                 "| model | configuration | parameters | samples/s | vs first | median samples/s | vs first (median) | "
                 "loss first -> last | commlib algorithms | bottleneck |\n"
-                "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + f"\n\n![training](results/{suite}.png)\n")
+                "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+                + f"\n\n![training](results/{suite}.png)\n")
     settings = common.training_settings(args, "vocab", "zipf", "workload", "hotcold_every", "hotcold_rule", "rounds")
     common.save(suite, settings, results, markdown)
     print(markdown)
