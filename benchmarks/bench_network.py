@@ -171,7 +171,7 @@ def main(argv=None):
                 f"placed independently per rank, density as measured. 'link' = bytes the worker's eth0 sent / "
                 f"(rate x time): near 100% the network is the bottleneck, well below it the 2 CPUs are. "
                 + common.BOTTLENECK_RULE + " Here, per run of the slowest rank: processing = its calling thread's "
-                "CPU time, transfer = the rest (common.call_breakdown).\n\n"
+                "CPU time, transfer = the rest (common.slowest_call).\n\n"
                 "| workers | workload | algorithm | median ms | goodput Gbps | vs ring | sent MiB/worker | link | "
                 "bottleneck |\n|---|---|---|---|---|---|---|---|---|\n" + table
                 + "\n\n![network](results/network.png)\n")

@@ -56,7 +56,7 @@ def worker(args):
     except commlib.CommError as exc:
         ring, engine = None, f"unavailable: {exc}"
 
-    splits = {}   # tag -> per run, the slowest rank's processing and transfer (common.call_breakdown)
+    splits = {}   # tag -> per run, the slowest rank's processing and transfer (common.slowest_call)
 
     def timed(backend, x, tag):
         backend.allreduce(x, f"{tag}.warmup")
@@ -197,7 +197,7 @@ def main(argv=None):
                 f"(own blocks + 4 B up, union down); the ring moves 2(N-1)/N*S each way. Load average "
                 f"{load_before[0]:.1f} on {os.cpu_count()} CPUs at the start. " + common.BOTTLENECK_RULE +
                 " Here, omnireduce's, per run of the slowest rank: processing = its calling thread's CPU time "
-                "(packing, MACs, its socket calls), transfer = the rest (common.call_breakdown); colocated "
+                "(packing, MACs, its socket calls), transfer = the rest (common.slowest_call); colocated "
                 "aggregators are threads of the workers' processes; on loopback the network is this host's "
                 "kernel and CPUs.\n\n"
                 "| aggregators | nominal density | measured own / union | omnireduce ms | ring ms | ring/omni | "

@@ -232,7 +232,7 @@ def main(argv=None):
                     f"the rows carrying {args.share:.0%} of the window's updates" if args.rule == "share" else
                     "the rows whose slab slot costs less than their expected allgather bytes") + ". "
                 + common.BOTTLENECK_RULE + " Here, per call of the slowest rank: processing = its calling thread's "
-                "CPU time, transfer = the rest (common.call_breakdown); hot/cold's switch share is not measured.\n\n"
+                "CPU time, transfer = the rest (common.slowest_call); hot/cold's switch share is not measured.\n\n"
                 "| workers | workload | rows/rank | algorithm | median ms | vs allgather | sent KiB (model) | "
                 "received KiB (model) | hot set | bottleneck |\n|---|---|---|---|---|---|---|---|---|---|\n" + table +
                 f"\n\n![sparse](results/{suite}.png) ![skew](results/{suite}_skew.png)\n")

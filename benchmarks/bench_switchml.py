@@ -54,7 +54,7 @@ def worker(args):
     ctx, rank = rt.ctx, rt.ctx.rank
     x = np.random.default_rng(rank).standard_normal(args.elements).astype(np.float32)
 
-    splits = {}   # tag -> per run, the slowest rank's processing and transfer (common.call_breakdown)
+    splits = {}   # tag -> per run, the slowest rank's processing and transfer (common.slowest_call)
 
     def timed(backend, tag):
         backend.allreduce(x, f"{tag}.warmup")
@@ -232,7 +232,10 @@ def main(argv=None):
                     f"{prof['mac_cpu_ns_per_packet']:.0f} | {verdict} |")
     engine = next(iter(results.values()))["ring_engine"] if results else "?"
     markdown = (f"float32 allreduce of {args.elements:,} values on loopback (median goodput, Gbps = elements*32/ns; "
-                f"ring = {engine} allreduce in the same processes)\n\n"
+                f"ring = {engine} allreduce in the same processes). " + common.BOTTLENECK_RULE + " Here, switchml's, per "
+                "run of the slowest rank: processing = its calling thread's CPU time (quantizing, packing, MACs, its "
+                "socket calls), transfer = the rest (common.slowest_call); on loopback the network is this host's "
+                "kernel and CPUs.\n\n"
                 "| workers | switchml Gbps | ring Gbps | switchml/ring | switch busy | switch CPU ns/elem | "
                 "worker CPU ns/elem | embedded, MACs Gbps | embedded, no MACs Gbps | MAC cost | MAC worker CPU "
                 "ns/elem | MAC switch CPU ns/elem | one MAC, CPU ns/packet | bottleneck (switchml) |\n"
@@ -241,9 +244,7 @@ def main(argv=None):
                 "switch/csrc), the switch embedded in rank 0 with COMMLIB_AUTHENTICATE on and off (wall time: "
                 "noisy on a busy host); the CPU time per element the MACs add to a worker and to the switch "
                 "(robust); one MAC of a 256-value packet (a worker makes two per packet, the switch n + 1 per "
-                "round of n contributions).\n\n" + common.BOTTLENECK_RULE + " Here, per run of the slowest rank: "
-                "processing = its calling thread's CPU time (quantizing, packing, MACs, its socket calls), transfer = "
-                "the rest (common.call_breakdown); on loopback the network is this host's kernel and CPUs.\n")
+                "round of n contributions).\n")
     settings = {"elements": args.elements, "runs": args.runs, "window": args.window, "quick": args.quick,
                 "offload": not args.no_offload, "packet_elems": 256}
     common.save("switchml", settings, results, markdown)
