@@ -72,11 +72,13 @@ def worker(args):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import commlib
+    from commlib.api import runtime
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     commlib.init()
+    rt = runtime()
     gen = torch.Generator().manual_seed(1234)                 # the teacher: the same on every rank
     teacher = torch.randn(args.features, 10, generator=gen)
     runs = {}
@@ -90,35 +92,38 @@ def worker(args):
         # mismatch): both PowerSGD configurations get the model in one bucket
         model = DDP(net, bucket_cap_mb=64) if "powersgd" in label else DDP(net)
         register(label, model, net)
-        runs[label] = (net, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), [], [], [])
+        runs[label] = (net, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), [], [], [], [])
     # the configurations take turns step by step, so a change of load on this shared machine
     # falls on all of them alike
     for step in range(args.warmup + args.steps):
         x = torch.randn(args.batch, args.features, generator=torch.Generator().manual_seed(step * 1000 + rank))
         y = (x @ teacher).argmax(dim=1)
-        for label, (net, model, optimizer, rates, losses, breakdowns) in runs.items():
+        for label, (net, model, optimizer, rates, losses, breakdowns, sent) in runs.items():
             dist.barrier()   # every rank starts the step together
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            elapsed = time.perf_counter() - start
+            with common.Probe(rt.backends if label.startswith("commlib") else None) as probe:
+                start = time.perf_counter()
+                optimizer.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()
+                elapsed = time.perf_counter() - start
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / size)
             if step >= args.warmup:
                 rates.append(args.batch / elapsed)
+                sent.append(probe.tx_bytes)
                 if label.startswith("commlib"):
-                    breakdowns.append(common.step_breakdown(commlib.records(), [n for n, _ in net.named_parameters()]))
+                    breakdowns.append(common.step_breakdown(commlib.records(), [n for n, _ in net.named_parameters()],
+                                                            probe.server_s))
     out = {}
-    for label, (net, model, optimizer, rates, losses, breakdowns) in runs.items():
+    for label, (net, model, optimizer, rates, losses, breakdowns, sent) in runs.items():
         if rank == 0:
             total = size * statistics.fmean(rates)
             print(f"{label}: {total:.1f} samples/s on {size} workers, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
                   flush=True)
         out[label] = {"parameters": sum(p.numel() for p in net.parameters()), "rates": rates, "losses": losses,
-                      "breakdowns": breakdowns}
+                      "breakdowns": breakdowns, "tx_bytes": sent}
     if rank == 0:
         common.emit({"size": size, "results": out})
     commlib.shutdown()
@@ -168,9 +173,11 @@ def main(argv=None):
         r["total_samples_per_s"], r["vs_ddp_default"] = total, total / baseline
         losses = r["losses"]
         step_s = args.batch * n / total
+        r["link"] = statistics.median(r["tx_bytes"]) * 8 / (common.rate_bps(args.rate) * step_s)
+        r["bottleneck"] = common.bottleneck(step_s, r["breakdowns"], r["link"],
+                                            unmeasured="n/a: DDP's own allreduce")
         rows.append(f"| {label} | {total:.0f} | {total / baseline:.2f}x | "
-                    f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | "
-                    f"{common.bottleneck(step_s, r.get('breakdowns'))} |")
+                    f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | {r['bottleneck']} |")
     title = (f"DDP, {n} emulated hosts, links {args.rate} each way, MLP {results[CONFIGS[0]]['parameters']:,} "
              f"parameters, batch {args.batch} per worker, {args.steps} timed steps after {args.warmup}")
     _plot(results, title)
@@ -178,10 +185,9 @@ def main(argv=None):
                 "allreduce (gloo ring) in the same job. PowerSGD: rank 4, plain allreduce for the first "
                 f"{POWERSGD_START} steps, error feedback and warm start, PyTorch's hook vs commlib's over the ring, both "
                 "with the model in one DDP bucket (PyTorch's hook on gloo mismatches collectives with several). "
-                "The loss is the mean over ranks at the first step and over the last three. Where the step went: "
-                "the median share of the step spent in commlib's collectives (transfer: network and switch) and "
-                "in the worker's processing (commlib.records()).\n\n"
-                "| configuration | samples/s | vs DDP default | loss first -> last | where the step went |\n"
+                "The loss is the mean over ranks at the first step and over the last three. "
+                + common.BOTTLENECK_RULE + "\n\n"
+                "| configuration | samples/s | vs DDP default | loss first -> last | bottleneck |\n"
                 "|---|---|---|---|---|\n"
                 + "\n".join(rows) + "\n\n![ddp](results/ddp.png)\n")
     settings = common.training_settings(args)

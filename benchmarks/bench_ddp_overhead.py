@@ -43,18 +43,22 @@ def worker(args):
         if label != "ddp default":
             hook = cl.ddp_comm_hook if "per parameter" in label else bucket_hook
             model.register_comm_hook(cl.CommlibState(net.named_parameters(), algorithm="ring"), hook)
-        runs[label] = (model, [])
+        runs[label] = (model, [], [])
+    names = [n for n, _ in net.named_parameters()]   # every configuration's model has the same names
     for step in range(args.warmup + args.steps):
         x = torch.randn(32, args.width)
-        for label, (model, times) in runs.items():
+        for label, (model, times, breakdowns) in runs.items():
             dist.barrier()
             start = time.perf_counter()
             model(x).pow(2).mean().backward()
             if step >= args.warmup:
                 times.append(time.perf_counter() - start)
+                if label != "ddp default":
+                    breakdowns.append(common.step_breakdown(commlib.records(), names))
     if dist.get_rank() == 0:
         common.emit({"tensors": 2 * args.layers, "floats": sum(p.numel() for p in net.parameters()),
-                     "results": {label: times for label, (_, times) in runs.items()}})
+                     "results": {label: times for label, (_, times, _) in runs.items()},
+                     "breakdowns": {label: b for label, (_, _, b) in runs.items()}})
     commlib.shutdown()
     dist.destroy_process_group()
 
@@ -75,13 +79,18 @@ def main(argv=None):
     payload = common.local_result(__file__, forwarded)
     medians = {label: statistics.median(times) for label, times in payload["results"].items()}
     base = medians[CONFIGS[0]]
-    rows = [f"| {label} | {1000 * m:.1f} | +{1000 * (m - base):.1f} |" for label, m in medians.items()]
+    verdicts = {label: common.bottleneck(m, payload["breakdowns"][label], "n/a: loopback", None,
+                                         unmeasured="n/a: DDP's own allreduce") for label, m in medians.items()}
+    rows = [f"| {label} | {1000 * m:.1f} | +{1000 * (m - base):.1f} | {verdicts[label]} |"
+            for label, m in medians.items()]
     markdown = (f"Backward pass (with its reduction) of {payload['tensors']} small tensors ({payload['floats']:,} "
                 f"floats), 2 ranks on loopback, median of {args.steps} interleaved steps: the per-tensor cost of "
-                "reducing DDP buckets per parameter.\n\n| configuration | ms per backward | vs DDP default |\n"
-                "|---|---|---|\n" + "\n".join(rows) + "\n")
+                "reducing DDP buckets per parameter. " + common.BOTTLENECK_RULE + " Here the workers' share holds "
+                "the core's per-tensor work outside processing and transfer (negotiation, queueing).\n\n"
+                "| configuration | ms per backward | vs DDP default | bottleneck |\n"
+                "|---|---|---|---|\n" + "\n".join(rows) + "\n")
     settings = {k: getattr(args, k) for k in ("quick", "layers", "width", "steps", "warmup")}
-    common.save("ddp_overhead", settings, {"medians_s": medians, **payload}, markdown)
+    common.save("ddp_overhead", settings, {"medians_s": medians, "bottleneck": verdicts, **payload}, markdown)
     print(markdown)
     return 0
 

@@ -17,7 +17,6 @@ Results: benchmarks/results/network.json, network.png and RESULTS.md. Needs root
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -28,6 +27,7 @@ import common  # noqa: E402
 import netem  # noqa: E402
 
 BLOCK = 256   # omnireduce's default block: the densities are of these blocks
+SERVERS = {"ring": None, "switchml": "switch", "omnireduce": "aggregators"}
 
 
 # -- inside each rank (its own namespace) -------------------------------------------------------------
@@ -44,15 +44,18 @@ def worker(args):
     def timed(algorithm, x, tag):
         backend = rt.backend(algorithm)
         out = backend.allreduce(x, f"{tag}.warmup")
-        samples, (tx, rx) = [], common.link_bytes()
+        served = common.daemon_ns({algorithm: backend})   # rank 0: the switch's or aggregators' counters
+        samples, breakdowns, (tx, rx) = [], [], common.link_bytes()
         for i in range(args.runs):
             ctx.barrier(f"bench/{tag}/{i}")
-            start = time.perf_counter()
-            backend.allreduce(x, tag)
-            samples.append(max(ctx.exchange(f"bench/{tag}/{i}/s", time.perf_counter() - start)))
+            _, seconds, split = common.slowest_call(ctx, f"bench/{tag}/{i}/s", lambda: backend.allreduce(x, tag))
+            samples.append(seconds)
+            breakdowns.append(split)
         tx2, rx2 = common.link_bytes()
+        server_s = common.server_seconds(served, common.daemon_ns({algorithm: backend}), args.runs)
         sent = ctx.exchange(f"bench/{tag}/bytes", [(tx2 - tx) / args.runs, (rx2 - rx) / args.runs])
-        return {"seconds": samples, "tx_bytes": [b[0] for b in sent], "rx_bytes": [b[1] for b in sent]}, out
+        return {"seconds": samples, "tx_bytes": [b[0] for b in sent], "rx_bytes": [b[1] for b in sent],
+                "breakdowns": [dict(b, server_s=server_s) for b in breakdowns]}, out
 
     workloads = {}
     dense = np.random.default_rng(rank).standard_normal(args.elements).astype(np.float32)
@@ -99,14 +102,6 @@ def _run(args, n):
     return common.cluster_result(ranks)
 
 
-def _rate_bps(text):
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, scale in units.items():
-        if text.lower().endswith(unit):
-            return float(text[:-len(unit)]) * scale
-    raise SystemExit(f"--rate {text!r}: write e.g. 500mbit or 1gbit")
-
-
 def _plot(rows, title):
     labels = [f"N={r['workers']}\n{r['workload']}\n{r['algorithm']}" for r in rows]
     fig, ax = common.figure(figsize=(max(6, 0.9 * len(rows)), 4))
@@ -140,7 +135,7 @@ def main(argv=None):
     if not ok:
         raise SystemExit(f"bench_network: {why}")
 
-    rate = _rate_bps(args.rate)
+    rate = common.rate_bps(args.rate)
     results, rows = {}, []
     for n in [int(v) for v in args.workers.split(",")]:
         print(f"== {n} emulated hosts, links {args.rate} each way, {args.elements:,} float32 "
@@ -158,6 +153,8 @@ def main(argv=None):
                 row = {"workers": n, "workload": workload, "algorithm": algorithm, "median_ms": ms,
                        "goodput_gbps": args.elements * 32 / (ms * 1e6), "vs_ring": ring_ms / ms,
                        "tx_mib": tx / 2 ** 20, "link_utilization": tx * 8 / (rate * ms / 1e3)}
+                row["bottleneck"] = common.bottleneck(ms / 1e3, r["breakdowns"], row["link_utilization"],
+                                                      SERVERS[algorithm])
                 rows.append(row)
                 print(f"  {workload:<12} {algorithm:<10} {ms:8.1f} ms  {row['goodput_gbps']:6.3f} Gbps  "
                       f"x{row['vs_ring']:5.2f} vs ring  sent {row['tx_mib']:7.2f} MiB/worker  "
@@ -168,13 +165,16 @@ def main(argv=None):
     _plot(rows, title)
     table = "\n".join(f"| {r['workers']} | {r['workload']} | {r['algorithm']} | {r['median_ms']:.1f} | "
                       f"{r['goodput_gbps']:.3f} | {r['vs_ring']:.2f}x | {r['tx_mib']:.2f} | "
-                      f"{r['link_utilization']:.0%} |" for r in rows)
+                      f"{r['link_utilization']:.0%} | {r['bottleneck']} |" for r in rows)
     markdown = (f"Emulated cluster (benchmarks/netem.py): a namespace per worker and for the switch, every worker "
                 f"link shaped to {args.rate} each way with tc; {title}. Sparse workloads: 256-element blocks "
                 f"placed independently per rank, density as measured. 'link' = bytes the worker's eth0 sent / "
-                f"(rate x time): near 100% the network is the bottleneck, well below it the 2 CPUs are.\n\n"
-                "| workers | workload | algorithm | median ms | goodput Gbps | vs ring | sent MiB/worker | link |\n"
-                "|---|---|---|---|---|---|---|---|\n" + table + "\n\n![network](results/network.png)\n")
+                f"(rate x time): near 100% the network is the bottleneck, well below it the 2 CPUs are. "
+                + common.BOTTLENECK_RULE + " Here, per run of the slowest rank: processing = its calling thread's "
+                "CPU time, transfer = the rest (common.slowest_call).\n\n"
+                "| workers | workload | algorithm | median ms | goodput Gbps | vs ring | sent MiB/worker | link | "
+                "bottleneck |\n|---|---|---|---|---|---|---|---|---|\n" + table
+                + "\n\n![network](results/network.png)\n")
     settings = {"quick": args.quick, "rate": args.rate, "delay_ms": args.delay_ms, "elements": args.elements,
                 "runs": args.runs, "densities": args.densities, "workers": args.workers}
     common.save("network", settings, {"rows": rows, "raw": results}, markdown)

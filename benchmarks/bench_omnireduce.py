@@ -18,7 +18,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -57,14 +56,16 @@ def worker(args):
     except commlib.CommError as exc:
         ring, engine = None, f"unavailable: {exc}"
 
+    splits = {}   # tag -> per run, the slowest rank's processing and transfer (common.slowest_call)
+
     def timed(backend, x, tag):
         backend.allreduce(x, f"{tag}.warmup")
-        samples, out = [], None
+        samples, out, splits[tag] = [], None, []
         for i in range(args.runs):
             ctx.barrier(f"bench/{tag}/{i}")
-            start = time.perf_counter()
-            out = backend.allreduce(x, f"{tag}")
-            samples.append(max(ctx.exchange(f"bench/{tag}/{i}/s", time.perf_counter() - start)))
+            out, seconds, split = common.slowest_call(ctx, f"bench/{tag}/{i}/s", lambda: backend.allreduce(x, f"{tag}"))
+            samples.append(seconds)
+            splits[tag].append(split)
         return samples, out
 
     results = {}
@@ -73,7 +74,9 @@ def worker(args):
         x = np.zeros(nblocks * BLOCK, dtype=np.float32)
         x.reshape(nblocks, BLOCK)[masks[rank] > 0] = rank + 1           # closed-form sum, checked below
         x = x[:elements]
+        served = common.daemon_ns({"omnireduce": omni})   # rank 0: the aggregators' queue_ns + proc_ns
         omni_s, out = timed(omni, x, f"omni{density}")
+        server_s = common.server_seconds(served, common.daemon_ns({"omnireduce": omni}), args.runs + 1)
         expected = (np.stack(masks) * np.arange(1, n + 1)[:, None]).sum(axis=0).astype(np.float32)
         assert np.array_equal(out.reshape(-1)[: (elements // BLOCK) * BLOCK].reshape(-1, BLOCK)[:, 0],
                               expected[: elements // BLOCK]), "omnireduce sum is wrong"
@@ -89,6 +92,7 @@ def worker(args):
             paper = [paper_model(int(m.sum()), union, BLOCK * 4) for m in masks]
             results[str(density)] = {
                 "omnireduce_s": omni_s, "ring_s": ring_s,
+                "breakdowns": [dict(b, server_s=server_s) for b in splits[f"omni{density}"]],
                 "bytes_sent": [p[0] for p in per_rank], "bytes_recv": [p[1] for p in per_rank],
                 "resends": [p[2] for p in per_rank],
                 "measured_density": [p[3] for p in per_rank], "measured_union_density": per_rank[0][4],
@@ -180,19 +184,25 @@ def main(argv=None):
                       f"the MACs cost {r['mac_cost']:.1%} of the time", flush=True)
                 mac_rows.append(f"| {mode} | {float(density):.0%} | {omni * 1e3:.1f} | {no_mac * 1e3:.1f} | "
                                 f"{r['mac_cost']:.1%} |")
+            r["bottleneck"] = common.bottleneck(omni, r["breakdowns"], "n/a: loopback", "aggregators")
             rows.append(f"| {mode} | {float(density):.0%} | {own:.4f} / {r['measured_union_density']:.4f} | "
                         f"{omni * 1e3:.1f} | {ring * 1e3 if ring else float('nan'):.1f} | "
                         f"{ring / omni if ring else float('nan'):.2f}x | {_mib(sent):.2f} / {_mib(up):.2f} | "
-                        f"{_mib(recv):.2f} / {_mib(down):.2f} | {_mib(r['ring_model_bytes']):.2f} |")
+                        f"{_mib(recv):.2f} / {_mib(down):.2f} | {_mib(r['ring_model_bytes']):.2f} | "
+                        f"{r['bottleneck']} |")
     engine = next(iter(results.values()))["engine"] if results else "?"
     markdown = (f"{n} workers on loopback, {args.mib} MiB float32, 256-element blocks placed independently per "
                 f"rank; median of {args.runs} runs after a warm-up; dense peer = {engine} allreduce in the same "
                 f"processes. Bytes are per worker (UDP payload, mean over ranks) vs OMNIREDUCE.md's model "
                 f"(own blocks + 4 B up, union down); the ring moves 2(N-1)/N*S each way. Load average "
-                f"{load_before[0]:.1f} on {os.cpu_count()} CPUs at the start.\n\n"
+                f"{load_before[0]:.1f} on {os.cpu_count()} CPUs at the start. " + common.BOTTLENECK_RULE +
+                " Here, omnireduce's, per run of the slowest rank: processing = its calling thread's CPU time "
+                "(packing, MACs, its socket calls), transfer = the rest (common.slowest_call); colocated "
+                "aggregators are threads of the workers' processes; on loopback the network is this host's "
+                "kernel and CPUs.\n\n"
                 "| aggregators | nominal density | measured own / union | omnireduce ms | ring ms | ring/omni | "
-                "sent / model MiB | recv / model MiB | ring MiB each way |\n"
-                "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+                "sent / model MiB | recv / model MiB | ring MiB each way | bottleneck (omnireduce) |\n"
+                "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
                 "\nThe packet MACs' cost (SipHash-2-4 over every packet and result, switch/csrc; the rows above "
                 "are with MACs, the default): the same allreduce with COMMLIB_AUTHENTICATE=0.\n\n"
                 "| aggregators | density | with MACs ms | without ms | share of the time |\n|---|---|---|---|---|\n"

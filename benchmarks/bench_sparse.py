@@ -17,7 +17,6 @@ Results: benchmarks/results/sparse.json, sparse.png, sparse_skew.png and RESULTS
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -28,6 +27,7 @@ import common  # noqa: E402
 import netem  # noqa: E402
 
 ALGORITHMS = ("sparse_allgather", "omnireduce", "hotcold", "switchml")
+SERVERS = {"sparse_allgather": None, "omnireduce": "aggregators", "hotcold": "switch", "switchml": "switch"}
 
 
 # -- inside each rank (its own namespace) -------------------------------------------------------------
@@ -63,14 +63,16 @@ def worker(args):
                 warm = every if algorithm == "hotcold" else 1
                 for i in range(warm):
                     sparse.reduce_rows(backend, *steps[i], vocab, name)
-                samples, model = [], []
+                samples, model, breakdowns = [], [], []
+                served = common.daemon_ns({algorithm: backend})   # rank 0: the switch's or aggregators' counters
                 tx, rx = common.link_bytes()
                 for i in range(warm, warm + args.runs):
                     rows, values = steps[i]
                     counts = ctx.exchange(f"bench/{name}/{i}/n", int(rows.size))   # as the negotiation hands them
-                    start = time.perf_counter()
-                    got = sparse.reduce_rows(backend, rows, values, vocab, name, counts)
-                    samples.append(max(ctx.exchange(f"bench/{name}/{i}/s", time.perf_counter() - start)))
+                    got, seconds, split = common.slowest_call(ctx, f"bench/{name}/{i}/s", lambda: sparse.reduce_rows(
+                        backend, rows, values, vocab, name, counts))
+                    samples.append(seconds)
+                    breakdowns.append(split)
                     model.append(_model(ctx, backend, algorithm, name, rows, vocab, args.dim, traffic, sparse, i))
                     if algorithm == "sparse_allgather":
                         reference[i] = got
@@ -81,8 +83,11 @@ def worker(args):
                         scale = max(1.0, float(np.abs(exact[1]).max(initial=0.0)))
                         assert np.allclose(got[1], exact[1], atol=bound * scale), f"{algorithm} differs from the allgather"
                 tx2, rx2 = common.link_bytes()
+                server_s = common.server_seconds(served, common.daemon_ns({algorithm: backend}), args.runs)
+                for b in breakdowns:
+                    b["server_s"] = server_s
                 moved = ctx.exchange(f"bench/{name}/bytes", [(tx2 - tx) / args.runs, (rx2 - rx) / args.runs])
-                workload[algorithm] = {"seconds": samples, "tx_bytes": [m[0] for m in moved],
+                workload[algorithm] = {"seconds": samples, "breakdowns": breakdowns, "tx_bytes": [m[0] for m in moved],
                                        "rx_bytes": [m[1] for m in moved],
                                        "model_up": statistics.fmean(m["up"] for m in model),
                                        "model_down": statistics.fmean(m["down"] for m in model)}
@@ -205,6 +210,8 @@ def main(argv=None):
                        "model_up_kib": r["model_up"] / 1024, "model_down_kib": r["model_down"] / 1024}
                 if algorithm == "hotcold":
                     row["hot_k"], row["hot_share"] = r["skew"].get("hot_k"), r["skew"].get("hot_share")
+                row["link"] = row["tx_kib"] * 1024 * 8 / (common.rate_bps(args.rate) * ms / 1e3)
+                row["bottleneck"] = common.bottleneck(ms / 1e3, r["breakdowns"], row["link"], SERVERS[algorithm])
                 rows.append(row)
                 print(f"  {tag:<14} {algorithm:<16} {ms:9.1f} ms  x{row['vs_allgather']:5.2f} vs allgather  "
                       f"sent {row['tx_kib']:9.1f} KiB (model {row['model_up_kib']:9.1f})  "
@@ -216,16 +223,18 @@ def main(argv=None):
     table = "\n".join(
         f"| {r['workers']} | {r['workload']} | {r['rows_per_rank']:.0f} | {r['algorithm']} | {r['median_ms']:.1f} | "
         f"{r['vs_allgather']:.2f}x | {r['tx_kib']:.0f} / {r['model_up_kib']:.0f} | {r['rx_kib']:.0f} / "
-        f"{r['model_down_kib']:.0f} | " + (f"K={r['hot_k']}, {r['hot_share']:.0%}" if "hot_k" in r else "") + " |"
-        for r in rows)
+        f"{r['model_down_kib']:.0f} | " + (f"K={r['hot_k']}, {r['hot_share']:.0%}" if "hot_k" in r else "") +
+        f" | {r['bottleneck']} |" for r in rows)
     markdown = (f"Emulated cluster (benchmarks/netem.py); {title}. Workload v<rows>.s<Zipf exponent>; each "
                 f"algorithm reduces the same steps' gradients (results checked against the allgather's). "
                 f"Bytes per worker and call: measured on eth0 / predicted by commlib.traffic (hot/cold: slab "
                 f"+ cold allgather). Hot/cold's window: {args.every} calls, hot set: " + (
                     f"the rows carrying {args.share:.0%} of the window's updates" if args.rule == "share" else
-                    "the rows whose slab slot costs less than their expected allgather bytes") + ".\n\n"
+                    "the rows whose slab slot costs less than their expected allgather bytes") + ". "
+                + common.BOTTLENECK_RULE + " Here, per call of the slowest rank: processing = its calling thread's "
+                "CPU time, transfer = the rest (common.slowest_call); hot/cold's switch share is not measured.\n\n"
                 "| workers | workload | rows/rank | algorithm | median ms | vs allgather | sent KiB (model) | "
-                "received KiB (model) | hot set |\n|---|---|---|---|---|---|---|---|---|\n" + table +
+                "received KiB (model) | hot set | bottleneck |\n|---|---|---|---|---|---|---|---|---|---|\n" + table +
                 f"\n\n![sparse](results/{suite}.png) ![skew](results/{suite}_skew.png)\n")
     settings = {k: getattr(args, k) for k in ("quick", "workers", "rate", "zipf", "vocabs", "ids", "dim", "every",
                                               "rule", "share", "omnireduce_block", "runs")}

@@ -54,22 +54,27 @@ def worker(args):
     ctx, rank = rt.ctx, rt.ctx.rank
     x = np.random.default_rng(rank).standard_normal(args.elements).astype(np.float32)
 
+    splits = {}   # tag -> per run, the slowest rank's processing and transfer (common.slowest_call)
+
     def timed(backend, tag):
         backend.allreduce(x, f"{tag}.warmup")
-        out = []
+        out, splits[tag] = [], []
         for i in range(args.runs):
             ctx.barrier(f"bench/{tag}/{i}")
-            start = time.perf_counter_ns()
-            backend.allreduce(x, f"{tag}.{i}")
-            out.append(max(ctx.exchange(f"bench/{tag}/{i}/ns", time.perf_counter_ns() - start)))
+            _, seconds, split = common.slowest_call(ctx, f"bench/{tag}/{i}/s",
+                                                    lambda: backend.allreduce(x, f"{tag}.{i}"))
+            out.append(seconds * 1e9)
+            splits[tag].append(split)
         return out
 
     switchml = rt.backend("switchml")
     switchml.allreduce(x[:1], "setup")   # registration happens on the first call
     before, w_before = switch_counters(switchml, rank), switchml.stats()
+    served = common.daemon_ns({"switchml": switchml})   # rank 0: the job's queue_ns + proc_ns on the switch
     wall = time.perf_counter_ns()
     sml_ns = timed(switchml, "switchml")
     wall = time.perf_counter_ns() - wall
+    server_s = common.server_seconds(served, common.daemon_ns({"switchml": switchml}), args.runs + 1)
     after, w_after = switch_counters(switchml, rank), switchml.stats()
     try:
         ring = rt.backend("ring")
@@ -93,7 +98,9 @@ def worker(args):
         "worker_resends": w_after["resends"] - w_before["resends"],
     }
     profile["mac_cpu_ns_per_packet"] = mac_cpu_ns(256)
+    breakdowns = [dict(b, server_s=server_s) for b in splits["switchml"]]
     common.emit({"switchml_ns": sml_ns, "ring_ns": ring_ns, "engine": engine, "profile": profile,
+                 "breakdowns": breakdowns,
                  "size": ctx.size, "mac_ns": mac_ns[True], "no_mac_ns": mac_ns[False],
                  "mac_cpu": mac_cpu[True], "no_mac_cpu": mac_cpu[False]})
     commlib.shutdown()
@@ -200,6 +207,8 @@ def main(argv=None):
         worker_added = on["worker_cpu_ns_per_element"] - off["worker_cpu_ns_per_element"]
         switch_added = on["switch_cpu_ns_per_element"] - off["switch_cpu_ns_per_element"]
         prof = payload["profile"]
+        verdict = common.bottleneck(statistics.median(payload["switchml_ns"]) / 1e9, payload["breakdowns"],
+                                    "n/a: loopback")
         print(f"  MAC cost: {mac_cost:.1%} of the goodput; CPU ns/element with/without MACs: worker "
               f"{on['worker_cpu_ns_per_element']:.2f}/{off['worker_cpu_ns_per_element']:.2f}, switch "
               f"{on['switch_cpu_ns_per_element']:.2f}/{off['switch_cpu_ns_per_element']:.2f}; one MAC "
@@ -213,20 +222,24 @@ def main(argv=None):
                            "ratio_median": statistics.median(sml) / statistics.median(ring) if ring else None,
                            "profile": prof, "embedded_mac_gbps": common.summarize(mac),
                            "embedded_no_mac_gbps": common.summarize(no_mac), "mac_cost": mac_cost,
-                           "mac_cpu": on, "no_mac_cpu": off}
+                           "mac_cpu": on, "no_mac_cpu": off, "breakdowns": payload["breakdowns"],
+                           "bottleneck": verdict}
         rows.append(f"| {n} | {statistics.median(sml):.3f} | "
                     + (f"{statistics.median(ring):.3f} | {results[str(n)]['ratio_median']:.2f}x" if ring else "- | -")
                     + f" | {prof['switch_busy_fraction']:.0%} | {prof['switch_cpu_ns_per_element']:.2f} | "
                     f"{prof['worker_cpu_ns_per_element']:.2f} | {statistics.median(mac):.3f} | "
                     f"{statistics.median(no_mac):.3f} | {mac_cost:.1%} | +{worker_added:.2f} | +{switch_added:.2f} | "
-                    f"{prof['mac_cpu_ns_per_packet']:.0f} |")
+                    f"{prof['mac_cpu_ns_per_packet']:.0f} | {verdict} |")
     engine = next(iter(results.values()))["ring_engine"] if results else "?"
     markdown = (f"float32 allreduce of {args.elements:,} values on loopback (median goodput, Gbps = elements*32/ns; "
-                f"ring = {engine} allreduce in the same processes)\n\n"
+                f"ring = {engine} allreduce in the same processes). " + common.BOTTLENECK_RULE + " Here, switchml's, per "
+                "run of the slowest rank: processing = its calling thread's CPU time (quantizing, packing, MACs, its "
+                "socket calls), transfer = the rest (common.slowest_call); on loopback the network is this host's "
+                "kernel and CPUs.\n\n"
                 "| workers | switchml Gbps | ring Gbps | switchml/ring | switch busy | switch CPU ns/elem | "
                 "worker CPU ns/elem | embedded, MACs Gbps | embedded, no MACs Gbps | MAC cost | MAC worker CPU "
-                "ns/elem | MAC switch CPU ns/elem | one MAC, CPU ns/packet |\n"
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+                "ns/elem | MAC switch CPU ns/elem | one MAC, CPU ns/packet | bottleneck (switchml) |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
                 "\nMAC cost: the goodput lost to the packet MACs (SipHash-2-4 over every packet and result, "
                 "switch/csrc), the switch embedded in rank 0 with COMMLIB_AUTHENTICATE on and off (wall time: "
                 "noisy on a busy host); the CPU time per element the MACs add to a worker and to the switch "

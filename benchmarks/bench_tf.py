@@ -75,11 +75,13 @@ def worker(args):
     import horovod.tensorflow as hvd
     import commlib
     import commlib.tensorflow as cl
+    from commlib.api import runtime
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     hvd.init()
     commlib.init()
+    rt = runtime()
     rank, size = hvd.rank(), hvd.size()
     teacher = np.random.default_rng(1234).standard_normal((args.features, 10)).astype(np.float32)   # every rank's
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -116,7 +118,7 @@ def worker(args):
             return loss, timer["reduction"].seconds
 
         return {"model": model, "step": step, "inside": inside, "rates": [], "losses": [], "in_graph": [],
-                "python": []}
+                "python": [], "breakdowns": [], "tx_bytes": []}
 
     runs = {label: build(label, policy) for label, policy in CONFIGS.items()}
     for run in runs.values():
@@ -128,9 +130,10 @@ def worker(args):
         x, y = tf.constant(x), tf.constant((x @ teacher).argmax(axis=1))
         for label, run in runs.items():
             hvd.allreduce(tf.zeros(1), name="sync")   # every rank starts the step together
-            start = time.perf_counter()
-            loss, in_graph = run["step"](x, y)
-            elapsed = time.perf_counter() - start
+            with common.Probe(rt.backends if CONFIGS[label] else None) as probe:
+                start = time.perf_counter()
+                loss, in_graph = run["step"](x, y)
+                elapsed = time.perf_counter() - start
             run["losses"].append(float(hvd.allreduce(loss, name="loss")))
             python = run["inside"].pop() if run["inside"] else None
             assert not run["inside"], "one reduction per step"
@@ -138,6 +141,10 @@ def worker(args):
                 run["rates"].append(args.batch / elapsed)
                 run["in_graph"].append(float(in_graph))
                 run["python"].append(python)
+                run["tx_bytes"].append(probe.tx_bytes)
+                if CONFIGS[label]:
+                    names = [v.name.split(":")[0] for v in run["model"].trainable_variables]
+                    run["breakdowns"].append(common.step_breakdown(commlib.records(), names, probe.server_s))
     out = {}
     records = commlib.records()
     for label, run in runs.items():
@@ -145,7 +152,8 @@ def worker(args):
         algorithms = sorted({records[n]["algorithm"] for n in names if n in records}) if CONFIGS[label] else []
         result = {"parameters": int(sum(np.prod(v.shape) for v in run["model"].trainable_variables)),
                   "rates": run["rates"], "losses": run["losses"], "reduction_s": run["in_graph"],
-                  "commlib_allreduce_s": run["python"] if CONFIGS[label] else [], "commlib_algorithms": algorithms}
+                  "commlib_allreduce_s": run["python"] if CONFIGS[label] else [], "commlib_algorithms": algorithms,
+                  "breakdowns": run["breakdowns"], "tx_bytes": run["tx_bytes"]}
         out[label] = result
         if rank == 0:
             line = (f"{label}: {size * statistics.fmean(run['rates']):.1f} samples/s on {size} workers, loss "
@@ -206,10 +214,14 @@ def main(argv=None):
             inside, boundary = "-", "-"
         # the same start, data and arithmetic up to summation order: the curves should coincide
         r["max_loss_diff_vs_horovod"] = max(abs(a - b) for a, b in zip(losses, results[labels[0]]["losses"]))
+        step_s = args.batch * n / total
+        r["link"] = statistics.median(r["tx_bytes"]) * 8 / (common.rate_bps(args.rate) * step_s)
+        r["bottleneck"] = common.bottleneck(step_s, r["breakdowns"], r["link"],
+                                            unmeasured="n/a: Horovod's allreduce")
         rows.append(f"| {label} | {total:.0f} | {total / baseline:.2f}x | "
                     f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | {r['max_loss_diff_vs_horovod']:.1e} | "
                     f"{reduction:.1f} | {inside} | "
-                    f"{boundary} | {', '.join(r['commlib_algorithms']) or '-'} |")
+                    f"{boundary} | {', '.join(r['commlib_algorithms']) or '-'} | {r['bottleneck']} |")
     title = (f"TF {_tf_version()}, tf.function, {n} emulated hosts, links {args.rate} each way, MLP "
              f"{results[labels[0]]['parameters']:,} parameters, batch {args.batch} per worker, {args.steps} timed "
              f"steps after {args.warmup}")
@@ -222,9 +234,10 @@ def main(argv=None):
                 "reduction); commlib allreduce = the median time commlib's submit-all/synchronize-all took inside "
                 "the one tf.numpy_function; boundary = per step, reduction minus commlib allreduce (median, and "
                 "p10 for a quiet step): handing the gradients to Python as numpy arrays and the results back into "
-                "TF tensors.\n\n"
+                "TF tensors (outside commlib's records: the workers' share). " + common.BOTTLENECK_RULE + "\n\n"
                 "| configuration | samples/s | vs horovod | loss first -> last | max loss diff vs horovod | reduction ms | "
-                "commlib allreduce ms | boundary ms/step | commlib algorithms |\n|---|---|---|---|---|---|---|---|---|\n"
+                "commlib allreduce ms | boundary ms/step | commlib algorithms | bottleneck |\n"
+                "|---|---|---|---|---|---|---|---|---|---|\n"
                 + "\n".join(rows) + "\n\n![tf](results/tf.png)\n")
     settings = common.training_settings(args)
     common.save("tf", settings, results, markdown)

@@ -116,10 +116,12 @@ def worker(args):
     import horovod.torch as hvd
     import commlib
     import commlib.torch as cl
+    from commlib.api import runtime
 
     hvd.init()
     torch.set_num_threads(1)
     commlib.init()
+    rt = runtime()
     workloads = models(args, torch)
     jobs = {}
     for workload, label, how in configs(args):
@@ -137,7 +139,8 @@ def worker(args):
                                                 compression=how[2])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         jobs[label] = {"workload": workload, "how": how, "model": model, "optimizer": optimizer, "batch": batch,
-                       "loss_fn": loss_fn, "rates": [], "losses": [], "algorithms": set()}
+                       "loss_fn": loss_fn, "rates": [], "losses": [], "algorithms": set(), "breakdowns": [],
+                       "tx_bytes": []}
     # --rounds > 1 interleaves the configurations (A B C A B C ...) so that the shared machine's drift
     # falls on all of them alike; each keeps its own model and optimizer across rounds
     total = args.warmup + args.steps
@@ -148,15 +151,20 @@ def worker(args):
             for step in range(first, last):
                 inputs, targets = job["batch"](step)
                 hvd.allreduce(torch.zeros(1), name=f"{label}.sync.{step}")   # every rank starts the step together
-                start = time.perf_counter()
-                optimizer.zero_grad()
-                loss = job["loss_fn"](model(inputs), targets)
-                loss.backward()
-                optimizer.step()
-                elapsed = time.perf_counter() - start
+                with common.Probe(rt.backends if job["how"][0] == "commlib" else None) as probe:
+                    start = time.perf_counter()
+                    optimizer.zero_grad()
+                    loss = job["loss_fn"](model(inputs), targets)
+                    loss.backward()
+                    optimizer.step()
+                    elapsed = time.perf_counter() - start
                 job["losses"].append(hvd.allreduce(loss.detach(), name=f"{label}.loss.{step}").item())
                 if step >= args.warmup:
                     job["rates"].append(args.batch / elapsed)
+                    job["tx_bytes"].append(probe.tx_bytes)
+                    if job["how"][0] == "commlib":
+                        job["breakdowns"].append(common.step_breakdown(
+                            commlib.records(), [name for name, _ in model.named_parameters()], probe.server_s))
             records = commlib.records()   # by name: the last configuration's, so read right after its steps
             job["algorithms"] |= {records[name]["algorithm"] + (":" + records[name]["compression"].split("(")[0]
                                                                 if records[name]["compression"] else "")
@@ -176,7 +184,8 @@ def worker(args):
             print(f"Total img/sec on {hvd.size()} CPU(s): {hvd.size() * mean:.1f} +-{1.96 * std * hvd.size() ** 0.5:.1f}",
                   flush=True)
             out[label] = {"workload": job["workload"], "parameters": params, "rates": rates, "losses": job["losses"],
-                          "commlib_algorithms": sorted(job["algorithms"]) if job["how"][0] == "commlib" else []}
+                          "commlib_algorithms": sorted(job["algorithms"]) if job["how"][0] == "commlib" else [],
+                          "breakdowns": job["breakdowns"], "tx_bytes": job["tx_bytes"]}
     if hvd.rank() == 0:
         common.emit({"size": hvd.size(), "results": out})
     commlib.shutdown()
@@ -228,6 +237,16 @@ def _run(args, n, script=None, forwarded=("steps", "warmup", "batch", "hidden", 
     return common.cluster_result(ranks, echo=True)
 
 
+def bottleneck(r, args, n, how):
+    """Fill r's link utilisation and bottleneck (common.bottleneck) over its median step: Horovod's
+    configurations have no breakdown (its allreduce is not commlib's), so their link alone speaks."""
+    step_s = args.batch * n / r["median_samples_per_s"]
+    r["link"] = statistics.median(r["tx_bytes"]) * 8 / (common.rate_bps(args.rate) * step_s)
+    server = "aggregators" if how[0] == "commlib" and "omnireduce" in how[1] else "switch"
+    r["bottleneck"] = common.bottleneck(step_s, r["breakdowns"], r["link"], server,
+                                        unmeasured="n/a: Horovod's allreduce")
+
+
 def _plot(results, title, suite):
     fig, axes = common.figure(1, 2, figsize=(11, 4))
     for ax, workload in zip(axes, ("dense", "sparse")):
@@ -261,7 +280,7 @@ def main(argv=None):
     payload = _run(args, args.workers)
     n, results = payload["size"], payload["results"]
     rows, baseline = [], {}
-    for workload, label, _ in configs(args):
+    for workload, label, how in configs(args):
         r = results[label]
         r["size"] = n
         total = statistics.fmean(r["rates"]) * n
@@ -269,10 +288,11 @@ def main(argv=None):
         baseline.setdefault(workload, (total, median))
         r["total_samples_per_s"], r["median_samples_per_s"] = total, median
         losses = r["losses"]
+        bottleneck(r, args, n, how)
         rows.append(f"| {workload} | {label} | {r['parameters']:,} | {total:.0f} | {total / baseline[workload][0]:.2f}x | "
                     f"{median:.0f} | {median / baseline[workload][1]:.2f}x | "
                     f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | "
-                    f"{', '.join(r['commlib_algorithms']) or '-'} |")
+                    f"{', '.join(r['commlib_algorithms']) or '-'} | {r['bottleneck']} |")
     title = (f"{n} emulated hosts, links {args.rate} each way, batch {args.batch} per worker, "
              f"{args.steps} timed steps after {args.warmup}")
     suite = "training" if args.workload == "all" else f"training_{args.workload}"   # keeps the other's results
@@ -282,10 +302,12 @@ def main(argv=None):
                 "Samples/s = mean over the timed steps x workers (the Horovod synthetic-benchmark figure); ratios "
                 "against the first configuration of each model, measured in the same job. The loss is the mean "
                 "over ranks at the first step and over the last three.\n\n"
-                "Median: the median step's rate x workers.\n\n"
+                "Median: the median step's rate x workers. " + common.BOTTLENECK_RULE + " Here the row's time is the "
+                "median step; the server is named aggregators where the policy sends tensors to omnireduce.\n\n"
                 "| model | configuration | parameters | samples/s | vs first | median samples/s | vs first (median) | "
-                "loss first -> last | commlib algorithms |\n"
-                "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + f"\n\n![training](results/{suite}.png)\n")
+                "loss first -> last | commlib algorithms | bottleneck |\n"
+                "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+                + f"\n\n![training](results/{suite}.png)\n")
     settings = common.training_settings(args, "vocab", "zipf", "workload", "hotcold_every", "hotcold_rule", "rounds")
     common.save(suite, settings, results, markdown)
     print(markdown)

@@ -23,23 +23,138 @@ sys.path.insert(0, str(ROOT / "tests"))
 from launch import horovodrun, spawn  # noqa: E402  tests/launch.py: process groups killed on timeout
 
 
-def step_breakdown(records, names):
+LINK_BUSY = 0.5   # the share of its rate a link must carry for the wire to count as the limit (bottleneck())
+# bottleneck()'s rule as each RESULTS.md section states it
+BOTTLENECK_RULE = (
+    "Bottleneck (benchmarks/common.bottleneck), of the row's time: the server's share (switch or aggregators: "
+    "their queue + processing, from commlib.records() or, where it lacks them, their counters by Little's law "
+    "over the window: a lower bound), the network's (commlib's transfer minus the server's share) and the "
+    "workers' (commlib's processing, plus what neither covers, e.g. the model's compute); the largest is "
+    "named, with the shares. Link = bytes the worker's link sent / (rate x time); a network share during "
+    f"which the link carried under {LINK_BUSY:.0%} of its rate is named workers (CPU-bound). With no "
+    f"breakdown, a link busy {LINK_BUSY:.0%} of the time or more names the network; else the column says "
+    "what was not measured.")
+
+
+def step_breakdown(records, names, server_s=None):
     """Seconds of one step spent by commlib's buckets in the worker's processing (fusion copies,
     scaling, compression) and in the algorithms' collectives (network + switch/aggregators), from
-    commlib.records() after the step; a bucket's tensors share its times, so each bucket counts once."""
+    commlib.records() after the step; a bucket's tensors share its times, so each bucket counts once.
+    server_s, the switch's/aggregators' share of transfer_s: records()' server_queue_s + server_proc_s
+    where every bucket's record carries them, else the `server_s` given (Probe's, from the daemons)."""
     buckets = {records[n]["bucket"]: records[n] for n in names if n in records}
-    return {"process_s": sum(r["process_s"] for r in buckets.values()),
-            "transfer_s": sum(r["transfer_s"] for r in buckets.values())}
+    out = {"process_s": sum(r["process_s"] for r in buckets.values()),
+           "transfer_s": sum(r["transfer_s"] for r in buckets.values())}
+    if buckets and all("server_queue_s" in r for r in buckets.values()):
+        out["server_s"] = sum(r["server_queue_s"] + r["server_proc_s"] for r in buckets.values())
+    elif server_s is not None:
+        out["server_s"] = server_s
+    return out
 
 
-def bottleneck(step_s, breakdowns):
-    """'transfer 70%' style summary: the median share of the step time in commlib's collectives and
-    processing; transfer near the whole step means the network (or switch) bounds it."""
+class Probe:
+    """Around a rank's timed step on the emulated network: `tx_bytes` its eth0 sent (link_bytes) and
+    `server_s` the server's share of its transfer (daemon_ns before and after, server_seconds; None
+    but on rank 0, or with no `backends` given). The daemons are asked outside the link's count."""
+
+    def __init__(self, backends=None):
+        self.backends, self.tx_bytes, self.server_s = backends or {}, None, None
+
+    def __enter__(self):
+        self._before = daemon_ns(self.backends)
+        self._tx = link_bytes()[0]
+        return self
+
+    def __exit__(self, *exc):
+        self.tx_bytes = link_bytes()[0] - self._tx
+        self.server_s = server_seconds(self._before, daemon_ns(self.backends))
+
+
+def call_breakdown(fn):
+    """(fn()'s result, its breakdown) for a benchmark that calls a backend directly (no records()):
+    process_s = the calling thread's CPU time in the call (packing, quantizing, MACs and its own
+    socket calls: the backends' workers run in the caller's thread), transfer_s = the rest of its
+    wall time (waiting for the network and the server; also for a CPU on a busy host, and the work of
+    other threads: Horovod's, gloo's, colocated aggregators')."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    result = fn()
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    return result, {"process_s": cpu, "transfer_s": max(0.0, wall - cpu), "seconds": wall}
+
+
+def slowest_call(ctx, key, fn):
+    """(fn()'s result on this rank, the slowest rank's seconds, its breakdown: call_breakdown), the
+    ranks' measurements exchanged over the job's context under `key`; every rank calls it."""
+    result, split = call_breakdown(fn)
+    seconds, process_s, transfer_s = max(ctx.exchange(key, [split["seconds"], split["process_s"], split["transfer_s"]]))
+    return result, seconds, {"process_s": process_s, "transfer_s": transfer_s}
+
+
+def daemon_ns(backends):
+    """{name: (backend, ns)} for each of `backends` ({name: backend}, e.g. runtime().backends) whose
+    server (switch job, aggregators) reports its queue + processing nanoseconds: their sum over its
+    daemons so far. Only rank 0 reads them (the others get {}); two readings around timed calls
+    give server_seconds."""
+    out = {}
+    for name, backend in backends.items():
+        counters = [fn() for fn in backend.daemon_counters().values()]
+        if counters and all("queue_ns" in c for c in counters):
+            out[name] = (backend, sum(c["queue_ns"] + c["proc_ns"] for c in counters))
+    return out
+
+
+def server_seconds(before, after, calls=1):
+    """The server's share of one worker's transfer per call, from two daemon_ns readings `calls`
+    calls apart (None where no backend reported both), when records() lack it: by Little's law on a
+    worker's window of W packets in flight (switchml's window, omnireduce's columns), a round lasts
+    W x transfer / P for its P packets, so the server's share of the transfer is (queue + processing
+    per packet) x P / W; over the n workers' packets, their total queue + processing / (n x W). A
+    window not always full (a tensor smaller than it, its tail) makes rounds shorter than that, so
+    this is a lower bound of the server's share."""
+    shared = before.keys() & after.keys()
+    if not shared:
+        return None
+    return sum((after[k][1] - before[k][1]) / (b.ctx.size * (getattr(b, "window", None) or b.columns))
+               for k in shared for b in [after[k][0]]) / 1e9 / calls
+
+
+def bottleneck(seconds, breakdowns=(), link=None, server="switch", unmeasured="n/a"):
+    """What bounded a benchmark row whose median time is `seconds`: "network", "workers" or the server
+    (`server`: "switch" or "aggregators"; None for algorithms without one), with the shares that
+    decided it, e.g. "network (81%; workers 12%, switch 7%, link 93%)".
+
+    breakdowns: per timed sample, the seconds it spent in commlib's processing on the worker (process_s:
+    fusion, scaling, compression, quantization), in its collectives (transfer_s: network + server) and,
+    where measured, the server's part of transfer_s (server_s: queue + processing; step_breakdown,
+    server_seconds); medians over the samples. link: the bytes the worker's link carried / (rate x
+    seconds), or a text saying why it is unknown ("n/a: loopback"). unmeasured: what the column says
+    with no breakdown and no busy link: why (e.g. "n/a: Horovod's own allreduce").
+
+    The rule. Shares of `seconds`: the server's is server_s, the network's is transfer_s - server_s,
+    the workers' is process_s plus what neither covers (the rest of a training step: the model's
+    compute); the largest names the bottleneck. Where the link rate is known and the network wins but
+    the link carried less than LINK_BUSY of its rate while the network's share lasted (link / network
+    share), the wire was not the limit: the transfer time went to the CPUs that move the packets, and
+    the workers are named. With no breakdown the link alone decides: a link busy LINK_BUSY of the
+    row's time or more names the network; else the column says `unmeasured` and the link.
+    """
+    link_text = None if link is None else f"link {link}" if isinstance(link, str) else f"link {link:.0%}"
     if not breakdowns:
-        return "-"
-    transfer = statistics.median(b["transfer_s"] for b in breakdowns) / step_s
-    process = statistics.median(b["process_s"] for b in breakdowns) / step_s
-    return f"transfer {transfer:.0%}, worker processing {process:.0%}"
+        if isinstance(link, (int, float)) and link >= LINK_BUSY:
+            return f"network ({link_text})"
+        return unmeasured + (f"; {link_text}" if link_text else "")
+    process = statistics.median(b["process_s"] for b in breakdowns) / seconds
+    transfer = statistics.median(b["transfer_s"] for b in breakdowns) / seconds
+    served = [b["server_s"] for b in breakdowns if b.get("server_s") is not None]
+    switch = statistics.median(served) / seconds if served else None
+    shares = {"network": max(0.0, transfer - (switch or 0.0)), "workers": max(process, 1.0 - transfer)}
+    if server:   # None: an algorithm without one (the ring, an allgather)
+        shares[server] = switch
+    verdict = max((k for k in shares if shares[k] is not None), key=shares.get)
+    others = [f"{k} {'n/a' if v is None else format(v, '.0%')}" for k, v in shares.items() if k != verdict]
+    if verdict == "network" and isinstance(link, (int, float)) and link < LINK_BUSY * shares["network"]:
+        return f"workers (CPU-bound: network {shares['network']:.0%} with {link_text}; " + ", ".join(others) + ")"
+    return f"{verdict} ({shares[verdict]:.0%}; " + ", ".join(others + [link_text or "link n/a"]) + ")"
 
 
 def timeit(fn, repeats, warmup=1):
@@ -185,6 +300,15 @@ def local_result(script, forwarded, nprocs=2, timeout=300):
     if any(rank.returncode for rank in ranks) or not found:
         raise RuntimeError(f"workers failed (exit {[rank.returncode for rank in ranks]}):\n{output[-6000:]}")
     return found[0]
+
+
+def rate_bps(text):
+    """A tc rate ("500mbit", "1gbit") in bits per second."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, scale in units.items():
+        if text.lower().endswith(unit):
+            return float(text[:-len(unit)]) * scale
+    raise SystemExit(f"--rate {text!r}: write e.g. 500mbit or 1gbit")
 
 
 def link_bytes():
