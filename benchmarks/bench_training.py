@@ -49,12 +49,13 @@ CONFIGS = [
     ("sparse", "horovod sparse_as_dense", ("horovod", {"sparse_as_dense": True})),
     ("sparse", "commlib sparse_allgather", ("commlib", "embedding.*=sparse_allgather;*=switchml", None)),
     ("sparse", "commlib omnireduce", ("commlib", "embedding.*=omnireduce;*=switchml", None)),
-    ("sparse", "commlib auto", ("commlib", "*=auto", None)),
+    ("sparse", "commlib auto (sparse)", ("commlib", "*=auto", None)),
     ("sparse", "commlib hotcold", ("commlib", "embedding.*=hotcold;*=switchml", None)),
     ("sparse", "commlib sparse_allgather + ring", ("commlib", "embedding.*=sparse_allgather;*=ring", None)),
     # the baseline once more at the end: on a shared machine the drift between the two is the noise floor
     ("sparse", "horovod sparse (allgather) again", ("horovod", {})),
 ]
+assert len({label for _, label, _ in CONFIGS}) == len(CONFIGS), "labels key the jobs and results: keep them unique"
 
 RENDEZVOUS = """
 import sys, time
