@@ -80,7 +80,10 @@ def test_the_stamped_server_share_is_what_the_daemons_counted(job):
     result, so its sums equal the switch's own per-job counters over the same packets: exactly for
     the queue when every packet the switch took was a contribution (else the retransmissions' queue
     is only in the counters), and at most the counters' processing (the result's MAC and send are
-    not stamped). The aggregators count every packet (ACKs, control, duplicates) in theirs."""
+    not stamped: 60% of it in a 2-rank run here, no lower bound, as one preemption while a result
+    is signed can put milliseconds into the counter alone). The aggregators count every packet
+    (ACKs, control, duplicates) in theirs. A switch or aggregator that stopped stamping fails the
+    `0 <` checks (and the worker's sums could not equal the switch's queue counter)."""
     _, _, _, results = job
     switch = next(r for r in results if r["rank"] == 0)["daemons"]["switch"]
     aggregators = next(r for r in results if r["rank"] == 0)["daemons"]["aggregators"]
@@ -91,7 +94,7 @@ def test_the_stamped_server_share_is_what_the_daemons_counted(job):
             assert sml["server_queue_ns"] == switch["queue_ns"] > 0, (sml, switch)
         else:
             assert 0 < sml["server_queue_ns"] <= switch["queue_ns"], (sml, switch)
-        assert 0.3 * switch["proc_ns"] < sml["server_proc_ns"] <= switch["proc_ns"], (sml, switch)
+        assert 0 < sml["server_proc_ns"] <= switch["proc_ns"], (sml, switch)
         counted = {k: sum(a[k] for a in aggregators) for k in ("queue_ns", "proc_ns", "data_recv")}
         assert 0 < omr["server_packets"] <= counted["data_recv"], (omr, counted)
         assert 0 < omr["server_queue_ns"] <= counted["queue_ns"], (omr, counted)
