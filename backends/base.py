@@ -78,6 +78,10 @@ class Backend(abc.ABC):
     # rather than waiting for the network and the switch/aggregators; None: the algorithm cannot
     # tell them apart. commlib.records() and the timeline count it as the worker's processing.
     last_busy_s = None
+    # The server's (switch's, aggregators') share of this rank's last allreduce: (queue, processing)
+    # as fractions of its round time, from the stamps its results piggyback (`server_share`); None:
+    # the algorithm has no server. commlib.records() and the timeline scale them to the transfer time.
+    last_server_share = None
 
     def measured_density(self, name):
         """(this rank's, the union's) block density a sparse algorithm measured on its last call
@@ -95,3 +99,18 @@ class Backend(abc.ABC):
 
     def close(self):
         """Release sockets, processes and switch/aggregator state. Called once, on every rank."""
+
+
+def server_share(queue_ns, proc_ns, packets, rounds, round_ns):
+    """(queue, processing) of the server as fractions of a round, from one call's totals: the
+    stamps' sums (`packets` contributions, each round's summed over its contributions) and this
+    worker's `rounds` round times (`round_ns`, its own clock). Per-packet means over the mean round,
+    because a window keeps many rounds in flight at once: the sum of the round times exceeds the
+    call's wall time, their ratio does not. Clipped to 1 (the rest is the network); None without rounds."""
+    if packets <= 0 or rounds <= 0 or round_ns <= 0:
+        return None
+    mean_round = round_ns / rounds
+    queue, proc = queue_ns / packets / mean_round, proc_ns / packets / mean_round
+    if queue + proc > 1.0:   # the server's clock and ours differ in rate by nothing measurable: noise
+        queue, proc = queue / (queue + proc), proc / (queue + proc)
+    return queue, proc

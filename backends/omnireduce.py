@@ -55,6 +55,7 @@ import numpy as np
 
 from commlib.net import primary_ip
 from commlib.backends import Backend, keys, register
+from commlib.backends.base import server_share
 from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, PeerFailure
 from commlib.settings import define
 from commlib.sparse import RowSlots
@@ -186,8 +187,9 @@ class OmniReduceBackend(Backend):
         self._lock = threading.Lock()          # stats
         self._call_lock = threading.Lock()     # one tensor at a time on the socket
         self._tensors, self._last = OrderedDict(), {}
-        self._totals = dict.fromkeys(("tensors", "bytes_sent", "bytes_recv", "packets_sent", "packets_recv",
-                                      "resends", "sim_dropped", "sim_duplicated", "bad_mac"), 0)
+        self._totals = dict.fromkeys(("tensors", "bytes_sent", "bytes_recv", "pkts_sent", "pkts_recv",
+                                      "resends", "sim_dropped", "sim_duplicated", "bad_mac", "server_queue_ns",
+                                      "server_proc_ns", "server_packets", "rounds"), 0)
         self._host = s.omnireduce_host or ("127.0.0.1" if ctx.all_local else primary_ip())
         self._bind = "0.0.0.0" if self._host != "127.0.0.1" else self._host
         self._sock = agg.make_socket(self._bind)   # local work only here: the set-up with the others is start()
@@ -305,6 +307,7 @@ class OmniReduceBackend(Backend):
     # -- the collective -------------------------------------------------------------------------
     def allreduce(self, array, name, mask=None):
         """Elementwise sum over ranks; `mask` (uint8 per block) skips the bitmap scan when known."""
+        self.last_server_share = None
         if self._broken is not None:
             raise type(self._broken)(f"omnireduce is unusable after an earlier failure: {self._broken}")
         if self._closed or self._worker is None:
@@ -391,15 +394,19 @@ class OmniReduceBackend(Backend):
         return InvalidTensor(f"{head}: invalid arguments (code {rc})")
 
     def _record(self, name, st, seconds):
-        entry = {"bytes_sent": st.bytes_sent, "bytes_recv": st.bytes_recv, "packets_sent": st.pkts_sent,
-                 "packets_recv": st.pkts_recv, "resends": st.resends, "acks_sent": st.acks_sent,
+        entry = {"bytes_sent": st.bytes_sent, "bytes_recv": st.bytes_recv, "pkts_sent": st.pkts_sent,
+                 "pkts_recv": st.pkts_recv, "resends": st.resends, "acks_sent": st.acks_sent,
                  "pulls_sent": st.pulls_sent, "resend_bytes": st.resend_bytes, "extra_recv_bytes": st.extra_recv_bytes, "blocks": st.nblocks,
                  "columns": st.ncols, "own_blocks": st.own_blocks, "union_blocks": st.union_blocks,
                  "density": st.own_blocks / st.nblocks if st.nblocks else 0.0,
                  "union_density": st.union_blocks / st.nblocks if st.nblocks else 0.0,
                  "sim_dropped": st.sim_dropped, "sim_duplicated": st.sim_duplicated,
                  "dup_recv": st.dup_recv, "ooo_recv": st.ooo_recv, "bad_mac": st.bad_mac, "srtt_ms": st.srtt_us / 1e3, "rto_ms": st.rto_us / 1e3,
+                 "server_queue_ns": st.server_queue_ns, "server_proc_ns": st.server_proc_ns,
+                 "server_packets": st.server_packets, "rounds": st.results_recv, "round_ns": st.round_ns,
                  "seconds": seconds}
+        self.last_server_share = server_share(st.server_queue_ns, st.server_proc_ns, st.server_packets,
+                                              st.results_recv, st.round_ns)
         with self._lock:
             self._tensors.pop(name, None)
             self._tensors[name] = entry
@@ -408,8 +415,8 @@ class OmniReduceBackend(Backend):
             self._last = dict(entry, name=name)
             t = self._totals
             t["tensors"] += 1
-            for key in ("bytes_sent", "bytes_recv", "packets_sent", "packets_recv", "resends", "sim_dropped",
-                        "sim_duplicated", "bad_mac"):
+            for key in ("bytes_sent", "bytes_recv", "pkts_sent", "pkts_recv", "resends", "sim_dropped",
+                        "sim_duplicated", "bad_mac", "server_queue_ns", "server_proc_ns", "server_packets", "rounds"):
                 t[key] += entry[key]
 
     def density(self, array):

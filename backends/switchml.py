@@ -41,6 +41,7 @@ import numpy as np
 
 from commlib import kernels
 from commlib.backends import Backend, keys, register
+from commlib.backends.base import server_share
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor,
                             PeerFailure)
 from commlib.settings import define
@@ -204,7 +205,7 @@ class SwitchMLBackend(Backend):
 
     # -- the collective ---------------------------------------------------------------------------------
     def allreduce(self, array, name):
-        self.last_busy_s = None
+        self.last_busy_s = self.last_server_share = None
         array = np.ascontiguousarray(array).reshape(-1)
         dtype = array.dtype
         if dtype not in self.dtypes:
@@ -224,7 +225,7 @@ class SwitchMLBackend(Backend):
                                      f"is the collective set-up, called once on every rank) or is closed")
         ffi, lib = sw.ffi, sw.lib
         timeout_ms = int(self.ctx.settings.timeout_s * 1000)
-        start, waited_ns = time.perf_counter(), self._wait_ns()
+        start, before = time.perf_counter(), self._counters()
         if dtype == I32:
             rc = lib.sml_worker_allreduce(self._worker, 1, ffi.from_buffer(array), ffi.from_buffer(out), array.size,
                                           ffi.NULL, ffi.NULL, ffi.NULL, timeout_ms)
@@ -236,7 +237,10 @@ class SwitchMLBackend(Backend):
                                           ffi.cast("uint8_t *", ffi.from_buffer(nf)),
                                           ffi.cast("int8_t *", ffi.from_buffer(mexp)), timeout_ms)
         # all but the C worker's time blocked in poll(): exponents, quantizing, MACs, syscalls
-        self.last_busy_s = max(0.0, time.perf_counter() - start - (self._wait_ns() - waited_ns) / 1e9)
+        after = self._counters()
+        self.last_busy_s = max(0.0, time.perf_counter() - start - (after.wait_ns - before.wait_ns) / 1e9)
+        self.last_server_share = server_share(*(getattr(after, f) - getattr(before, f) for f in (
+            "server_queue_ns", "server_proc_ns", "server_packets", "received", "round_ns")))
         if rc < 0:
             error = self._error(rc, name)
             self._broken = str(error)
@@ -297,10 +301,10 @@ class SwitchMLBackend(Backend):
         with its daemon key, which the job holds for an embedded switch or a key file's."""
         return sw.SwitchClient(self.address, 5.0, key=self._daemon_key).counters()["switch"]
 
-    def _wait_ns(self):
+    def _counters(self):
         c = sw.ffi.new("sml_worker_counters *")
         sw.lib.sml_worker_counters_get(self._worker, c)
-        return c.wait_ns
+        return c
 
     def daemon_counters(self):
         if self.rank != 0 or self.job is None:

@@ -94,7 +94,7 @@ def worker(args):
         "worker_cpu_ns_per_element": (w_after["cpu_ns"] - w_before["cpu_ns"]) / elements,
         "worker_wait_fraction": (w_after["wait_ns"] - w_before["wait_ns"]) / wall,
         "switch_gso_messages": after["gso_messages"] - before["gso_messages"],
-        "switch_packets": after["rx"] - before["rx"],
+        "switch_packets": after["pkts_recv"] - before["pkts_recv"],
         "worker_resends": w_after["resends"] - w_before["resends"],
     }
     profile["mac_cpu_ns_per_packet"] = mac_cpu_ns(256)

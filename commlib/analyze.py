@@ -2,13 +2,23 @@
 
 Reads commlib timelines (one per rank, or one merged by `python -m commlib.timeline merge`), cuts
 them into rounds (one tensor's NEGOTIATE through its last phase on one rank) and prints, per
-algorithm and size band, the median and p99 of each component:
+algorithm and size band, the median and p99 of each component, the IMC'20 study's five (worker
+queue, worker processing, server queue, server processing, network) and commlib's negotiation:
 
-    negotiate   waiting for every rank to agree (the controller)
-    queue       agreed, waiting for its bucket to start (the worker queue)
-    process     the worker's processing: fusion copies, scaling, compression, restoring, and inside
-                a collective its own packing (quantizing, MACs, syscalls) where it reports it (switchml)
-    transfer    waiting inside the algorithm's collectives: network and switch/aggregators
+    negotiate     waiting for every rank to agree (the controller)
+    queue         agreed, waiting for its bucket to start (the worker queue)
+    process       the worker's processing: fusion copies, scaling, compression, restoring, and inside
+                  a collective its own packing (quantizing, MACs, syscalls) where it reports it (switchml)
+    server_queue  the switch's / aggregators' queue: kernel arrival -> processing, per packet
+    server_proc   their processing of a packet (switchml, omnireduce: stamped on their results)
+    network       the rest of the collectives' time: the transfer time less the server's share, which
+                  holds the wire, the sockets and the wait for the slowest rank. For algorithms
+                  without a server (the ring) the whole transfer time, and no server columns.
+
+The server's share is what its results piggyback (a round's queue and processing time, summed over
+its contributions, on the server's clock); the worker scales the per-packet means to its collective's
+transfer time by its mean round time on its own clock (a window keeps many rounds in flight: the
+shares of a round, not the sum of overlapping rounds, make the split). See commlib.executor.Phases.
 
 and writes PNG plots after the IMC'20 study of a production parameter server: CDFs of transfer time
 per algorithm, the stacked breakdown (its Figure 5), concurrency (how many ranks are inside a
@@ -24,7 +34,8 @@ import numpy as np
 
 from commlib.timeline import load
 
-COMPONENTS = ("negotiate", "queue", "process", "transfer")
+COMPONENTS = ("negotiate", "queue", "process", "server_queue", "server_proc", "network")
+SERVER = ("server_queue", "server_proc")
 BANDS = ((64 << 10, "< 64 KiB"), (1 << 20, "64 KiB - 1 MiB"), (16 << 20, "1 - 16 MiB"), (float("inf"), ">= 16 MiB"))
 _COMPONENT_OF = {"NEGOTIATE": "negotiate", "QUEUE": "queue"}
 
@@ -37,13 +48,20 @@ class Round:
         self.algorithm, self.nbytes = None, 0
         self.seconds = dict.fromkeys(COMPONENTS, 0.0)
         self.comm_spans = []
+        self.server = False   # its collectives reported the server's share (else network = the transfer)
 
     def add(self, event):
         seconds = event["dur"] / 1e6
         if event.get("cat") == "comm":   # its busy_s (packing, MACs, syscalls) is the worker's processing
-            busy = event["args"].get("busy_s", 0.0)
-            self.seconds["transfer"] += seconds - busy
+            args = event["args"]
+            busy = args.get("busy_s", 0.0)
             self.seconds["process"] += busy
+            if "network_s" in args:
+                self.server = True
+                for c in (*SERVER, "network"):
+                    self.seconds[c] += args[c + "_s"]
+            else:   # no server (the ring), or a trace from before the stamps
+                self.seconds["network"] += seconds - busy
             self.algorithm = event["args"]["algorithm"]
             self.nbytes = event["args"]["bytes"]
             self.comm_spans.append((event["ts"], event["ts"] + event["dur"]))
@@ -53,6 +71,11 @@ class Round:
     @property
     def total(self):
         return sum(self.seconds.values())
+
+    @property
+    def transfer(self):
+        """Seconds inside the collectives, less the worker's own processing there."""
+        return self.seconds["server_queue"] + self.seconds["server_proc"] + self.seconds["network"]
 
 
 def rounds(events):
@@ -76,18 +99,20 @@ def band(nbytes):
 
 
 def table(found):
-    """Rows (algorithm, band, n, {component: (median ms, p99 ms)}, dominant component)."""
+    """Rows (algorithm, band, n, {component: (median ms, p99 ms), None for the server's components
+    of an algorithm without a server}, dominant component)."""
     groups = collections.defaultdict(list)
     for r in found:
         groups[(r.algorithm, band(r.nbytes))].append(r)
     order = [label for _, label in BANDS]
     rows = []
     for (algorithm, size), members in sorted(groups.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
-        stats = {}
+        stats, server = {}, any(r.server for r in members)
         for c in COMPONENTS:
             values = np.array([r.seconds[c] for r in members]) * 1e3
-            stats[c] = (float(np.median(values)), float(np.percentile(values, 99)))
-        rows.append((algorithm, size, len(members), stats, max(COMPONENTS, key=lambda c: stats[c][0])))
+            stats[c] = (float(np.median(values)), float(np.percentile(values, 99))) if server or c not in SERVER else None
+        shown = [c for c in COMPONENTS if stats[c] is not None]
+        rows.append((algorithm, size, len(members), stats, max(shown, key=lambda c: stats[c][0])))
     return rows
 
 
@@ -95,8 +120,11 @@ def format_table(rows):
     head = f"{'algorithm':<12} {'size':<15} {'n':>6} " + " ".join(f"{c + ' p50/p99 ms':>24}" for c in COMPONENTS)
     lines = [head + "  dominant", "-" * (len(head) + 10)]
     for algorithm, size, n, stats, dominant in rows:
-        cells = " ".join(f"{stats[c][0]:>11.3f} / {stats[c][1]:>10.3f}" for c in COMPONENTS)
+        cells = " ".join(f"{'-':>24}" if stats[c] is None else f"{stats[c][0]:>11.3f} / {stats[c][1]:>10.3f}"
+                         for c in COMPONENTS)
         lines.append(f"{algorithm:<12} {size:<15} {n:>6} {cells}  {dominant}")
+    lines.append("network: the collectives' time less the server's share (stamped on its results); "
+                 "'-': no server, network = the whole transfer time")
     return "\n".join(lines)
 
 
@@ -138,13 +166,12 @@ def per_packet(samples):
     packets per second, each rate times the interval it covers), or None when it lacks them."""
     totals = collections.Counter()
     for before, after in zip(samples, samples[1:]):
-        packets = "rx" if "rx" in after["args"] else "pkts_recv"   # the switch's name, the aggregators'
-        for counter, name in (("queue_ns", "queue_ns"), ("proc_ns", "proc_ns"), ("packets", packets)):
-            totals[counter] += after["args"].get(name, 0) * (after["ts"] - before["ts"]) / 1e6
-    if not totals["packets"] or "queue_ns" not in samples[-1]["args"]:
+        for counter in ("queue_ns", "proc_ns", "pkts_recv"):
+            totals[counter] += after["args"].get(counter, 0) * (after["ts"] - before["ts"]) / 1e6
+    if not totals["pkts_recv"] or "queue_ns" not in samples[-1]["args"]:
         return None
-    return {"queue_us": totals["queue_ns"] / totals["packets"] / 1e3,
-            "proc_us": totals["proc_ns"] / totals["packets"] / 1e3, "packets": totals["packets"]}
+    return {"queue_us": totals["queue_ns"] / totals["pkts_recv"] / 1e3,
+            "proc_us": totals["proc_ns"] / totals["pkts_recv"] / 1e3, "packets": totals["pkts_recv"]}
 
 
 def update_counts(events):
@@ -169,7 +196,7 @@ def plot(found, events, out_dir):
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for algorithm, members in sorted(by_algorithm.items()):
-        x = np.sort([r.seconds["transfer"] * 1e3 for r in members])
+        x = np.sort([r.transfer * 1e3 for r in members])
         ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=algorithm)
     ax.set(xscale="log", xlabel="transfer time per round (ms)", ylabel="CDF", title="Round latency per algorithm")
     ax.legend()

@@ -153,7 +153,9 @@ def records():
     """Per tensor name, the last dispatch: algorithm, compression, bytes, block density (as `auto`
     measured it, or as omnireduce saw it: of the fused buffer when fused), timings: negotiate_s,
     queue_s, run_s = process_s (fusion, scaling, compression on this worker) + transfer_s (the
-    algorithm's collectives: network, switch and aggregators)."""
+    algorithm's collectives: network, switch and aggregators), and transfer_s = server_queue_s +
+    server_proc_s + network_s where the algorithm has a server that stamps its results (switchml,
+    omnireduce; None otherwise): see commlib.executor.Phases."""
     return dict(runtime().records)
 
 

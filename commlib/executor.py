@@ -65,7 +65,7 @@ class Channel:
         self._phases.mark("COMPRESS")
         out = self._backend.allreduce(array if native else array.astype(np.float32), self._next())
         self._phases.mark(self.algorithm.upper(), comm=True, sent=array.nbytes, received=out.nbytes,
-                          **busy(self._backend))
+                          **collective(self._backend))
         return out.astype(array.dtype, copy=False)
 
     def allgather(self, array):
@@ -81,17 +81,34 @@ class Channel:
 
 class Phases:
     """The phases of one bucket's run, in order: (name, begin, end, comm, args) with monotonic times;
-    comm=True for the algorithm's collectives. `mark` closes the phase that just ended."""
+    comm=True for the algorithm's collectives. `mark` closes the phase that just ended.
+
+    A collective's transfer time (its span less its `busy_s`) splits, where the algorithm has a
+    server that stamps its results (switchml, omnireduce), into server_queue_s + server_proc_s +
+    network_s: the server's shares (fractions of a round, `server_share`: per-packet means over the
+    mean round time, so rounds that overlap in a window count once) times the transfer time, the
+    rest the network (and the wait for the slowest rank, which no clock can tell apart)."""
 
     __slots__ = ("spans", "_last")
 
     def __init__(self, start):
         self.spans, self._last = [], start
 
-    def mark(self, name, comm=False, **args):
+    def mark(self, name, comm=False, server_share=None, **args):
         now = time.monotonic()
+        if server_share is not None:
+            transfer = max(0.0, now - self._last - args.get("busy_s", 0.0))
+            queue, proc = transfer * server_share[0], transfer * server_share[1]
+            args.update(server_queue_s=queue, server_proc_s=proc, network_s=max(0.0, transfer - queue - proc))
         self.spans.append((name, self._last, now, comm, args))
         self._last = now
+
+    def server(self):
+        """{server_queue_s, server_proc_s, network_s} summed over the collectives that report them,
+        each None when none does (an algorithm without a server: the ring, allgathers)."""
+        keys = ("server_queue_s", "server_proc_s", "network_s")
+        reported = [args for _, _, _, comm, args in self.spans if comm and "network_s" in args]
+        return {k: sum(a[k] for a in reported) if reported else None for k in keys}
 
     def seconds(self, comm):
         """Time waiting in the collectives (comm=True: network, switch, aggregators) or in the
@@ -205,7 +222,7 @@ class Executor:
             buf = scaled(buf, first.prescale)
             phases.mark("SCALE")
         out = backend.allreduce(buf, name) if first.op in (Sum, Average) else backend.allreduce(buf, name, first.op)
-        phases.mark(first.algorithm.upper(), comm=True, sent=buf.nbytes, received=out.nbytes, **busy(backend))
+        phases.mark(first.algorithm.upper(), comm=True, sent=buf.nbytes, received=out.nbytes, **collective(backend))
         measured = backend.measured_density(name)   # of the fused buffer when fused
         if measured is not None:
             for entry in bucket:
@@ -229,7 +246,7 @@ class Executor:
             phases.mark("SCALE")
         out_rows, out_values = sparse.reduce_rows(backend, rows.rows, values, rows.nrows, name, entry.counts)
         phases.mark(entry.algorithm.upper(), comm=True, sent=values.nbytes + rows.rows.nbytes,
-                    received=out_values.nbytes + out_rows.nbytes, **busy(backend))
+                    received=out_values.nbytes + out_rows.nbytes, **collective(backend))
         scale = entry.postscale / (self.ctx.size if entry.op == Average else 1)
         if scale != 1.0:
             out_values = scaled(out_values, scale)
@@ -270,17 +287,22 @@ class Executor:
             "nbytes": entry.staged.nbytes, "density": entry.density, "bucket": bucket, "fused_with": fused - 1,
             "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start,
             "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True),
-            "note": entry.plan.note}
+            **phases.server(), "note": entry.plan.note}
         if entry.rows is not None:   # row-sparse: rows sent by this rank and in the union, the model's estimate
             self.records[entry.name].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate,
                                             skew=entry.skew)
         self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, fused - 1)
 
 
-def busy(backend):
-    """{'busy_s': seconds} of the backend's last allreduce spent processing, where it can tell."""
-    seconds = backend.last_busy_s
-    return {} if seconds is None else {"busy_s": seconds}
+def collective(backend):
+    """What the backend tells of its last allreduce, where it can: `busy_s`, the seconds it spent
+    processing, and `server_share`, the server's (queue, processing) fractions of its round time."""
+    out = {}
+    if backend.last_busy_s is not None:
+        out["busy_s"] = backend.last_busy_s
+    if backend.last_server_share is not None:
+        out["server_share"] = backend.last_server_share
+    return out
 
 
 def scaled(array, factor, inplace=False):

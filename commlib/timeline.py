@@ -11,7 +11,9 @@ as a worker's own clock can split it):
     DECOMPRESS  ... and after the last one                                        |
     RESTORE     splitting the result and copying it back into the caller's type  /
     <ALGORITHM> each collective of the algorithm (network + switch/aggregators), with its bytes and,
-                where the algorithm can tell (switchml), `busy_s`: its own processing inside
+                where the algorithm can tell (switchml), `busy_s`: its own processing inside, and
+                where it has a server that stamps its results (switchml, omnireduce) the rest split
+                into server_queue_s + server_proc_s + network_s (commlib.executor.Phases)
 
 A bucket's phases are measured once (commlib.executor.Phases) and shared by its tensors. Timestamps are the
 monotonic clock shifted to wall-clock microseconds, so the files of the ranks of one host (or of

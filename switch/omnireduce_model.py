@@ -4,13 +4,15 @@
 of metadata per block and downloads every block of the union.
 `wire_model`: what commlib's UDP protocol puts on the wire without loss, to the byte: one 40-byte
 header per packet (the paper's 4 bytes of `next` included) and, on an authenticated job, its
-8-byte MAC, header-only packets for all-zero bootstrap blocks and results, and the silent
-workers' ACK every OMR_SETS/2 rounds.
+8-byte MAC, header-only packets for all-zero bootstrap blocks and results, each result's 12-byte
+stamp (the aggregator's share of the round, for the latency breakdown), and the silent workers' ACK
+every OMR_SETS/2 rounds.
 """
 import numpy as np
 
 HEADER = 40
 MAC = 8                  # the packet MAC of an authenticated job (switch/csrc/omnireduce.h)
+STAMP = 12               # OMR_STAMP_BYTES: on every result
 ACK_EVERY = 4            # OMR_SETS / 2
 
 
@@ -37,7 +39,7 @@ def wire_model(masks, nelems, block, columns, itemsize=4, authenticated=True):
         blocks = np.arange(j, nb, ncols)
         # bootstrap: everyone sends the first block, a bare header when it is zero
         sent += header + col[:, 0] * payload(j)
-        recv += header + (payload(j) if col[:, 0].any() else 0)
+        recv += header + STAMP + (payload(j) if col[:, 0].any() else 0)
         union = np.nonzero(col[:, 1:].any(axis=0))[0] + 1   # later rounds, in order
         for k, pos in enumerate(union, start=1):         # round k: block blocks[pos]
             # after result k-1 (count = k) the contributors send, the others may ACK
@@ -45,5 +47,5 @@ def wire_model(masks, nelems, block, columns, itemsize=4, authenticated=True):
             sent += contributors * (header + payload(blocks[pos]))
             if k % ACK_EVERY == 0:
                 sent += ~contributors * header
-            recv += header + payload(blocks[pos])
+            recv += header + STAMP + payload(blocks[pos])
     return list(zip(sent.tolist(), recv.tolist()))

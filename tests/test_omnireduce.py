@@ -191,10 +191,10 @@ def test_bytes_match_traffic_model(placement):
     """Per worker and tensor: measured bytes equal the protocol's exact wire model to the byte
     (recovery traffic, if the loaded host made a timer fire, is counted apart and subtracted),
     and stay within OMNIREDUCE.md's model (own non-zero blocks + 4 bytes each up, the union down)
-    times 1.11 up / 1.05 down, plus 48 bytes per column: our 40-byte header instead of 4 bytes of
-    `next` (3.5% up, 3.9% down) and the 8-byte packet MAC (0.8%), silent workers' ACKs (a header
-    per 4 silent rounds: ~3% at 4 workers), and one header-only bootstrap packet per column whose
-    first block is zero."""
+    times 1.11 up / 1.07 down, plus 60 bytes per column: our 40-byte header instead of 4 bytes of
+    `next` (3.5% up, 3.9% down), the 8-byte packet MAC (0.8%), the results' 12-byte stamp of the
+    aggregator's share (1.2% down), silent workers' ACKs (a header per 4 silent rounds: ~3% at 4
+    workers), and one header-only bootstrap packet per column whose first block is zero."""
     n, block, columns, size = 4, 256, 32, 2048 * 256
     cases = [(d, sparse_inputs(n, size, d, placement, block=block, seed=3)) for d in (0.01, 0.1, 0.5, 1.0)]
 
@@ -214,7 +214,7 @@ def test_bytes_match_traffic_model(placement):
             assert (sent, recv) == model[rank], (d, rank, st)
             up, down = paper_model(int(masks[rank].sum()), union, block * 4)
             assert up <= sent <= 1.11 * up + 48 * columns, (d, rank, sent, up)
-            assert down <= recv <= 1.05 * down + 48 * columns, (d, rank, recv, down)
+            assert down <= recv <= 1.07 * down + 60 * columns, (d, rank, recv, down)
             assert st["union_blocks"] == union
 
 
@@ -488,7 +488,7 @@ def test_stats_and_invalid_inputs():
 
     results, _ = run(2, work)
     st = results[0]
-    for key in ("bytes_sent", "bytes_recv", "packets_sent", "packets_recv", "resends", "density", "union_density",
+    for key in ("bytes_sent", "bytes_recv", "pkts_sent", "pkts_recv", "resends", "density", "union_density",
                 "tensors", "aggregators", "aggregator"):
         assert key in st, key
     assert st["tensors"]["a"]["density"] == 1.0 and st["bytes_sent"] > 0 and st["tensors"]["a"]["bytes_recv"] > 0

@@ -58,6 +58,8 @@ def parse(packet):
     n = {0: 0, 1: 64, 2: 256}[out["flags"] & 3]
     out["values"] = list(struct.unpack(f"!{n}i", packet[20:20 + 4 * n]))
     out["nf"] = list(packet[20 + 4 * n:20 + 5 * n]) if out["flags"] & 4 else None
+    end = 20 + (5 if out["flags"] & 4 else 4) * n
+    out["stamp"] = struct.unpack("!II", packet[end:end + 8]) if out["flags"] & 16 else None   # queue, proc ns
     out["checksum_ok"] = header(*[out[k] for k in ("type", "flags", "job", "rank", "pkt", "pool", "exp")],
                                 token=out["token"], code=out["code"]) == packet[:20]
     return out
@@ -128,16 +130,25 @@ def test_header_layout_and_result(job2):
     job2.send(0, pkt)
     job2.silent(0)                                                        # consumed: slot incomplete
     job2.send(1, data(j, 1, 7, 3, 1, vals(2), exp=2))
+    stamps = []
     for rank in (0, 1):                                                    # completion goes to everyone
-        r = job2.recv(rank)
-        assert r["checksum_ok"]
+        raw = job2.socks[rank].recv(4096)
+        r = parse(raw)
+        assert len(raw) == 20 + 4 * E + 8 and r["checksum_ok"]
+        stamps.append(r["stamp"])
         assert (r["type"], r["flags"], r["job"], r["pkt"], r["pool"], r["code"], r["token"]) == \
-            (2, 1, j, 7, 3 | 1 << 15, 0, TOKEN)
+            (2, 1 | 16, j, 7, 3 | 1 << 15, 0, TOKEN)                        # 16: the stamp follows
         assert r["rank"] == 1                                              # the packet that completed it
         assert r["exp"] == 5                                               # max exponent echoed
         assert r["values"] == [a + b for a, b in zip(vals(1), vals(2))]
     c = job2.counters()
-    assert (c["rx"], c["aggregated"], c["results"], c["replays"]) == (2, 2, 2, 0)
+    assert (c["pkts_recv"], c["aggregated"], c["results"], c["replays"]) == (2, 2, 2, 0)
+    # the stamp: the round's queue and processing ns summed over its two contributions, as the
+    # job's counters over the same two packets (processing: less the result's MAC and send)
+    queue, proc = stamps[0]
+    assert stamps[1] == stamps[0] and queue == c["queue_ns"] and 0 < proc <= c["proc_ns"], (stamps, c)
+    job2.send(0, data(j, 0, 7, 3, 1, vals(1), exp=5))                   # a retransmission: the replay
+    assert job2.recv(0)["stamp"] == stamps[0]                             # carries the round's stamp
 
 
 def test_overwrite_on_first_contribution(job2):
@@ -182,7 +193,7 @@ def test_max_exponent_and_exponent_only_packets(job2):
         job2.send(0, data(j, 0, slot, slot, 0, None, exp=e0))   # size code 0: exponent only
         job2.send(1, data(j, 1, slot, slot, 0, None, exp=e1))
         r = job2.recv(0)
-        assert (r["exp"], r["flags"], r["values"]) == (want, 0, [])
+        assert (r["exp"], r["flags"], r["values"]) == (want, 16, [])
         job2.recv(1)
 
 
@@ -213,7 +224,7 @@ def test_nonfinite_flags_are_ored(job2):
     job2.send(0, data(j, 0, 0, 4, 0, [0] * E, nf=nf0))
     job2.send(1, data(j, 1, 0, 4, 0, [5] * E, nf=nf1))
     r = job2.recv(0)
-    assert r["flags"] == 1 | 4 and r["nf"][:3] == [1, 6, 0] and r["values"] == [5] * E
+    assert r["flags"] == 1 | 4 | 16 and r["nf"][:3] == [1, 6, 0] and r["values"] == [5] * E
     job2.send(0, data(j, 0, 1, 6, 0, [1] * E))            # no flags from anyone: no region
     job2.send(1, data(j, 1, 1, 6, 0, [1] * E))
     assert job2.recv(0)["nf"] is None
@@ -241,7 +252,7 @@ def test_unregistered_sender_and_bad_token_dropped(switch, job2):
         job2.send(0, data(j, 0, 1, 0, 0, vals(1), token=TOKEN ^ 1))
         job2.silent(0)
         c = job2.counters()
-        assert (c["drop_sender"], c["drop_token"], c["rx"], c["aggregated"]) == (3, 1, 0, 0)
+        assert (c["drop_sender"], c["drop_token"], c["pkts_recv"], c["aggregated"]) == (3, 1, 0, 0)
         # the real rank 0 still aggregates normally afterwards
         job2.send(0, data(j, 0, 1, 0, 0, vals(1)))
         job2.send(1, data(j, 1, 1, 0, 0, vals(2)))
@@ -311,7 +322,7 @@ def test_drop_simulator_counts(switch, job2):
         job2.send(0, data(j, 0, pkt, pkt % 8, (pkt // 8) % 2, None))
     job2.silent(0)
     c = job2.counters()
-    assert 5 < c["drop_sim_ingress"] < 35 and c["drop_sim_ingress"] + c["rx"] == 40
+    assert 5 < c["drop_sim_ingress"] < 35 and c["drop_sim_ingress"] + c["pkts_recv"] == 40
 
 
 def test_simulate_is_refused_unless_the_switch_is_for_testing():

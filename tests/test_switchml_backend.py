@@ -404,7 +404,7 @@ def test_cli_counters_and_simulate():
         out = subprocess.run(cli + ["status", address], capture_output=True, text=True, timeout=20)
         assert '"ingress": 0.02' in out.stdout and '"free_slots": 1000' in out.stdout
         out = subprocess.run(cli + ["counters", address], capture_output=True, text=True, timeout=20)
-        assert '"rx"' in out.stdout and '"drop_unknown_job"' in out.stdout
+        assert '"pkts_recv"' in out.stdout and '"drop_unknown_job"' in out.stdout
         out = subprocess.run(cli + ["counters", address, "--job", "999"], capture_output=True, text=True, timeout=20)
         assert out.returncode == 1 and "not registered" in out.stderr
     finally:

@@ -59,6 +59,48 @@ def test_records_components_add_up_to_the_round(job):
             assert abs(rec["process_s"] + rec["transfer_s"] - rec["run_s"]) < 1e-3, (name, rec)
 
 
+SERVER_SPLIT_MARGIN_S = 1e-6   # server + network = transfer up to float rounding (Phases splits it exactly)
+
+
+def test_records_split_the_transfer_into_server_queue_processing_and_network(job):
+    _, _, _, results = job
+    for result in results:
+        for name, rec in result["records"].items():
+            split = [rec["server_queue_s"], rec["server_proc_s"], rec["network_s"]]
+            if rec["algorithm"] == "ring":   # no server: nothing to split
+                assert split == [None, None, None], (name, rec)
+                continue
+            assert rec["algorithm"] in ("switchml", "omnireduce"), (name, rec)
+            assert all(v >= 0 for v in split) and rec["server_proc_s"] > 0, (name, rec)   # the results carried stamps
+            assert abs(sum(split) - rec["transfer_s"]) < SERVER_SPLIT_MARGIN_S, (name, rec)
+
+
+def test_the_stamped_server_share_is_what_the_daemons_counted(job):
+    """Every result piggybacks its round's queue and processing time; each worker gets every round's
+    result, so its sums equal the switch's own per-job counters over the same packets: exactly for
+    the queue when every packet the switch took was a contribution (else the retransmissions' queue
+    is only in the counters), and at most the counters' processing (the result's MAC and send are
+    not stamped: 60% of it in a 2-rank run here, no lower bound, as one preemption while a result
+    is signed can put milliseconds into the counter alone). The aggregators count every packet
+    (ACKs, control, duplicates) in theirs. A switch or aggregator that stopped stamping fails the
+    `0 <` checks (and the worker's sums could not equal the switch's queue counter)."""
+    _, _, _, results = job
+    switch = next(r for r in results if r["rank"] == 0)["daemons"]["switch"]
+    aggregators = next(r for r in results if r["rank"] == 0)["daemons"]["aggregators"]
+    for result in results:
+        sml, omr = result["stamped"]["switchml"], result["stamped"]["omnireduce"]
+        assert sml["server_packets"] == switch["aggregated"] > 0, (sml, switch)
+        if switch["pkts_recv"] == switch["aggregated"]:
+            assert sml["server_queue_ns"] == switch["queue_ns"] > 0, (sml, switch)
+        else:
+            assert 0 < sml["server_queue_ns"] <= switch["queue_ns"], (sml, switch)
+        assert 0 < sml["server_proc_ns"] <= switch["proc_ns"], (sml, switch)
+        counted = {k: sum(a[k] for a in aggregators) for k in ("queue_ns", "proc_ns", "data_recv")}
+        assert 0 < omr["server_packets"] <= counted["data_recv"], (omr, counted)
+        assert 0 < omr["server_queue_ns"] <= counted["queue_ns"], (omr, counted)
+        assert 0 < omr["server_proc_ns"] <= counted["proc_ns"], (omr, counted)
+
+
 def test_rank_0_traces_the_switch_and_aggregator_counters_in_their_own_rows(job):
     _, paths, _, _ = job
     events = timeline.load(paths[0])
@@ -66,7 +108,7 @@ def test_rank_0_traces_the_switch_and_aggregator_counters_in_their_own_rows(job)
     switch = [pid for pid, name in rows.items() if name.startswith("switch ")]
     assert len(switch) == 1, rows
     samples = [e["args"] for e in events if e.get("ph") == "C" and e["pid"] == switch[0]]
-    assert samples and max(s["rx"] for s in samples) > 0, samples   # packets per second reached the switch
+    assert samples and max(s["pkts_recv"] for s in samples) > 0, samples   # packets per second reached the switch
     aggregators = [pid for pid, name in rows.items() if name.startswith("aggregator ")]
     assert len(aggregators) == 2, rows   # colocated: one in each rank
     for pid in aggregators:
@@ -97,6 +139,16 @@ def test_merge_and_analyze(job, capsys):
     printed = capsys.readouterr().out
     for algorithm in ("ring", "switchml", "omnireduce"):
         assert f"\n{algorithm} " in printed, printed
+    head = next(line for line in printed.splitlines() if line.startswith("algorithm"))
+    for component in analyze.COMPONENTS:   # the study's five and the negotiation
+        assert f"{component} p50/p99" in head, head
+    for line in printed.splitlines():
+        if line.startswith(("switchml ", "omnireduce ")):   # server columns filled in
+            assert line.count(" / ") == len(analyze.COMPONENTS), line
+        if line.startswith("ring "):                          # no server: '-' in its two columns
+            assert line.count(" / ") == len(analyze.COMPONENTS) - 2, line
+    served = [r for r in found if r.algorithm in ("switchml", "omnireduce")]
+    assert served and all(r.server and r.seconds["server_proc"] > 0 for r in served)
     assert "switch 127.0.0.1:" in printed and "aggregated" in printed, printed
     for row, samples in analyze.daemon_samples(events).items():   # the switch's and aggregators' own share
         share = analyze.per_packet(samples)

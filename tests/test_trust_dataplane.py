@@ -152,8 +152,8 @@ def test_results_carry_a_valid_mac_and_unsigned_data_is_dropped(keyed):
     keyed.send(0, keyed.packet(0, 1, 0, 0, vals(1)))
     keyed.send(1, keyed.packet(1, 1, 0, 0, vals(2)))
     raw = keyed.recv_raw(0)
-    assert len(raw) == 20 + 4 * E + 8 and raw[1] & 8                     # SML_F_MAC and the trailer
-    assert int.from_bytes(raw[-8:], "little") == siphash24(keyed.key, raw[:-8])
+    assert len(raw) == 20 + 4 * E + 8 + 8 and raw[1] & 8 and raw[1] & 16  # SML_F_MAC, SML_F_STAMP: stamp, MAC
+    assert int.from_bytes(raw[-8:], "little") == siphash24(keyed.key, raw[:-8])   # the MAC covers the stamp
     assert parse(raw[:-8])["values"] == [a + b for a, b in zip(vals(1), vals(2))]
 
 

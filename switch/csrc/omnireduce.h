@@ -20,11 +20,18 @@
  * packet of tensor t+1 proves that every worker finished tensor t-1.
  *
  * Packets are little-endian (hosts, not network order): a 40-byte omr_hdr, then the block
- * (absent with OMR_F_ZERO). csum (transport.h's tp_checksum) covers header (csum = 0) and payload.
+ * (absent with OMR_F_ZERO), then on a RESULT (OMR_F_STAMP, every RESULT has it) the aggregator's
+ * share of the round, OMR_STAMP_BYTES: three uint32, the round's contributions (data packets
+ * summed), their queue nanoseconds (kernel arrival -> handling) and their handling nanoseconds
+ * (the completing packet's until its round is complete: not publishing nor the MAC, which covers
+ * the stamp), each summed over the contributions, saturating at 2^32-1. Per round, not per slot
+ * window: a column's rounds are lock-step, so a round is the aggregator's unit of work; the sums
+ * cost two adds per data packet. csum (transport.h's tp_checksum) covers header (csum = 0),
+ * payload and stamp.
  *
  * Authentication (a job registered with a job key, the default): every packet of the job, both
  * ways, has OMR_F_MAC set and ends with 8 bytes of SipHash-2-4 (transport.h) under the job key
- * over the header (csum included) and the payload; (seq, col, round) are inside, so a replayed
+ * over the header (csum included), the payload and the stamp; (seq, col, round) are inside, so a replayed
  * packet is one the protocol already treats as a duplicate. Packets without a valid MAC are
  * dropped and counted (bad_mac). ERRORs about a job the aggregator does not know carry no MAC
  * (it has no key for it): an authenticated worker reports one only if no progress follows before
@@ -57,6 +64,8 @@
 #define OMR_F_ACKWAIT 4           /* STATUS: waiting for acknowledgements, not for blocks */
 #define OMR_F_RESEND 8            /* DATA sent again by the timer: answer with a replay or a STATUS */
 #define OMR_F_MAC 16              /* the packet ends with its MAC (TP_MAC_LEN bytes) */
+#define OMR_F_STAMP 32            /* RESULT: the stamp (OMR_STAMP_BYTES) follows the block */
+#define OMR_STAMP_BYTES 12
 #define OMR_KEY_LEN 16
 
 #define OMR_FLOAT32 0             /* = TP_FLOAT32, TP_INT32 (transport.h) */
@@ -87,6 +96,10 @@ typedef struct {
     uint64_t results_recv, status_recv, dup_recv, ooo_recv, bad_recv, bad_mac;
     uint64_t sim_dropped, sim_duplicated;
     uint64_t nblocks, ncols, own_blocks, union_blocks;          /* union: results with a payload */
+    /* the latency breakdown, over the results accepted (results_recv rounds): the aggregators' share
+     * their stamps carry (sums over server_packets contributions) and this worker's round times (a
+     * column's previous result, or its bootstrap send, -> this result) */
+    uint64_t server_queue_ns, server_proc_ns, server_packets, round_ns;
     int32_t err_agg, err_rank, err_col, err_code;               /* why it failed */
     uint32_t cols_left, err_nwaiting;
     double agg_silent_s;                                        /* how long err_agg has been silent */

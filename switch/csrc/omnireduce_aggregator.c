@@ -11,6 +11,7 @@
 
 typedef struct {
     uint32_t round, block, next, len;     /* len: payload bytes, 0 for a zero block */
+    uint32_t stamp[3];                    /* the round's contributions, queue ns, handling ns (omnireduce.h) */
     uint8_t flags, valid;
 } omr_set;
 
@@ -18,6 +19,7 @@ typedef struct {
     uint32_t seq, round, block, published, min_next, acc_len;
     uint8_t used, finished, pending, acc_has, acc_flags;
     int expected, arrived;
+    uint32_t queue_ns, proc_ns;           /* the current round's share of the aggregator (its stamp) */
     uint32_t *next, *ack;                 /* per worker */
     uint8_t *seen;
     uint8_t *acc, *data;                  /* accumulator, OMR_SETS finished results */
@@ -183,25 +185,33 @@ static void reset_state(omr_job *j, omr_state *S, uint32_t seq, uint32_t col) {
     S->acc_len = 0;
     S->expected = j->nworkers;
     S->arrived = 0;
+    S->queue_ns = S->proc_ns = 0;
 }
 
-/* mac: the packet's MAC (made once for a result every worker gets), NULL on a job without a key */
+/* trailer: what follows the payload (made once for a result every worker gets): the MAC, or a
+ * result's stamp and MAC; tlen 0 for none */
 static void send_to(omr_agg *a, omr_job *j, int rank, const omr_hdr *h, const void *payload, size_t len,
-                    const uint8_t *mac) {
+                    const uint8_t *trailer, uint32_t tlen) {
     if (!j->has_addr[rank]) return;
     a->sq.loss = j->loss;
     a->sq.dup = j->dup;
-    omr_sendq_push_ready(&a->sq, &j->addr[rank], h, payload, len, mac);
+    omr_sendq_push_ready(&a->sq, &j->addr[rank], h, payload, len, trailer, tlen);
 }
 
-/* A finished round's header, checksummed and (with a key) its MAC in mac. */
-static omr_hdr result_hdr(int job_id, omr_job *j, omr_state *S, uint32_t col, uint32_t r, uint8_t *mac) {
+#define RESULT_TRAILER (OMR_STAMP_BYTES + TP_MAC_LEN)
+_Static_assert(RESULT_TRAILER <= TP_MAX_TRAILER, "a result's stamp and MAC fit a send queue's trailer");
+
+/* A finished round's header, checksummed; its stamp and (with a key) MAC in trailer, *tlen long. */
+static omr_hdr result_hdr(int job_id, omr_job *j, omr_state *S, uint32_t col, uint32_t r, uint8_t *trailer,
+                          uint32_t *tlen) {
     omr_set *set = &S->sets[r % OMR_SETS];
     const uint8_t *data = S->data + (size_t)(r % OMR_SETS) * j->bbytes;
-    omr_hdr h = {OMR_RESULT, (uint8_t)(set->flags | (j->auth ? OMR_F_MAC : 0)), (uint16_t)j->index,
+    omr_hdr h = {OMR_RESULT, (uint8_t)(set->flags | OMR_F_STAMP | (j->auth ? OMR_F_MAC : 0)), (uint16_t)j->index,
                  (uint32_t)job_id, j->key, S->seq, col, r, set->block, set->next, 0, 0};
-    h.csum = omr_hdr_csum(&h, data, set->len);
-    if (j->auth) omr_mac(j->mac_key, &h, data, set->len, mac);
+    for (int k = 0; k < 3; k++) memcpy(trailer + 4 * k, &set->stamp[k], 4);   /* little-endian hosts */
+    h.csum = omr_csum2(&h, data, set->len, trailer, OMR_STAMP_BYTES);
+    if (j->auth) omr_mac2(j->mac_key, &h, data, set->len, trailer, OMR_STAMP_BYTES, trailer + OMR_STAMP_BYTES);
+    *tlen = OMR_STAMP_BYTES + (j->auth ? TP_MAC_LEN : 0);
     return h;
 }
 
@@ -212,9 +222,10 @@ static void replay(omr_agg *a, int job_id, omr_job *j, omr_state *S, uint32_t co
     for (uint32_t r = from; r < S->published; r++) {
         omr_set *set = &S->sets[r % OMR_SETS];
         if (!set->valid || set->round != r) continue;
-        uint8_t mac[TP_MAC_LEN];
-        omr_hdr h = result_hdr(job_id, j, S, col, r, mac);
-        send_to(a, j, rank, &h, S->data + (size_t)(r % OMR_SETS) * j->bbytes, set->len, j->auth ? mac : NULL);
+        uint8_t trailer[RESULT_TRAILER];
+        uint32_t tlen;
+        omr_hdr h = result_hdr(job_id, j, S, col, r, trailer, &tlen);
+        send_to(a, j, rank, &h, S->data + (size_t)(r % OMR_SETS) * j->bbytes, set->len, trailer, tlen);
         a->st.replays++;
     }
 }
@@ -238,7 +249,7 @@ static void send_status(omr_agg *a, int job_id, omr_job *j, omr_state *S, uint32
     uint8_t mac[TP_MAC_LEN];
     h.csum = omr_hdr_csum(&h, NULL, 0);
     if (j->auth) omr_mac(j->mac_key, &h, NULL, 0, mac);
-    send_to(a, j, rank, &h, NULL, 0, j->auth ? mac : NULL);
+    send_to(a, j, rank, &h, NULL, 0, mac, j->auth ? TP_MAC_LEN : 0);
     a->st.status_sent++;
 }
 
@@ -256,11 +267,15 @@ static void try_publish(omr_agg *a, int job_id, omr_job *j, omr_state *S, uint32
     set->len = S->acc_has ? S->acc_len : 0;
     set->flags = (uint8_t)(S->acc_flags | (S->acc_has ? 0 : OMR_F_ZERO));
     set->valid = 1;
+    set->stamp[0] = (uint32_t)S->arrived;
+    set->stamp[1] = S->queue_ns;
+    set->stamp[2] = S->proc_ns;
     uint8_t *data = S->data + (size_t)(q % OMR_SETS) * j->bbytes;
     if (set->len) memcpy(data, S->acc, set->len);
-    uint8_t mac[TP_MAC_LEN];
-    omr_hdr h = result_hdr(job_id, j, S, col, q, mac);
-    for (int w = 0; w < j->nworkers; w++) send_to(a, j, w, &h, data, set->len, j->auth ? mac : NULL);
+    uint8_t trailer[RESULT_TRAILER];
+    uint32_t tlen;
+    omr_hdr h = result_hdr(job_id, j, S, col, q, trailer, &tlen);
+    for (int w = 0; w < j->nworkers; w++) send_to(a, j, w, &h, data, set->len, trailer, tlen);
     a->st.results_sent += (uint64_t)j->nworkers;
     a->st.rounds++;
     S->published = q + 1;
@@ -275,6 +290,7 @@ static void try_publish(omr_agg *a, int job_id, omr_job *j, omr_state *S, uint32
     S->expected = 0;
     for (int w = 0; w < j->nworkers; w++) S->expected += S->next[w] == S->min_next;
     S->arrived = 0;
+    S->queue_ns = S->proc_ns = 0;
     memset(S->seen, 0, (size_t)j->nworkers);
     S->acc_has = 0;
     S->acc_len = 0;
@@ -314,7 +330,11 @@ static void refuse(omr_agg *a, const struct sockaddr_in *to, const omr_hdr *in, 
     a->st.refused++;
 }
 
-static void handle(omr_agg *a, int i, uint64_t now) {
+static inline uint32_t add_sat(uint32_t a, uint64_t b) { return b >= UINT32_MAX - a ? UINT32_MAX : a + (uint32_t)b; }
+
+/* queue_ns: how long packet i waited (kernel arrival -> now); t_in: its handling's start
+ * (tp_now_ns); both go into its round's stamp if it contributes */
+static void handle(omr_agg *a, int i, uint64_t now, uint64_t queue_ns, uint64_t t_in) {
     omr_hdr hb;
     const uint8_t *payload;
     size_t plen;
@@ -396,6 +416,8 @@ static void handle(omr_agg *a, int i, uint64_t now) {
                 }
                 S->next[w] = h->next;
                 S->seen[w] = 1;
+                S->queue_ns = add_sat(S->queue_ns, queue_ns);
+                S->proc_ns = add_sat(S->proc_ns, tp_now_ns() - t_in);
                 if (++S->arrived == S->expected) {
                     uint32_t m = OMR_INF;
                     for (int v = 0; v < j->nworkers; v++) m = S->next[v] < m ? S->next[v] : m;
@@ -431,9 +453,10 @@ int omr_agg_run(omr_agg *a, int timeout_ms) {
         now = tp_now_us();
         for (int i = 0; i < k; i++) {   /* its share of each packet's round, for the latency breakdown */
             uint64_t stamp = tp_rxq_stamp(&a->rq, i), wall = stamp ? tp_wall_ns() : 0, t = tp_now_ns();
-            handle(a, i, now);
+            uint64_t queued = stamp && wall > stamp ? wall - stamp : 0;
+            handle(a, i, now, queued, t);
             a->st.proc_ns += tp_now_ns() - t;
-            if (stamp && wall > stamp) a->st.queue_ns += wall - stamp;
+            a->st.queue_ns += queued;
         }
     }
 }

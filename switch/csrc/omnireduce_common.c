@@ -18,7 +18,7 @@ int omr_sendq_init(omr_sendq *q, int fd, int copy, uint64_t *rng) {
 void omr_sendq_free(omr_sendq *q) { tp_txq_free(&q->q); }
 
 void omr_sendq_push_ready(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h, const void *payload, size_t len,
-                          const uint8_t *mac) {
+                          const uint8_t *trailer, uint32_t tlen) {
     if (q->loss > 0 && tp_uniform(q->rng) < q->loss) {
         q->sim_dropped++;
         return;
@@ -30,7 +30,7 @@ void omr_sendq_push_ready(omr_sendq *q, const struct sockaddr_in *to, const omr_
     }
     for (int k = 0; k < copies; k++) {
         tp_txq_add(&q->q, to, h, sizeof *h, payload, (uint32_t)len);
-        if (mac) tp_txq_trailer(&q->q, mac);
+        if (tlen) tp_txq_trailer(&q->q, trailer, tlen);
     }
 }
 
@@ -41,5 +41,5 @@ void omr_sendq_push(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h
     if (key) copy.flags |= OMR_F_MAC;
     copy.csum = omr_hdr_csum(&copy, payload, len);
     if (key) omr_mac(key, &copy, payload, len, mac);
-    omr_sendq_push_ready(q, to, &copy, payload, len, key ? mac : NULL);
+    omr_sendq_push_ready(q, to, &copy, payload, len, mac, key ? TP_MAC_LEN : 0);
 }

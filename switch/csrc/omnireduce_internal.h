@@ -16,23 +16,34 @@
 
 _Static_assert(sizeof(omr_hdr) == OMR_HDR_BYTES, "omr_hdr must be packed to 40 bytes");
 
-/* Header checksum: transport.h's, over the header (csum = 0) then the payload. */
-static inline uint32_t omr_hdr_csum(const omr_hdr *h, const void *payload, size_t len) {
+/* Header checksum: transport.h's, over the header (csum = 0), the payload, then `extra` (a
+ * result's stamp; the payload is a multiple of 4 bytes, so it sums as if contiguous). */
+static inline uint32_t omr_csum2(const omr_hdr *h, const void *payload, size_t len, const void *extra, size_t elen) {
     omr_hdr copy = *h;
     copy.csum = 0;
     tp_ck c = {0, 0, 0, 0};
     tp_ck_update(&c, &copy, sizeof copy);
     if (len) tp_ck_update(&c, payload, len);
+    if (elen) tp_ck_update(&c, extra, elen);
     return tp_ck_final(&c);
 }
+static inline uint32_t omr_hdr_csum(const omr_hdr *h, const void *payload, size_t len) {
+    return omr_csum2(h, payload, len, NULL, 0);
+}
 
-/* The MAC of a packet (header as sent, then payload): SipHash-2-4 under the job key, little-endian. */
-static inline void omr_mac(const uint8_t *key, const omr_hdr *h, const void *payload, size_t len, uint8_t *out) {
+/* The MAC of a packet (header as sent, payload, then `extra`: a result's stamp): SipHash-2-4
+ * under the job key, little-endian. */
+static inline void omr_mac2(const uint8_t *key, const omr_hdr *h, const void *payload, size_t len, const void *extra,
+                            size_t elen, uint8_t *out) {
     tp_sip s;
     tp_sip_init(&s, key);
     tp_sip_update(&s, h, sizeof *h);
     if (len) tp_sip_update(&s, payload, len);
+    if (elen) tp_sip_update(&s, extra, elen);
     tp_wr64le(out, tp_sip_final(&s));
+}
+static inline void omr_mac(const uint8_t *key, const omr_hdr *h, const void *payload, size_t len, uint8_t *out) {
+    omr_mac2(key, h, payload, len, NULL, 0, out);
 }
 
 /* Whether a received packet (payload as omr_recvq_get gives it) carries a valid MAC under key. */
@@ -60,9 +71,10 @@ void omr_sendq_free(omr_sendq *q);
  * applies the loss/duplication simulation */
 void omr_sendq_push(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h, const void *payload, size_t len,
                     const uint8_t *key);
-/* same, with the checksum already in h and the MAC (or NULL) made (one result sent to many workers) */
+/* same, with the checksum already in h and the trailer made: the MAC, or a result's stamp and MAC
+ * (tlen bytes, at most TP_MAX_TRAILER; one result sent to many workers) */
 void omr_sendq_push_ready(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h, const void *payload, size_t len,
-                          const uint8_t *mac);
+                          const uint8_t *trailer, uint32_t tlen);
 static inline void omr_sendq_flush(omr_sendq *q) { tp_txq_flush(&q->q); }   /* losses are recovered */
 
 /* Receives: transport.h's queue with UDP GRO; every caller sees segments (datagrams). */

@@ -29,6 +29,7 @@ typedef struct {
     int32_t wait_rank;
     uint32_t nwaiting;
     uint64_t last_act, last_pull, sent_at;    /* sent_at: 0 once resent (Karn: no RTT sample) */
+    uint64_t round_start;                     /* the previous result (or the bootstrap send), us */
 } omr_col;
 
 omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs, int block,
@@ -161,7 +162,7 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
         col->sent_next = col->own;
         col->contributed = 1;
         col->wait_rank = -1;
-        col->last_act = col->sent_at = now;
+        col->last_act = col->sent_at = col->round_start = now;
         col->backoff = 1;
         send_data(&c, (uint32_t)j, 0, (uint32_t)j, col->own, !mask[j], 0);
     }
@@ -226,7 +227,17 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
                 col->ackwait = (h->flags & OMR_F_ACKWAIT) != 0;
                 continue;
             }
-            /* a result */
+            /* a result: its stamp (the aggregator's share of the round) trails the block */
+            uint32_t stamp[3] = {0, 0, 0};
+            if (h->type == OMR_RESULT && (h->flags & OMR_F_STAMP)) {
+                if (plen < OMR_STAMP_BYTES) {
+                    st->bad_recv++;
+                    st->extra_recv_bytes += w->rq.seg_len[i];
+                    continue;
+                }
+                plen -= OMR_STAMP_BYTES;
+                memcpy(stamp, payload + plen, OMR_STAMP_BYTES);   /* little-endian hosts */
+            }
             if (col->done || h->round < col->count) {
                 st->dup_recv++;
                 st->extra_recv_bytes += w->rq.seg_len[i];
@@ -260,6 +271,11 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
             }
             if (col->contributed && col->sent_at && col->count > 0) tp_rtt_sample(&w->rtt, now - col->sent_at);  /* round 0 also waits for the slowest rank to start */
             st->results_recv++;
+            st->server_packets += stamp[0];
+            st->server_queue_ns += stamp[1];
+            st->server_proc_ns += stamp[2];
+            st->round_ns += (now - col->round_start) * 1000u;
+            col->round_start = now;
             col->count++;
             col->contributed = 0;
             col->wait_rank = -1;

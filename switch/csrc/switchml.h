@@ -8,7 +8,8 @@
  *    1   1  flags      bits 0-1 size code: 0 no payload (exponent only), 1 = 64, 2 = 256 int32;
  *                      bit 2 SML_F_NONFINITE: a region of one flag byte per payload element
  *                      follows the payload (SML_NF_* bits, OR-ed by the switch);
- *                      bit 3 SML_F_MAC: the packet ends with its MAC
+ *                      bit 3 SML_F_MAC: the packet ends with its MAC;
+ *                      bit 4 SML_F_STAMP (RESULT only): the stamp follows the payload and region
  *    2   1  job        job number the switch assigned at registration
  *    3   1  rank       sender's rank in the job (RESULT: the rank whose packet it answers)
  *    4   4  packet id  worker-local packet id, echoed by the switch
@@ -20,8 +21,15 @@
  *   16   4  checksum   tp_checksum (transport.h) of bytes 0-19, this field 0 when summing
  *   20  4k  payload    k = 0, 64 or 256 big-endian int32 (the partial last block zero-padded)
  *   ..   k  nf region  only with SML_F_NONFINITE
+ *   ..   8  stamp      only with SML_F_STAMP (every RESULT has it, DATA never): the switch's share of
+ *                      the round, big-endian uint32 nanoseconds summed over the round's nworkers
+ *                      contributions: queue (kernel arrival -> processing starts), then processing
+ *                      (until the completing packet's result is built; the result's MAC and send
+ *                      are not in it, the MAC covers the stamp). Per packet round, not per slot
+ *                      window: a round's contributions meet in one slot anyway, so the sums cost two
+ *                      adds per packet and no state beyond the slot; saturating at 2^32-1
  *   ..   8  mac        only with SML_F_MAC: SipHash-2-4 (transport.h) under the job key of every
- *                      byte before it (header with the packet id and pool index, payload, region),
+ *                      byte before it (header with the packet id and pool index, payload, region, stamp),
  *                      so a packet cannot be forged or altered without the key, and a replayed one
  *                      carries an old packet id (see the version rule below). A job registered with
  *                      a key (the authenticated default) takes only DATA with a valid MAC and sends
@@ -51,7 +59,8 @@
 #define SML_CSUM_OFF 16
 #define SML_MAX_ELEMS 256
 #define SML_MAC_LEN 8
-#define SML_MAX_PKT (SML_HDR_LEN + SML_MAX_ELEMS * 5 + SML_MAC_LEN)
+#define SML_STAMP_LEN 8
+#define SML_MAX_PKT (SML_HDR_LEN + SML_MAX_ELEMS * 5 + SML_STAMP_LEN + SML_MAC_LEN)
 #define SML_MAX_WORKERS 64
 #define SML_MAX_JOBS 256
 #define SML_MAX_SLOTS 32768
@@ -64,6 +73,7 @@
 #define SML_F_SIZE 3
 #define SML_F_NONFINITE 4
 #define SML_F_MAC 8
+#define SML_F_STAMP 16
 #define SML_KEY_LEN 16
 
 #define SML_NACK_UNKNOWN_JOB 1
@@ -77,7 +87,7 @@
 /* ---- switch ------------------------------------------------------------------------------ */
 
 typedef struct sml_counters {
-    uint64_t rx;                /* packets accepted for the job (after validation and the simulator) */
+    uint64_t pkts_recv;         /* packets accepted for the job (after validation and the simulator) */
     uint64_t aggregated;        /* new contributions (overwrite or add) */
     uint64_t results;           /* result packets sent on completion (one per worker) */
     uint64_t replays;           /* retransmissions answered by a unicast replay */
@@ -97,8 +107,8 @@ typedef struct sml_counters {
 } sml_counters;
 
 typedef struct sml_global {
-    uint64_t rx;                /* every datagram received */
-    uint64_t tx;                /* every datagram sent */
+    uint64_t pkts_recv;         /* every datagram received */
+    uint64_t pkts_sent;         /* every datagram sent */
     uint64_t drop_short;        /* shorter than a header or wrong length for its size code */
     uint64_t drop_checksum;
     uint64_t drop_type;
@@ -161,6 +171,11 @@ typedef struct sml_worker_counters {
     uint64_t cpu_ns;            /* CPU time of the calling thread in sml_worker_allreduce */
     uint64_t srtt_ns;           /* smoothed round trip of a packet (RFC 6298) */
     uint64_t rto_ns;            /* timer of a new packet: srtt + 4 rttvar, within [rto_ms, rto_max_ms] */
+    /* the latency breakdown, over the results accepted (one per round): the switch's share its
+     * RESULTs piggyback (sums over the rounds' contributions, server_packets of them) and this
+     * worker's round time (first send of its packet -> its result, resends included) */
+    uint64_t server_queue_ns, server_proc_ns, server_packets;
+    uint64_t round_ns;
 } sml_worker_counters;
 
 typedef struct sml_worker sml_worker;

@@ -29,6 +29,7 @@ typedef struct {
     int8_t exp;          /* max block exponent */
     uint8_t size;        /* size code of the contributions */
     uint8_t nf;          /* the nonfinite region holds flags */
+    uint32_t queue_ns, proc_ns;   /* the round's share of the switch, summed over its contributions (the stamp) */
 } slot_set;
 
 typedef struct {
@@ -249,7 +250,7 @@ static size_t build_result(const job_t *j, const slot_set *s, const int32_t *val
     uint32_t elems = sml_size_elems(s->size);
     memcpy(p, in, SML_HDR_LEN);   /* job, rank, packet id, pool index and token are echoed */
     p[0] = SML_RESULT;
-    p[1] = (uint8_t)(s->size | (s->nf ? SML_F_NONFINITE : 0) | (j->auth ? SML_F_MAC : 0));
+    p[1] = (uint8_t)(s->size | (s->nf ? SML_F_NONFINITE : 0) | SML_F_STAMP | (j->auth ? SML_F_MAC : 0));
     p[10] = (uint8_t)s->exp;
     p[11] = 0;
     sml_seal(p);
@@ -260,6 +261,9 @@ static size_t build_result(const job_t *j, const slot_set *s, const int32_t *val
         memcpy(p + len, nfr, elems);
         len += elems;
     }
+    tp_wr32(p + len, s->queue_ns);
+    tp_wr32(p + len + 4, s->proc_ns);
+    len += SML_STAMP_LEN;
     if (j->auth) {
         sml_sign(p, len, j->key);
         len += SML_MAC_LEN;
@@ -279,7 +283,12 @@ static void nack(sml_switch *sw, const uint8_t *in, const struct sockaddr_in *fr
     emit(sw, p, SML_HDR_LEN, from, &sink_j, &sink_g);
 }
 
-static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct sockaddr_in *from) {
+static inline uint32_t add_sat(uint32_t a, uint64_t b) { return b >= UINT32_MAX - a ? UINT32_MAX : a + (uint32_t)b; }
+
+/* queue_ns: how long the packet waited (kernel arrival -> now), t_in: its processing's start
+ * (tp_now_ns), both for the stamp of its round. */
+static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct sockaddr_in *from, uint64_t queue_ns,
+                    uint64_t t_in) {
     sml_global *g = &sw->g;
     if (len < SML_HDR_LEN) { g->drop_short++; return; }
     if (!sml_sealed(p)) { g->drop_checksum++; return; }
@@ -313,8 +322,8 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     }
     if (slot >= j->nslots || (elems && elems != j->elems)) { j->c.drop_malformed++; gc->drop_malformed++; return; }
     if (sw->p_in > 0 && rnd(sw) < sw->p_in) { j->c.drop_sim_ingress++; gc->drop_sim_ingress++; return; }
-    j->c.rx++;
-    gc->rx++;
+    j->c.pkts_recv++;
+    gc->pkts_recv++;
 
     size_t idx = (size_t)slot * 2 + set;
     slot_set *s = &j->sets[idx];
@@ -362,6 +371,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
             s->nf = (uint8_t)has_nf;
             if (has_nf) memcpy(nfr, pl + 4 * elems, elems);
             s->countdown = (uint32_t)j->nworkers - 1;
+            s->queue_ns = s->proc_ns = 0;
         } else {  /* later contribution: int32 sum (wrapping), max exponent, OR of the flags */
             sml_be_add(vals, pl, elems);
             if (exp > s->exp) s->exp = exp;
@@ -375,6 +385,8 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
         }
         j->c.aggregated++;
         gc->aggregated++;
+        s->queue_ns = add_sat(s->queue_ns, queue_ns);
+        s->proc_ns = add_sat(s->proc_ns, tp_now_ns() - t_in);
         if (s->countdown == 0) {  /* complete: "multicast" to every worker of the job */
             uint8_t *out = take_buffer(sw);
             size_t rlen = build_result(j, s, vals, nfr, p, out);
@@ -433,35 +445,36 @@ static long serve(sml_switch *sw, int max_ms) {
         }
         pthread_mutex_lock(&sw->mu);
         sw->g.batches++;
-        sw->g.rx += sw->rx.truncated;   /* larger than any packet */
+        sw->g.pkts_recv += sw->rx.truncated;   /* larger than any packet */
         sw->g.drop_short += sw->rx.truncated;
         sw->rx.truncated = 0;
         for (int i = 0; i < n; i++) {
             const uint8_t *buf = sw->rx.seg[i];
             size_t l = sw->rx.seg_len[i];
             const struct sockaddr_in *from = tp_rxq_from(&sw->rx, i);
-            sw->g.rx++;
+            sw->g.pkts_recv++;
             if (from->sin_family != AF_INET) {
                 sw->g.drop_short++;
                 continue;
             }
             handled++;
             job_t *j = l >= SML_HDR_LEN ? &sw->jobs[buf[2]] : NULL;
-            uint64_t accepted = j && j->active ? j->c.rx : 0, stamp = tp_rxq_stamp(&sw->rx, i);
+            uint64_t accepted = j && j->active ? j->c.pkts_recv : 0, stamp = tp_rxq_stamp(&sw->rx, i);
             uint64_t wall = stamp ? tp_wall_ns() : 0, t_in = tp_now_ns();
-            process(sw, buf, l, from);
-            if (j && j->active && j->c.rx > accepted) {   /* counted for its job: charge it the time */
+            uint64_t queued = stamp && wall > stamp ? wall - stamp : 0;
+            process(sw, buf, l, from, queued, t_in);
+            if (j && j->active && j->c.pkts_recv > accepted) {   /* counted for its job: charge it the time */
                 j->c.proc_ns += tp_now_ns() - t_in;
-                if (stamp && wall > stamp) j->c.queue_ns += wall - stamp;
+                j->c.queue_ns += queued;
             }
             if (sw->p_dup > 0 && rnd(sw) < sw->p_dup) {  /* the simulator's duplicate */
                 if (l >= SML_HDR_LEN && sw->jobs[buf[2]].active) sw->jobs[buf[2]].c.dup_sim++;
-                process(sw, buf, l, from);
+                process(sw, buf, l, from, 0, tp_now_ns());
             }
         }
         tp_txq_flush(&sw->tx);
         sw->arena_used = 0;
-        sw->g.tx = sw->tx.pkts_sent;
+        sw->g.pkts_sent = sw->tx.pkts_sent;
         sw->g.send_errors = sw->tx.errors;
         sw->g.gso_messages = sw->tx.gso_messages;
         pthread_mutex_unlock(&sw->mu);

@@ -282,7 +282,8 @@ static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, u
         return SML_E_NACK;
     }
     uint32_t code = h[1] & SML_F_SIZE, elems = sml_size_elems(code);
-    size_t body = SML_HDR_LEN + 4 * (size_t)elems + ((h[1] & SML_F_NONFINITE) ? elems : 0);
+    size_t body = SML_HDR_LEN + 4 * (size_t)elems + ((h[1] & SML_F_NONFINITE) ? elems : 0) +
+                  ((h[1] & SML_F_STAMP) ? SML_STAMP_LEN : 0);
     if (h[0] != SML_RESULT || len < body) {
         w->c.ignored++;
         return 0;
@@ -311,6 +312,12 @@ static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, u
     }
     w->c.received++;
     if (!ch->resent) tp_rtt_sample(&w->rtt, now - ch->sent);  /* includes waiting for the slowest rank */
+    if (h[1] & SML_F_STAMP) {   /* the switch's share of this round, for the breakdown */
+        w->c.server_queue_ns += tp_rd32(h + body - SML_STAMP_LEN);
+        w->c.server_proc_ns += tp_rd32(h + body - 4);
+        w->c.server_packets += (uint64_t)w->nworkers;
+        w->c.round_ns += now - ch->sent;
+    }
     take_result(w, t, p, h);
     uint64_t next = p + t->wc;
     if (next < t->P) {

@@ -176,10 +176,11 @@ int tp_txq_add(tp_txq *q, const struct sockaddr_in *to, const void *hdr, uint32_
     return rc;
 }
 
-void tp_txq_trailer(tp_txq *q, const uint8_t *trailer) {
+void tp_txq_trailer(tp_txq *q, const uint8_t *trailer, uint32_t len) {
     tp_txpkt *p = &q->pkts[q->n - 1];
-    memcpy(p->trailer, trailer, TP_MAC_LEN);
-    p->tlen = TP_MAC_LEN;
+    if (len > TP_MAX_TRAILER) len = TP_MAX_TRAILER;
+    memcpy(p->trailer, trailer, len);
+    p->tlen = len;
 }
 
 static int same_dest(const tp_txq *q, const tp_txpkt *a, const tp_txpkt *b) {

@@ -162,6 +162,7 @@ static inline void tp_rtt_sample(tp_rtt *r, uint64_t sample) {
  * datagram per message). A full socket buffer is waited for (briefly); other failures to send are
  * losses, which the protocols recover from. */
 #define TP_MAX_HDR 64
+#define TP_MAX_TRAILER 24   /* a result's stamp (omnireduce.h: 12 bytes) and its MAC */
 #define TP_GSO_SEGS 64
 #define TP_GSO_BYTES 65000
 #define TP_ARENA (1u << 20)
@@ -175,7 +176,7 @@ typedef struct {
     uint32_t hlen, plen, tlen;
     const uint8_t *payload;
     uint8_t hdr[TP_MAX_HDR];
-    uint8_t trailer[TP_MAC_LEN];
+    uint8_t trailer[TP_MAX_TRAILER];
 } tp_txpkt;
 
 typedef struct {
@@ -199,8 +200,9 @@ void tp_txq_free(tp_txq *q);
  * Returns what that flush returned (0 when none). */
 int tp_txq_add(tp_txq *q, const struct sockaddr_in *to, const void *hdr, uint32_t hlen, const void *payload,
                uint32_t plen);
-/* Give the packet just queued a trailer of TP_MAC_LEN bytes (copied): its MAC. */
-void tp_txq_trailer(tp_txq *q, const uint8_t *trailer);
+/* Give the packet just queued a trailer of len <= TP_MAX_TRAILER bytes (copied): its MAC, or a
+ * result's stamp and MAC. */
+void tp_txq_trailer(tp_txq *q, const uint8_t *trailer, uint32_t len);
 /* Send everything queued: 0, or -ECONNREFUSED when the (connected) peer's port is closed. */
 int tp_txq_flush(tp_txq *q);
 

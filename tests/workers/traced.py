@@ -6,6 +6,7 @@ import sys
 import numpy as np
 
 import commlib
+from commlib.api import runtime
 from commlib.testing import report
 
 trace, window = sys.argv[1], sys.argv[2]
@@ -24,9 +25,18 @@ for step in range(3):
     [commlib.synchronize(h) for h in handles]
 records = {name: {k: v for k, v in rec.items() if k.endswith("_s")} | {"algorithm": rec["algorithm"]}
            for name, rec in commlib.records().items()}
+# the server's share this worker summed from the results' stamps, and (rank 0) the daemons' own counters
+stats = commlib.backend_stats()
+stamped = {algorithm: {k: stats[algorithm][k] for k in ("server_queue_ns", "server_proc_ns", "server_packets")}
+           for algorithm in ("switchml", "omnireduce")}
+daemons = None
+if r == 0:
+    backends = runtime().backends
+    daemons = {"switch": backends["switchml"].switch_counters()["counters"],
+               "aggregators": [ask() for ask in backends["omnireduce"].daemon_counters().values()]}
 commlib.stop_timeline()
 commlib.allreduce(np.ones(10, np.float32), name="untraced")
 commlib.start_timeline(window)
 commlib.allreduce(np.ones(10, np.float32), name="windowed")
 commlib.shutdown()
-report(rank=r, records=records)
+report(rank=r, records=records, stamped=stamped, daemons=daemons)
