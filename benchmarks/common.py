@@ -41,12 +41,13 @@ def step_breakdown(records, names, server_s=None):
     scaling, compression) and in the algorithms' collectives (network + switch/aggregators), from
     commlib.records() after the step; a bucket's tensors share its times, so each bucket counts once.
     server_s, the switch's/aggregators' share of transfer_s: records()' server_queue_s + server_proc_s
-    where every bucket's record carries them, else the `server_s` given (Probe's, from the daemons)."""
+    of the buckets whose server stamped its results, else the `server_s` given (Probe's, from the daemons)."""
     buckets = {records[n]["bucket"]: records[n] for n in names if n in records}
     out = {"process_s": sum(r["process_s"] for r in buckets.values()),
            "transfer_s": sum(r["transfer_s"] for r in buckets.values())}
-    if buckets and all("server_queue_s" in r for r in buckets.values()):
-        out["server_s"] = sum(r["server_queue_s"] + r["server_proc_s"] for r in buckets.values())
+    stamped = [r for r in buckets.values() if r.get("server_queue_s") is not None]   # None: no server (the ring)
+    if stamped:
+        out["server_s"] = sum(r["server_queue_s"] + r["server_proc_s"] for r in stamped)
     elif server_s is not None:
         out["server_s"] = server_s
     return out

@@ -44,15 +44,19 @@ def test_bottleneck_rule(case, seconds, breakdowns, link, server, expected):
     assert got == expected, f"{case}: expected {expected!r}, the rule said {got!r}"
 
 
-def test_step_breakdown_takes_the_server_share_only_when_every_bucket_has_it():
+def test_step_breakdown_sums_the_server_share_of_the_buckets_that_have_a_server():
     records = {"a": {"bucket": 1, "process_s": 0.1, "transfer_s": 0.5, "server_queue_s": 0.2, "server_proc_s": 0.05},
                "b": {"bucket": 1, "process_s": 0.1, "transfer_s": 0.5, "server_queue_s": 0.2, "server_proc_s": 0.05},
                "c": {"bucket": 2, "process_s": 0.2, "transfer_s": 0.3, "server_queue_s": 0.1, "server_proc_s": 0.0}}
     got = common.step_breakdown(records, ["a", "b", "c", "not reduced"])
     assert got == pytest.approx({"process_s": 0.3, "transfer_s": 0.8, "server_s": 0.35}), \
         f"bucket 1 counted once, bucket 2 added: {got}"
-    del records["c"]["server_queue_s"]   # a bucket (the ring's) without the server's share
-    assert "server_s" not in common.step_breakdown(records, ["a", "c"]), "a partial server share was summed"
+    records["c"].update(server_queue_s=None, server_proc_s=None)   # the ring's bucket: no server (records() say None)
+    got = common.step_breakdown(records, ["a", "c"], server_s=9.0)
+    assert got["server_s"] == pytest.approx(0.25), f"the stamped bucket's share only, not the daemons' 9 s: {got}"
+    records["a"].update(server_queue_s=None, server_proc_s=None)
+    assert common.step_breakdown(records, ["a", "c"], server_s=9.0)["server_s"] == 9.0, "no stamps: the daemons' share"
+    assert "server_s" not in common.step_breakdown(records, ["a", "c"]), "no stamps and no daemons: no server share"
 
 
 class FakeBackend:
