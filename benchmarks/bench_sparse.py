@@ -100,18 +100,13 @@ def worker(args):
 def _model(ctx, backend, algorithm, name, rows, vocab, dim, traffic, sparse, step):
     """Every rank's measurements (as dispatch submits them), the traffic model's bytes per worker."""
     import numpy as np
-    if algorithm == "hotcold":   # the slab both ways, plus the allgather of the cold rows
-        record = backend.row_record(name)
-        cold = ctx.exchange(f"bench/{name}/{step}/cold", record["cold_rows"])
-        slab = record["hot_k"] * (dim + 1) * 4
-        allgather = (len(cold) - 1) * (8 + max(cold) * (8 + dim * 4))
-        return {"up": slab + allgather, "down": slab + allgather}
     stats = {"rows": int(rows.size), "sketch": sparse.sketch(rows), "nrows": vocab, "width": dim, "itemsize": 4}
+    if algorithm == "hotcold":   # the slab both ways, plus the allgather of this call's cold rows
+        record = backend.row_record(name)
+        stats["hotcold"] = {"hot_k": record["hot_k"], "hot": "switchml", "cold_algorithm": "sparse_allgather",
+                            "cold": record["cold_rows"]}
     if algorithm == "omnireduce":
-        slots = backend.row_slots(vocab, dim)
-        groups = np.unique(slots.touched_blocks(rows))
-        stats.update(block=slots.block, group_blocks=slots.group // slots.block, blocks=int(groups.size),
-                     block_sketch=sparse.sketch(groups))
+        stats["omnireduce"] = traffic.omnireduce_stats(backend.row_slots(vocab, dim), rows, backend.columns)
     everyone = ctx.exchange(f"bench/{name}/{step}/stats", stats)
     return traffic.estimate(everyone, [algorithm])[algorithm]
 
