@@ -169,9 +169,9 @@ def main(argv=None):
     parser.add_argument("--every", type=int, default=5, help="hotcold's window (calls)")
     parser.add_argument("--rule", default="traffic", help="hotcold's hot set: 'traffic' or 'share'")
     parser.add_argument("--share", type=float, default=0.5, help="hotcold's target share of updates (--rule share)")
-    # one row per block (dim + 1) sends the fewest payload bytes but, measured here, many more packets and
-    # acknowledgements: 2.3x the bytes the model predicts and 5x slower than 256 at 8 workers
-    parser.add_argument("--omnireduce-block", type=int, default=256, help="omnireduce block, elements (whole rows each)")
+    # the job's block bounds a row-sparse tensor's own (one row by default: omnireduce_rows_per_block) and
+    # sets the job's columns (omnireduce_window_bytes / its bytes), which row blocks use as they are
+    parser.add_argument("--omnireduce-block", type=int, default=256, help="omnireduce's job block, elements")
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=170)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
