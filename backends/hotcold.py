@@ -14,7 +14,8 @@ Tuning guide
                    hotcold_max_k): with hotcold_rule=share the fewest rows that carried `hotcold_share`
                    of the updates, with hotcold_rule=traffic every row touched often enough that the
                    allgather would carry it more bytes than its slot in the slab costs (p > (w+1) /
-                   ((N-1)(w + 8/itemsize)) for a row of w values touched by a rank with probability p). The slab costs K (width + 1) values
+                   ((N-1)(w + 4/itemsize)) for a row of w values touched by a rank with probability p, int32
+                   indices). The slab costs K (width + 1) values
                    each way whether touched or not: worth it when the hot rows are touched by most
                    ranks at most steps (Zipf-like ids), where the allgather carries each N times.
   hotcold_every    the window, in calls per tensor: shorter follows a drifting skew, longer costs
@@ -31,7 +32,7 @@ import numpy as np
 from commlib.backends import Backend, register
 from commlib.errors import ConfigError
 from commlib.settings import define
-from commlib.sparse import coalesce, reduce_rows
+from commlib.sparse import coalesce, index_dtype, reduce_rows
 
 define("hotcold_k", 0, "hot/cold split: hot rows per tensor; 0 = chosen from the window's counts by hotcold_rule")
 define("hotcold_rule", "share", "hot/cold split with hotcold_k=0: 'share' (the fewest rows carrying hotcold_share of "
@@ -183,10 +184,11 @@ class HotColdBackend(Backend):
         if self.k:
             k = min(self.k, rows.size)
         elif self.rule == "traffic":
-            # a row touched by a rank with probability p costs the allgather (N-1) p (8 + row bytes) per
-            # worker and step, and its slab slot (width + 1) values each way, touched or not
+            # a row touched by a rank with probability p costs the allgather (N-1) p (index + row bytes)
+            # per worker and step, and its slab slot (width + 1) values each way, touched or not
             p = counts[order] / (self.size * self.every)
-            k = int(np.count_nonzero((self.size - 1) * p * (8 + width * itemsize) > (width + 1) * itemsize))
+            row = index_dtype(split.window.size).itemsize + width * itemsize
+            k = int(np.count_nonzero((self.size - 1) * p * row > (width + 1) * itemsize))
         else:
             k = int(np.searchsorted(cumulative, self.share * total)) + 1 if total else 0
         k = min(k, self.max_k, rows.size)

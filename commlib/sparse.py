@@ -76,6 +76,16 @@ def coalesce(rows, values):
     return rows[starts], np.add.reduceat(values[order], starts, axis=0)
 
 
+def index_dtype(nrows):
+    """Row indices travel as int32 where the table's rows fit (half the bytes of int64)."""
+    return np.dtype(np.int32) if nrows <= np.iinfo(np.int32).max + 1 else np.dtype(np.int64)
+
+
+def payload_bytes(count, row_bytes, nrows):
+    """One rank's message: its count, its rows' indices (padded to 8 bytes) and their values."""
+    return 8 + -(-count * index_dtype(nrows).itemsize // 8) * 8 + count * row_bytes
+
+
 class RowSlots:
     """Rows laid out in a flat array for an algorithm that sums fixed positions. A slot is a row and
     its presence count (width + 1 elements). With a `block` (omnireduce's, the job's largest), the

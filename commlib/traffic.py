@@ -6,7 +6,7 @@ algorithm, from what every rank measured (its touched rows, a sketch of them for
 Per worker, N ranks, n_r own rows, U rows in the union, b bytes per row, S bytes of the whole table
 with a presence count per row:
   sparse_allgather  commlib's ring allgather pads every rank's payload to the largest one, P_max =
-                    8 + n_max (8 + b): up = down = (N - 1) P_max
+                    8 + n_max (4 + b) (int32 indices, where the table allows): up = down = (N - 1) P_max
   omnireduce        row blocks (omnireduce_rows_per_block whole rows each, one by default); a
                     packet of a block costs q = block bytes + h, a header-only one h = 48 (header,
                     MAC; the IP/UDP headers come once per GSO batch: not counted); o_r own blocks, V
@@ -27,7 +27,7 @@ with a presence count per row:
 """
 import numpy as np
 
-from commlib.sparse import sketch, union_size
+from commlib.sparse import payload_bytes, sketch, union_size
 
 HEADER = 40 + 8   # omnireduce's per-packet header and MAC (switch/csrc/omnireduce.h)
 ACK_EVERY = 4     # a silent omnireduce worker acknowledges every OMR_SETS / 2 rounds
@@ -63,7 +63,7 @@ def estimate(stats, algorithms):
 
 def allgather(rows, first):
     """Bytes each way per worker of the padded ring allgather of every rank's (rows, values)."""
-    return (len(rows) - 1) * (8 + max(rows) * (8 + first["width"] * first["itemsize"]))
+    return (len(rows) - 1) * payload_bytes(max(rows), first["width"] * first["itemsize"], first["nrows"])
 
 
 def omnireduce_stats(slots, rows, columns):

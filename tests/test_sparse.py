@@ -54,7 +54,7 @@ def test_few_scattered_rows_go_to_the_allgather():
     g = np.random.default_rng(0)
     est = traffic.estimate(stats([g.choice(100_000, 200, replace=False) for _ in range(4)]), CANDIDATES)
     assert est["choice"] == "sparse_allgather", est
-    assert est["sparse_allgather"]["up"] == 3 * (8 + 200 * (8 + 128))   # (N-1) P_max
+    assert est["sparse_allgather"]["up"] == 3 * (8 + 200 * (4 + 128))   # (N-1) P_max, int32 indices
     assert 780 <= est["union_rows"] <= 820, est   # 800 disjoint-ish rows, from the sketches
 
 
@@ -109,7 +109,8 @@ def test_hot_cold_is_chosen_where_a_few_rows_take_most_updates_only():
     est = traffic.estimate(stats(ranks, hot=hot), algorithms)
     assert est["choice"] == "hotcold", est
     slab, cold = 1000 * 33 * 4, max(np.setdiff1d(r, hot).size for r in ranks)
-    assert est["hotcold"] == {"hot_k": 1000, "up": slab + 3 * (8 + cold * 136), "down": slab + 3 * (8 + cold * 136)}
+    gathered = 3 * (8 + -(-cold * 4 // 8) * 8 + cold * 128)   # int32 indices padded to 8 bytes
+    assert est["hotcold"] == {"hot_k": 1000, "up": slab + gathered, "down": slab + gathered}
     ranks, hot = hot_and_cold("uniform")
     est = traffic.estimate(stats(ranks, hot=hot), algorithms)
     assert est["choice"] == "sparse_allgather", est
