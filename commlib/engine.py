@@ -190,10 +190,6 @@ class TorchEngine(Engine):
         self.dist.all_gather(parts, torch.from_numpy(padded), group=self.group)
         return [p.numpy()[:n] for p, n in zip(parts, lengths)]
 
-    def allgather_sized(self, array, sizes, name):
-        return allgatherv(lambda out, inp, out_sizes, in_sizes: self.dist.all_to_all_single(
-            out, inp, out_sizes, in_sizes, group=self.group), array, sizes, self.size)
-
     def broadcast_object(self, obj):
         box = [obj]
         self.dist.broadcast_object_list(box, src=0, group=self.group)
@@ -253,25 +249,17 @@ class GlooEngine(Engine):
         return [p.numpy()[:n] for p, n in zip(parts, lengths)]
 
     def allgather_sized(self, array, sizes, name):
-        import torch.distributed as dist
+        import torch
         if array.size != sizes[self.ctx.rank]:
             raise ValueError(f"allgather {name!r}: this rank's array has {array.size} elements, not {sizes[self.ctx.rank]}")
-        return allgatherv(lambda out, inp, out_sizes, in_sizes: self.group.alltoall_base(
-            out, inp, out_sizes, in_sizes, dist.AllToAllOptions()).wait(), array, sizes, self.size)
+        padded = torch.zeros(max(sizes), dtype=torch.from_numpy(array[:0]).dtype)
+        padded[:array.size] = torch.from_numpy(np.ascontiguousarray(array))
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self.group.allgather([parts], [padded]).wait()
+        return [p.numpy()[:n] for p, n in zip(parts, sizes)]
 
     def broadcast_object(self, obj):
         return self.ctx.exchange("gloo/broadcast", obj)[0]
-
-
-def allgatherv(alltoall, array, sizes, size):
-    """Gloo's allgather wants equal sizes (padding each rank's part to the largest); its all-to-all
-    takes a size per peer: every rank sends its own part to each, so each link carries the parts as
-    they are. `alltoall(out, inp, out_sizes, in_sizes)` runs it on the engine's group."""
-    import torch
-    mine = torch.from_numpy(np.ascontiguousarray(array))
-    out = torch.empty(sum(sizes), dtype=mine.dtype)
-    alltoall(out, mine.repeat(size), list(sizes), [mine.numel()] * size)
-    return [part.numpy() for part in torch.split(out, list(sizes))]
 
 
 def reduce_op(op):
