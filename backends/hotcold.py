@@ -14,7 +14,8 @@ Tuning guide
                    hotcold_max_k): with hotcold_rule=share the fewest rows that carried `hotcold_share`
                    of the updates, with hotcold_rule=traffic every row touched often enough that the
                    allgather would carry it more bytes than its slot in the slab costs (p > (w+1) /
-                   ((N-1)(w + 8/itemsize)) for a row of w values touched by a rank with probability p). The slab costs K (width + 1) values
+                   ((N-1)(w + 4/itemsize)) for a row of w values touched by a rank with probability p, int32
+                   indices). The slab costs K (width + 1) values
                    each way whether touched or not: worth it when the hot rows are touched by most
                    ranks at most steps (Zipf-like ids), where the allgather carries each N times.
   hotcold_every    the window, in calls per tensor: shorter follows a drifting skew, longer costs
@@ -31,7 +32,7 @@ import numpy as np
 from commlib.backends import Backend, register
 from commlib.errors import ConfigError
 from commlib.settings import define
-from commlib.sparse import coalesce, reduce_rows
+from commlib.sparse import coalesce, index_dtype, reduce_rows
 
 define("hotcold_k", 0, "hot/cold split: hot rows per tensor; 0 = chosen from the window's counts by hotcold_rule")
 define("hotcold_rule", "share", "hot/cold split with hotcold_k=0: 'share' (the fewest rows carrying hotcold_share of "
@@ -103,15 +104,38 @@ class HotColdBackend(Backend):
     def allreduce(self, array, name):
         return self._carrier(self.hot_name, "ring").allreduce(array, name)
 
-    def allreduce_rows(self, rows, values, nrows, name, counts=None):
+    def _split(self, name, nrows):
         split = self._tensors.get(name)
         if split is None or split.window.size != nrows:
             split = self._tensors[name] = _Split(nrows)
-        width, hot = values.shape[1], split.hot
+        return split
+
+    @staticmethod
+    def _is_hot(hot, rows):
+        """(position of each row in the sorted hot set, whether it is hot)."""
         at = np.searchsorted(hot, rows)
         is_hot = np.zeros(rows.size, dtype=bool)
         inside = at < hot.size
         is_hot[inside] = hot[at[inside]] == rows[inside]
+        return at, is_hot
+
+    def plan_stats(self, name, rows, nrows, cold_stats):
+        """What commlib.traffic needs from this rank to weigh the split for a tensor of unique `rows`
+        now: the agreed hot set's size (0 before the first window ends) and this rank's cold rows;
+        `cold_stats(cold rows)` gives the cold carrier's own stats when it is omnireduce."""
+        split = self._tensors.get(name)
+        hot = split.hot if split is not None and split.window.size == nrows else np.empty(0, np.int64)
+        cold = rows[~self._is_hot(hot, rows)[1]]
+        out = {"hot_k": int(hot.size), "hot": self._carrier(self.hot_name, "ring").name,
+               "cold_algorithm": self._carrier(self.cold_name, "sparse_allgather").name, "cold": int(cold.size)}
+        if out["cold_algorithm"] == "omnireduce":
+            out["omnireduce"] = cold_stats(cold)
+        return out
+
+    def allreduce_rows(self, rows, values, nrows, name, counts=None):
+        split = self._split(name, nrows)
+        width, hot = values.shape[1], split.hot
+        at, is_hot = self._is_hot(hot, rows)
         hot_sum = None
         if hot.size:   # every rank sends the whole slab (the hot set is the same everywhere), beside the cold rows
             slab = np.zeros((hot.size, width + 1), dtype=values.dtype)
@@ -119,8 +143,9 @@ class HotColdBackend(Backend):
             slab[at[is_hot], width] = 1
             hot_sum = self._pool.submit(self._carrier(self.hot_name, "ring").allreduce, slab.reshape(-1),
                                         f"{name}.hot")
+        # no hot rows yet: the cold rows are all rows, whose counts the negotiation carried
         out_rows, out_values = reduce_rows(self._carrier(self.cold_name, "sparse_allgather"), rows[~is_hot],
-                                           values[~is_hot], nrows, f"{name}.cold")
+                                           values[~is_hot], nrows, f"{name}.cold", None if hot.size else counts)
         if hot_sum is not None:
             summed = hot_sum.result().reshape(hot.size, width + 1)
             present = summed[:, width] > 0.5
@@ -128,13 +153,23 @@ class HotColdBackend(Backend):
             out_values = np.concatenate([out_values, summed[present, :width].astype(values.dtype, copy=False)])
             order = np.argsort(out_rows, kind="stable")
             out_rows, out_values = out_rows[order], out_values[order]
+        self._count(split, name, rows, is_hot, width, values.dtype.itemsize)
+        return out_rows, out_values
+
+    def observe(self, rows, nrows, name, width, itemsize):
+        """Count a tensor another algorithm reduced (auto weighs the split, and chose otherwise this
+        time): the window goes on, and ends with the same agreement on every rank, so auto knows
+        the hot set when it weighs the split again. Collective at the window's end, like the call."""
+        split = self._split(name, nrows)
+        self._count(split, name, rows, self._is_hot(split.hot, rows)[1], width, itemsize)
+
+    def _count(self, split, name, rows, is_hot, width, itemsize):
         split.window[rows] += 1   # rows are unique (coalesced by the core)
         split.calls += 1
-        split.last = {"hot_k": int(hot.size), "hot_share": split.hot_share, "hot_rows": int(is_hot.sum()),
+        split.last = {"hot_k": int(split.hot.size), "hot_share": split.hot_share, "hot_rows": int(is_hot.sum()),
                       "cold_rows": int((~is_hot).sum()), "agreements": split.agreements}
         if split.calls % self.every == 0:
-            self._agree(split, name, width, values.dtype.itemsize)
-        return out_rows, out_values
+            self._agree(split, name, width, itemsize)
 
     def _agree(self, split, name, width, itemsize):
         """Sum the window's counts over ranks and take the same hot set everywhere."""
@@ -149,10 +184,11 @@ class HotColdBackend(Backend):
         if self.k:
             k = min(self.k, rows.size)
         elif self.rule == "traffic":
-            # a row touched by a rank with probability p costs the allgather (N-1) p (8 + row bytes) per
-            # worker and step, and its slab slot (width + 1) values each way, touched or not
+            # a row touched by a rank with probability p costs the allgather (N-1) p (index + row bytes)
+            # per worker and step, and its slab slot (width + 1) values each way, touched or not
             p = counts[order] / (self.size * self.every)
-            k = int(np.count_nonzero((self.size - 1) * p * (8 + width * itemsize) > (width + 1) * itemsize))
+            row = index_dtype(split.window.size).itemsize + width * itemsize
+            k = int(np.count_nonzero((self.size - 1) * p * row > (width + 1) * itemsize))
         else:
             k = int(np.searchsorted(cumulative, self.share * total)) + 1 if total else 0
         k = min(k, self.max_k, rows.size)

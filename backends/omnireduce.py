@@ -30,6 +30,8 @@ Tuning guide
                             columns on loopback; omnireduce_columns overrides the column count.
   omnireduce_retransmit_ms  per-column timer (doubles per resend): a few times the RTT; too small
                             only costs duplicate packets.
+  omnireduce_rows_per_block  row-sparse tensors: 1 (default) sends the fewest bytes when touched rows
+                            are scattered (hashed ids); more only when touched rows come in runs.
   omnireduce_threshold      > 0 turns blocks with all |x| <= threshold into zeros (lossy, like a
                             sparsifier without error feedback).
 
@@ -37,8 +39,10 @@ Inputs: float32 and int32 (int32 exact, wrapping; float32 sums are added in arri
 match a dense sum to float32 rounding). Dense arrays that are mostly zero and the output of
 sparsifying compressors (`densify`) become a dense array and its block bitmap. Row-sparse tensors
 (the core's path for torch sparse COO and TF IndexedSlices gradients) go through `allreduce_rows`:
-whole rows per block, each with its presence count (commlib.sparse.RowSlots), the bitmap taken from
-the rows, the union's rows back; a touched row costs one block, never two. `allreduce_sparse` is
+each row with its presence count in a block of its own (omnireduce_rows_per_block whole rows: the
+tensor's block, at most omnireduce_block_size; a longer row in the fewest blocks that hold it;
+commlib.sparse.RowSlots), the bitmap taken from the rows, the union's rows back; so a touched row
+costs one row and a header, not a job-sized block. `allreduce_sparse` is
 the older entry for a torch tensor (densified; the result dense unless dense=False).
 """
 import functools
@@ -75,6 +79,8 @@ log = logging.getLogger("commlib.omnireduce")
 define("omnireduce_mode", "colocated", "omnireduce aggregators: 'colocated' (a 1/N share in every worker) or "
        "'dedicated' (commlib-aggregator processes)")
 define("omnireduce_block_size", 256, "omnireduce block: elements per block (and per packet)")
+define("omnireduce_rows_per_block", 1, "omnireduce, row-sparse tensors: whole rows per block (0 = as many as fit "
+       "in omnireduce_block_size); a touched row costs its block")
 define("omnireduce_threshold", 0.0, "omnireduce: a block is zero when every |x| <= this (0 = exact)")
 define("omnireduce_window_bytes", 512 * 1024, "omnireduce window: bytes in flight per worker (one block per "
        "column); cover bandwidth x RTT, e.g. 10 Gbps x 400 us or 40 Gbps x 100 us = 512 KiB")
@@ -159,6 +165,9 @@ class OmniReduceBackend(Backend):
         s = ctx.settings
         self.block = int(s.omnireduce_block_size)
         self.threshold = float(s.omnireduce_threshold)
+        self.rows_per_block = int(s.omnireduce_rows_per_block)
+        if self.rows_per_block < 0:
+            raise ConfigError(f"omnireduce_rows_per_block={self.rows_per_block}: use 0 (as many as fit) or >= 1")
         if not 1 <= self.block <= lib.OMR_MAX_BLOCK:
             raise ConfigError(f"omnireduce_block_size={self.block}: use 1..{lib.OMR_MAX_BLOCK} elements "
                               f"(a block and its header must fit one UDP datagram)")
@@ -218,7 +227,7 @@ class OmniReduceBackend(Backend):
         mine = self._step("aggregators", self._start_aggregators, setup_s)
         everyone = ctx.exchange(f"{self._prefix}/setup", mine, setup_s)
         if any(v["params"] != everyone[0]["params"] for v in everyone):   # the same verdict on every rank
-            raise ConfigError(f"omnireduce settings differ across ranks (block, columns, mode, threshold): "
+            raise ConfigError(f"omnireduce settings differ across ranks (block, columns, mode, threshold, rows per block): "
                               f"{[v['params'] for v in everyone]}; set them identically everywhere")
         self._epoch = everyone[0]["epoch"]
         embedded = self.mode == "colocated" or not s.omnireduce_aggregators
@@ -241,7 +250,8 @@ class OmniReduceBackend(Backend):
     def _start_aggregators(self):
         """This rank's part of the aggregators; returns what the others need to know."""
         s = self.ctx.settings
-        mine = {"epoch": secrets.randbits(31), "params": [self.block, self.columns, self.mode, self.threshold],
+        mine = {"epoch": secrets.randbits(31), "params": [self.block, self.columns, self.mode, self.threshold,
+                                                          self.rows_per_block],
                 "nonce": auth.new_nonce()}
         if self.mode == "colocated":
             # it lives exactly as long as this backend: it never collects its job as idle
@@ -305,8 +315,9 @@ class OmniReduceBackend(Backend):
         return addresses
 
     # -- the collective -------------------------------------------------------------------------
-    def allreduce(self, array, name, mask=None):
-        """Elementwise sum over ranks; `mask` (uint8 per block) skips the bitmap scan when known."""
+    def allreduce(self, array, name, mask=None, block=None):
+        """Elementwise sum over ranks; `mask` (uint8 per block) skips the bitmap scan when known;
+        `block`: this tensor's elements per block (the same on every rank), at most the job's."""
         self.last_server_share = None
         if self._broken is not None:
             raise type(self._broken)(f"omnireduce is unusable after an earlier failure: {self._broken}")
@@ -316,17 +327,20 @@ class OmniReduceBackend(Backend):
         x = np.ascontiguousarray(array).reshape(-1)
         if x.dtype not in _DTYPE_CODE:
             raise InvalidTensor(f"tensor {name!r}: omnireduce sums float32 and int32, not {x.dtype}")
+        block = self.block if block is None else int(block)
+        if not 1 <= block <= self.block:
+            raise InvalidTensor(f"tensor {name!r}: block={block} must lie in 1..{self.block} (omnireduce_block_size)")
         if mask is None:
-            mask = block_mask(x, self.block, self.threshold)
-        elif mask.dtype != np.uint8 or mask.size != -(-x.size // self.block):
-            raise InvalidTensor(f"tensor {name!r}: mask must be uint8 with one entry per block of {self.block}")
+            mask = block_mask(x, block, self.threshold)
+        elif mask.dtype != np.uint8 or mask.size != -(-x.size // block):
+            raise InvalidTensor(f"tensor {name!r}: mask must be uint8 with one entry per block of {block}")
         out = np.zeros(x.size, dtype=x.dtype)      # calloc: only pages of union blocks get touched
         st = ffi.new("omr_wstats *")
         with self._call_lock:
             seq, self._seq = self._seq, self._seq + 1
             start = time.perf_counter()
             rc = lib.omr_worker_allreduce(self._worker, seq, ffi.from_buffer(x), ffi.from_buffer(out), x.size,
-                                          _DTYPE_CODE[x.dtype], ffi.from_buffer(mask), self.timeout_s, st)
+                                          _DTYPE_CODE[x.dtype], block, ffi.from_buffer(mask), self.timeout_s, st)
             seconds = time.perf_counter() - start
         self._record(name, st, seconds)
         if rc != lib.OMR_OK:
@@ -340,11 +354,12 @@ class OmniReduceBackend(Backend):
         rows (no scan); returns the union's (rows, values)."""
         slots = self.row_slots(nrows, values.shape[1])
         flat, mask = slots.scatter(rows, values, values.dtype)
-        return slots.gather(self.allreduce(flat, name, mask=mask))
+        return slots.gather(self.allreduce(flat, name, mask=mask, block=slots.block))
 
     def row_slots(self, nrows, width):
-        """The row-aligned layout of a table of `nrows` rows of `width` elements in this job's blocks."""
-        return RowSlots(nrows, width, self.block)
+        """The row-aligned layout of a table of `nrows` rows of `width` elements: its own block of
+        omnireduce_rows_per_block whole rows (at most the job's block)."""
+        return RowSlots(nrows, width, self.block, self.rows_per_block)
 
     def allreduce_sparse(self, tensor, name, dense=True):
         """Sum a torch tensor, dense or sparse COO (nn.Embedding(sparse=True) gradients): the result

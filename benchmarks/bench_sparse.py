@@ -105,18 +105,13 @@ def worker(args):
 def _model(ctx, backend, algorithm, name, rows, vocab, dim, traffic, sparse, step):
     """Every rank's measurements (as dispatch submits them), the traffic model's bytes per worker."""
     import numpy as np
-    if algorithm == "hotcold":   # the slab both ways, plus the allgather of the cold rows
-        record = backend.row_record(name)
-        cold = ctx.exchange(f"bench/{name}/{step}/cold", record["cold_rows"])
-        slab = record["hot_k"] * (dim + 1) * 4
-        allgather = (len(cold) - 1) * (8 + max(cold) * (8 + dim * 4))
-        return {"up": slab + allgather, "down": slab + allgather}
     stats = {"rows": int(rows.size), "sketch": sparse.sketch(rows), "nrows": vocab, "width": dim, "itemsize": 4}
+    if algorithm == "hotcold":   # the slab both ways, plus the allgather of this call's cold rows
+        record = backend.row_record(name)
+        stats["hotcold"] = {"hot_k": record["hot_k"], "hot": "switchml", "cold_algorithm": "sparse_allgather",
+                            "cold": record["cold_rows"]}
     if algorithm == "omnireduce":
-        slots = backend.row_slots(vocab, dim)
-        groups = np.unique(slots.touched_blocks(rows))
-        stats.update(block=slots.block, group_blocks=slots.group // slots.block, blocks=int(groups.size),
-                     block_sketch=sparse.sketch(groups))
+        stats["omnireduce"] = traffic.omnireduce_stats(backend.row_slots(vocab, dim), rows, backend.columns)
     everyone = ctx.exchange(f"bench/{name}/{step}/stats", stats)
     return traffic.estimate(everyone, [algorithm])[algorithm]
 
@@ -179,9 +174,9 @@ def main(argv=None):
     parser.add_argument("--every", type=int, default=5, help="hotcold's window (calls)")
     parser.add_argument("--rule", default="traffic", help="hotcold's hot set: 'traffic' or 'share'")
     parser.add_argument("--share", type=float, default=0.5, help="hotcold's target share of updates (--rule share)")
-    # one row per block (dim + 1) sends the fewest payload bytes but, measured here, many more packets and
-    # acknowledgements: 2.3x the bytes the model predicts and 5x slower than 256 at 8 workers
-    parser.add_argument("--omnireduce-block", type=int, default=256, help="omnireduce block, elements (whole rows each)")
+    # the job's block bounds a row-sparse tensor's own (one row by default: omnireduce_rows_per_block) and
+    # sets the job's columns (omnireduce_window_bytes / its bytes), which row blocks use as they are
+    parser.add_argument("--omnireduce-block", type=int, default=256, help="omnireduce's job block, elements")
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=170)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

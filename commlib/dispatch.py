@@ -15,7 +15,10 @@ Row-sparse tensors (torch sparse COO gradients, commlib.sparse.RowSparse) travel
 `auto` lists the row carriers and the best dense algorithm as ("traffic", algorithm) choices, each
 rank adds what it measured (its rows, a sketch of them), and the controller takes the algorithm
 that commlib.traffic estimates moves the fewest bytes per worker (`settle_release`); a density
-rule there compares the row density (touched rows / rows).
+rule there compares the row density (touched rows / rows). The hot/cold split is weighed from the
+hot set its last window of counts agreed on (none before the first window ends: it then costs what
+its cold carrier costs and loses the tie); the executor counts the rows of every tensor `auto`
+weighed it for, whichever algorithm carried them, so the windows end alike on every rank.
 """
 from dataclasses import dataclass
 
@@ -38,7 +41,8 @@ CARRIERS = {
     # payloads that must be decoded one by one (signs, quantized codes)
     "gather": ("allgather",),
     # row-sparse tensors (rows, values); `auto` weighs them, and the best dense algorithm, by traffic
-    "rows": ("sparse_allgather", "omnireduce"),
+    # (hotcold last: before its first window of counts it costs what the allgather does)
+    "rows": ("sparse_allgather", "omnireduce", "hotcold"),
 }
 TRAFFIC = "traffic"   # the bound of choices the traffic model settles
 
@@ -198,7 +202,7 @@ class Dispatcher:
 
     def _row_carrier(self, name, meta):
         """An algorithm a policy names for a row-sparse tensor: one that reduces rows (those of
-        CARRIERS["rows"], and hotcold, which `auto` does not weigh), or a dense one (the rows then
+        CARRIERS["rows"]), or a dense one (the rows then
         travel as a table of slots); `allgather` means Horovod's sparse path."""
         name = "sparse_allgather" if name == "allgather" else name
         if getattr(self.backend(name), "rows", False):   # sparse_allgather, omnireduce, hotcold
@@ -210,11 +214,15 @@ class Dispatcher:
         stats = {"rows": int(rows.rows.size), "sketch": sparse.sketch(rows.rows), "nrows": rows.nrows,
                  "width": rows.width, "itemsize": rows.values.dtype.itemsize}
         if "omnireduce" in candidates:
-            slots = self.backends["omnireduce"].row_slots(rows.nrows, rows.width)
-            groups = np.unique(slots.touched_blocks(rows.rows))
-            stats.update(block=slots.block, group_blocks=slots.group // slots.block, blocks=int(groups.size),
-                         block_sketch=sparse.sketch(groups))
+            stats["omnireduce"] = self._omnireduce_stats(rows, rows.rows)
+        if "hotcold" in candidates:
+            stats["hotcold"] = self.backends["hotcold"].plan_stats(meta.name, rows.rows, rows.nrows,
+                                                                   lambda cold: self._omnireduce_stats(rows, cold))
         return stats
+
+    def _omnireduce_stats(self, rows, touched):
+        omnireduce = self.backends["omnireduce"]
+        return traffic.omnireduce_stats(omnireduce.row_slots(rows.nrows, rows.width), touched, omnireduce.columns)
 
     # -- compressed tensors: the payload kind decides ------------------------------------------------
     def _compressed(self, compressor, requested, name):

@@ -251,6 +251,10 @@ class Executor:
         if scale != 1.0:
             out_values = scaled(out_values, scale)
         entry.rows = (int(rows.rows.size), int(out_rows.size))
+        if entry.estimate is not None and "hotcold" in entry.estimate and not hasattr(backend, "row_record"):
+            # auto weighed the split and chose another: its window of counts goes on all the same
+            backend = self.dispatcher.backend("hotcold")
+            backend.observe(rows.rows, rows.nrows, name, rows.width, values.dtype.itemsize)
         if hasattr(backend, "row_record"):   # hotcold: the hot set's size and share of updates
             entry.skew = backend.row_record(name)
             self._trace_counts(entry, backend)

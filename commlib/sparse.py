@@ -76,20 +76,37 @@ def coalesce(rows, values):
     return rows[starts], np.add.reduceat(values[order], starts, axis=0)
 
 
+def index_dtype(nrows):
+    """Row indices travel as int32 where the table's rows fit (half the bytes of int64)."""
+    return np.dtype(np.int32) if nrows <= np.iinfo(np.int32).max + 1 else np.dtype(np.int64)
+
+
+def payload_bytes(count, row_bytes, nrows):
+    """One rank's message: its count, its rows' indices (padded to 8 bytes) and their values."""
+    return 8 + -(-count * index_dtype(nrows).itemsize // 8) * 8 + count * row_bytes
+
+
 class RowSlots:
     """Rows laid out in a flat array for an algorithm that sums fixed positions. A slot is a row and
-    its presence count (width + 1 elements). With a `block` (omnireduce's), blocks hold whole slots:
-    block // slot of them per block when a slot fits, else one slot padded to whole blocks; so one
-    touched row costs one block, not two, and a block's bitmap entry comes from the rows, not a scan."""
+    its presence count (width + 1 elements). With a `block` (omnireduce's, the job's largest), the
+    tensor's own block is whole slots: `rows_per_block` of them (0, or more than fit: as many as fit
+    in `block`) when a slot fits, else one slot cut into the fewest equal blocks that fit; so a
+    touched row costs its own block (one row by default), and a block's bitmap entry comes from the
+    rows, not a scan. `self.block` is then the tensor's block, `group` the elements of one group of
+    `per_group` rows (one block, or the blocks of one long row)."""
 
-    def __init__(self, nrows, width, block=None):
+    def __init__(self, nrows, width, block=None, rows_per_block=1):
         self.nrows, self.width, self.slot = nrows, width, width + 1
         if block is None:
             self.per_group, self.group = 1, self.slot
         elif self.slot <= block:
-            self.per_group, self.group = block // self.slot, block
+            fit = block // self.slot
+            self.per_group = min(rows_per_block, fit) if rows_per_block > 0 else fit
+            self.group = block = self.per_group * self.slot
         else:
-            self.per_group, self.group = 1, -(-self.slot // block) * block
+            parts = -(-self.slot // block)
+            block = -(-self.slot // parts)
+            self.per_group, self.group = 1, parts * block
         self.groups = -(-nrows // self.per_group)
         self.size = self.groups * self.group
         self.block = block

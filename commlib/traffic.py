@@ -6,44 +6,98 @@ algorithm, from what every rank measured (its touched rows, a sketch of them for
 Per worker, N ranks, n_r own rows, U rows in the union, b bytes per row, S bytes of the whole table
 with a presence count per row:
   sparse_allgather  commlib's ring allgather pads every rank's payload to the largest one, P_max =
-                    8 + n_max (8 + b): up = down = (N - 1) P_max
-  omnireduce        q = block bytes + 40 (header), o_r own blocks, V union blocks (row-aligned):
-                    up = o_me q + V q (N-1)/N (its colocated aggregator's results),
-                    down = V q + mean(o) q (N-1)/N (the others' blocks for its columns)
+                    8 + n_max (4 + b) (int32 indices, where the table allows): up = down = (N - 1) P_max
+  omnireduce        row blocks (omnireduce_rows_per_block whole rows each, one by default); a
+                    packet of a block costs q = block bytes + h, a header-only one h = 48 (header,
+                    MAC; the IP/UDP headers come once per GSO batch: not counted); o_r own blocks, V
+                    union blocks, C columns. Every worker bootstraps every column (C packets,
+                    header-only when zero), gets C + V results and acknowledges every 4th round it
+                    is silent in; its colocated aggregator serves C/N columns: it gets the others'
+                    packets for them and sends them their results. What a worker and its own
+                    aggregator exchange stays on the host, so every term crosses the link (N-1)/N:
+                    up = ((o_me q + C h + (C + V - o_me) h / 4) + (V q + C h)) (N-1)/N,
+                    down = ((V q + C h) + (mean(o) q + C h + (C + V - mean(o)) h / 4)) (N-1)/N
+  hotcold           once the ranks agreed on K hot rows (a window of counts: before the first one
+                    K = 0 and it costs what its cold carrier costs, so auto never prefers it):
+                    the slab of K (w + 1) values through switchml (up = down = slab; ring: 2 slab
+                    (N-1)/N) plus the cold rows, c_r per rank, through the allgather as above (or
+                    omnireduce's row blocks, from the cold rows' own stats)
   switchml          up = down = S (the switch sums)
   ring (and others) up = down = 2 S (N-1)/N
 """
-from commlib.sparse import union_size
+import numpy as np
 
-HEADER = 40   # omnireduce's per-packet header (switch/csrc/omnireduce.h)
+from commlib.sparse import payload_bytes, sketch, union_size
+
+HEADER = 40 + 8   # omnireduce's per-packet header and MAC (switch/csrc/omnireduce.h)
+ACK_EVERY = 4     # a silent omnireduce worker acknowledges every OMR_SETS / 2 rounds
 
 
 def estimate(stats, algorithms):
     """{algorithm: {"up", "down"} bytes per worker, "union_rows": U, "choice": algorithm} for the
     candidates in `algorithms` (in preference order: the first of equal cost wins). `stats`: every
-    rank's {"rows", "sketch", "nrows", "width", "itemsize", and for omnireduce "block", "blocks",
-    "block_sketch", "group_blocks"}."""
+    rank's {"rows", "sketch", "nrows", "width", "itemsize", for omnireduce "omnireduce": its row
+    blocks (omnireduce_stats), for hotcold "hotcold": {"hot_k", "hot", "cold_algorithm", "cold",
+    and "omnireduce" for a cold omnireduce}}."""
     n = len(stats)
     first = stats[0]
     rows = [s["rows"] for s in stats]
-    row_bytes = first["width"] * first["itemsize"]
     table = first["nrows"] * (first["width"] + 1) * first["itemsize"]
     out = {"union_rows": round(union_size([s["sketch"] for s in stats], rows))}
     for algorithm in algorithms:
         if algorithm == "sparse_allgather":
-            up = down = (n - 1) * (8 + max(rows) * (8 + row_bytes))
+            up = down = allgather(rows, first)
         elif algorithm == "omnireduce":
-            q = first["block"] * first["itemsize"] + HEADER
-            per = first["group_blocks"]
-            own = [s["blocks"] * per for s in stats]
-            union = union_size([s["block_sketch"] for s in stats], [s["blocks"] for s in stats]) * per
-            mean = sum(own) / n
-            up = max(own) * q + union * q * (n - 1) / n
-            down = union * q + mean * q * (n - 1) / n
+            up, down = omnireduce([s["omnireduce"] for s in stats], first["itemsize"])
+        elif algorithm == "hotcold":
+            up, down = hotcold([s["hotcold"] for s in stats], first)
+            out[algorithm] = {"hot_k": stats[0]["hotcold"]["hot_k"]}
         elif algorithm == "switchml":
             up = down = table
         else:
             up = down = 2 * table * (n - 1) / n
-        out[algorithm] = {"up": int(up), "down": int(down)}
+        out.setdefault(algorithm, {}).update(up=int(up), down=int(down))
     out["choice"] = min(algorithms, key=lambda a: max(out[a]["up"], out[a]["down"]))
     return out
+
+
+def allgather(rows, first):
+    """Bytes each way per worker of the padded ring allgather of every rank's (rows, values)."""
+    return (len(rows) - 1) * payload_bytes(max(rows), first["width"] * first["itemsize"], first["nrows"])
+
+
+def omnireduce_stats(slots, rows, columns):
+    """What the model needs of one rank's row blocks: `slots` the tensor's commlib.sparse.RowSlots,
+    `rows` its unique touched rows, `columns` the job's column count."""
+    groups = np.unique(slots.touched_blocks(rows))
+    return {"block": slots.block, "group_blocks": slots.group // slots.block, "blocks": int(groups.size),
+            "block_sketch": sketch(groups), "columns": min(columns, slots.size // slots.block)}
+
+
+def omnireduce(stats, itemsize):
+    """(up, down) bytes per worker of omnireduce's row blocks (colocated aggregators)."""
+    n, first = len(stats), stats[0]
+    h = HEADER
+    q = first["block"] * itemsize + h
+    per, columns = first["group_blocks"], first["columns"]
+    own = [s["blocks"] * per for s in stats]
+    union = union_size([s["block_sketch"] for s in stats], [s["blocks"] for s in stats]) * per
+    results = union * q + columns * h
+
+    def uploads(blocks):   # a worker's data, bootstrap and acknowledgements
+        return blocks * q + columns * h + (columns + union - blocks) * h / ACK_EVERY
+
+    share = (n - 1) / n
+    return (uploads(max(own)) + results) * share, (results + uploads(sum(own) / n)) * share
+
+
+def hotcold(stats, first):
+    """(up, down) bytes per worker of the hot/cold split: the slab plus the cold rows' carrier."""
+    n, mine = len(stats), stats[0]
+    slab = mine["hot_k"] * (first["width"] + 1) * first["itemsize"]
+    slab = slab if mine["hot"] == "switchml" else 2 * slab * (n - 1) / n
+    if mine["cold_algorithm"] == "omnireduce":
+        up, down = omnireduce([s["omnireduce"] for s in stats], first["itemsize"])
+    else:
+        up = down = allgather([s["cold"] for s in stats], first)
+    return slab + up, slab + down

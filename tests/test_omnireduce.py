@@ -218,6 +218,30 @@ def test_bytes_match_traffic_model(placement):
             assert st["union_blocks"] == union
 
 
+def test_per_tensor_block_sums_and_moves_its_own_blocks():
+    """A tensor's block is its own (row-sparse tensors: whole rows), at most the job's: tensors of
+    blocks 64 (the job's), 33, 7 and 1 in one job, in turns, sum exactly and move exactly the wire
+    model's bytes for their own block; a block above the job's is refused before anything moves."""
+    n, job_block, columns = 3, 64, 16
+    cases = [(block, d, sparse_inputs(n, 97 * block + 5, d, "independent", t, block=block, seed=block))
+             for block in (64, 33, 7, 1) for d, t in ((0.1, np.float32), (0.5, np.int32))]
+
+    def work(rank, backend):
+        out = [backend.allreduce(inputs[rank], f"b{block}.{d}", block=block) for block, d, inputs in cases]
+        with pytest.raises(InvalidTensor, match="block=65"):
+            backend.allreduce(cases[0][2][rank], "too big", block=65)
+        return out
+
+    results, backends = run(n, work, omnireduce_block_size=job_block, omnireduce_columns=columns,
+                            omnireduce_retransmit_ms=200.0)
+    for i, (block, d, inputs) in enumerate(cases):
+        model = wire_model([om.block_mask(inputs[r], block) for r in range(n)], inputs.shape[1], block, columns)
+        for rank in range(n):
+            check_sum(results[rank][i], inputs)
+            st = backends[rank].stats()["tensors"][f"b{block}.{d}"]
+            assert (st["bytes_sent"] - st["resend_bytes"], st["bytes_recv"] - st["extra_recv_bytes"]) == model[rank]
+
+
 # -- loss and duplication ---------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["colocated", "dedicated"])
 def test_loss_and_duplication_give_identical_results(mode):

@@ -32,16 +32,18 @@ def test_every_algorithm_returns_the_coalesced_union_equal_to_the_dense_sum(npro
 
 
 # -- the traffic model: constructed cases where each algorithm is the cheapest ----------------------
-def stats(rank_rows, nrows=100_000, width=32, block=256):
-    """What each rank's dispatcher would submit for these row sets (commlib.dispatch._row_stats)."""
-    slots = sparse.RowSlots(nrows, width, block)
+def stats(rank_rows, nrows=100_000, width=32, block=256, rows_per_block=1, columns=512, hot=None):
+    """What each rank's dispatcher would submit for these row sets (commlib.dispatch._row_stats);
+    `hot`: the agreed hot set, for hotcold's (a slab through switchml, the cold rows gathered)."""
+    slots = sparse.RowSlots(nrows, width, block, rows_per_block)
     out = []
     for rows in rank_rows:
         rows = np.unique(np.asarray(rows, dtype=np.int64))
-        groups = np.unique(slots.touched_blocks(rows))
         out.append({"rows": int(rows.size), "sketch": sparse.sketch(rows), "nrows": nrows, "width": width,
-                    "itemsize": 4, "block": block, "group_blocks": slots.group // block, "blocks": int(groups.size),
-                    "block_sketch": sparse.sketch(groups)})
+                    "itemsize": 4, "omnireduce": traffic.omnireduce_stats(slots, rows, columns)})
+        if hot is not None:
+            out[-1]["hotcold"] = {"hot_k": len(hot), "hot": "switchml", "cold_algorithm": "sparse_allgather",
+                                  "cold": int(np.setdiff1d(rows, hot).size)}
     return out
 
 
@@ -52,7 +54,7 @@ def test_few_scattered_rows_go_to_the_allgather():
     g = np.random.default_rng(0)
     est = traffic.estimate(stats([g.choice(100_000, 200, replace=False) for _ in range(4)]), CANDIDATES)
     assert est["choice"] == "sparse_allgather", est
-    assert est["sparse_allgather"]["up"] == 3 * (8 + 200 * (8 + 128))   # (N-1) P_max
+    assert est["sparse_allgather"]["up"] == 3 * (8 + 200 * (4 + 128))   # (N-1) P_max, int32 indices
     assert 780 <= est["union_rows"] <= 820, est   # 800 disjoint-ish rows, from the sketches
 
 
@@ -71,25 +73,75 @@ def test_most_rows_touched_go_dense():
     assert est["switchml"]["up"] == 100_000 * 33 * 4
 
 
+def test_one_touched_row_costs_one_row_in_omnireduce():
+    """Scattered rows of 32 values: omnireduce's row blocks move a row and a header per touched row
+    (the job's 256-element blocks moved 7 rows per touched row). A worker receives the union's
+    rows and, for the quarter of columns its colocated aggregator serves, the others' rows; a
+    quarter of each stays on the host (its own aggregator's)."""
+    g = np.random.default_rng(2)
+    ranks = [g.choice(100_000, 2000, replace=False) for _ in range(4)]
+    one = traffic.estimate(stats(ranks), ["omnireduce"])["omnireduce"]
+    whole = traffic.estimate(stats(ranks, rows_per_block=0), ["omnireduce"])["omnireduce"]
+    rows = (8000 + 2000) * 3 / 4 * (33 * 4 + traffic.HEADER)   # ~disjoint: union 8000
+    assert rows < one["down"] < 1.1 * rows, one
+    assert whole["down"] > 3 * one["down"], (one, whole)   # 7 rows a block: 8000 rows touch ~5300 blocks
+
+
+def hot_and_cold(case, ranks=4, hot_rows=1000, seed=0):
+    """Each rank's rows: 'skewed', the same 1000 hot rows and 50 scattered ones; 'uniform', 1000
+    scattered rows; and the hot set the window agreed on (skewed: the hot rows; uniform: what
+    the share rule takes from counts of about 1 each, half the window's rows)."""
+    g = np.random.default_rng(seed)
+    if case == "skewed":
+        hot = np.sort(g.choice(100_000, hot_rows, replace=False))
+        return [np.union1d(hot, g.choice(100_000, 50, replace=False)) for _ in range(ranks)], hot
+    window = np.unique(g.choice(100_000, 2 * ranks * 1000))
+    return [g.choice(100_000, 1000, replace=False) for _ in range(ranks)], np.sort(window[:window.size // 2])
+
+
+def test_hot_cold_is_chosen_where_a_few_rows_take_most_updates_only():
+    """Skewed: the slab carries the shared rows once, the allgather only the few cold ones, far
+    cheaper than the allgather or omnireduce; uniform: the slab of last window's rows is wasted
+    (fresh rows are cold again), so the allgather stays the choice; no hot set yet: a tie that
+    the allgather wins by order."""
+    algorithms = ["sparse_allgather", "omnireduce", "hotcold", "switchml"]
+    ranks, hot = hot_and_cold("skewed")
+    est = traffic.estimate(stats(ranks, hot=hot), algorithms)
+    assert est["choice"] == "hotcold", est
+    slab, cold = 1000 * 33 * 4, max(np.setdiff1d(r, hot).size for r in ranks)
+    gathered = 3 * (8 + -(-cold * 4 // 8) * 8 + cold * 128)   # int32 indices padded to 8 bytes
+    assert est["hotcold"] == {"hot_k": 1000, "up": slab + gathered, "down": slab + gathered}
+    ranks, hot = hot_and_cold("uniform")
+    est = traffic.estimate(stats(ranks, hot=hot), algorithms)
+    assert est["choice"] == "sparse_allgather", est
+    assert est["hotcold"]["up"] > 2 * est["sparse_allgather"]["up"], est
+    est = traffic.estimate(stats(ranks, hot=[]), algorithms)
+    assert est["choice"] == "sparse_allgather" and est["hotcold"]["up"] == est["sparse_allgather"]["up"], est
+
+
 def test_union_estimate_is_within_a_few_percent():
     sets = [np.arange(r * 500, r * 500 + 1000) for r in range(4)]   # union: 2500
     got = sparse.union_size([sparse.sketch(s) for s in sets], [1000] * 4)
     assert abs(got - 2500) < 0.05 * 2500, got
 
 
-@pytest.mark.parametrize("block", [None, 5, 9, 64])
-def test_row_slots_round_trip_and_block_mask(block):
-    """Whole rows per block (or one row padded to whole blocks), a presence count per row, and a
-    block mask that marks exactly the blocks holding touched rows."""
+@pytest.mark.parametrize("block, rows_per_block, tensor_block", [
+    (None, 1, None), (5, 1, 4), (9, 1, 7), (64, 1, 7), (64, 3, 21), (64, 0, 63), (64, 100, 63), (20, 2, 14)])
+def test_row_slots_round_trip_and_block_mask(block, rows_per_block, tensor_block):
+    """The tensor's own block: rows_per_block whole rows (0 or too many: as many as fit the job's
+    block), or one long row cut into the fewest equal blocks that hold it (7 = 4 + 4 - 1 pad); a
+    presence count per row, and a block mask that marks exactly the blocks holding touched rows."""
     rows = np.array([0, 3, 4, 99], dtype=np.int64)
     values = np.arange(4 * 6, dtype=np.float32).reshape(4, 6) - 5   # a zero row sum stays present
-    slots = sparse.RowSlots(100, 6, block)
+    slots = sparse.RowSlots(100, 6, block, rows_per_block)
+    assert slots.block == tensor_block
     flat, mask = slots.scatter(rows, values, np.float32)
     got_rows, got_values = slots.gather(flat)
     assert got_rows.tolist() == rows.tolist() and np.array_equal(got_values, values)
     if block is not None:
-        touched = np.flatnonzero(block_mask(flat, block))
+        touched = np.flatnonzero(block_mask(flat, slots.block))
         assert np.flatnonzero(mask).tolist() == touched.tolist()
+        assert mask.sum() == (slots.group // slots.block) * np.unique(rows // slots.per_group).size
 
 
 def test_coalesce_sums_repeats_in_order():
@@ -138,6 +190,26 @@ def test_auto_picks_the_cheapest_algorithm_in_a_real_job():
             assert costs[algorithm] == min(costs.values()), (case, costs)
             assert got["max_diff"] <= 1e-4 * 4, (case, got)   # switchml's quantization on sums of ~4
         assert result["rules"] == {"few_scattered": "sparse_allgather", "most_rows": "ring"}, result
+
+
+@pytest.mark.multiprocess
+def test_auto_weighs_hot_cold_once_a_window_agreed_on_a_hot_set():
+    """4 ranks, the hot set agreed every 2 calls. Before the first window ends auto has no hot set
+    to weigh (hotcold's estimate has hot_k 0 and loses the tie to the allgather) yet counts every
+    call, whichever algorithm carried it; from then on the skewed tensor (1000 rows on every rank)
+    goes to hotcold and the uniform one (fresh scattered rows) never does. Every result is the
+    union of the rows, equal to the dense sum (switchml's quantization on the hot slab)."""
+    env = {"COMMLIB_HOTCOLD_EVERY": "2"}
+    for result in spawn(4, "sparse_auto_hotcold.py", timeout=300, env=env).check().results():
+        for case, steps in result["cases"].items():
+            for step, got in enumerate(steps):
+                est = got["estimate"]
+                assert got["union"] and got["max_diff"] <= 1e-4 * 8, (case, step, got)   # sums of ~4 values
+                assert got["algorithm"] == est["choice"] and got["skew"]["agreements"] == step // 2, (case, step, got)
+                assert (est["hotcold"]["hot_k"] > 0) == (step >= 2), (case, step, est)
+                assert (got["algorithm"] == "hotcold") == (case == "skewed" and step >= 2), (case, step, est)
+                if step >= 2 and case == "uniform":
+                    assert max(est["hotcold"]["up"], est["hotcold"]["down"]) > est["sparse_allgather"]["up"], est
 
 
 # -- the hot/cold split ----------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 /* OmniReduce over UDP: its part of the interface of commlib._native (switch/csrc/build_native.py).
  *
- * A tensor is cut into blocks of `block` elements; block b belongs to column b mod C. Each
+ * A tensor is cut into blocks of `block` elements (per tensor, at most the job's block, which
+ * sizes the aggregators' slots: a row-sparse tensor's block is whole rows, so one touched row
+ * costs one row; the aggregator sums whatever length the round's first block has, and every
+ * other block of the round must have that length); block b belongs to column b mod C. Each
  * column is an independent lock-step chain of rounds served by aggregator (column mod A) in
  * its slot (column / A). Round 0 is the bootstrap: every worker sends block `column` (as a
  * header-only ZERO packet when it is all zero) with `next` = its own next non-zero block in
@@ -120,8 +123,10 @@ omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs,
 /* mac_key: the job key (OMR_KEY_LEN bytes) the job registered with, or NULL (no MACs) */
 int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint32_t job, uint32_t key,
                        const uint8_t *mac_key);
-/* out must be zeroed; mask from tp_block_mask (transport.h). One call per tensor, GIL released. */
-int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype,
+/* out must be zeroed; block: this tensor's elements per block, 1..the job's block (0: the job's),
+ * the same on every rank; mask from tp_block_mask (transport.h) with that block. One call per
+ * tensor, GIL released. */
+int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype, int block,
                          const uint8_t *mask, double timeout_s, omr_wstats *st);
 void omr_worker_free(omr_worker *w);
 

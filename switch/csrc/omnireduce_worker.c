@@ -95,16 +95,22 @@ typedef struct {
     omr_worker *w;
     uint32_t seq;
     const uint8_t *in;
-    size_t n, nb, ncols;
+    size_t n, nb, ncols, block;           /* block: this tensor's elements per block (<= the job's) */
     int dtype;
     omr_wstats *st;
 } omr_call;
 
+/* payload bytes of block b (the last one may be short) */
+static inline size_t block_bytes(const omr_call *c, size_t b) {
+    size_t start = b * c->block;
+    return (c->n - start < c->block ? c->n - start : c->block) * 4;
+}
+
 static void send_data(omr_call *c, uint32_t col, uint32_t round, uint32_t block, uint32_t next, int zero, int resend) {
     omr_worker *w = c->w;
     int a = (int)(col % (uint32_t)w->naggs);
-    size_t start = (size_t)block * (size_t)w->block;
-    size_t len = zero ? 0 : (c->n - start < (size_t)w->block ? c->n - start : (size_t)w->block) * 4;
+    size_t start = (size_t)block * c->block;
+    size_t len = zero ? 0 : block_bytes(c, block);
     omr_hdr h = {OMR_DATA, (uint8_t)((c->dtype == OMR_INT32 ? OMR_F_INT32 : 0) | (zero ? OMR_F_ZERO : 0) |
                                      (resend ? OMR_F_RESEND : 0)),
                  (uint16_t)w->rank, w->job[a], w->key[a], c->seq, col, round, block, next, round, 0};
@@ -121,12 +127,14 @@ static void send_header(omr_call *c, int type, uint32_t col, uint32_t ack) {
     else c->st->pulls_sent++;
 }
 
-int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype,
+int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype, int block,
                          const uint8_t *mask, double timeout_s, omr_wstats *st) {
     memset(st, 0, sizeof *st);
     st->err_agg = st->err_rank = st->err_col = -1;
+    if (block == 0) block = w->block;
+    if (block < 1 || block > w->block) return OMR_EARG;    /* the aggregators' slots hold the job's block */
     if (n == 0) return OMR_OK;
-    size_t nb = (n + (size_t)w->block - 1) / (size_t)w->block;
+    size_t nb = (n + (size_t)block - 1) / (size_t)block;
     if (nb >= OMR_INF || (dtype != OMR_FLOAT32 && dtype != OMR_INT32)) return OMR_EARG;
     for (int a = 0; a < w->naggs; a++)
         if (!w->agg_set[a]) return OMR_EARG;
@@ -137,7 +145,7 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
         free(cols); free(heard);
         return OMR_EARG;
     }
-    omr_call c = {w, seq, (const uint8_t *)in, n, nb, ncols, dtype, st};
+    omr_call c = {w, seq, (const uint8_t *)in, n, nb, ncols, (size_t)block, dtype, st};
     uint8_t *outb = (uint8_t *)out;
     const uint64_t timeout_us = (uint64_t)(timeout_s * 1e6);
     const uint64_t scan_us = w->retransmit_us / 4 > 1000 ? (uint64_t)w->retransmit_us / 4 : 1000u;
@@ -254,8 +262,8 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
                 continue;
             }
             uint32_t expect = col->count == 0 ? h->col : col->expect;
-            size_t start = (size_t)h->block * (size_t)w->block;
-            size_t blen = h->block < nb ? (n - start < (size_t)w->block ? n - start : (size_t)w->block) * 4 : 0;
+            size_t start = (size_t)h->block * c.block;
+            size_t blen = h->block < nb ? block_bytes(&c, h->block) : 0;
             int zero = (h->flags & OMR_F_ZERO) != 0;
             if (h->block != expect || (h->flags & OMR_F_INT32) != want_flags || (!zero && plen != blen) ||
                 (zero && plen != 0) || (h->next != OMR_INF && h->next > col->own)) {
@@ -316,12 +324,10 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
             uint64_t timer = rto * col->backoff < OMR_RTO_MAX ? rto * col->backoff : OMR_RTO_MAX;
             if (col->done || now - col->last_act < timer) continue;
             if (col->contributed) {
-                size_t start = (size_t)col->sent_block * (size_t)w->block;
                 int zero = !mask[col->sent_block];
                 send_data(&c, (uint32_t)j, col->count, col->sent_block, col->sent_next, zero, 1);
                 st->data_sent--;
-                st->resend_bytes += sizeof(omr_hdr) +
-                    (zero ? 0 : (n - start < (size_t)w->block ? n - start : (size_t)w->block) * 4);
+                st->resend_bytes += sizeof(omr_hdr) + (zero ? 0 : block_bytes(&c, col->sent_block));
                 col->sent_at = 0;
             } else {
                 send_header(&c, OMR_PULL, (uint32_t)j, col->count);
