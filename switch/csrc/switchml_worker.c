@@ -43,7 +43,8 @@ typedef struct {
     uint64_t deadline;   /* resend time, ns */
     uint64_t rto;        /* current timeout, ns */
     uint32_t len;
-    uint32_t resent;     /* resends of this packet (Karn: no RTT sample from it) */
+    uint64_t resent_at;  /* its last resend, ns (0: sent once); tp_rtt_answer */
+    uint32_t resent;     /* resends of this packet */
 } chain_t;
 
 struct sml_worker {
@@ -224,6 +225,7 @@ static int send_packet(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c, uint6
     ch->rto = w->rtt.rto;
     ch->sent = now;
     ch->resent = 0;
+    ch->resent_at = 0;
     ch->deadline = now + ch->rto;
     if (ch->deadline < t->next_timer) t->next_timer = ch->deadline;  /* its rto may be the smallest */
     return queue(w, w->bufs + c * PKT_STRIDE, ch->len);
@@ -311,7 +313,7 @@ static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, u
         return 0;
     }
     w->c.received++;
-    if (!ch->resent) tp_rtt_sample(&w->rtt, now - ch->sent);  /* includes waiting for the slowest rank */
+    tp_rtt_answer(&w->rtt, ch->sent, ch->resent_at, now);  /* includes waiting for the slowest rank */
     if (h[1] & SML_F_STAMP) {   /* the switch's share of this round, for the breakdown */
         w->c.server_queue_ns += tp_rd32(h + body - SML_STAMP_LEN);
         w->c.server_proc_ns += tp_rd32(h + body - 4);
@@ -379,6 +381,7 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
                 if (ch->deadline <= now) {
                     ch->rto = ch->rto * 2 < w->rtt.max ? ch->rto * 2 : w->rtt.max;
                     ch->resent++;
+                    ch->resent_at = now;
                     ch->deadline = now + ch->rto;
                     w->c.resends++;
                     rc = queue(w, w->bufs + c * PKT_STRIDE, ch->len);

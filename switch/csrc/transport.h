@@ -129,15 +129,24 @@ static inline uint64_t tp_rd64le(const uint8_t *p) {
 }
 
 /* ---- retransmission timer (RFC 6298) --------------------------------------------------------
- * Samples in any unit (the caller's clock); only from packets sent once (Karn). rto is the timer
- * of a new packet: srtt + 4 rttvar within [min, max], min before the first sample. */
-typedef struct { uint64_t srtt, rttvar, rto, min, max; } tp_rtt;
+ * Samples in any unit (the caller's clock); only from packets sent once (Karn), or from a resent
+ * packet whose answer came sooner after the resend than any round trip seen (`least`): it answers
+ * the first transmission, so the resend was spurious and the first one's time is a true sample
+ * (as Eifel/F-RTO detect). Without those, the samples would come only from the packets fast enough
+ * to beat their timers, and a queue (a full window on a slow link, a TCP flow beside it) would fire
+ * every other timer, round after round: switchml sent 2.5x its bytes on 100 Mbit links.
+ * rto is the timer of a new packet: srtt + max(4 rttvar, srtt / 2) within [min, max], min before the
+ * first sample. The srtt / 2 floor: a full window's round trips are all alike, so rttvar falls
+ * toward 0 and srtt + 4 rttvar toward srtt, where the next bump fires every timer at once (TCP's
+ * 200 ms minimum guards the same way). */
+typedef struct { uint64_t srtt, rttvar, rto, min, max, least; } tp_rtt;
 
 static inline void tp_rtt_init(tp_rtt *r, uint64_t min, uint64_t max) {
     r->srtt = r->rttvar = 0;
     r->min = min;
     r->max = max < min ? min : max;
     r->rto = min;
+    r->least = 0;
 }
 
 static inline void tp_rtt_sample(tp_rtt *r, uint64_t sample) {
@@ -149,8 +158,15 @@ static inline void tp_rtt_sample(tp_rtt *r, uint64_t sample) {
         r->rttvar = (3 * r->rttvar + d) / 4;
         r->srtt = (7 * r->srtt + sample) / 8;
     }
-    uint64_t rto = r->srtt + 4 * r->rttvar;
+    if (!r->least || sample < r->least) r->least = sample;
+    uint64_t margin = 4 * r->rttvar > r->srtt / 2 ? 4 * r->rttvar : r->srtt / 2;
+    uint64_t rto = r->srtt + margin;
     r->rto = rto < r->min ? r->min : rto > r->max ? r->max : rto;
+}
+
+/* The answer at `now` to a packet first sent at `sent` and last resent at `resent` (0: never). */
+static inline void tp_rtt_answer(tp_rtt *r, uint64_t sent, uint64_t resent, uint64_t now) {
+    if (!resent || (r->least && now - resent < r->least)) tp_rtt_sample(r, now - sent);
 }
 
 /* ---- batched sends -------------------------------------------------------------------------
