@@ -12,9 +12,10 @@ Tuning guide
   switch_window          packets in flight per rank (= slots the job takes on the switch). Larger
                          hides more latency; 128 fills loopback and a 10-100G LAN.
   switch_packet_elems    256 (fewer packets, higher goodput) or 64 (less padding for tiny tensors).
-  switch_retransmit_ms   floor of the per-packet timer; the timer follows the measured round trip
-                         (srtt + 4 rttvar, RFC 6298, which includes waiting for the slowest rank)
-                         and doubles per resend up to switch_retransmit_max_ms. Too small only
+  switch_retransmit_ms   floor of the per-packet timer; the timer follows the measured round trip,
+                         which includes waiting for the slowest rank (srtt + max(4 rttvar, srtt / 2):
+                         RFC 6298 with a margin, switch/csrc/transport.h), and doubles per resend
+                         up to switch_retransmit_max_ms. Too small only
                          costs duplicate packets; too large slows loss recovery.
   switch_nonfinite       "propagate": Inf/NaN in any rank's input reach the sum as IEEE would
                          (+Inf, -Inf, NaN for NaN or +Inf + -Inf); "error": every rank raises
@@ -58,7 +59,7 @@ define("switch_key_file", "", "the daemon key of a commlib-switch started with -
 define("switch_window", 128, "SwitchML window: packets in flight per rank = slots the job takes on the switch")
 define("switch_packet_elems", 256, "values per SwitchML packet: 64 or 256")
 define("switch_retransmit_ms", 5.0, "SwitchML per-packet retransmission timer (ms): the floor of the adaptive "
-       "timer (srtt + 4 rttvar, RFC 6298); doubles on each resend of a packet")
+       "timer (srtt + max(4 rttvar, srtt / 2)); doubles on each resend of a packet")
 define("switch_retransmit_max_ms", 200.0, "upper bound of the SwitchML retransmission timer's backoff (ms)")
 define("switch_offload", True, "SwitchML workers batch datagrams per system call with UDP GSO/GRO where the "
        "kernel has them (each is still its own packet on the wire)")

@@ -42,7 +42,7 @@ omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs,
     w->fd = fd; w->rank = rank; w->nworkers = nworkers; w->ncols = ncols; w->naggs = naggs;
     w->block = block; w->retransmit_us = retransmit_us; w->loss = loss; w->dup = dup;
     w->rng = seed ? seed : 0x9E3779B97F4A7C15ULL;
-    /* the timer: srtt + 4 rttvar, at least the configured one, so that a worker slowed down by its
+    /* the timer: srtt + max(4 rttvar, srtt / 2), at least the configured one, so that a worker slowed down by its
      * host does not flood the aggregators with resends */
     tp_rtt_init(&w->rtt, (uint64_t)retransmit_us, OMR_RTO_MAX);
     w->agg_addr = calloc((size_t)naggs, sizeof *w->agg_addr);

@@ -170,7 +170,7 @@ typedef struct sml_worker_counters {
     uint64_t busy_ns;           /* time quantizing, sending, receiving */
     uint64_t cpu_ns;            /* CPU time of the calling thread in sml_worker_allreduce */
     uint64_t srtt_ns;           /* smoothed round trip of a packet (RFC 6298) */
-    uint64_t rto_ns;            /* timer of a new packet: srtt + 4 rttvar, within [rto_ms, rto_max_ms] */
+    uint64_t rto_ns;            /* timer of a new packet: srtt + max(4 rttvar, srtt/2), within [rto_ms, rto_max_ms] */
     /* the latency breakdown, over the results accepted (one per round): the switch's share its
      * RESULTs piggyback (sums over the rounds' contributions, server_packets of them) and this
      * worker's round time (first send of its packet -> its result, resends included) */

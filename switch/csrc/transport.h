@@ -4,7 +4,7 @@
  *   - batched sends: a queue of packets, grouped per destination into UDP GSO messages and handed
  *     to sendmmsg() (each segment is still its own datagram on the wire);
  *   - batched receives: recvmmsg() with UDP GRO, split back into datagrams ("segments");
- *   - one retransmission timer: the RFC 6298 round-trip estimator (srtt + 4 rttvar, clamped);
+ *   - one retransmission timer: the RFC 6298 round-trip estimator (srtt + max(4 rttvar, srtt / 2), clamped; spurious resends detected);
  *   - one checksum: the word sum and the index-weighted word sum of the bytes (catches corrupted,
  *     swapped and truncated words; vectorizes);
  *   - one MAC: SipHash-2-4 under a job key (what an attacker cannot forge; the checksum is public);
