@@ -195,7 +195,7 @@ class HotColdBackend(Backend):
         split.hot = np.sort(rows[order[:k]])
         split.hot_share = float(cumulative[k - 1] / total) if k else 0.0
         split.counts = coalesce(rows, counts)
-        split.window[:] = 0
+        split.window[touched] = 0   # only what was touched: a large table stays untouched (lazily zeroed) memory
         split.agreements += 1
 
     def row_record(self, name):

@@ -41,7 +41,7 @@ CARRIERS = {
     # payloads that must be decoded one by one (signs, quantized codes)
     "gather": ("allgather",),
     # row-sparse tensors (rows, values); `auto` weighs them, and the best dense algorithm, by traffic
-    # (hotcold last: before its first window of counts it costs what the allgather does)
+    # (hotcold last: before its first window of counts it costs what its cold carrier does)
     "rows": ("sparse_allgather", "omnireduce", "hotcold"),
 }
 TRAFFIC = "traffic"   # the bound of choices the traffic model settles

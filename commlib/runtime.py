@@ -126,12 +126,10 @@ class Runtime:
             log.warning("commlib: shutdown while a collective is still running; backends left open")
             self.client.close()
             return
+        found = None
         if not self._is_set:   # a set writes into the job's timeline
             self.timeline.close()   # before the backends: its last sample asks the switch and aggregators
-            try:
-                study.finish(self.ctx)
-            except Exception as exc:   # shutting down: the job's own work is done; say why there is no study
-                log.warning("commlib: the study of this job (%s) failed: %s", self.settings.study, exc)
+            found = self._study(study.gather, self.ctx)
         for backend in self.backends.values():
             try:
                 backend.close()
@@ -140,6 +138,14 @@ class Runtime:
         self.client.close()
         if self._server is not None:
             self._server.join(self.settings.timeout_s)
+        if found is not None:   # rank 0, the job closed: the other ranks are not kept waiting
+            self._study(study.report, found)
+
+    def _study(self, step, *args):
+        try:
+            return step(*args)
+        except Exception as exc:   # shutting down: the job's own work is done; say why there is no study
+            log.warning("commlib: the study of this job (%s) failed: %s", self.settings.study, exc)
 
 
 def _timeline(path, rank):

@@ -1,8 +1,8 @@
 """The IMC'20 study of a job with one setting: `COMMLIB_STUDY=DIR` (or commlib.init(study=DIR)).
 
 While the job runs every rank writes its timeline to DIR/trace.<rank>.json (commlib.timeline). At
-commlib.shutdown() the ranks agree that their traces are closed, and rank 0 merges the traces it
-can read into DIR/trace.json (Perfetto, chrome://tracing) and analyzes it: DIR/breakdown.txt is
+commlib.shutdown() the ranks agree that their traces are closed, and once the job closed, rank 0
+merges the traces it can read into DIR/trace.json (Perfetto, chrome://tracing) and analyzes it: DIR/breakdown.txt is
 `python -m commlib.analyze`'s table (worker queue, processing, transfer and the server's share per
 algorithm and size band; the daemons' shares; the update skew of sparse tensors) and its PNG plots
 lie beside it. On a cluster without a shared DIR, rank 0 sees only its host's traces: the note at the
@@ -34,33 +34,39 @@ def trace_path(settings):
     return os.path.join(settings.study, "trace.{rank}.json")   # every rank its own (commlib.timeline)
 
 
-def finish(ctx):
-    """At shutdown, after every rank closed its trace: rank 0 merges and analyzes them (the others
-    only say where their trace lies). Returns the breakdown's path on rank 0, else None."""
+def gather(ctx):
+    """At shutdown, once every rank closed its trace: where each rank's trace lies (an exchange, so
+    before the job's connections close). Rank 0 gets (folder, size, [[host, bytes] per rank]), the
+    others None; `report` then does the slow part, after the job closed."""
     folder = ctx.settings.study
     if not folder:
         return None
     path = _rank_trace(folder, ctx.rank)
     where = ctx.exchange("study/traces", [socket.gethostname(), os.path.getsize(path) if os.path.exists(path) else -1])
-    if ctx.rank != 0:
-        return None
+    return (folder, ctx.size, where) if ctx.rank == 0 else None
+
+
+def report(found):
+    """Rank 0: merge the traces it can read and analyze them into the study's folder. Returns the
+    path of breakdown.txt."""
     from commlib import analyze, timeline   # late: plotting libraries only when a study is asked for
-    readable = [rank for rank, (_, size) in enumerate(where)
-                if size >= 0 and os.path.exists(_rank_trace(folder, rank))
-                and os.path.getsize(_rank_trace(folder, rank)) >= size]
-    missing = sorted(set(range(ctx.size)) - set(readable))
+    folder, size, where = found
+    readable = [rank for rank, (_, nbytes) in enumerate(where)
+                if nbytes >= 0 and os.path.exists(_rank_trace(folder, rank))
+                and os.path.getsize(_rank_trace(folder, rank)) >= nbytes]
+    missing = sorted(set(range(size)) - set(readable))
     merged = os.path.join(folder, "trace.json")
     timeline.write(merged, timeline.merge([_rank_trace(folder, rank) for rank in readable]))
-    report = io.StringIO()
+    text = io.StringIO()
     if missing:
-        report.write(f"Ranks {missing} wrote their traces on their own hosts "
-                     f"({sorted({where[r][0] for r in missing})}): copy their {folder}/trace.<rank>.json here and run "
-                     f"`python -m commlib.analyze {folder}/trace.*.json --out {folder}`.\n\n")
-    with contextlib.redirect_stdout(report), contextlib.redirect_stderr(report):
+        text.write(f"Ranks {missing} wrote their traces on their own hosts "
+                   f"({sorted({where[r][0] for r in missing})}): copy their {folder}/trace.<rank>.json here and run "
+                   f"`python -m commlib.analyze {folder}/trace.*.json --out {folder}`.\n\n")
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
         analyze.main([merged, "--out", folder])
     breakdown = os.path.join(folder, "breakdown.txt")
     with open(breakdown, "w") as f:
-        f.write(report.getvalue())
+        f.write(text.getvalue())
     log.info("commlib: the study of this job is in %s (breakdown.txt, trace.json, plots)", folder)
     return breakdown
 

@@ -9,7 +9,8 @@ with a presence count per row:
                     8 + n_max (4 + b) (int32 indices, where the table allows): up = down = (N - 1) P_max
   omnireduce        row blocks (omnireduce_rows_per_block whole rows each, one by default); a
                     packet of a block costs q = block bytes + h, a header-only one h = 48 (header,
-                    MAC; the IP/UDP headers come once per GSO batch: not counted); o_r own blocks, V
+                    MAC: an authenticated job, the default; the IP/UDP headers come once per GSO
+                    batch and a result's 12-byte server stamp, about 1%: not counted); o_r own blocks, V
                     union blocks, C columns. Every worker bootstraps every column (C packets,
                     header-only when zero), gets C + V results and acknowledges every 4th round it
                     is silent in; its colocated aggregator serves C/N columns: it gets the others'

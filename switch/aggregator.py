@@ -36,6 +36,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import OrderedDict
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError
 from commlib.switch import auth, control, net
@@ -116,6 +117,7 @@ class Aggregator:
         self.key, self.limits = key, limits or Limits()
         self.drops = control.Drops()                     # control datagrams refused or dropped, by reason
         self._replays = auth.Replays()
+        self._ended = OrderedDict()   # nonces of ended jobs (bounded): a sniffed register of one revives nothing
         self.sock = make_socket(host, port)
         self.address = self.sock.getsockname()
         self.job_idle_s = job_idle_s
@@ -265,6 +267,9 @@ class Aggregator:
             nonce = auth.check_nonce(body.get("nonce"))
             job_key = auth.job_key(self.key, nonce)
             self._check(job_key, body, (nonce, rank), "register")
+            if nonce in self._ended:
+                raise control.Refused("replay", "register refused: the job of this nonce ended here (a replayed "
+                                                "request; a new job draws a new nonce)")
         job = self._jobs.get(ident)
         if job is None:
             self._admit(params, source)
@@ -308,6 +313,9 @@ class Aggregator:
         lib.omr_agg_remove_job(self._agg, job.id)
         if job.nonce is not None:
             self._replays.forget((job.nonce,))
+            self._ended[job.nonce] = None
+            while len(self._ended) > 65536:
+                self._ended.popitem(last=False)
 
     def _collect_idle(self):
         """Drop the jobs one of whose ranks has been silent (no keepalive) for job_idle_s: it died."""

@@ -102,15 +102,17 @@ class Signer:
 
 class Replays:
     """A daemon's side, an anti-replay window per sender (as IPsec's): a request is fresh when its
-    seq was not seen from its sender and lies within WINDOW_NS of the largest seq the sender used
-    (Signer's seq is its clock in ns). Several clients signing as one sender (an operator's
-    concurrent requests) may arrive out of order within the window; a replayed request carries a
-    seen seq, or one older than the window. Bounded: `limit` senders (least recent forgotten first),
-    `per_sender` seqs each (a sender flooding more than that within the window loses its oldest)."""
+    seq was not seen from its sender and lies within WINDOW_NS of the daemon's clock (Signer's seq
+    is the signer's wall clock in ns, so the ranks' and the daemon's clocks must agree within that,
+    as NTP keeps them). Several clients signing as one sender (an operator's concurrent requests)
+    may arrive out of order within the window; a replayed request carries a seen seq, or an old one:
+    also after its sender was forgotten (an ended job), so a sniffed register cannot revive a job.
+    Bounded: `limit` senders (least recent forgotten first), `per_sender` seqs each (a sender
+    sending more within the window loses its oldest, which then count as seen)."""
 
     WINDOW_NS = 30 * 10**9
 
-    def __init__(self, limit=65536, per_sender=1024):
+    def __init__(self, limit=65536, per_sender=256):
         self._seen, self.limit, self.per_sender = OrderedDict(), limit, per_sender
 
     def admit(self, key, request, sender, what, hint):
@@ -119,22 +121,24 @@ class Replays:
         from commlib.switch import control
         if not verify(key, request):
             raise control.Refused("bad_mac", f"{what} refused: the request is not signed with {hint}")
-        if not self.fresh(sender, request["seq"]):
-            raise control.Refused("replay", f"{what} refused: its seq was seen before or is older than "
-                                            f"{self.WINDOW_NS // 10**9} s (a replayed request)")
+        self.check(sender, request["seq"], what)
 
-    def fresh(self, sender, seq):
+    def check(self, sender, seq, what):
+        """Refuse (control.Refused "replay") a seq that is not fresh for `sender`."""
+        from commlib.switch import control
+        if not self.fresh(sender, seq):
+            raise control.Refused("replay", f"{what} refused: its seq was seen before or is more than "
+                                            f"{self.WINDOW_NS // 10**9} s old (a replayed request, or this "
+                                            f"host's clock is far from the daemon's)")
+
+    def fresh(self, sender, seq, now=None):
         """True (and remembered) when `sender` has not used `seq` and it is within the window."""
-        seen = self._seen.get(sender)
-        if seen is None:
-            seen = self._seen[sender] = set()
-        newest = max(seen, default=seq)
-        if seq in seen or seq <= newest - self.WINDOW_NS or (len(seen) >= self.per_sender and seq < min(seen)):
+        floor = (time.time_ns() if now is None else now) - self.WINDOW_NS
+        seen = self._seen.setdefault(sender, set())
+        if seq <= floor or seq in seen or (len(seen) >= self.per_sender and seq < min(seen)):
             return False
         seen.add(seq)
-        floor = max(newest, seq) - self.WINDOW_NS
-        for old in [s for s in seen if s <= floor]:
-            seen.discard(old)
+        seen.difference_update([s for s in seen if s <= floor])
         while len(seen) > self.per_sender:
             seen.discard(min(seen))
         self._seen.move_to_end(sender)

@@ -295,9 +295,7 @@ class SwitchServer:
         else:
             raise control.Refused("bad_mac", f"{request.get('op')} of job #{number} refused: not signed with the "
                                              f"job's key")
-        if not self._replays.fresh(sender, request["seq"]):
-            raise control.Refused("replay", f"{request.get('op')} refused: its seq was seen before or is too old "
-                                            f"(a replayed request)")
+        self._replays.check(sender, request["seq"], request.get("op"))
         return job
 
     def register(self, token, workers, slots, elems, nonce=None, key=None, source=None, authenticate=True):

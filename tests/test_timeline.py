@@ -191,6 +191,6 @@ def test_study_names_the_ranks_whose_traces_are_on_other_hosts(tmp_path):
     where = [["host-a", (tmp_path / "trace.0.json").stat().st_size], ["host-b", 1234]]   # rank 1's file is on host-b
     ctx = SimpleNamespace(rank=0, size=2, settings=SimpleNamespace(study=str(tmp_path)),
                           exchange=lambda key, value: where)
-    breakdown = open(study.finish(ctx)).read()
+    breakdown = open(study.report(study.gather(ctx))).read()
     assert "Ranks [1] wrote their traces on their own hosts (['host-b'])" in breakdown, breakdown
     assert "no tensor rounds in these traces" in breakdown, breakdown

@@ -116,15 +116,20 @@ def test_concurrent_operator_requests_are_not_replays(keyed_switch):
     assert server.drops.snapshot()["replay"] == 3
 
 
-def test_replay_window_is_bounded_per_sender():
-    """A sender flooding fresh seqs keeps at most `per_sender` of them; the oldest then falls out
-    of the window, so memory stays bounded and an old seq is still refused."""
+def test_replay_window_is_bounded_and_survives_forgetting():
+    """A sender flooding fresh seqs keeps at most `per_sender` of them (an older seq is then refused);
+    a forgotten sender (an ended job) and an evicted one still cannot reuse a seq older than the window."""
+    now = 10 * auth.Replays.WINDOW_NS
     replays = auth.Replays(limit=2, per_sender=4)
-    assert all(replays.fresh("a", seq) for seq in (10, 11, 12, 13, 14))
-    assert not replays.fresh("a", 10) and not replays.fresh("a", 14)
-    assert replays.fresh("a", 9) is False                   # below every remembered seq when full
-    replays.fresh("b", 1), replays.fresh("c", 1)            # a third sender evicts the least recent
-    assert replays.fresh("a", 15) is True                   # "a" was forgotten, starts anew
+    fresh = [now - 5, now - 4, now - 3, now - 2, now - 1]
+    assert all(replays.fresh("a", seq, now) for seq in fresh)
+    assert not replays.fresh("a", fresh[0], now) and not replays.fresh("a", fresh[-1], now)
+    assert replays.fresh("a", now - 10, now) is False          # below every remembered seq when full
+    replays.forget(("a",))                                      # the job ended
+    stale = now - auth.Replays.WINDOW_NS
+    assert replays.fresh("a", stale, now) is False, "a sniffed seq replayed after its sender was forgotten"
+    replays.fresh("b", now, now), replays.fresh("c", now, now)  # a third sender evicts the least recent
+    assert replays.fresh("a", now + 1, now) is True             # a new request of "a" is fine
 
 
 def test_registering_needs_the_daemon_key(keyed_switch):
@@ -333,6 +338,9 @@ def test_aggregator_refuses_unsigned_and_replayed_requests():
         while aggregator.stats()["jobs"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert aggregator.stats()["jobs"] == 0                   # the job's own rank ends it
+        revived = udp_request(aggregator.address, signed)         # its sniffed register, replayed after the end
+        assert revived["ok"] is False and "replayed" in revived["error"], revived
+        assert aggregator.stats()["jobs"] == 0
     finally:
         aggregator.close()
 

@@ -330,8 +330,6 @@ static void refuse(omr_agg *a, const struct sockaddr_in *to, const omr_hdr *in, 
     a->st.refused++;
 }
 
-static inline uint32_t add_sat(uint32_t a, uint64_t b) { return b >= UINT32_MAX - a ? UINT32_MAX : a + (uint32_t)b; }
-
 /* queue_ns: how long packet i waited (kernel arrival -> now); t_in: its handling's start
  * (tp_now_ns); both go into its round's stamp if it contributes */
 static void handle(omr_agg *a, int i, uint64_t now, uint64_t queue_ns, uint64_t t_in) {
@@ -416,8 +414,8 @@ static void handle(omr_agg *a, int i, uint64_t now, uint64_t queue_ns, uint64_t 
                 }
                 S->next[w] = h->next;
                 S->seen[w] = 1;
-                S->queue_ns = add_sat(S->queue_ns, queue_ns);
-                S->proc_ns = add_sat(S->proc_ns, tp_now_ns() - t_in);
+                S->queue_ns = tp_add_sat32(S->queue_ns, queue_ns);
+                S->proc_ns = tp_add_sat32(S->proc_ns, tp_now_ns() - t_in);
                 if (++S->arrived == S->expected) {
                     uint32_t m = OMR_INF;
                     for (int v = 0; v < j->nworkers; v++) m = S->next[v] < m ? S->next[v] : m;
@@ -452,8 +450,7 @@ int omr_agg_run(omr_agg *a, int timeout_ms) {
         if (k < 0) return k;
         now = tp_now_us();
         for (int i = 0; i < k; i++) {   /* its share of each packet's round, for the latency breakdown */
-            uint64_t stamp = tp_rxq_stamp(&a->rq, i), wall = stamp ? tp_wall_ns() : 0, t = tp_now_ns();
-            uint64_t queued = stamp && wall > stamp ? wall - stamp : 0;
+            uint64_t queued = tp_rxq_waited(&a->rq, i), t = tp_now_ns();
             handle(a, i, now, queued, t);
             a->st.proc_ns += tp_now_ns() - t;
             a->st.queue_ns += queued;

@@ -283,8 +283,6 @@ static void nack(sml_switch *sw, const uint8_t *in, const struct sockaddr_in *fr
     emit(sw, p, SML_HDR_LEN, from, &sink_j, &sink_g);
 }
 
-static inline uint32_t add_sat(uint32_t a, uint64_t b) { return b >= UINT32_MAX - a ? UINT32_MAX : a + (uint32_t)b; }
-
 /* queue_ns: how long the packet waited (kernel arrival -> now), t_in: its processing's start
  * (tp_now_ns), both for the stamp of its round. */
 static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct sockaddr_in *from, uint64_t queue_ns,
@@ -385,8 +383,8 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
         }
         j->c.aggregated++;
         gc->aggregated++;
-        s->queue_ns = add_sat(s->queue_ns, queue_ns);
-        s->proc_ns = add_sat(s->proc_ns, tp_now_ns() - t_in);
+        s->queue_ns = tp_add_sat32(s->queue_ns, queue_ns);
+        s->proc_ns = tp_add_sat32(s->proc_ns, tp_now_ns() - t_in);
         if (s->countdown == 0) {  /* complete: "multicast" to every worker of the job */
             uint8_t *out = take_buffer(sw);
             size_t rlen = build_result(j, s, vals, nfr, p, out);
@@ -459,9 +457,8 @@ static long serve(sml_switch *sw, int max_ms) {
             }
             handled++;
             job_t *j = l >= SML_HDR_LEN ? &sw->jobs[buf[2]] : NULL;
-            uint64_t accepted = j && j->active ? j->c.pkts_recv : 0, stamp = tp_rxq_stamp(&sw->rx, i);
-            uint64_t wall = stamp ? tp_wall_ns() : 0, t_in = tp_now_ns();
-            uint64_t queued = stamp && wall > stamp ? wall - stamp : 0;
+            uint64_t accepted = j && j->active ? j->c.pkts_recv : 0;
+            uint64_t queued = tp_rxq_waited(&sw->rx, i), t_in = tp_now_ns();
             process(sw, buf, l, from, queued, t_in);
             if (j && j->active && j->c.pkts_recv > accepted) {   /* counted for its job: charge it the time */
                 j->c.proc_ns += tp_now_ns() - t_in;

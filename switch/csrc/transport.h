@@ -4,7 +4,7 @@
  *   - batched sends: a queue of packets, grouped per destination into UDP GSO messages and handed
  *     to sendmmsg() (each segment is still its own datagram on the wire);
  *   - batched receives: recvmmsg() with UDP GRO, split back into datagrams ("segments");
- *   - one retransmission timer: the RFC 6298 round-trip estimator (srtt + max(4 rttvar, srtt / 2), clamped; spurious resends detected);
+ *   - one retransmission timer: the RFC 6298 round-trip estimator (srtt + max(4 rttvar, srtt / 2), clamped; tp_rtt_answer takes samples from spurious resends);
  *   - one checksum: the word sum and the index-weighted word sum of the bytes (catches corrupted,
  *     swapped and truncated words; vectorizes);
  *   - one MAC: SipHash-2-4 under a job key (what an attacker cannot forge; the checksum is public);
@@ -134,7 +134,9 @@ static inline uint64_t tp_rd64le(const uint8_t *p) {
  * the first transmission, so the resend was spurious and the first one's time is a true sample
  * (as Eifel/F-RTO detect). Without those, the samples would come only from the packets fast enough
  * to beat their timers, and a queue (a full window on a slow link, a TCP flow beside it) would fire
- * every other timer, round after round: switchml sent 2.5x its bytes on 100 Mbit links.
+ * every other timer, round after round: switchml sent 2.5x its bytes on 100 Mbit links (this and
+ * the margin below together cut that to 1.25x; either alone did not). `least` is the smallest
+ * sample ever, a conservative bound: a smaller one detects fewer, never a wrong one.
  * rto is the timer of a new packet: srtt + max(4 rttvar, srtt / 2) within [min, max], min before the
  * first sample. The srtt / 2 floor: a full window's round trips are all alike, so rttvar falls
  * toward 0 and srtt + 4 rttvar toward srtt, where the next bump fires every timer at once (TCP's
@@ -256,6 +258,13 @@ static inline const struct sockaddr_in *tp_rxq_from(const tp_rxq *q, int i) { re
  * long a packet waited in its socket before it was processed: tp_wall_ns() - tp_rxq_stamp(q, i). */
 int tp_rxq_stamps(tp_rxq *q);
 static inline uint64_t tp_rxq_stamp(const tp_rxq *q, int i) { return q->stamp[q->seg_msg[i]]; }
+/* How long segment i waited in the socket until now (ns; 0 without a stamp or when the clock stepped). */
+static inline uint64_t tp_rxq_waited(const tp_rxq *q, int i) {
+    uint64_t stamp = tp_rxq_stamp(q, i), wall = stamp ? tp_wall_ns() : 0;
+    return wall > stamp ? wall - stamp : 0;
+}
+/* a + b, saturating at UINT32_MAX: the 32-bit ns fields of the results' stamps */
+static inline uint32_t tp_add_sat32(uint32_t a, uint64_t b) { return b >= UINT32_MAX - a ? UINT32_MAX : a + (uint32_t)b; }
 static inline int tp_icmp_error(int rc) { return rc == -ECONNREFUSED || rc == -EHOSTUNREACH || rc == -ENETUNREACH; }
 
 #endif /* TP_PYTHON_API_ONLY */
