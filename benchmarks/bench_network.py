@@ -27,7 +27,6 @@ import common  # noqa: E402
 import netem  # noqa: E402
 
 BLOCK = 256   # omnireduce's default block: the densities are of these blocks
-SERVERS = {"ring": None, "switchml": "switch", "omnireduce": "aggregators"}
 
 
 # -- inside each rank (its own namespace) -------------------------------------------------------------
@@ -154,7 +153,7 @@ def main(argv=None):
                        "goodput_gbps": args.elements * 32 / (ms * 1e6), "vs_ring": ring_ms / ms,
                        "tx_mib": tx / 2 ** 20, "link_utilization": tx * 8 / (rate * ms / 1e3)}
                 row["bottleneck"] = common.bottleneck(ms / 1e3, r["breakdowns"], row["link_utilization"],
-                                                      SERVERS[algorithm])
+                                                      common.SERVERS[algorithm])
                 rows.append(row)
                 print(f"  {workload:<12} {algorithm:<10} {ms:8.1f} ms  {row['goodput_gbps']:6.3f} Gbps  "
                       f"x{row['vs_ring']:5.2f} vs ring  sent {row['tx_mib']:7.2f} MiB/worker  "

@@ -27,7 +27,6 @@ import common  # noqa: E402
 import netem  # noqa: E402
 
 ALGORITHMS = ("sparse_allgather", "omnireduce", "hotcold", "switchml")
-SERVERS = {"sparse_allgather": None, "omnireduce": "aggregators", "hotcold": "switch", "switchml": "switch"}
 
 
 # -- inside each rank (its own namespace) -------------------------------------------------------------
@@ -104,7 +103,6 @@ def worker(args):
 
 def _model(ctx, backend, algorithm, name, rows, vocab, dim, traffic, sparse, step):
     """Every rank's measurements (as dispatch submits them), the traffic model's bytes per worker."""
-    import numpy as np
     stats = {"rows": int(rows.size), "sketch": sparse.sketch(rows), "nrows": vocab, "width": dim, "itemsize": 4}
     if algorithm == "hotcold":   # the slab both ways, plus the allgather of this call's cold rows
         record = backend.row_record(name)
@@ -206,7 +204,7 @@ def main(argv=None):
                 if algorithm == "hotcold":
                     row["hot_k"], row["hot_share"] = r["skew"].get("hot_k"), r["skew"].get("hot_share")
                 row["link"] = row["tx_kib"] * 1024 * 8 / (common.rate_bps(args.rate) * ms / 1e3)
-                row["bottleneck"] = common.bottleneck(ms / 1e3, r["breakdowns"], row["link"], SERVERS[algorithm])
+                row["bottleneck"] = common.bottleneck(ms / 1e3, r["breakdowns"], row["link"], common.SERVERS[algorithm])
                 rows.append(row)
                 print(f"  {tag:<14} {algorithm:<16} {ms:9.1f} ms  x{row['vs_allgather']:5.2f} vs allgather  "
                       f"sent {row['tx_kib']:9.1f} KiB (model {row['model_up_kib']:9.1f})  "

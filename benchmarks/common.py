@@ -23,6 +23,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from launch import horovodrun, spawn  # noqa: E402  tests/launch.py: process groups killed on timeout
 
 
+# the server of each algorithm, as bottleneck() names it (None: the algorithm has none)
+SERVERS = {"ring": None, "sparse_allgather": None, "switchml": "switch", "hotcold": "switch", "omnireduce": "aggregators"}
 LINK_BUSY = 0.5   # the share of its rate a link must carry for the wire to count as the limit (bottleneck())
 # bottleneck()'s rule as each RESULTS.md section states it
 BOTTLENECK_RULE = (
