@@ -382,6 +382,7 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
                     ch->rto = ch->rto * 2 < w->rtt.max ? ch->rto * 2 : w->rtt.max;
                     ch->resent++;
                     ch->resent_at = now;
+                    tp_rtt_backoff(&w->rtt, ch->sent, now);
                     ch->deadline = now + ch->rto;
                     w->c.resends++;
                     rc = queue(w, w->bufs + c * PKT_STRIDE, ch->len);
