@@ -133,13 +133,10 @@ def bottleneck(seconds, breakdowns=(), link=None, server="switch", unmeasured="n
     seconds), or a text saying why it is unknown ("n/a: loopback"). unmeasured: what the column says
     with no breakdown and no busy link: why (e.g. "n/a: Horovod's own allreduce").
 
-    The rule. Shares of `seconds`: the server's is server_s, the network's is transfer_s - server_s,
-    the workers' is process_s plus what neither covers (the rest of a training step: the model's
-    compute); the largest names the bottleneck. Where the link rate is known and the network wins but
-    the link carried less than LINK_BUSY of its rate while the network's share lasted (link / network
-    share), the wire was not the limit: the transfer time went to the CPUs that move the packets, and
-    the workers are named. With no breakdown the link alone decides: a link busy LINK_BUSY of the
-    row's time or more names the network; else the column says `unmeasured` and the link.
+    The rule is BOTTLENECK_RULE (printed under every table that has the column): the largest of the
+    server's, the network's and the workers' shares of `seconds` names the bottleneck; a network share
+    during which the link carried under LINK_BUSY of its rate goes to the workers (the CPUs moving
+    the packets, not the wire).
     """
     link_text = None if link is None else f"link {link}" if isinstance(link, str) else f"link {link:.0%}"
     if not breakdowns:
