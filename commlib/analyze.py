@@ -21,8 +21,9 @@ transfer time by its mean round time on its own clock (a window keeps many round
 shares of a round, not the sum of overlapping rounds, make the split). See commlib.executor.Phases.
 
 and writes PNG plots after the IMC'20 study of a production parameter server: CDFs of transfer time
-per algorithm, the stacked breakdown (its Figure 5), concurrency (how many ranks are inside a
-collective at once, per millisecond, its Figure 7b) and, when the trace holds per-row update counts of
+per algorithm, the stacked breakdown (its Figure 5), concurrency (its Figure 7b: per millisecond, how
+many ranks' packets reached the switch, from its ms_ranks_k counters, and how many ranks were inside
+a collective, from the workers' spans) and, when the trace holds per-row update counts of
 sparse tensors, the update skew (share of updates taken by the hottest K rows, its Figure 10).
 """
 import argparse
@@ -161,17 +162,30 @@ def daemon_rates(samples):
     return {c: (float(np.median(v)), float(np.max(v))) for c, v in values.items() if max(v) > 0}
 
 
+def _totals(samples, counters):
+    """Each counter's increase over a daemon's samples (its rates times the intervals they cover)."""
+    totals = collections.Counter()
+    for before, after in zip(samples, samples[1:]):
+        for counter in counters(after["args"]):
+            totals[counter] += after["args"][counter] * (after["ts"] - before["ts"]) / 1e6
+    return totals
+
+
 def per_packet(samples):
     """A daemon's mean queue and processing time per packet over its samples (queue_ns, proc_ns and
     packets per second, each rate times the interval it covers), or None when it lacks them."""
-    totals = collections.Counter()
-    for before, after in zip(samples, samples[1:]):
-        for counter in ("queue_ns", "proc_ns", "pkts_recv"):
-            totals[counter] += after["args"].get(counter, 0) * (after["ts"] - before["ts"]) / 1e6
+    totals = _totals(samples, lambda args: [c for c in ("queue_ns", "proc_ns", "pkts_recv") if c in args])
     if not totals["pkts_recv"] or "queue_ns" not in samples[-1]["args"]:
         return None
     return {"queue_us": totals["queue_ns"] / totals["pkts_recv"] / 1e3,
             "proc_us": totals["proc_ns"] / totals["pkts_recv"] / 1e3, "packets": totals["pkts_recv"]}
+
+
+def server_concurrency(samples):
+    """{k: milliseconds in which the switch got packets of exactly k ranks} over a daemon's samples
+    (its ms_ranks_k counters: the study's Figure 7b seen by the switch), {} where it lacks them."""
+    totals = _totals(samples, lambda args: [c for c in args if c.startswith("ms_ranks_")])
+    return {int(c.rsplit("_", 1)[1]): round(n) for c, n in sorted(totals.items()) if round(n)}
 
 
 def update_counts(events):
@@ -215,11 +229,18 @@ def plot(found, events, out_dir):
 
     busy = concurrency(found)
     fig, ax = plt.subplots(figsize=(6, 4))
-    if busy.size:
-        values, counts = np.unique(busy, return_counts=True)
-        ax.bar(values, counts / counts.sum())
-    ax.set(xlabel="ranks inside a collective in the same millisecond", ylabel="share of milliseconds",
-           title="Concurrency")
+    views = [("workers: ranks inside a collective", dict(zip(*np.unique(busy[busy > 0], return_counts=True))))]
+    views += [(f"{row}: ranks whose packets arrived", server_concurrency(samples))
+              for row, samples in daemon_samples(events).items()]
+    views = [(label, counts) for label, counts in views if counts]
+    for i, (label, counts) in enumerate(views):   # side by side bars, one series per view
+        total = sum(counts.values())
+        ax.bar(np.array(list(counts), float) + (i - (len(views) - 1) / 2) * 0.8 / len(views),
+               [n / total for n in counts.values()], width=0.8 / len(views), label=label)
+    ax.set(xlabel="ranks in the same millisecond", ylabel="share of busy milliseconds", title="Concurrency")
+    if views:
+        ax.set_xticks(sorted({k for _, counts in views for k in counts}))
+        ax.legend(fontsize=7)
     paths.append(_save(fig, out_dir, "concurrency.png"))
 
     counts = update_counts(events)
@@ -263,6 +284,11 @@ def main(argv=None):
         if share:
             print(f"  its share of a packet's round: queue {share['queue_us']:.1f} us, processing "
                   f"{share['proc_us']:.1f} us (mean over {share['packets']:.0f} packets)")
+        ranks = server_concurrency(samples)
+        if ranks:
+            total = sum(ranks.values())
+            print("  concurrency, ranks whose packets arrived in the same millisecond: " +
+                  ", ".join(f"{k}: {n / total:.0%}" for k, n in ranks.items()) + f" of {total} ms")
     for c, share in skew_summary(events).items():
         print(f"\n{c}: the hottest 1% of rows take {share:.0%} of updates")
     for path in plot(found, events, args.out):

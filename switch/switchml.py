@@ -91,7 +91,11 @@ def token32(job_token):
 
 
 def _counters_dict(c):
-    return {name: int(getattr(c, name)) for name in COUNTERS}
+    """Flat numbers (the CLI and the timeline's counter tracks read them): ranks_per_ms[k] becomes
+    ms_ranks_k, for the k that occurred."""
+    out = {name: int(getattr(c, name)) for name in COUNTERS if name != "ranks_per_ms"}
+    out.update((f"ms_ranks_{k}", int(n)) for k, n in enumerate(c.ranks_per_ms) if n)
+    return out
 
 
 class _Job:

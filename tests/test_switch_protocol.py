@@ -4,6 +4,7 @@ Each test registers a job whose workers are plain UDP sockets of this process, s
 built with struct, and checks the switch's answers and counters (see switch/csrc/switchml.h)."""
 import socket
 import struct
+import time
 
 import pytest
 
@@ -313,6 +314,22 @@ def test_counters_per_slot_group_and_freed_slots(switch, job2):
     assert switch.status()["free_slots"] == 256 - 8
     job2.client.unregister(j, TOKEN)
     assert switch.status()["free_slots"] == 256
+
+
+def test_concurrency_counts_the_ranks_whose_packets_arrived_in_each_millisecond(switch, job2):
+    j, pairs = job2.number, 10
+    for pkt in range(pairs):   # both ranks back to back, then a pause: a millisecond of 2 ranks each time
+        job2.send(0, data(j, 0, pkt, pkt % 8, pkt // 8, vals(1)))
+        job2.send(1, data(j, 1, pkt, pkt % 8, pkt // 8, vals(2)))
+        job2.recv(0), job2.recv(1)
+        time.sleep(0.003)
+    job2.send(0, data(j, 0, pairs, pairs % 8, 1, vals(1)))   # a later millisecond closes the last pair's
+    c = job2.client.counters(j)
+    per_ms = {int(k.rsplit("_", 1)[1]): n for k, n in c["counters"].items() if k.startswith("ms_ranks_")}
+    # every pair is 2 rank-milliseconds, split or not; a pair split by a millisecond boundary is rare
+    assert sum(k * n for k, n in per_ms.items()) == 2 * pairs and set(per_ms) <= {1, 2}, per_ms
+    assert per_ms.get(2, 0) >= pairs // 2, per_ms
+    assert not any(k.startswith("ms_ranks_") for g in c["groups"] for k in g), "slot groups count no concurrency"
 
 
 def test_drop_simulator_counts(switch, job2):

@@ -154,8 +154,21 @@ def test_merge_and_analyze(job, capsys):
         share = analyze.per_packet(samples)
         assert share["packets"] > 0 and share["queue_us"] >= 0 and share["proc_us"] > 0, (row, share)
     assert printed.count("its share of a packet's round") == 3, printed
+    switch = next(samples for row, samples in analyze.daemon_samples(events).items() if row.startswith("switch "))
+    ranks = analyze.server_concurrency(switch)   # 2 ranks: milliseconds with one or both
+    assert ranks and set(ranks) <= {1, 2} and "ranks whose packets arrived in the same millisecond" in printed, \
+        (ranks, printed)
     for png in ("latency_cdf.png", "breakdown.png", "concurrency.png"):
         assert (out / "plots" / png).stat().st_size > 1000, png
+
+
+def test_server_concurrency_adds_up_the_switchs_counter_rates():
+    def sample(ts_s, **rates):
+        return {"ts": ts_s * 1e6, "args": rates}
+    samples = [sample(0), sample(0.1, ms_ranks_1=20.0, ms_ranks_2=50.0, pkts_recv=9.0),
+               sample(0.3, ms_ranks_2=100.0, ms_ranks_4=5.0)]
+    assert analyze.server_concurrency(samples) == {1: 2, 2: 25, 4: 1}   # rate x interval, summed
+    assert analyze.server_concurrency(samples[:1]) == {}
 
 
 def test_analyze_reads_an_unfinished_trace_and_update_counts(tmp_path):

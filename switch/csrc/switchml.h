@@ -104,6 +104,10 @@ typedef struct sml_counters {
      * queue: kernel arrival -> processing starts (socket and batch); processing: until its result
      * (if it completed the slot) is queued for sending */
     uint64_t queue_ns, proc_ns;
+    /* concurrency (the IMC'20 study's Figure 7b; per job, 0 in slot groups): ranks_per_ms[k] = the
+     * milliseconds (by packet arrival) in which the switch got accepted packets of exactly k ranks;
+     * a millisecond is counted once a packet of a later one arrives */
+    uint64_t ranks_per_ms[65];   /* SML_MAX_WORKERS + 1 (cffi reads plain numbers) */
 } sml_counters;
 
 typedef struct sml_global {

@@ -21,6 +21,7 @@
 #define ARENA 1024
 #define ARENA_STRIDE 1344   /* >= SML_MAX_PKT */
 _Static_assert(ARENA_STRIDE >= SML_MAX_PKT, "a result with its MAC fits an arena buffer");
+_Static_assert(sizeof ((sml_counters *)0)->ranks_per_ms / sizeof (uint64_t) == SML_MAX_WORKERS + 1, "a count per rank number");
 
 typedef struct {
     uint64_t bitmap;     /* ranks that contributed */
@@ -45,6 +46,7 @@ typedef struct {
     uint8_t *nfreg;      /* [(slot * 2 + set) * elems] */
     sml_counters c;
     sml_counters *groups;
+    uint64_t ms_now, ms_ranks;   /* the millisecond of the last accepted packet, the ranks seen in it */
 } job_t;
 
 struct sml_switch {
@@ -322,6 +324,13 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     if (sw->p_in > 0 && rnd(sw) < sw->p_in) { j->c.drop_sim_ingress++; gc->drop_sim_ingress++; return; }
     j->c.pkts_recv++;
     gc->pkts_recv++;
+    uint64_t ms = (t_in - queue_ns) / 1000000;   /* arrival, on the processing clock */
+    if (ms != j->ms_now) {
+        if (j->ms_ranks) j->c.ranks_per_ms[__builtin_popcountll(j->ms_ranks)]++;
+        j->ms_now = ms;
+        j->ms_ranks = 0;
+    }
+    j->ms_ranks |= 1ull << rank;
 
     size_t idx = (size_t)slot * 2 + set;
     slot_set *s = &j->sets[idx];
