@@ -100,13 +100,14 @@ def _check_params(params):
 
 
 class _Job:
-    __slots__ = ("id", "key", "params", "ranks", "alive", "nonce", "job_key", "source", "bytes")
+    __slots__ = ("id", "key", "params", "ranks", "alive", "nonce", "job_key", "source", "bytes", "addresses")
 
     def __init__(self, job_id, key, params, nonce=None, job_key=None, source=None):
         self.id, self.key, self.params, self.ranks = job_id, key, params, set()
         self.nonce, self.job_key, self.source = nonce, job_key, source
         self.bytes = job_bytes(params)
         self.alive = {}                  # rank -> its last registration or keepalive
+        self.addresses = {}              # rank -> (ip, port) its results go to: set by its first register
 
 
 class Aggregator:
@@ -288,6 +289,11 @@ class Aggregator:
         elif job.params != params:
             raise ConfigError(f"rank {rank} registered with {params}, but the job's other ranks with {job.params}: "
                               f"every rank must use the same omnireduce settings")
+        if job.addresses.setdefault(rank, source) != source:
+            # the MAC does not cover the source: a sniffed resend that never arrived carries a fresh seq
+            raise control.Refused("replay", f"register refused: rank {rank} of job {job.id} is registered from "
+                                            f"{job.addresses[rank][0]}:{job.addresses[rank][1]} (a request replayed "
+                                            f"from elsewhere?); a rank registers from one socket")
         lib.omr_agg_set_worker(self._agg, job.id, rank, source[0].encode(), source[1])
         job.ranks.add(rank)
         job.alive[rank] = time.monotonic()

@@ -345,6 +345,35 @@ def test_aggregator_refuses_unsigned_and_replayed_requests():
         aggregator.close()
 
 
+def test_a_register_that_never_arrived_cannot_move_a_rank():
+    """A rank's register is retried, each resend signed anew; one the aggregator never handled (lost,
+    or its control queue was full) carries a fresh seq. Sniffed and sent from the attacker's address
+    after the rank registered, it must not move the rank's results there (the MAC does not cover
+    the source address); the rank's own resends are still answered."""
+    key = auth.new_key()
+    aggregator = agg.Aggregator("127.0.0.1", 0, key=key, job_idle_s=600).start()
+    try:
+        nonce = auth.new_nonce()
+        sign = auth.Signer(auth.job_key(key, nonce))
+        request = {"op": "register", "job": "j", "epoch": 1, "rank": 0, "size": 2, "columns": 4, "aggregators": 1,
+                   "index": 0, "block": 16, "nonce": nonce}
+        lost = control.encode(sign(request))                     # a resend the network dropped
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rank0:
+            rank0.bind(("127.0.0.1", 0))
+            rank0.settimeout(5)
+            rank0.sendto(control.encode(sign(request)), aggregator.address)
+            assert control.decode(rank0.recv(65536))["ok"] is True
+            moved = udp_request(aggregator.address, lost)        # from the attacker's port
+            assert moved is not None and moved["ok"] is False and "registered from" in moved["error"], moved
+            rank0.sendto(control.encode(sign(request)), aggregator.address)   # its own resend: answered again
+            assert control.decode(rank0.recv(65536))["ok"] is True
+            job = aggregator._jobs[("j", 1)]
+            assert job.addresses == {0: rank0.getsockname()}, job.addresses
+        assert aggregator.stats()["control"]["replay"] == 1
+    finally:
+        aggregator.close()
+
+
 def test_keyed_omnireduce_job_end_to_end(tmp_path):
     """Dedicated keyed aggregators: the ranks hold only the job key (rank 0 reads the key file) and
     register, keep alive and end the job with signed requests."""

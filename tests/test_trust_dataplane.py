@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from commlib.errors import CommError
-from commlib.switch import auth
+from commlib.switch import auth, net
 from commlib.switch.relay import Faults, relayed
 from test_switch_protocol import E, TOKEN, Job, data, header, parse, sw, vals
 from test_switch_protocol import job2, switch          # noqa: F401,F811 (fixtures)
@@ -467,3 +467,39 @@ def test_restarted_aggregator_is_still_a_clear_error_with_macs(keyed_aggregator)
     finally:
         group.run(lambda ctx: backends[ctx.rank].close(), 20)
         again.close()
+
+
+def test_a_flood_does_not_hold_a_worker_past_its_timeout():
+    """Packets that keep the worker's receive batches full (junk from the switch's address, cheap to
+    send) must not keep it from its timeout: the worker used to read on while every batch came back
+    full, checking neither its timers nor its timeout, for as long as the flood lasted."""
+    from commlib._native import ffi, lib
+    flood = 10000
+    fake_switch = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)      # never answers, only floods
+    fake_switch.bind(("127.0.0.1", 0))
+    sock = net.udp_socket("127.0.0.1", 0, 16 << 20)                    # as the backends make theirs
+    sock.connect(fake_switch.getsockname())
+    worker = lib.sml_worker_new(sock.fileno(), 0, 0, TOKEN, 2, 1, 64, 1000.0, 1000.0, 0, ffi.NULL)
+    try:
+        for _ in range(flood):                       # a backlog standing in for a flood at line rate
+            fake_switch.sendto(b"junk", sock.getsockname())
+        x, out = np.ones(64, np.int32), np.zeros(64, np.int32)
+        rc = lib.sml_worker_allreduce(worker, 1, ffi.from_buffer(x), ffi.from_buffer(out), 64, ffi.NULL, ffi.NULL,
+                                      ffi.NULL, 1)
+        counters = ffi.new("sml_worker_counters *")
+        lib.sml_worker_counters_get(worker, counters)
+        sock.setblocking(False)
+        left = 0
+        try:
+            while True:
+                sock.recv(64)
+                left += 1
+        except BlockingIOError:
+            pass
+        assert rc == lib.SML_E_TIMEOUT
+        assert counters.ignored + left == flood, "the socket could not hold the backlog (run as root)"
+        assert counters.ignored < flood // 2, (counters.ignored, left)  # it stopped reading at its timeout
+    finally:
+        lib.sml_worker_free(worker)
+        sock.close()
+        fake_switch.close()

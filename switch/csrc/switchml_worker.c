@@ -360,8 +360,9 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
             }
             if (rc >= 0) rc = flush(w);
             if (rc) break;
-            /* timers only once the socket is drained: results waiting in it are not losses */
-            if (w->rx.nmsg == RX_BATCH || now < t.next_timer) continue;
+            /* timers only once the socket is drained: results waiting in it are not losses; the
+             * timeout always (a flood would keep every batch full) */
+            if ((w->rx.nmsg == RX_BATCH || now < t.next_timer) && now - progress < timeout) continue;
         } else if (got < 0) {
             w->err = -got;
             rc = got == -ECONNREFUSED ? SML_E_REFUSED : SML_E_SOCKET;
