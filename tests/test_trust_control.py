@@ -309,14 +309,18 @@ def test_aggregator_caps_what_a_registration_reserves():
 
 
 # -- bullet 2: omnireduce's deregister and a replayed register ---------------------------------------
-def test_aggregator_refuses_unsigned_and_replayed_requests():
+def keyed_aggregator():
+    """A keyed aggregator, a signer under a fresh job key and rank 0's register request for it."""
     key = auth.new_key()
-    aggregator = agg.Aggregator("127.0.0.1", 0, key=key, job_idle_s=600).start()
+    nonce = auth.new_nonce()
+    request = {"op": "register", "job": "j", "epoch": 1, "rank": 0, "size": 2, "columns": 4, "aggregators": 1,
+               "index": 0, "block": 16, "nonce": nonce}
+    return agg.Aggregator("127.0.0.1", 0, key=key, job_idle_s=600).start(), auth.Signer(auth.job_key(key, nonce)), request
+
+
+def test_aggregator_refuses_unsigned_and_replayed_requests():
+    aggregator, sign, request = keyed_aggregator()
     try:
-        nonce = auth.new_nonce()
-        sign = auth.Signer(auth.job_key(key, nonce))
-        request = {"op": "register", "job": "j", "epoch": 1, "rank": 0, "size": 2, "columns": 4, "aggregators": 1,
-                   "index": 0, "block": 16, "nonce": nonce}
         unsigned = udp_request(aggregator.address, control.encode(request))
         assert unsigned["ok"] is False and "not signed" in unsigned["error"], unsigned
         signed = control.encode(sign(request))
@@ -350,13 +354,8 @@ def test_a_register_that_never_arrived_cannot_move_a_rank():
     or its control queue was full) carries a fresh seq. Sniffed and sent from the attacker's address
     after the rank registered, it must not move the rank's results there (the MAC does not cover
     the source address); the rank's own resends are still answered."""
-    key = auth.new_key()
-    aggregator = agg.Aggregator("127.0.0.1", 0, key=key, job_idle_s=600).start()
+    aggregator, sign, request = keyed_aggregator()
     try:
-        nonce = auth.new_nonce()
-        sign = auth.Signer(auth.job_key(key, nonce))
-        request = {"op": "register", "job": "j", "epoch": 1, "rank": 0, "size": 2, "columns": 4, "aggregators": 1,
-                   "index": 0, "block": 16, "nonce": nonce}
         lost = control.encode(sign(request))                     # a resend the network dropped
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rank0:
             rank0.bind(("127.0.0.1", 0))
