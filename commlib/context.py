@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from commlib.errors import CommError
+from commlib.errors import CommError, ConfigError
 
 
 @dataclass
@@ -91,12 +91,25 @@ def initialized_horovod():
     return None
 
 
+def _check_horovod_sees_the_launch(hvd, environ):
+    """hvd.init() under torchrun (which Horovod does not know) gives every process a job of its own:
+    each would train alone as rank 0. Refuse that rather than take it for the job."""
+    launched = int(environ.get("WORLD_SIZE", 1))
+    by_horovod = any(rank in environ for _, rank, *_ in _ENVIRONMENTS[:3])   # horovodrun's or mpirun's ranks
+    if hvd.size() == 1 and launched > 1 and not by_horovod:
+        raise ConfigError(f"hvd.init() sees 1 rank but torchrun started {launched}: Horovod joins only the ranks "
+                          f"horovodrun or mpirun start. Launch with `horovodrun -np {launched} ...` or "
+                          f"`mpirun -np {launched} ...`; under torchrun use commlib without Horovod "
+                          f"(commlib.torch.ddp_comm_hook with DDP, or commlib.allreduce)")
+
+
 def detect(environ=None):
     """This process's placement: Horovod if initialized, else the launcher's variables, else mpi4py,
     else a single process."""
     environ = os.environ if environ is None else environ
     hvd = initialized_horovod()
     if hvd is not None:
+        _check_horovod_sees_the_launch(hvd, environ)
         return Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), "horovod")
     for launcher, rank, size, local_rank, local_size in _ENVIRONMENTS:
         if rank in environ and size in environ:

@@ -99,7 +99,7 @@ def _client(argv):
         parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv[1:])
     from commlib.errors import CommError
-    from commlib.switch import auth
+    from commlib.switch import auth, control
     from commlib.switch.switchml import SwitchClient
     try:
         client = SwitchClient(args.address, key=auth.read_key(args.key_file) if args.key_file else None)
@@ -110,7 +110,7 @@ def _client(argv):
         else:
             reply = client.status()
     except CommError as exc:
-        print(f"commlib-switch: {exc}", file=sys.stderr)
+        print(f"commlib-switch: {exc}{control.operator_hint(exc, args.key_file)}", file=sys.stderr)
         return 1
     print(json.dumps(reply, indent=2))
     return 0

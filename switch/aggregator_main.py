@@ -29,13 +29,13 @@ def counters(argv):
     parser.add_argument("--timeout", type=float, default=5.0)
     args = parser.parse_args(argv)
     from commlib.errors import CommError
-    from commlib.switch import auth
+    from commlib.switch import auth, control
     from commlib.switch.aggregator import query, resolve_address
     try:
         key = auth.read_key(args.key_file) if args.key_file else None
         reply = query(resolve_address(args.address), {"op": "counters"}, args.timeout, key)
     except CommError as exc:
-        print(f"commlib-aggregator: {exc}", file=sys.stderr)
+        print(f"commlib-aggregator: {exc}{control.operator_hint(exc, args.key_file)}", file=sys.stderr)
         return 1
     print(json.dumps(reply, indent=2))
     return 0

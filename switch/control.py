@@ -110,6 +110,15 @@ def result(reply, what):
     return reply
 
 
+def operator_hint(error, key_file):
+    """What a counters CLI's user can do when the daemon refused them for want of its key."""
+    if key_file or "not signed" not in str(error):
+        return ""
+    return (" -- pass --key-file with the daemon key it was started with; a switch or aggregator a job "
+            "embeds is keyed with that job's secret, which no file holds: read its counters in the job's "
+            "trace (COMMLIB_STUDY or COMMLIB_TIMELINE: rank 0 has a row per daemon, sampled while it runs)")
+
+
 def announce_ready(addresses, port_file=""):
     """The daemon serves at `addresses` ('host:port' each): say so."""
     text = ",".join(addresses)

@@ -1,5 +1,8 @@
 """The public API in one process (size 1, no launcher): types, errors, records, timeline."""
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -155,6 +158,17 @@ def test_duplicate_name_in_flight(monkeypatch):
 def test_unknown_setting(monkeypatch):
     with pytest.raises(commlib.ConfigError, match="unknown setting"):
         commlib.init(fusion_treshold=1)
+
+
+def test_horovod_alone_under_torchrun_is_an_error_that_says_what_to_do():
+    """hvd.init() under torchrun starts a Horovod of one rank per process (Horovod knows only its own
+    launchers): commlib must not take that for the job, or every process trains alone as rank 0."""
+    code = "import horovod.torch as hvd, commlib; hvd.init(); commlib.init()"
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "ConfigError" in out.stderr and "torchrun started 2" in out.stderr and "horovodrun" in out.stderr, out.stderr
 
 
 def test_grouped_allreduce_is_released_and_fused_together(runtime):

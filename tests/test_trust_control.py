@@ -427,9 +427,17 @@ def test_aggregator_cli_counters_and_key_file(tmp_path):
         assert counters["ctrl_recv"] >= 1 and counters["control"]["malformed"] == 1, counters
         out = subprocess.run(cmd + ["counters", address], capture_output=True, text=True, timeout=30)
         assert out.returncode == 1 and "not signed" in out.stderr, out.stderr
+        _says_what_to_do_without_the_key(out.stderr)
     finally:
         proc.kill()
         proc.wait()
+
+
+def _says_what_to_do_without_the_key(stderr):
+    """A counters CLI refused for want of the key tells its user (not a job) what to do: pass the
+    daemon's --key-file, or, for the switch and aggregators a job embeds (keyed with the job's
+    secret, which no file holds), read their counters in that job's trace."""
+    assert "--key-file" in stderr and "COMMLIB_STUDY" in stderr and "COMMLIB_TIMELINE" in stderr, stderr
 
 
 def test_switch_cli_with_a_key_file(tmp_path):
@@ -449,6 +457,7 @@ def test_switch_cli_with_a_key_file(tmp_path):
         assert out.returncode == 0 and json.loads(out.stdout)["control"]["limit"] == 1, (out.stdout, out.stderr)
         out = subprocess.run(cli + ["counters", address], capture_output=True, text=True, timeout=30)
         assert out.returncode == 1 and "refused" in out.stderr
+        _says_what_to_do_without_the_key(out.stderr)
     finally:
         proc.kill()
         proc.wait()
