@@ -3,27 +3,34 @@
 Per tensor, every rank counts how often it touches each row over a window of `hotcold_every`
 calls; at the window's end the ranks sum their counts (one allgather of the touched rows' counts,
 inside the same negotiated call: no extra round, no pause of other tensors) and all take the same
-hot set, the K most updated rows (ties: the lower row). From the next call on, the hot rows travel
-as ONE dense slab of K rows (each with its presence count) through `hotcold_hot` (switchml: summed
-in the network, no indices on the wire), the other rows through `hotcold_cold` (the sparse
-allgather, or omnireduce's row blocks). The result is the union of the rows, summed, as the plain
-sparse sum. Before the first window ends every row is cold.
+hot set, the K most updated rows (ties: the lower row). From the next call on, each call has two
+steps through `hotcold_hot` (switchml: summed in the network, no indices on the wire):
+  1. presence: every rank's bit-packed count of the hot rows it touched (bits = N's bit length per
+     row, several rows to an int32, so the sum never carries), summed: K bits/8 bytes each way;
+  2. the slab: the hot rows that two or more ranks touched, in hot-set order, dense (no indices,
+     no presence column), beside the cold rows through `hotcold_cold` (the sparse allgather, or
+     omnireduce's row blocks): every row outside the hot set, and the hot rows only this rank
+     touched (one copy either way; a hot row nobody touched costs nothing but its count).
+So a row several ranks touched reaches each worker once, where the allgather carries every copy.
+The result is the union of the rows, summed, as the plain sparse sum. Before the first window
+ends every row is cold.
 
 Tuning guide
   hotcold_k        hot rows per tensor; 0 picks them from the last window's counts (at most
                    hotcold_max_k): with hotcold_rule=share the fewest rows that carried `hotcold_share`
-                   of the updates, with hotcold_rule=traffic every row touched often enough that the
-                   allgather would carry it more bytes than its slot in the slab costs (p > (w+1) /
-                   ((N-1)(w + 4/itemsize)) for a row of w values touched by a rank with probability p, int32
-                   indices). The slab costs K (width + 1) values
-                   each way whether touched or not: worth it when the hot rows are touched by most
-                   ranks at most steps (Zipf-like ids), where the allgather carries each N times.
+                   of the updates, with hotcold_rule=traffic every row whose expected saving beats
+                   its presence count: a row a rank touches with probability p reaches a worker from
+                   m ~ Binomial(N-1, p) other ranks, m copies by the allgather and one by the slab,
+                   so it saves ((N-1) p - 1 + (1-p)^(N-1)) (index + row) bytes per call against
+                   bits/8. Worth it where rows are shared (Zipf-like ids): the allgather carries
+                   each of them once per rank that touched it.
   hotcold_every    the window, in calls per tensor: shorter follows a drifting skew, longer costs
                    fewer count exchanges (each: touched rows x 16 bytes per rank).
 
-records() shows per tensor `hot_k`, `hot_share` (of the last window's updates the hot set carried)
-and this call's hot and cold rows; `counts(name)` gives the last window's summed per-row counts
-(the skew plot of benchmarks/bench_sparse.py).
+records() shows per tensor `hot_k`, `hot_share` (of the last window's updates the hot set carried),
+this call's `hot_rows` (this rank's rows in the hot set), `slab_rows` (hot rows two or more ranks
+touched: the slab) and `cold_rows` (what this rank sent the cold carrier); `counts(name)` gives
+the last window's summed per-row counts (the skew plot of benchmarks/bench_sparse.py).
 """
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,15 +39,15 @@ import numpy as np
 from commlib.backends import Backend, register
 from commlib.errors import ConfigError
 from commlib.settings import define
-from commlib.sparse import coalesce, index_dtype, reduce_rows
+from commlib.sparse import coalesce, index_dtype, presence_bits, reduce_rows, sketch
 
 define("hotcold_k", 0, "hot/cold split: hot rows per tensor; 0 = chosen from the window's counts by hotcold_rule")
 define("hotcold_rule", "share", "hot/cold split with hotcold_k=0: 'share' (the fewest rows carrying hotcold_share of "
-       "updates) or 'traffic' (every row whose slab slot costs less than its expected allgather bytes)")
+       "updates) or 'traffic' (every row whose expected saving over the allgather beats its presence count)")
 define("hotcold_share", 0.5, "hot/cold split with hotcold_rule=share: the share of the window's updates the hot set carries")
 define("hotcold_max_k", 65536, "hot/cold split: at most this many hot rows per tensor")
 define("hotcold_every", 20, "hot/cold split: calls per tensor in a counting window; the hot set is re-agreed after each")
-define("hotcold_hot", "switchml", "hot/cold split: the algorithm summing the hot slab (switchml or ring)")
+define("hotcold_hot", "switchml", "hot/cold split: the algorithm summing the presence counts and the slab (switchml or ring)")
 define("hotcold_cold", "sparse_allgather", "hot/cold split: the algorithm for cold rows (sparse_allgather or omnireduce)")
 
 F32 = np.dtype("float32")
@@ -121,40 +128,58 @@ class HotColdBackend(Backend):
 
     def plan_stats(self, name, rows, nrows, cold_stats):
         """What commlib.traffic needs from this rank to weigh the split for a tensor of unique `rows`
-        now: the agreed hot set's size (0 before the first window ends) and this rank's cold rows;
-        `cold_stats(cold rows)` gives the cold carrier's own stats when it is omnireduce."""
+        now: the agreed hot set's size (0 before the first window ends), this rank's hot rows (their
+        count and sketch: whether others touch them too decides slab or cold) and its other rows;
+        `cold_stats(rows)` gives the cold carrier's own stats of the rows outside the hot set when
+        it is omnireduce."""
         split = self._tensors.get(name)
         hot = split.hot if split is not None and split.window.size == nrows else np.empty(0, np.int64)
-        cold = rows[~self._is_hot(hot, rows)[1]]
+        is_hot = self._is_hot(hot, rows)[1]
         out = {"hot_k": int(hot.size), "hot": self._carrier(self.hot_name, "ring").name,
-               "cold_algorithm": self._carrier(self.cold_name, "sparse_allgather").name, "cold": int(cold.size)}
+               "cold_algorithm": self._carrier(self.cold_name, "sparse_allgather").name,
+               "cold": int((~is_hot).sum()), "hot_rows": int(is_hot.sum()), "hot_sketch": sketch(rows[is_hot])}
         if out["cold_algorithm"] == "omnireduce":
-            out["omnireduce"] = cold_stats(cold)
+            out["omnireduce"] = cold_stats(rows[~is_hot])
         return out
 
     def allreduce_rows(self, rows, values, nrows, name, counts=None):
         split = self._split(name, nrows)
         width, hot = values.shape[1], split.hot
         at, is_hot = self._is_hot(hot, rows)
-        hot_sum = None
-        if hot.size:   # every rank sends the whole slab (the hot set is the same everywhere), beside the cold rows
-            slab = np.zeros((hot.size, width + 1), dtype=values.dtype)
-            slab[at[is_hot], :width] = values[is_hot]
-            slab[at[is_hot], width] = 1
-            hot_sum = self._pool.submit(self._carrier(self.hot_name, "ring").allreduce, slab.reshape(-1),
-                                        f"{name}.hot")
+        carrier = self._carrier(self.hot_name, "ring")
+        cold, slab_sum, multi = ~is_hot, None, np.empty(0, np.int64)
+        if hot.size:
+            touched = self._presence(carrier, at[is_hot], hot.size, f"{name}.presence")
+            multi = np.flatnonzero(touched >= 2)   # the slab's rows (positions in the hot set), the same everywhere
+            cold[is_hot] = touched[at[is_hot]] == 1   # a hot row only this rank touched: one copy either way
+            mine = is_hot & ~cold
+            if multi.size:   # the slab beside the cold rows (another algorithm, its own sockets)
+                slab = np.zeros((multi.size, width), dtype=values.dtype)
+                slab[np.searchsorted(multi, at[mine])] = values[mine]
+                slab_sum = self._pool.submit(carrier.allreduce, slab.reshape(-1), f"{name}.hot")
         # no hot rows yet: the cold rows are all rows, whose counts the negotiation carried
-        out_rows, out_values = reduce_rows(self._carrier(self.cold_name, "sparse_allgather"), rows[~is_hot],
-                                           values[~is_hot], nrows, f"{name}.cold", None if hot.size else counts)
-        if hot_sum is not None:
-            summed = hot_sum.result().reshape(hot.size, width + 1)
-            present = summed[:, width] > 0.5
-            out_rows = np.concatenate([out_rows, hot[present]])
-            out_values = np.concatenate([out_values, summed[present, :width].astype(values.dtype, copy=False)])
+        out_rows, out_values = reduce_rows(self._carrier(self.cold_name, "sparse_allgather"), rows[cold],
+                                           values[cold], nrows, f"{name}.cold", None if hot.size else counts)
+        if slab_sum is not None:
+            summed = slab_sum.result().reshape(multi.size, width).astype(values.dtype, copy=False)
+            out_rows = np.concatenate([out_rows, hot[multi]])
+            out_values = np.concatenate([out_values, summed])
             order = np.argsort(out_rows, kind="stable")
             out_rows, out_values = out_rows[order], out_values[order]
-        self._count(split, name, rows, is_hot, width, values.dtype.itemsize)
+        self._count(split, name, rows, is_hot, width, values.dtype.itemsize, slab_rows=int(multi.size),
+                    cold_rows=int(cold.sum()))
         return out_rows, out_values
+
+    def _presence(self, carrier, positions, k, name):
+        """How many ranks touched each of the k hot rows (this rank: those at `positions`, unique),
+        from one int32 sum of bit-packed counts: presence_bits(N) bits a row, so none carries."""
+        bits = presence_bits(self.size)
+        per = 32 // bits
+        words = np.zeros(-(-k // per), dtype=np.uint32)
+        np.bitwise_or.at(words, positions // per, np.left_shift(1, bits * (positions % per)).astype(np.uint32))
+        summed = carrier.allreduce(words.view(np.int32), name).view(np.uint32)
+        every = np.arange(k)
+        return (summed[every // per] >> (bits * (every % per)).astype(np.uint32)) & np.uint32((1 << bits) - 1)
 
     def observe(self, rows, nrows, name, width, itemsize):
         """Count a tensor another algorithm reduced (auto weighs the split, and chose otherwise this
@@ -163,11 +188,12 @@ class HotColdBackend(Backend):
         split = self._split(name, nrows)
         self._count(split, name, rows, self._is_hot(split.hot, rows)[1], width, itemsize)
 
-    def _count(self, split, name, rows, is_hot, width, itemsize):
+    def _count(self, split, name, rows, is_hot, width, itemsize, slab_rows=0, cold_rows=None):
         split.window[rows] += 1   # rows are unique (coalesced by the core)
         split.calls += 1
         split.last = {"hot_k": int(split.hot.size), "hot_share": split.hot_share, "hot_rows": int(is_hot.sum()),
-                      "cold_rows": int((~is_hot).sum()), "agreements": split.agreements}
+                      "slab_rows": slab_rows, "cold_rows": int((~is_hot).sum()) if cold_rows is None else cold_rows,
+                      "agreements": split.agreements}
         if split.calls % self.every == 0:
             self._agree(split, name, width, itemsize)
 
@@ -184,11 +210,13 @@ class HotColdBackend(Backend):
         if self.k:
             k = min(self.k, rows.size)
         elif self.rule == "traffic":
-            # a row touched by a rank with probability p costs the allgather (N-1) p (index + row bytes)
-            # per worker and step, and its slab slot (width + 1) values each way, touched or not
+            # a row a rank touches with probability p reaches a worker from m ~ Binomial(N-1, p) other
+            # ranks: the allgather carries m copies, the slab one (E[m - 1; m >= 1] copies saved);
+            # its presence count costs bits/8 bytes each way, touched or not
             p = counts[order] / (self.size * self.every)
             row = index_dtype(split.window.size).itemsize + width * itemsize
-            k = int(np.count_nonzero((self.size - 1) * p * row > (width + 1) * itemsize))
+            saved = ((self.size - 1) * p - 1 + (1 - p) ** (self.size - 1)) * row
+            k = int(np.count_nonzero(saved > presence_bits(self.size) / 8))
         else:
             k = int(np.searchsorted(cumulative, self.share * total)) + 1 if total else 0
         k = min(k, self.max_k, rows.size)

@@ -6,7 +6,9 @@ fresh draw every step and rank), its gradient is the touched rows (width --dim),
 every algorithm reduces the same steps' gradients, one after the other in the same job (the
 backends called directly, as bench_network.py does). Reported per algorithm: the median time of the
 slowest rank, the bytes each worker's eth0 sent and received per call, and what commlib.traffic
-predicts (hot/cold: the slab both ways plus the allgather of the cold rows); the skew plot shows
+predicts (hot/cold: the slab both ways plus the allgather of the cold rows), and the bound no exact
+algorithm can go below (commlib.traffic: the busiest worker receives at least every row some other
+rank touched, once), so allgather / bound is the most any algorithm can gain; the skew plot shows
 the share of updates the hottest rows take (the IMC'20 study's Figure 10) from hotcold's counts.
 Every rank's row count is handed over as the core's negotiation does (the allgather then needs one
 round); hot/cold's cold rows are counted only inside it, so its allgather exchanges sizes first.
@@ -62,17 +64,19 @@ def worker(args):
                 warm = every if algorithm == "hotcold" else 1
                 for i in range(warm):
                     sparse.reduce_rows(backend, *steps[i], vocab, name)
-                samples, model, breakdowns = [], [], []
+                samples, model, breakdowns, tx, rx = [], [], [], 0, 0
                 served = common.daemon_ns({algorithm: backend})   # rank 0: the switch's or aggregators' counters
-                tx, rx = common.link_bytes()
                 for i in range(warm, warm + args.runs):
                     rows, values = steps[i]
                     counts = ctx.exchange(f"bench/{name}/{i}/n", int(rows.size))   # as the negotiation hands them
+                    model.append(_model(ctx, backend, algorithm, name, rows, vocab, args.dim, traffic, sparse, i))
+                    before = common.link_bytes()   # the call and the few bytes of the exchange that times it
                     got, seconds, split = common.slowest_call(ctx, f"bench/{name}/{i}/s", lambda: sparse.reduce_rows(
                         backend, rows, values, vocab, name, counts))
+                    after = common.link_bytes()
+                    tx, rx = tx + after[0] - before[0], rx + after[1] - before[1]
                     samples.append(seconds)
                     breakdowns.append(split)
-                    model.append(_model(ctx, backend, algorithm, name, rows, vocab, args.dim, traffic, sparse, i))
                     if algorithm == "sparse_allgather":
                         reference[i] = got
                     elif i in reference:
@@ -81,15 +85,15 @@ def worker(args):
                         bound = 1e-3 if algorithm in ("switchml", "hotcold") else 1e-4
                         scale = max(1.0, float(np.abs(exact[1]).max(initial=0.0)))
                         assert np.allclose(got[1], exact[1], atol=bound * scale), f"{algorithm} differs from the allgather"
-                tx2, rx2 = common.link_bytes()
                 server_s = common.server_seconds(served, common.daemon_ns({algorithm: backend}), args.runs)
                 for b in breakdowns:
                     b["server_s"] = server_s
-                moved = ctx.exchange(f"bench/{name}/bytes", [(tx2 - tx) / args.runs, (rx2 - rx) / args.runs])
+                moved = ctx.exchange(f"bench/{name}/bytes", [tx / args.runs, rx / args.runs])
                 workload[algorithm] = {"seconds": samples, "breakdowns": breakdowns, "tx_bytes": [m[0] for m in moved],
                                        "rx_bytes": [m[1] for m in moved],
-                                       "model_up": statistics.fmean(m["up"] for m in model),
-                                       "model_down": statistics.fmean(m["down"] for m in model)}
+                                       "model_up": statistics.fmean(m[algorithm]["up"] for m in model),
+                                       "model_down": statistics.fmean(m[algorithm]["down"] for m in model),
+                                       "bound": statistics.fmean(m["bound"] for m in model)}
             own = ctx.exchange(f"bench/{tag}/rows", int(np.mean([s[0].size for s in steps])))
             rows, counts = rt.backend("hotcold").counts(f"{tag}.hotcold")
             workload["rows_per_rank"] = own
@@ -102,16 +106,14 @@ def worker(args):
 
 
 def _model(ctx, backend, algorithm, name, rows, vocab, dim, traffic, sparse, step):
-    """Every rank's measurements (as dispatch submits them), the traffic model's bytes per worker."""
+    """Every rank's measurements (as dispatch submits them), the traffic model's estimate."""
     stats = {"rows": int(rows.size), "sketch": sparse.sketch(rows), "nrows": vocab, "width": dim, "itemsize": 4}
-    if algorithm == "hotcold":   # the slab both ways, plus the allgather of this call's cold rows
-        record = backend.row_record(name)
-        stats["hotcold"] = {"hot_k": record["hot_k"], "hot": "switchml", "cold_algorithm": "sparse_allgather",
-                            "cold": record["cold_rows"]}
+    if algorithm == "hotcold":   # presence and slab both ways, plus the allgather of the cold rows
+        stats["hotcold"] = backend.plan_stats(name, rows, vocab, None)
     if algorithm == "omnireduce":
         stats["omnireduce"] = traffic.omnireduce_stats(backend.row_slots(vocab, dim), rows, backend.columns)
     everyone = ctx.exchange(f"bench/{name}/{step}/stats", stats)
-    return traffic.estimate(everyone, [algorithm])[algorithm]
+    return traffic.estimate(everyone, [algorithm])
 
 
 # -- the launcher -------------------------------------------------------------------------------------
@@ -200,7 +202,8 @@ def main(argv=None):
                 row = {"workers": n, "workload": tag, "algorithm": algorithm, "median_ms": ms,
                        "vs_allgather": base * 1e3 / ms, "rows_per_rank": statistics.fmean(workload["rows_per_rank"]),
                        "tx_kib": statistics.fmean(r["tx_bytes"]) / 1024, "rx_kib": statistics.fmean(r["rx_bytes"]) / 1024,
-                       "model_up_kib": r["model_up"] / 1024, "model_down_kib": r["model_down"] / 1024}
+                       "model_up_kib": r["model_up"] / 1024, "model_down_kib": r["model_down"] / 1024,
+                       "bound_kib": r["bound"] / 1024, "model_vs_bound": r["model_down"] / r["bound"]}
                 if algorithm == "hotcold":
                     row["hot_k"], row["hot_share"] = r["skew"].get("hot_k"), r["skew"].get("hot_share")
                 row["link"] = row["tx_kib"] * 1024 * 8 / (common.rate_bps(args.rate) * ms / 1e3)
@@ -208,7 +211,8 @@ def main(argv=None):
                 rows.append(row)
                 print(f"  {tag:<14} {algorithm:<16} {ms:9.1f} ms  x{row['vs_allgather']:5.2f} vs allgather  "
                       f"sent {row['tx_kib']:9.1f} KiB (model {row['model_up_kib']:9.1f})  "
-                      f"received {row['rx_kib']:9.1f} KiB (model {row['model_down_kib']:9.1f})", flush=True)
+                      f"received {row['rx_kib']:9.1f} KiB (model {row['model_down_kib']:9.1f}, "
+                      f"bound {row['bound_kib']:7.1f}: x{row['model_vs_bound']:4.2f})", flush=True)
     title = (f"row-sparse allreduce, {args.ids} Zipf ids per rank per step, rows of {args.dim} float32, links "
              f"{args.rate}; median of {args.runs} runs (slowest rank)")
     suite = "sparse" if args.rate == "500mbit" else f"sparse_{args.rate}"   # another rate: its own files
@@ -216,18 +220,23 @@ def main(argv=None):
     table = "\n".join(
         f"| {r['workers']} | {r['workload']} | {r['rows_per_rank']:.0f} | {r['algorithm']} | {r['median_ms']:.1f} | "
         f"{r['vs_allgather']:.2f}x | {r['tx_kib']:.0f} / {r['model_up_kib']:.0f} | {r['rx_kib']:.0f} / "
-        f"{r['model_down_kib']:.0f} | " + (f"K={r['hot_k']}, {r['hot_share']:.0%}" if "hot_k" in r else "") +
+        f"{r['model_down_kib']:.0f} | {r['bound_kib']:.0f} ({r['model_vs_bound']:.2f}x) | " +
+        (f"K={r['hot_k']}, {r['hot_share']:.0%}" if "hot_k" in r else "") +
         f" | {r['bottleneck']} |" for r in rows)
     markdown = (f"Emulated cluster (benchmarks/netem.py); {title}. Workload v<rows>.s<Zipf exponent>; each "
                 f"algorithm reduces the same steps' gradients (results checked against the allgather's). "
                 f"Bytes per worker and call: measured on eth0 / predicted by commlib.traffic (hot/cold: slab "
-                f"+ cold allgather). Hot/cold's window: {args.every} calls, hot set: " + (
+                f"+ cold allgather). Bound: the fewest bytes any exact algorithm delivers to the busiest worker "
+                f"(every row some other rank touched, its values once; commlib.traffic), and the model's "
+                f"received bytes over it: the allgather's is the most any algorithm can gain over the allgather "
+                f"on a link-bound call. Hot/cold's window: {args.every} calls, hot set: " + (
                     f"the rows carrying {args.share:.0%} of the window's updates" if args.rule == "share" else
                     "the rows whose slab slot costs less than their expected allgather bytes") + ". "
                 + common.BOTTLENECK_RULE + " Here, per call of the slowest rank: processing = its calling thread's "
                 "CPU time, transfer = the rest (common.slowest_call); hot/cold's switch share is not measured.\n\n"
                 "| workers | workload | rows/rank | algorithm | median ms | vs allgather | sent KiB (model) | "
-                "received KiB (model) | hot set | bottleneck |\n|---|---|---|---|---|---|---|---|---|---|\n" + table +
+                "received KiB (model) | bound KiB (model / bound) | hot set | bottleneck |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|\n" + table +
                 f"\n\n![sparse](results/{suite}.png) ![skew](results/{suite}_skew.png)\n")
     settings = {k: getattr(args, k) for k in ("quick", "workers", "rate", "zipf", "vocabs", "ids", "dim", "every",
                                               "rule", "share", "omnireduce_block", "runs")}

@@ -81,6 +81,11 @@ def index_dtype(nrows):
     return np.dtype(np.int32) if nrows <= np.iinfo(np.int32).max + 1 else np.dtype(np.int64)
 
 
+def presence_bits(ranks):
+    """Bits of a row's presence count summed over `ranks` ranks (at most `ranks`: it never carries)."""
+    return max(1, int(ranks).bit_length())
+
+
 def payload_bytes(count, row_bytes, nrows):
     """One rank's message: its count, its rows' indices (padded to 8 bytes) and their values."""
     return 8 + -(-count * index_dtype(nrows).itemsize // 8) * 8 + count * row_bytes
@@ -166,7 +171,29 @@ def union_size(sketches, counts):
     the sum of `counts`)."""
     bits = np.zeros(SKETCH_BITS // 8, dtype=np.uint8)
     for text in sketches:
-        bits |= np.frombuffer(base64.b64decode(text), dtype=np.uint8)
+        bits |= _bits(text)
+    return _linear_count(bits, counts)
+
+
+def others_union_sizes(sketches, counts):
+    """For each set, the estimated size of the union of all the OTHER sets (ORs of the sketches
+    before and after it: O(N) for N sets)."""
+    bits = [_bits(text) for text in sketches]
+    before = [np.zeros(SKETCH_BITS // 8, dtype=np.uint8)]
+    for b in bits[:-1]:
+        before.append(before[-1] | b)
+    after = [np.zeros(SKETCH_BITS // 8, dtype=np.uint8)]
+    for b in reversed(bits[1:]):
+        after.append(after[-1] | b)
+    after.reverse()
+    return [_linear_count(before[r] | after[r], list(counts[:r]) + list(counts[r + 1:])) for r in range(len(bits))]
+
+
+def _bits(text):
+    return np.frombuffer(base64.b64decode(text), dtype=np.uint8)
+
+
+def _linear_count(bits, counts):
     zeros = SKETCH_BITS - int(np.unpackbits(bits).sum())
     estimate = sum(counts) if zeros == 0 else -SKETCH_BITS * np.log(zeros / SKETCH_BITS)
     return float(min(max(estimate, max(counts, default=0)), sum(counts)))

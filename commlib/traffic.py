@@ -20,31 +20,43 @@ with a presence count per row:
                     down = ((V q + C h) + (mean(o) q + C h + (C + V - mean(o)) h / 4)) (N-1)/N
   hotcold           once the ranks agreed on K hot rows (a window of counts: before the first one
                     K = 0 and it costs what its cold carrier costs, so auto never prefers it):
-                    the slab of K (w + 1) values through switchml (up = down = slab; ring: 2 slab
-                    (N-1)/N) plus the cold rows, c_r per rank, through the allgather as above (or
-                    omnireduce's row blocks, from the cold rows' own stats)
+                    K presence counts (K / (32 // bits) int32 words) and the slab, the M hot rows
+                    two or more ranks touch (w values each), through switchml (up = down = both;
+                    ring: 2 (N-1)/N of them), plus the cold rows through the allgather as above:
+                    rank r's rows outside the hot set and its hot rows no other rank touched
+                    (M and those from the sketches of every rank's hot rows); or omnireduce's row
+                    blocks, from the stats of the rows outside the hot set
   switchml          up = down = S (the switch sums)
   ring (and others) up = down = 2 S (N-1)/N
+  bound             what no exact algorithm can go below: a worker must receive, for every row some
+                    OTHER rank touched, at least that row's values (its sum depends on them; a row
+                    only it touched it already knows), so down >= |union of the others' rows| w
+                    itemsize for the busiest worker. allgather / bound is the most any algorithm,
+                    hot/cold included, can gain over the sparse allgather on a link-bound call.
 """
 import numpy as np
 
-from commlib.sparse import payload_bytes, sketch, union_size
+from commlib.sparse import others_union_sizes, payload_bytes, presence_bits, sketch, union_size
 
 HEADER = 40 + 8   # omnireduce's per-packet header and MAC (switch/csrc/omnireduce.h)
 ACK_EVERY = 4     # a silent omnireduce worker acknowledges every OMR_SETS / 2 rounds
 
 
 def estimate(stats, algorithms):
-    """{algorithm: {"up", "down"} bytes per worker, "union_rows": U, "choice": algorithm} for the
+    """{algorithm: {"up", "down"} bytes per worker, "union_rows": U, "bound": the fewest bytes any
+    exact algorithm delivers to the busiest worker, "choice": algorithm} for the
     candidates in `algorithms` (in preference order: the first of equal cost wins). `stats`: every
     rank's {"rows", "sketch", "nrows", "width", "itemsize", for omnireduce "omnireduce": its row
     blocks (omnireduce_stats), for hotcold "hotcold": {"hot_k", "hot", "cold_algorithm", "cold",
+    "hot_rows", "hot_sketch",
     and "omnireduce" for a cold omnireduce}}."""
     n = len(stats)
     first = stats[0]
     rows = [s["rows"] for s in stats]
     table = first["nrows"] * (first["width"] + 1) * first["itemsize"]
-    out = {"union_rows": round(union_size([s["sketch"] for s in stats], rows))}
+    sketches = [s["sketch"] for s in stats]
+    out = {"union_rows": round(union_size(sketches, rows)),
+           "bound": int(max(others_union_sizes(sketches, rows)) * first["width"] * first["itemsize"])}
     for algorithm in algorithms:
         if algorithm == "sparse_allgather":
             up = down = allgather(rows, first)
@@ -93,12 +105,19 @@ def omnireduce(stats, itemsize):
 
 
 def hotcold(stats, first):
-    """(up, down) bytes per worker of the hot/cold split: the slab plus the cold rows' carrier."""
+    """(up, down) bytes per worker of the hot/cold split: the presence counts and the slab (the hot
+    rows several ranks touched, from the ranks' sketches of their hot rows) through its hot carrier,
+    plus the cold rows (outside the hot set, or hot but only one rank's) through theirs."""
     n, mine = len(stats), stats[0]
-    slab = mine["hot_k"] * (first["width"] + 1) * first["itemsize"]
+    hot_rows = [s["hot_rows"] for s in stats]
+    sketches = [s["hot_sketch"] for s in stats]
+    union = union_size(sketches, hot_rows)
+    only = [min(r, union - o) for r, o in zip(hot_rows, others_union_sizes(sketches, hot_rows))]
+    presence = -(-mine["hot_k"] // (32 // presence_bits(n))) * 4
+    slab = presence + (union - sum(only)) * first["width"] * first["itemsize"]
     slab = slab if mine["hot"] == "switchml" else 2 * slab * (n - 1) / n
-    if mine["cold_algorithm"] == "omnireduce":
+    if mine["cold_algorithm"] == "omnireduce":   # its stats cover the rows outside the hot set
         up, down = omnireduce([s["omnireduce"] for s in stats], first["itemsize"])
     else:
-        up = down = allgather([s["cold"] for s in stats], first)
+        up = down = allgather([s["cold"] + round(x) for s, x in zip(stats, only)], first)
     return slab + up, slab + down
