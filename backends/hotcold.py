@@ -3,15 +3,21 @@
 Per tensor, every rank counts how often it touches each row over a window of `hotcold_every`
 calls; at the window's end the ranks sum their counts (one allgather of the touched rows' counts,
 inside the same negotiated call: no extra round, no pause of other tensors) and all take the same
-hot set, the K most updated rows (ties: the lower row). From the next call on, each call has two
-steps through `hotcold_hot` (switchml: summed in the network, no indices on the wire):
-  1. presence: every rank's bit-packed count of the hot rows it touched (bits = N's bit length per
-     row, several rows to an int32, so the sum never carries), summed: K bits/8 bytes each way;
-  2. the slab: the hot rows that two or more ranks touched, in hot-set order, dense (no indices,
-     no presence column), beside the cold rows through `hotcold_cold` (the sparse allgather, or
-     omnireduce's row blocks): every row outside the hot set, and the hot rows only this rank
-     touched (one copy either way; a hot row nobody touched costs nothing but its count).
-So a row several ranks touched reaches each worker once, where the allgather carries every copy.
+hot set, the K most updated rows (ties: the lower row). From the next call on, the rows outside
+the hot set go through `hotcold_cold` (the sparse allgather, or omnireduce's row blocks) and beside
+them the hot rows through `hotcold_hot` (switchml: summed in the network, no indices on the wire),
+in one of two ways:
+  - one round (the default): ONE dense slab of all K hot rows, each with a presence count (so the
+    union survives a zero sum), touched or not;
+  - with `hotcold_presence`, two rounds: first every rank's bit-packed count of the hot rows it
+    touched (N's bit length a row, several rows to an int32, so the sum never carries: K bits/8
+    bytes each way), then a slab of only the hot rows two or more ranks touched (no indices, no
+    presence column), while the hot rows only one rank touched join that rank's cold rows. A row
+    several ranks touched reaches each worker once, where the allgather carries every copy, and a
+    hot row nobody touched costs only its count: within 7-9% of the bytes no exact algorithm goes
+    below (commlib.traffic's bound) on bench_sparse's Zipf workloads, against 20-22% in one round.
+    The price is the extra round: worth it where the link, not latency or the CPUs, bounds the
+    call (benchmarks/RESULTS.md "sparse_100mbit" against "sparse").
 The result is the union of the rows, summed, as the plain sparse sum. Before the first window
 ends every row is cold.
 
@@ -19,17 +25,20 @@ Tuning guide
   hotcold_k        hot rows per tensor; 0 picks them from the last window's counts (at most
                    hotcold_max_k): with hotcold_rule=share the fewest rows that carried `hotcold_share`
                    of the updates, with hotcold_rule=traffic every row whose expected saving beats
-                   its presence count: a row a rank touches with probability p reaches a worker from
-                   m ~ Binomial(N-1, p) other ranks, m copies by the allgather and one by the slab,
-                   so it saves ((N-1) p - 1 + (1-p)^(N-1)) (index + row) bytes per call against
-                   bits/8. Worth it where rows are shared (Zipf-like ids): the allgather carries
-                   each of them once per rank that touched it.
+                   what it costs: a row a rank touches with probability p reaches a worker from
+                   m ~ Binomial(N-1, p) other ranks, m copies by the allgather (index + row bytes
+                   each); in one round its slab slot costs (width + 1) values whether touched or
+                   not (hot when (N-1) p (index + row) is more), with presence counts the slab
+                   carries it once when some other rank touched it and its count costs bits/8
+                   (hot when ((N-1) p - 1 + (1-p)^(N-1)) (index + row) is more). Worth it where rows
+                   are shared (Zipf-like ids): the allgather carries each once per rank touching it.
+  hotcold_presence the two-round form above: fewer bytes, one more round.
   hotcold_every    the window, in calls per tensor: shorter follows a drifting skew, longer costs
                    fewer count exchanges (each: touched rows x 16 bytes per rank).
 
 records() shows per tensor `hot_k`, `hot_share` (of the last window's updates the hot set carried),
-this call's `hot_rows` (this rank's rows in the hot set), `slab_rows` (hot rows two or more ranks
-touched: the slab) and `cold_rows` (what this rank sent the cold carrier); `counts(name)` gives
+this call's `hot_rows` (this rank's rows in the hot set), `slab_rows` (the rows the slab carried)
+and `cold_rows` (what this rank sent the cold carrier); `counts(name)` gives
 the last window's summed per-row counts (the skew plot of benchmarks/bench_sparse.py).
 """
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +56,9 @@ define("hotcold_rule", "share", "hot/cold split with hotcold_k=0: 'share' (the f
 define("hotcold_share", 0.5, "hot/cold split with hotcold_rule=share: the share of the window's updates the hot set carries")
 define("hotcold_max_k", 65536, "hot/cold split: at most this many hot rows per tensor")
 define("hotcold_every", 20, "hot/cold split: calls per tensor in a counting window; the hot set is re-agreed after each")
-define("hotcold_hot", "switchml", "hot/cold split: the algorithm summing the presence counts and the slab (switchml or ring)")
+define("hotcold_presence", False, "hot/cold split: a round of bit-packed presence counts first, then a slab of only the "
+       "hot rows two or more ranks touched (fewer bytes, one more round: for link-bound calls)")
+define("hotcold_hot", "switchml", "hot/cold split: the algorithm summing the slab (and presence counts) (switchml or ring)")
 define("hotcold_cold", "sparse_allgather", "hot/cold split: the algorithm for cold rows (sparse_allgather or omnireduce)")
 
 F32 = np.dtype("float32")
@@ -82,7 +93,7 @@ class HotColdBackend(Backend):
         super().__init__(ctx)
         s = ctx.settings
         self.k, self.share, self.max_k = int(s.hotcold_k), float(s.hotcold_share), int(s.hotcold_max_k)
-        self.every, self.rule = int(s.hotcold_every), s.hotcold_rule
+        self.every, self.rule, self.presence = int(s.hotcold_every), s.hotcold_rule, bool(s.hotcold_presence)
         if self.rule not in ("share", "traffic"):
             raise ConfigError(f"hotcold_rule={self.rule!r}: use 'share' or 'traffic'")
         self.hot_name, self.cold_name = s.hotcold_hot, s.hotcold_cold
@@ -128,14 +139,15 @@ class HotColdBackend(Backend):
 
     def plan_stats(self, name, rows, nrows, cold_stats):
         """What commlib.traffic needs from this rank to weigh the split for a tensor of unique `rows`
-        now: the agreed hot set's size (0 before the first window ends), this rank's hot rows (their
-        count and sketch: whether others touch them too decides slab or cold) and its other rows;
+        now: the agreed hot set's size (0 before the first window ends), the form of the slab, this
+        rank's hot rows (their count and sketch: with presence counts, whether others touch them
+        too decides slab or cold) and its other rows;
         `cold_stats(rows)` gives the cold carrier's own stats of the rows outside the hot set when
         it is omnireduce."""
         split = self._tensors.get(name)
         hot = split.hot if split is not None and split.window.size == nrows else np.empty(0, np.int64)
         is_hot = self._is_hot(hot, rows)[1]
-        out = {"hot_k": int(hot.size), "hot": self._carrier(self.hot_name, "ring").name,
+        out = {"hot_k": int(hot.size), "presence": self.presence, "hot": self._carrier(self.hot_name, "ring").name,
                "cold_algorithm": self._carrier(self.cold_name, "sparse_allgather").name,
                "cold": int((~is_hot).sum()), "hot_rows": int(is_hot.sum()), "hot_sketch": sketch(rows[is_hot])}
         if out["cold_algorithm"] == "omnireduce":
@@ -144,31 +156,52 @@ class HotColdBackend(Backend):
 
     def allreduce_rows(self, rows, values, nrows, name, counts=None):
         split = self._split(name, nrows)
-        width, hot = values.shape[1], split.hot
+        hot = split.hot
         at, is_hot = self._is_hot(hot, rows)
         carrier = self._carrier(self.hot_name, "ring")
-        cold, slab_sum, multi = ~is_hot, None, np.empty(0, np.int64)
+        cold, pending, slab_rows = ~is_hot, None, 0
         if hot.size:
-            touched = self._presence(carrier, at[is_hot], hot.size, f"{name}.presence")
-            multi = np.flatnonzero(touched >= 2)   # the slab's rows (positions in the hot set), the same everywhere
-            cold[is_hot] = touched[at[is_hot]] == 1   # a hot row only this rank touched: one copy either way
-            mine = is_hot & ~cold
-            if multi.size:   # the slab beside the cold rows (another algorithm, its own sockets)
-                slab = np.zeros((multi.size, width), dtype=values.dtype)
-                slab[np.searchsorted(multi, at[mine])] = values[mine]
-                slab_sum = self._pool.submit(carrier.allreduce, slab.reshape(-1), f"{name}.hot")
+            slab, finish = (self._shared_slab(carrier, at, is_hot, cold, values, hot, name) if self.presence
+                            else self._full_slab(at, is_hot, values, hot))
+            slab_rows = slab.shape[0]
+            if slab_rows:   # beside the cold rows (another algorithm, its own sockets)
+                pending = self._pool.submit(carrier.allreduce, slab.reshape(-1), f"{name}.hot")
         # no hot rows yet: the cold rows are all rows, whose counts the negotiation carried
         out_rows, out_values = reduce_rows(self._carrier(self.cold_name, "sparse_allgather"), rows[cold],
                                            values[cold], nrows, f"{name}.cold", None if hot.size else counts)
-        if slab_sum is not None:
-            summed = slab_sum.result().reshape(multi.size, width).astype(values.dtype, copy=False)
-            out_rows = np.concatenate([out_rows, hot[multi]])
-            out_values = np.concatenate([out_values, summed])
+        if pending is not None:
+            hot_rows, hot_values = finish(pending.result())
+            out_rows = np.concatenate([out_rows, hot_rows])
+            out_values = np.concatenate([out_values, hot_values.astype(values.dtype, copy=False)])
             order = np.argsort(out_rows, kind="stable")
             out_rows, out_values = out_rows[order], out_values[order]
-        self._count(split, name, rows, is_hot, width, values.dtype.itemsize, slab_rows=int(multi.size),
-                    cold_rows=int(cold.sum()))
+        self._count(split, name, rows, is_hot, values.shape[1], values.dtype.itemsize, slab_rows, int(cold.sum()))
         return out_rows, out_values
+
+    @staticmethod
+    def _full_slab(at, is_hot, values, hot):
+        """(slab, finish): every hot row with its presence count (width + 1 values), touched or not;
+        finish(summed) gives the (rows, values) some rank touched."""
+        slab = np.zeros((hot.size, values.shape[1] + 1), dtype=values.dtype)
+        slab[at[is_hot], :-1] = values[is_hot]
+        slab[at[is_hot], -1] = 1
+
+        def finish(summed):
+            summed = summed.reshape(hot.size, -1)
+            present = summed[:, -1] > 0.5
+            return hot[present], summed[present, :-1]
+        return slab, finish
+
+    def _shared_slab(self, carrier, at, is_hot, cold, values, hot, name):
+        """(slab, finish) after a round of presence counts: the hot rows two or more ranks touched, in
+        hot-set order (the same everywhere); the hot rows only this rank touched are marked `cold`."""
+        touched = self._presence(carrier, at[is_hot], hot.size, f"{name}.presence")
+        shared = np.flatnonzero(touched >= 2)
+        cold[is_hot] = touched[at[is_hot]] == 1
+        mine = is_hot & ~cold
+        slab = np.zeros((shared.size, values.shape[1]), dtype=values.dtype)
+        slab[np.searchsorted(shared, at[mine])] = values[mine]
+        return slab, lambda summed: (hot[shared], summed.reshape(shared.size, -1))
 
     def _presence(self, carrier, positions, k, name):
         """How many ranks touched each of the k hot rows (this rank: those at `positions`, unique),
@@ -192,7 +225,7 @@ class HotColdBackend(Backend):
         split.window[rows] += 1   # rows are unique (coalesced by the core)
         split.calls += 1
         split.last = {"hot_k": int(split.hot.size), "hot_share": split.hot_share, "hot_rows": int(is_hot.sum()),
-                      "slab_rows": slab_rows, "cold_rows": int((~is_hot).sum()) if cold_rows is None else cold_rows,
+                      "slab_rows": int(slab_rows), "cold_rows": int((~is_hot).sum()) if cold_rows is None else cold_rows,
                       "agreements": split.agreements}
         if split.calls % self.every == 0:
             self._agree(split, name, width, itemsize)
@@ -211,12 +244,16 @@ class HotColdBackend(Backend):
             k = min(self.k, rows.size)
         elif self.rule == "traffic":
             # a row a rank touches with probability p reaches a worker from m ~ Binomial(N-1, p) other
-            # ranks: the allgather carries m copies, the slab one (E[m - 1; m >= 1] copies saved);
-            # its presence count costs bits/8 bytes each way, touched or not
+            # ranks, m copies by the allgather; in one round its slab slot costs (width + 1) values,
+            # touched or not; with presence counts the slab carries it once (E[m - 1; m >= 1] copies
+            # saved) and its count costs bits/8 bytes, each way
             p = counts[order] / (self.size * self.every)
             row = index_dtype(split.window.size).itemsize + width * itemsize
-            saved = ((self.size - 1) * p - 1 + (1 - p) ** (self.size - 1)) * row
-            k = int(np.count_nonzero(saved > presence_bits(self.size) / 8))
+            if self.presence:
+                saved = ((self.size - 1) * p - 1 + (1 - p) ** (self.size - 1)) * row
+                k = int(np.count_nonzero(saved > presence_bits(self.size) / 8))
+            else:
+                k = int(np.count_nonzero((self.size - 1) * p * row > (width + 1) * itemsize))
         else:
             k = int(np.searchsorted(cumulative, self.share * total)) + 1 if total else 0
         k = min(k, self.max_k, rows.size)

@@ -6,7 +6,8 @@ fresh draw every step and rank), its gradient is the touched rows (width --dim),
 every algorithm reduces the same steps' gradients, one after the other in the same job (the
 backends called directly, as bench_network.py does). Reported per algorithm: the median time of the
 slowest rank, the bytes each worker's eth0 sent and received per call, and what commlib.traffic
-predicts (hot/cold: the slab both ways plus the allgather of the cold rows), and the bound no exact
+predicts (hot/cold, with its one-round slab and with presence counts first: the slab both ways plus
+the allgather of the cold rows), and the bound no exact
 algorithm can go below (commlib.traffic: the busiest worker receives at least every row some other
 rank touched, once), so allgather / bound is the most any algorithm can gain; the skew plot shows
 the share of updates the hottest rows take (the IMC'20 study's Figure 10) from hotcold's counts.
@@ -28,7 +29,8 @@ sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 import netem  # noqa: E402
 
-ALGORITHMS = ("sparse_allgather", "omnireduce", "hotcold", "switchml")
+# hotcold twice: its one-round slab, and with presence counts first (hotcold_presence)
+ALGORITHMS = ("sparse_allgather", "omnireduce", "hotcold", "hotcold+presence", "switchml")
 
 
 # -- inside each rank (its own namespace) -------------------------------------------------------------
@@ -59,9 +61,11 @@ def worker(args):
             steps = [gradient(i) for i in range(every + args.runs)]   # hotcold's first window, then timed
             workload, reference = {}, {}
             for algorithm in ALGORITHMS:
-                backend = rt.backend(algorithm)
+                backend = rt.backend(algorithm.split("+")[0])
                 name = f"{tag}.{algorithm}"
-                warm = every if algorithm == "hotcold" else 1
+                if backend.name == "hotcold":
+                    backend.presence = algorithm.endswith("+presence")
+                warm = every if backend.name == "hotcold" else 1
                 for i in range(warm):
                     sparse.reduce_rows(backend, *steps[i], vocab, name)
                 samples, model, breakdowns, tx, rx = [], [], [], 0, 0
@@ -82,7 +86,7 @@ def worker(args):
                     elif i in reference:
                         exact = reference[i]
                         assert np.array_equal(got[0], exact[0]), f"{algorithm}: rows differ from the allgather's"
-                        bound = 1e-3 if algorithm in ("switchml", "hotcold") else 1e-4
+                        bound = 1e-3 if backend.name in ("switchml", "hotcold") else 1e-4
                         scale = max(1.0, float(np.abs(exact[1]).max(initial=0.0)))
                         assert np.allclose(got[1], exact[1], atol=bound * scale), f"{algorithm} differs from the allgather"
                 server_s = common.server_seconds(served, common.daemon_ns({algorithm: backend}), args.runs)
@@ -91,14 +95,15 @@ def worker(args):
                 moved = ctx.exchange(f"bench/{name}/bytes", [tx / args.runs, rx / args.runs])
                 workload[algorithm] = {"seconds": samples, "breakdowns": breakdowns, "tx_bytes": [m[0] for m in moved],
                                        "rx_bytes": [m[1] for m in moved],
-                                       "model_up": statistics.fmean(m[algorithm]["up"] for m in model),
-                                       "model_down": statistics.fmean(m[algorithm]["down"] for m in model),
+                                       "model_up": statistics.fmean(m[backend.name]["up"] for m in model),
+                                       "model_down": statistics.fmean(m[backend.name]["down"] for m in model),
                                        "bound": statistics.fmean(m["bound"] for m in model)}
+                if backend.name == "hotcold":
+                    workload[algorithm]["skew"] = backend.row_record(name)
             own = ctx.exchange(f"bench/{tag}/rows", int(np.mean([s[0].size for s in steps])))
             rows, counts = rt.backend("hotcold").counts(f"{tag}.hotcold")
             workload["rows_per_rank"] = own
             workload["counts"] = np.sort(counts)[::-1].tolist()[:20000]   # the skew plot's curve
-            workload["hotcold"]["skew"] = rt.backend("hotcold").row_record(f"{tag}.hotcold")
             out[tag] = workload
     if rank == 0:
         common.emit({"size": n, "workloads": out})
@@ -108,12 +113,12 @@ def worker(args):
 def _model(ctx, backend, algorithm, name, rows, vocab, dim, traffic, sparse, step):
     """Every rank's measurements (as dispatch submits them), the traffic model's estimate."""
     stats = {"rows": int(rows.size), "sketch": sparse.sketch(rows), "nrows": vocab, "width": dim, "itemsize": 4}
-    if algorithm == "hotcold":   # presence and slab both ways, plus the allgather of the cold rows
+    if backend.name == "hotcold":   # the slab (and presence counts) both ways, the allgather of the cold rows
         stats["hotcold"] = backend.plan_stats(name, rows, vocab, None)
     if algorithm == "omnireduce":
         stats["omnireduce"] = traffic.omnireduce_stats(backend.row_slots(vocab, dim), rows, backend.columns)
     everyone = ctx.exchange(f"bench/{name}/{step}/stats", stats)
-    return traffic.estimate(everyone, [algorithm])
+    return traffic.estimate(everyone, [backend.name])
 
 
 # -- the launcher -------------------------------------------------------------------------------------
@@ -136,7 +141,8 @@ def _run(args, n):
 
 def _plots(rows, raw, title, suite):
     fig, ax = common.figure(figsize=(max(7, 0.5 * len(rows)), 4))
-    colors = {"sparse_allgather": "#888888", "omnireduce": "#2ca02c", "hotcold": "#d62728", "switchml": "#1f77b4"}
+    colors = {"sparse_allgather": "#888888", "omnireduce": "#2ca02c", "hotcold": "#d62728",
+              "hotcold+presence": "#ff7f0e", "switchml": "#1f77b4"}
     ax.bar(range(len(rows)), [r["median_ms"] for r in rows], color=[colors[r["algorithm"]] for r in rows])
     ax.set_xticks(range(len(rows)), [f"N={r['workers']} {r['workload']}\n{r['algorithm']}" for r in rows],
                   fontsize=5, rotation=90)
@@ -204,10 +210,10 @@ def main(argv=None):
                        "tx_kib": statistics.fmean(r["tx_bytes"]) / 1024, "rx_kib": statistics.fmean(r["rx_bytes"]) / 1024,
                        "model_up_kib": r["model_up"] / 1024, "model_down_kib": r["model_down"] / 1024,
                        "bound_kib": r["bound"] / 1024, "model_vs_bound": r["model_down"] / r["bound"]}
-                if algorithm == "hotcold":
+                if "skew" in r:
                     row["hot_k"], row["hot_share"] = r["skew"].get("hot_k"), r["skew"].get("hot_share")
                 row["link"] = row["tx_kib"] * 1024 * 8 / (common.rate_bps(args.rate) * ms / 1e3)
-                row["bottleneck"] = common.bottleneck(ms / 1e3, r["breakdowns"], row["link"], common.SERVERS[algorithm])
+                row["bottleneck"] = common.bottleneck(ms / 1e3, r["breakdowns"], row["link"], common.SERVERS[algorithm.split("+")[0]])
                 rows.append(row)
                 print(f"  {tag:<14} {algorithm:<16} {ms:9.1f} ms  x{row['vs_allgather']:5.2f} vs allgather  "
                       f"sent {row['tx_kib']:9.1f} KiB (model {row['model_up_kib']:9.1f})  "

@@ -20,12 +20,13 @@ with a presence count per row:
                     down = ((V q + C h) + (mean(o) q + C h + (C + V - mean(o)) h / 4)) (N-1)/N
   hotcold           once the ranks agreed on K hot rows (a window of counts: before the first one
                     K = 0 and it costs what its cold carrier costs, so auto never prefers it):
-                    K presence counts (K / (32 // bits) int32 words) and the slab, the M hot rows
-                    two or more ranks touch (w values each), through switchml (up = down = both;
-                    ring: 2 (N-1)/N of them), plus the cold rows through the allgather as above:
-                    rank r's rows outside the hot set and its hot rows no other rank touched
-                    (M and those from the sketches of every rank's hot rows); or omnireduce's row
-                    blocks, from the stats of the rows outside the hot set
+                    the slab of K (w + 1) values through switchml (up = down = slab; ring: 2 slab
+                    (N-1)/N) plus the cold rows, c_r per rank, through the allgather as above (or
+                    omnireduce's row blocks, from the cold rows' own stats). With presence counts
+                    (hotcold_presence): K counts (K / (32 // bits) int32 words) and a slab of the
+                    M hot rows two or more ranks touch (w values each), and the cold rows are
+                    rank r's rows outside the hot set and its hot rows no other rank touched (M
+                    and those from the sketches of every rank's hot rows)
   switchml          up = down = S (the switch sums)
   ring (and others) up = down = 2 S (N-1)/N
   bound             what no exact algorithm can go below: a worker must receive, for every row some
@@ -47,7 +48,7 @@ def estimate(stats, algorithms):
     exact algorithm delivers to the busiest worker, "choice": algorithm} for the
     candidates in `algorithms` (in preference order: the first of equal cost wins). `stats`: every
     rank's {"rows", "sketch", "nrows", "width", "itemsize", for omnireduce "omnireduce": its row
-    blocks (omnireduce_stats), for hotcold "hotcold": {"hot_k", "hot", "cold_algorithm", "cold",
+    blocks (omnireduce_stats), for hotcold "hotcold": {"hot_k", "presence", "hot", "cold_algorithm", "cold",
     "hot_rows", "hot_sketch",
     and "omnireduce" for a cold omnireduce}}."""
     n = len(stats)
@@ -105,19 +106,23 @@ def omnireduce(stats, itemsize):
 
 
 def hotcold(stats, first):
-    """(up, down) bytes per worker of the hot/cold split: the presence counts and the slab (the hot
-    rows several ranks touched, from the ranks' sketches of their hot rows) through its hot carrier,
-    plus the cold rows (outside the hot set, or hot but only one rank's) through theirs."""
+    """(up, down) bytes per worker of the hot/cold split: the slab (and presence counts) through its
+    hot carrier, plus the cold rows through theirs."""
     n, mine = len(stats), stats[0]
-    hot_rows = [s["hot_rows"] for s in stats]
-    sketches = [s["hot_sketch"] for s in stats]
-    union = union_size(sketches, hot_rows)
-    only = [min(r, union - o) for r, o in zip(hot_rows, others_union_sizes(sketches, hot_rows))]
-    presence = -(-mine["hot_k"] // (32 // presence_bits(n))) * 4
-    slab = presence + (union - sum(only)) * first["width"] * first["itemsize"]
+    cold = [s["cold"] for s in stats]
+    if mine["presence"]:   # the hot rows two or more ranks touch, from the sketches of every rank's
+        hot_rows = [s["hot_rows"] for s in stats]
+        sketches = [s["hot_sketch"] for s in stats]
+        union = union_size(sketches, hot_rows)
+        only = [min(r, union - o) for r, o in zip(hot_rows, others_union_sizes(sketches, hot_rows))]
+        slab = (-(-mine["hot_k"] // (32 // presence_bits(n))) * 4 +
+                (union - sum(only)) * first["width"] * first["itemsize"])
+        cold = [c + round(x) for c, x in zip(cold, only)]   # a hot row only one rank touched goes cold
+    else:
+        slab = mine["hot_k"] * (first["width"] + 1) * first["itemsize"]
     slab = slab if mine["hot"] == "switchml" else 2 * slab * (n - 1) / n
     if mine["cold_algorithm"] == "omnireduce":   # its stats cover the rows outside the hot set
         up, down = omnireduce([s["omnireduce"] for s in stats], first["itemsize"])
     else:
-        up = down = allgather([s["cold"] + round(x) for s, x in zip(stats, only)], first)
+        up = down = allgather(cold, first)
     return slab + up, slab + down
