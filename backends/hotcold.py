@@ -52,7 +52,7 @@ from commlib.sparse import coalesce, index_dtype, presence_bits, reduce_rows, sk
 
 define("hotcold_k", 0, "hot/cold split: hot rows per tensor; 0 = chosen from the window's counts by hotcold_rule")
 define("hotcold_rule", "share", "hot/cold split with hotcold_k=0: 'share' (the fewest rows carrying hotcold_share of "
-       "updates) or 'traffic' (every row whose expected saving over the allgather beats its presence count)")
+       "updates) or 'traffic' (every row whose expected saving over the allgather beats its cost in the slab)")
 define("hotcold_share", 0.5, "hot/cold split with hotcold_rule=share: the share of the window's updates the hot set carries")
 define("hotcold_max_k", 65536, "hot/cold split: at most this many hot rows per tensor")
 define("hotcold_every", 20, "hot/cold split: calls per tensor in a counting window; the hot set is re-agreed after each")
@@ -148,8 +148,9 @@ class HotColdBackend(Backend):
         hot = split.hot if split is not None and split.window.size == nrows else np.empty(0, np.int64)
         is_hot = self._is_hot(hot, rows)[1]
         out = {"hot_k": int(hot.size), "presence": self.presence, "hot": self._carrier(self.hot_name, "ring").name,
-               "cold_algorithm": self._carrier(self.cold_name, "sparse_allgather").name,
-               "cold": int((~is_hot).sum()), "hot_rows": int(is_hot.sum()), "hot_sketch": sketch(rows[is_hot])}
+               "cold_algorithm": self._carrier(self.cold_name, "sparse_allgather").name, "cold": int((~is_hot).sum())}
+        if self.presence:
+            out.update(hot_rows=int(is_hot.sum()), hot_sketch=sketch(rows[is_hot]))
         if out["cold_algorithm"] == "omnireduce":
             out["omnireduce"] = cold_stats(rows[~is_hot])
         return out

@@ -49,7 +49,7 @@ def estimate(stats, algorithms):
     candidates in `algorithms` (in preference order: the first of equal cost wins). `stats`: every
     rank's {"rows", "sketch", "nrows", "width", "itemsize", for omnireduce "omnireduce": its row
     blocks (omnireduce_stats), for hotcold "hotcold": {"hot_k", "presence", "hot", "cold_algorithm", "cold",
-    "hot_rows", "hot_sketch",
+    with presence "hot_rows" and "hot_sketch",
     and "omnireduce" for a cold omnireduce}}."""
     n = len(stats)
     first = stats[0]
@@ -110,7 +110,7 @@ def hotcold(stats, first):
     hot carrier, plus the cold rows through theirs."""
     n, mine = len(stats), stats[0]
     cold = [s["cold"] for s in stats]
-    if mine["presence"]:   # the hot rows two or more ranks touch, from the sketches of every rank's
+    if mine["presence"]:   # the hot rows two or more ranks touch, from every rank's sketch of its hot rows
         hot_rows = [s["hot_rows"] for s in stats]
         sketches = [s["hot_sketch"] for s in stats]
         union = union_size(sketches, hot_rows)
