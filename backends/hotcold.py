@@ -58,7 +58,7 @@ define("hotcold_max_k", 65536, "hot/cold split: at most this many hot rows per t
 define("hotcold_every", 20, "hot/cold split: calls per tensor in a counting window; the hot set is re-agreed after each")
 define("hotcold_presence", False, "hot/cold split: a round of bit-packed presence counts first, then a slab of only the "
        "hot rows two or more ranks touched (fewer bytes, one more round: for link-bound calls)")
-define("hotcold_hot", "switchml", "hot/cold split: the algorithm summing the slab (and presence counts) (switchml or ring)")
+define("hotcold_hot", "switchml", "hot/cold split: the algorithm summing the slab and any presence counts (switchml or ring)")
 define("hotcold_cold", "sparse_allgather", "hot/cold split: the algorithm for cold rows (sparse_allgather or omnireduce)")
 
 F32 = np.dtype("float32")
