@@ -141,9 +141,9 @@ def test_presence_counts_bring_hot_cold_to_the_bytes_the_rows_need():
     """With hotcold_presence. Skewed: the slab carries the shared rows once (no presence column: 4
     ranks' counts take 3 bits, 10 rows an int32), the allgather only the few cold ones, within 1%
     of the bound; uniform: last window's hot rows are fresh rows that mostly one rank touches, so
-    they go cold and the split costs about the allgather plus the presence counts (the one-round
-    slab: over twice the allgather): the allgather stays the choice. The model, from sketches, is
-    within 1% of the bytes counted from the rows themselves."""
+    they go cold and the split costs about the allgather plus the presence counts: the allgather
+    stays the choice. The model, from sketches, is within 1% of the bytes counted from the rows
+    themselves."""
     algorithms = ["sparse_allgather", "omnireduce", "hotcold", "switchml"]
     ranks, hot = hot_and_cold("skewed")
     est = traffic.estimate(stats(ranks, hot=hot, presence=True), algorithms)
