@@ -48,7 +48,7 @@ import numpy as np
 from commlib.backends import Backend, register
 from commlib.errors import ConfigError
 from commlib.settings import define
-from commlib.sparse import coalesce, index_dtype, presence_bits, reduce_rows, sketch
+from commlib.sparse import coalesce, index_dtype, presence_bits, presence_words, reduce_rows, sketch
 
 define("hotcold_k", 0, "hot/cold split: hot rows per tensor; 0 = chosen from the window's counts by hotcold_rule")
 define("hotcold_rule", "share", "hot/cold split with hotcold_k=0: 'share' (the fewest rows carrying hotcold_share of "
@@ -209,7 +209,7 @@ class HotColdBackend(Backend):
         from one int32 sum of bit-packed counts: presence_bits(N) bits a row, so none carries."""
         bits = presence_bits(self.size)
         per = 32 // bits
-        words = np.zeros(-(-k // per), dtype=np.uint32)
+        words = np.zeros(presence_words(k, self.size), dtype=np.uint32)
         np.bitwise_or.at(words, positions // per, np.left_shift(1, bits * (positions % per)).astype(np.uint32))
         summed = carrier.allreduce(words.view(np.int32), name).view(np.uint32)
         every = np.arange(k)

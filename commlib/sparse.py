@@ -86,6 +86,11 @@ def presence_bits(ranks):
     return max(1, int(ranks).bit_length())
 
 
+def presence_words(k, ranks):
+    """int32 words holding k rows' presence counts packed presence_bits(ranks) bits a row."""
+    return -(-k // (32 // presence_bits(ranks)))
+
+
 def payload_bytes(count, row_bytes, nrows):
     """One rank's message: its count, its rows' indices (padded to 8 bytes) and their values."""
     return 8 + -(-count * index_dtype(nrows).itemsize // 8) * 8 + count * row_bytes

@@ -37,7 +37,7 @@ with a presence count per row:
 """
 import numpy as np
 
-from commlib.sparse import others_union_sizes, payload_bytes, presence_bits, sketch, union_size
+from commlib.sparse import others_union_sizes, payload_bytes, presence_words, sketch, union_size
 
 HEADER = 40 + 8   # omnireduce's per-packet header and MAC (switch/csrc/omnireduce.h)
 ACK_EVERY = 4     # a silent omnireduce worker acknowledges every OMR_SETS / 2 rounds
@@ -115,8 +115,7 @@ def hotcold(stats, first):
         sketches = [s["hot_sketch"] for s in stats]
         union = union_size(sketches, hot_rows)
         only = [min(r, union - o) for r, o in zip(hot_rows, others_union_sizes(sketches, hot_rows))]
-        slab = (-(-mine["hot_k"] // (32 // presence_bits(n))) * 4 +
-                (union - sum(only)) * first["width"] * first["itemsize"])
+        slab = presence_words(mine["hot_k"], n) * 4 + (union - sum(only)) * first["width"] * first["itemsize"]
         cold = [c + round(x) for c, x in zip(cold, only)]   # a hot row only one rank touched goes cold
     else:
         slab = mine["hot_k"] * (first["width"] + 1) * first["itemsize"]

@@ -111,7 +111,7 @@ def hot_cold_bytes(ranks, hot, width=32):
     counts, the hot rows two or more ranks touched (the slab), and the padded allgather of each
     rank's other rows (outside the hot set, or hot and its own alone)."""
     touched = np.bincount(np.concatenate([np.intersect1d(r, hot) for r in ranks]).astype(np.int64), minlength=100_000)
-    presence = -(-len(hot) // (32 // sparse.presence_bits(len(ranks)))) * 4
+    presence = sparse.presence_words(len(hot), len(ranks)) * 4
     cold = max(np.count_nonzero(~np.isin(r, hot) | (touched[r] == 1)) for r in ranks)
     return presence + np.count_nonzero(touched >= 2) * width * 4 + (len(ranks) - 1) * sparse.payload_bytes(
         cold, width * 4, 100_000)
