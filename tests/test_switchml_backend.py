@@ -165,6 +165,27 @@ def test_loss_and_duplication_give_bit_identical_results(loss):
     assert clean[0][-1]["drop_sim_ingress"] == clean[0][-1]["drop_sim_egress"] == 0
 
 
+def test_a_late_rank_costs_the_others_one_probe_per_timer_not_their_window():
+    """Rank 1 starts the tensor 300 ms late: the switch holds rank 0's window meanwhile, so rank 0's
+    expiries resend one probe each and hold the rest (`held`), where resending the window would
+    have sent it again on every expiry; the result is still exact."""
+    x = [np.arange(64 * 256, dtype=np.int32) * (r + 1) for r in range(2)]
+
+    def work(rank, backend):
+        before = backend.stats()
+        if rank == 1:
+            time.sleep(0.3)
+        out = backend.allreduce(x[rank], "late")
+        after = backend.stats()
+        return out, {k: after[k] - before[k] for k in ("resends", "held", "received")}
+
+    (out0, rank0), (out1, _) = run(2, work, switch_window=64, switch_retransmit_ms=5.0, switch_retransmit_max_ms=40.0)
+    assert np.array_equal(out0, x[0] + x[1]) and np.array_equal(out1, x[0] + x[1])
+    # 300 ms of timers from 5 ms doubling to 40: about 10 expiries, one probe each
+    assert rank0["held"] >= 63, f"rank 0 held only {rank0['held']} expired packets while rank 1 was late"
+    assert 1 <= rank0["resends"] <= 16, f"rank 0 resent {rank0['resends']} packets waiting for a late rank (window 64)"
+
+
 def test_two_jobs_share_one_switch():
     with sw.SwitchServer("127.0.0.1", 0, slots=512) as server:
         outs = {}

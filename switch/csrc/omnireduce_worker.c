@@ -277,7 +277,7 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
                 memcpy(outb + start * 4, payload, blen);
                 st->union_blocks++;
             }
-            if (col->contributed && col->sent_at && col->count > 0) tp_rtt_sample(&w->rtt, now - col->sent_at);  /* round 0 also waits for the slowest rank to start */
+            if (col->contributed && col->sent_at && col->count > 0) tp_rtt_sample(&w->rtt, now - col->sent_at, 1);  /* round 0 also waits for the slowest rank to start */
             st->results_recv++;
             st->server_packets += stamp[0];
             st->server_queue_ns += stamp[1];

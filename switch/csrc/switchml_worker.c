@@ -16,9 +16,13 @@
  *
  * The pool shift, the per-slot set parity and the packet id carry over to the next tensor, so
  * every rank must stream the same sequence of tensor sizes (the core's negotiation does that).
- * Loss: each outstanding packet has a timer (rto, doubling up to rto_max on each resend); on
- * expiry the identical packet is resent. A result for a packet that is not its chain's
- * outstanding one is a duplicate and ignored. */
+ * Loss: each outstanding packet has a timer (rto, doubling up to rto_max on each expiry); on
+ * expiry the identical packet is resent. But while no result came since the expired packets were
+ * sent, the stream is stalled, not lossy: the switch holds them for the slowest rank (one that
+ * starts the tensor late, a paused process). Resending the window then only adds its bytes to
+ * this rank's link at every expiry, so one packet goes as a probe and the others wait out their
+ * doubled timer; a lost window still recovers, one timer later, once the probe's result came.
+ * A result for a packet that is not its chain's outstanding one is a duplicate and ignored. */
 #define _GNU_SOURCE
 #include "switchml.h"
 #include "switchml_common.h"
@@ -73,6 +77,7 @@ typedef struct {
     const uint8_t *nf;
     int8_t *mexp;
     int status;
+    uint64_t answered;    /* the last result, ns */
     uint64_t next_timer;  /* no later than the earliest deadline of an outstanding packet, ns */
 } tensor_t;
 
@@ -313,7 +318,8 @@ static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, u
         return 0;
     }
     w->c.received++;
-    tp_rtt_answer(&w->rtt, ch->sent, ch->resent_at, now);  /* includes waiting for the slowest rank */
+    t->answered = now;
+    tp_rtt_answer(&w->rtt, ch->sent, ch->resent_at, now, *active);  /* includes waiting for the slowest rank */
     if (h[1] & SML_F_STAMP) {   /* the switch's share of this round, for the breakdown */
         w->c.server_queue_ns += tp_rd32(h + body - SML_STAMP_LEN);
         w->c.server_proc_ns += tp_rd32(h + body - 4);
@@ -374,19 +380,24 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
             if (w->nack) w->err = w->nack;
             break;
         }
-        if (now >= t.next_timer) {  /* resend every expired packet, identical, to the same slot */
+        if (now >= t.next_timer) {  /* resend expired packets, identical, to the same slot */
             t.next_timer = UINT64_MAX;
+            int probed = 0;
             for (uint64_t c = 0; c < t.wc && !rc; c++) {
                 chain_t *ch = &w->ch[c];
                 if (ch->p < 0) continue;
                 if (ch->deadline <= now) {
                     ch->rto = ch->rto * 2 < w->rtt.max ? ch->rto * 2 : w->rtt.max;
-                    ch->resent++;
-                    ch->resent_at = now;
                     tp_rtt_backoff(&w->rtt, ch->sent, now);
                     ch->deadline = now + ch->rto;
-                    w->c.resends++;
-                    rc = queue(w, w->bufs + c * PKT_STRIDE, ch->len);
+                    if (t.answered <= ch->sent && probed++) {   /* stalled: the probe went */
+                        w->c.held++;
+                    } else {
+                        ch->resent++;
+                        ch->resent_at = now;
+                        w->c.resends++;
+                        rc = queue(w, w->bufs + c * PKT_STRIDE, ch->len);
+                    }
                 }
                 if (ch->deadline < t.next_timer) t.next_timer = ch->deadline;
             }

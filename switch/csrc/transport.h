@@ -145,7 +145,13 @@ static inline uint64_t tp_rd64le(const uint8_t *p) {
  * timer fires too): meanwhile the answers come from the packets that beat the short timer, whose
  * samples alone would pull rto down under the queue that made the others late. With all three,
  * switchml on 100 Mbit links sends within 5% of its bytes; the price is slower recovery from heavy
- * random loss (`make faults`: 5% loss, duplication, 25% reordering and jitter together, about 1.3x). */
+ * random loss (`make faults`: 5% loss, duplication, 25% reordering and jitter together, about 1.3x).
+ * Samples come one per packet, a window of them per round trip, so each weighs 1/flight of RFC
+ * 6298's gains (RFC 7323's rule for a sample per ACK): else the first answers of a window sent at
+ * once, back before the queue it builds, pulled srtt to them within the round, and the packets
+ * sent next, behind that queue, timed out: hot/cold's slab (a few windows) resent 20-40% of its
+ * packets on 100 Mbit links, none with the weighting (the first two calls on a path excepted:
+ * rto starts at min, and a sample moves srtt little). Omnireduce's one sample per round: flight 1. */
 typedef struct { uint64_t srtt, rttvar, rto, min, max, least, backoff_at; } tp_rtt;
 
 static inline void tp_rtt_init(tp_rtt *r, uint64_t min, uint64_t max) {
@@ -156,14 +162,16 @@ static inline void tp_rtt_init(tp_rtt *r, uint64_t min, uint64_t max) {
     r->least = r->backoff_at = 0;
 }
 
-static inline void tp_rtt_sample(tp_rtt *r, uint64_t sample) {
+static inline void tp_rtt_sample(tp_rtt *r, uint64_t sample, uint64_t flight) {
     if (!r->srtt) {
         r->srtt = sample ? sample : 1;
         r->rttvar = sample / 2;
-    } else {
-        uint64_t d = r->srtt > sample ? r->srtt - sample : sample - r->srtt;
-        r->rttvar = (3 * r->rttvar + d) / 4;
-        r->srtt = (7 * r->srtt + sample) / 8;
+    } else {   /* RFC 6298's gains (1/8, 1/4) per round trip, spread over its `flight` samples */
+        int64_t d = (int64_t)sample - (int64_t)r->srtt, ad = d < 0 ? -d : d;
+        int64_t n = flight ? (int64_t)flight : 1;
+        r->rttvar = (uint64_t)((int64_t)r->rttvar + (ad - (int64_t)r->rttvar) / (4 * n));
+        r->srtt = (uint64_t)((int64_t)r->srtt + d / (8 * n));
+        if (!r->srtt) r->srtt = 1;
     }
     if (!r->least || sample < r->least) r->least = sample;
     uint64_t margin = 4 * r->rttvar > r->srtt / 2 ? 4 * r->rttvar : r->srtt / 2;
@@ -172,10 +180,10 @@ static inline void tp_rtt_sample(tp_rtt *r, uint64_t sample) {
 }
 
 /* The answer at `now` to a packet first sent at `sent` and last resent at `resent` (0: never). */
-static inline void tp_rtt_answer(tp_rtt *r, uint64_t sent, uint64_t resent, uint64_t now) {
+static inline void tp_rtt_answer(tp_rtt *r, uint64_t sent, uint64_t resent, uint64_t now, uint64_t flight) {
     if (sent < r->backoff_at) return;   /* sent under the timer that fired: the backed-off rto stays */
     r->backoff_at = 0;
-    if (!resent || (r->least && now - resent < r->least)) tp_rtt_sample(r, now - sent);
+    if (!resent || (r->least && now - resent < r->least)) tp_rtt_sample(r, now - sent, flight);
 }
 
 /* The timer of a packet first sent at `sent` fired at `now`: back off once per timer found too
