@@ -3,19 +3,22 @@ and dense, against each one's traffic model, over Zipf exponent x vocabulary x w
 
 Each rank draws --ids embedding ids per step from a Zipf law (hot rows scattered over the table, a
 fresh draw every step and rank), its gradient is the touched rows (width --dim), coalesced, and
-every algorithm reduces the same steps' gradients, one after the other in the same job (the
-backends called directly, as bench_network.py does). Reported per algorithm: the median time of the
-slowest rank, the bytes each worker's eth0 sent and received per call, and what commlib.traffic
-predicts (hot/cold, with its one-round slab and with presence counts first: the slab both ways plus
-the allgather of the cold rows), and the bound no exact
-algorithm can go below (commlib.traffic: the busiest worker receives at least every row some other
-rank touched, once), so allgather / bound is the most any algorithm can gain; the skew plot shows
-the share of updates the hottest rows take (the IMC'20 study's Figure 10) from hotcold's counts.
+every algorithm reduces the same steps' gradients in the same job, taking turns within each step
+so that the machine's drift touches them alike (the backends called directly, as bench_network.py
+does). Reported per algorithm: the median time of the slowest rank, its speed-up over the
+allgather (the median over steps of the paired ratio), the bytes each worker's eth0 sent and
+received per call, and what commlib.traffic predicts (hot/cold, with its one-round slab and with
+presence counts first: the slab both ways plus the allgather of the cold rows), and the bound no
+exact algorithm can go below (commlib.traffic: the busiest worker receives at least every row
+some other rank touched, once), so allgather / bound is the most any algorithm can gain; the skew
+plot shows the share of updates the hottest rows take (the IMC'20 study's Figure 10) from
+hotcold's counts.
 Every rank's row count is handed over as the core's negotiation does (the allgather then needs one
 round); hot/cold's cold rows are counted only inside it, so its allgather exchanges sizes first.
 
     python benchmarks/bench_sparse.py [--quick] [--workers 4,8] [--rate 500mbit] [--zipf 0.8,1.1,1.4]
-Results: benchmarks/results/sparse.json, sparse.png, sparse_skew.png and RESULTS.md. Needs root.
+Results: benchmarks/results/sparse.json, sparse.png, sparse_skew.png and RESULTS.md (another --rate or
+--ids: sparse_<rate>_ids<ids>). Needs root.
 """
 import argparse
 import statistics
@@ -59,45 +62,44 @@ def worker(args):
 
             tag = f"v{vocab}.s{s}"
             steps = [gradient(i) for i in range(every + args.runs)]   # hotcold's first window, then timed
-            workload, reference = {}, {}
             for algorithm in ALGORITHMS:
-                backend = rt.backend(algorithm.split("+")[0])
-                name = f"{tag}.{algorithm}"
-                if backend.name == "hotcold":
-                    backend.presence = algorithm.endswith("+presence")
-                warm = every if backend.name == "hotcold" else 1
-                for i in range(warm):
-                    sparse.reduce_rows(backend, *steps[i], vocab, name)
-                samples, model, breakdowns, tx, rx = [], [], [], 0, 0
-                served = common.daemon_ns({algorithm: backend})   # rank 0: the switch's or aggregators' counters
-                for i in range(warm, warm + args.runs):
-                    rows, values = steps[i]
-                    counts = ctx.exchange(f"bench/{name}/{i}/n", int(rows.size))   # as the negotiation hands them
-                    model.append(_model(ctx, backend, algorithm, name, rows, vocab, args.dim, traffic, sparse, i))
+                backend = _backend(rt, algorithm)
+                for i in range(every if backend.name == "hotcold" else 1):
+                    sparse.reduce_rows(backend, *steps[i], vocab, f"{tag}.{algorithm}")
+            runs = {a: {"seconds": [], "breakdowns": [], "model": [], "tx": 0, "rx": 0} for a in ALGORITHMS}
+            # the algorithms take turns within each step, so the machine's drift touches them alike
+            for i in range(every, every + args.runs):
+                rows, values = steps[i]
+                counts = ctx.exchange(f"bench/{tag}/{i}/n", int(rows.size))   # as the negotiation hands them
+                exact = None
+                for algorithm in ALGORITHMS:
+                    backend, name, r = _backend(rt, algorithm), f"{tag}.{algorithm}", runs[algorithm]
+                    r["model"].append(_model(ctx, backend, algorithm, name, rows, vocab, args.dim, traffic, sparse, i))
+                    served = common.daemon_ns({algorithm: backend})   # rank 0: the switch's or aggregators' counters
                     before = common.link_bytes()   # the call and the few bytes of the exchange that times it
                     got, seconds, split = common.slowest_call(ctx, f"bench/{name}/{i}/s", lambda: sparse.reduce_rows(
                         backend, rows, values, vocab, name, counts))
                     after = common.link_bytes()
-                    tx, rx = tx + after[0] - before[0], rx + after[1] - before[1]
-                    samples.append(seconds)
-                    breakdowns.append(split)
-                    if algorithm == "sparse_allgather":
-                        reference[i] = got
-                    elif i in reference:
-                        exact = reference[i]
-                        assert np.array_equal(got[0], exact[0]), f"{algorithm}: rows differ from the allgather's"
-                        bound = 1e-3 if backend.name in ("switchml", "hotcold") else 1e-4
-                        scale = max(1.0, float(np.abs(exact[1]).max(initial=0.0)))
-                        assert np.allclose(got[1], exact[1], atol=bound * scale), f"{algorithm} differs from the allgather"
-                server_s = common.server_seconds(served, common.daemon_ns({algorithm: backend}), args.runs)
-                for b in breakdowns:
-                    b["server_s"] = server_s
-                moved = ctx.exchange(f"bench/{name}/bytes", [tx / args.runs, rx / args.runs])
-                workload[algorithm] = {"seconds": samples, "breakdowns": breakdowns, "tx_bytes": [m[0] for m in moved],
-                                       "rx_bytes": [m[1] for m in moved],
-                                       "model_up": statistics.fmean(m[backend.name]["up"] for m in model),
-                                       "model_down": statistics.fmean(m[backend.name]["down"] for m in model),
-                                       "bound": statistics.fmean(m["bound"] for m in model)}
+                    split["server_s"] = common.server_seconds(served, common.daemon_ns({algorithm: backend}))
+                    r["tx"], r["rx"] = r["tx"] + after[0] - before[0], r["rx"] + after[1] - before[1]
+                    r["seconds"].append(seconds)
+                    r["breakdowns"].append(split)
+                    if exact is None:   # the allgather's, first
+                        exact = got
+                        continue
+                    assert np.array_equal(got[0], exact[0]), f"{algorithm}: rows differ from the allgather's"
+                    bound = 1e-3 if backend.name in ("switchml", "hotcold") else 1e-4
+                    scale = max(1.0, float(np.abs(exact[1]).max(initial=0.0)))
+                    assert np.allclose(got[1], exact[1], atol=bound * scale), f"{algorithm} differs from the allgather"
+            workload = {}
+            for algorithm, r in runs.items():
+                name, backend = f"{tag}.{algorithm}", _backend(rt, algorithm)
+                moved = ctx.exchange(f"bench/{name}/bytes", [r["tx"] / args.runs, r["rx"] / args.runs])
+                workload[algorithm] = {"seconds": r["seconds"], "breakdowns": r["breakdowns"],
+                                       "tx_bytes": [m[0] for m in moved], "rx_bytes": [m[1] for m in moved],
+                                       "model_up": statistics.fmean(m[backend.name]["up"] for m in r["model"]),
+                                       "model_down": statistics.fmean(m[backend.name]["down"] for m in r["model"]),
+                                       "bound": statistics.fmean(m["bound"] for m in r["model"])}
                 if backend.name == "hotcold":
                     workload[algorithm]["skew"] = backend.row_record(name)
             own = ctx.exchange(f"bench/{tag}/rows", int(np.mean([s[0].size for s in steps])))
@@ -108,6 +110,14 @@ def worker(args):
     if rank == 0:
         common.emit({"size": n, "workloads": out})
     commlib.shutdown()
+
+
+def _backend(rt, algorithm):
+    """The backend measured as `algorithm`; hotcold set to the form it names."""
+    backend = rt.backend(algorithm.split("+")[0])
+    if backend.name == "hotcold":
+        backend.presence = algorithm.endswith("+presence")
+    return backend
 
 
 def _model(ctx, backend, algorithm, name, rows, vocab, dim, traffic, sparse, step):
@@ -187,7 +197,7 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=170)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.runs = args.runs or (2 if args.quick else 3)   # full: about 2.5 minutes on 2 cores
+    args.runs = args.runs or (2 if args.quick else 7)
     args.workers = args.workers or ("4" if args.quick else "4,8")
     args.zipf = [float(v) for v in (args.zipf or ("1.1" if args.quick else "0.8,1.1,1.4")).split(",")]
     args.vocabs = [int(v) for v in str(args.vocabs or ("20000" if args.quick else "100000,400000")).split(",")]
@@ -201,12 +211,12 @@ def main(argv=None):
         print(f"== {n} emulated hosts, links {args.rate} each way", flush=True)
         payload = raw[str(n)] = _run(args, n)
         for tag, workload in payload["workloads"].items():
-            base = statistics.median(workload["sparse_allgather"]["seconds"])
+            base = workload["sparse_allgather"]["seconds"]
             for algorithm in ALGORITHMS:
                 r = workload[algorithm]
                 ms = statistics.median(r["seconds"]) * 1e3
                 row = {"workers": n, "workload": tag, "algorithm": algorithm, "median_ms": ms,
-                       "vs_allgather": base * 1e3 / ms, "rows_per_rank": statistics.fmean(workload["rows_per_rank"]),
+                       "vs_allgather": statistics.median(b / t for b, t in zip(base, r["seconds"])), "rows_per_rank": statistics.fmean(workload["rows_per_rank"]),
                        "tx_kib": statistics.fmean(r["tx_bytes"]) / 1024, "rx_kib": statistics.fmean(r["rx_bytes"]) / 1024,
                        "model_up_kib": r["model_up"] / 1024, "model_down_kib": r["model_down"] / 1024,
                        "bound_kib": r["bound"] / 1024, "model_vs_bound": r["model_down"] / r["bound"]}
@@ -220,8 +230,9 @@ def main(argv=None):
                       f"received {row['rx_kib']:9.1f} KiB (model {row['model_down_kib']:9.1f}, "
                       f"bound {row['bound_kib']:7.1f}: x{row['model_vs_bound']:4.2f})", flush=True)
     title = (f"row-sparse allreduce, {args.ids} Zipf ids per rank per step, rows of {args.dim} float32, links "
-             f"{args.rate}; median of {args.runs} runs (slowest rank)")
-    suite = "sparse" if args.rate == "500mbit" else f"sparse_{args.rate}"   # another rate: its own files
+             f"{args.rate}; median of {args.runs} steps (slowest rank), the algorithms taking turns in each")
+    # another rate or batch: its own files
+    suite = "sparse" + ("" if args.rate == "500mbit" else f"_{args.rate}") + ("" if args.ids == 4096 else f"_ids{args.ids}")
     _plots(rows, raw, title, suite)
     table = "\n".join(
         f"| {r['workers']} | {r['workload']} | {r['rows_per_rank']:.0f} | {r['algorithm']} | {r['median_ms']:.1f} | "
@@ -230,7 +241,8 @@ def main(argv=None):
         (f"K={r['hot_k']}, {r['hot_share']:.0%}" if "hot_k" in r else "") +
         f" | {r['bottleneck']} |" for r in rows)
     markdown = (f"Emulated cluster (benchmarks/netem.py); {title}. Workload v<rows>.s<Zipf exponent>; each "
-                f"algorithm reduces the same steps' gradients (results checked against the allgather's). "
+                f"algorithm reduces the same steps' gradients (results checked against the allgather's); vs allgather: "
+                f"the median over the steps of the allgather's time / this algorithm's in the same step. "
                 f"Bytes per worker and call: measured on eth0 / predicted by commlib.traffic (hot/cold: slab "
                 f"+ cold allgather). Bound: the fewest bytes any exact algorithm delivers to the busiest worker "
                 f"(every row some other rank touched, its values once; commlib.traffic), and the model's "
