@@ -14,8 +14,8 @@ in one of two ways:
     bytes each way), then a slab of only the hot rows two or more ranks touched (no indices, no
     presence column), while the hot rows only one rank touched join that rank's cold rows. A row
     several ranks touched reaches each worker once, where the allgather carries every copy, and a
-    hot row nobody touched costs only its count: within 7-9% of the bytes no exact algorithm goes
-    below (commlib.traffic's bound) on bench_sparse's Zipf workloads, against 20-22% in one round.
+    hot row nobody touched costs only its count: within 7-13% of the bytes no exact algorithm goes
+    below (commlib.traffic's bound) on bench_sparse's Zipf workloads, against 20-30% in one round.
     The price is the extra round: worth it where the link, not latency or the CPUs, bounds the
     call (benchmarks/RESULTS.md "sparse_100mbit" against "sparse").
 The result is the union of the rows, summed, as the plain sparse sum. Before the first window
