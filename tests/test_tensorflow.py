@@ -63,7 +63,11 @@ def test_embedding_indexed_slices_take_the_sparse_path(sparse_as_dense):
                      f"sparse_as_dense={sparse_as_dense}", timeout=300)
     for result in check_training(out, 2, 1e-6):
         assert result["embedding_gradient_type"] == ("EagerTensor" if sparse_as_dense == "1" else "IndexedSlices")
-        assert result["eager_equals_function"], result
+        # Eager and tf.function run different kernels (fusion, reduction order), so the two models agree to
+        # float32 rounding, not bit for bit: one ulp is 1.2e-7 of a value, and 4 steps of a few ops each
+        # stay well inside 1e-6 of the largest parameter (seen: 7e-9). A gradient lost or reduced on one
+        # path only moves the parameters by ~1e-2.
+        assert result["eager_vs_function"] <= 1e-6, result
         rows = result["embedding_rows"]
         assert rows and all((r is None) == (sparse_as_dense == "1") for r in rows), result
         assert any(name.startswith("embedding") and alg == "omnireduce" for name, alg, _ in result["records"]), result

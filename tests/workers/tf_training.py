@@ -113,7 +113,10 @@ else:
         eager_model, seen = train_tape(lambda t: cl.DistributedGradientTape(t, compression=compression,
                                                                               **hvd_kwargs), True)
         checks["embedding_gradient_type"] = seen[0][0]
-        checks["eager_equals_function"] = bool(np.array_equal(flat(eager_model), flat(ours)))
+        # eager and traced kernels may round differently (TF promises no bit-identity between them)
+        function_params = flat(ours)
+        checks["eager_vs_function"] = float(np.abs(flat(eager_model) - function_params).max()
+                                            / np.abs(function_params).max())
         # row-sparse travel (rows counted) unless sparse_as_dense densified it first
         checks["embedding_rows"] = [r.get("union_rows") for name, r in commlib.records().items()
                                     if name.startswith("embedding")]
