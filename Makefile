@@ -25,7 +25,7 @@ venv:
 # horovod's TF ops build against, and it needs numpy < 2.
 deps:
 	$(PIP) install -q --upgrade "pip<25" setuptools wheel packaging
-	$(PIP) install -q torch==2.13.0 tensorflow-cpu==2.15.1 numpy==1.26.4 cffi mpi4py \
+	$(PIP) install -q torch==2.13.0 tensorflow-cpu==2.15.1 numpy==1.26.4 cffi cryptography mpi4py \
 	    pytest pytest-timeout matplotlib tqdm psutil cloudpickle pyyaml pytorch_lightning==2.6.6 atheris
 
 # horovod 0.28.1 from its sdist (no wheel for Python 3.11), its C++14 raised to C++17, which PyTorch 2.x headers need.
@@ -49,7 +49,7 @@ KERAS3_VENV := .venv-keras3
 keras3:
 	@test -x $(KERAS3_VENV)/bin/python || python3 -m venv $(KERAS3_VENV)
 	$(KERAS3_VENV)/bin/pip install -q --upgrade "pip<25" setuptools wheel
-	$(KERAS3_VENV)/bin/pip install -q tensorflow-cpu==2.21.0 "keras>=3" torch==2.13.0 numpy cffi mpi4py \
+	$(KERAS3_VENV)/bin/pip install -q tensorflow-cpu==2.21.0 "keras>=3" torch==2.13.0 numpy cffi cryptography mpi4py \
 	    pytest pytest-timeout
 	$(KERAS3_VENV)/bin/pip install -q --no-build-isolation -e .
 

@@ -3,28 +3,35 @@
 The ring engine (Horovod, MPI, torch.distributed) starts first, since it may be what knows this
 rank's placement; rank 0 then starts the controller and shares its address, with the job's secret
 (the daemon key of the switch and aggregators it embeds), through the engine: the launcher's own
-channel, never the controller's (which would carry it in clear on the job's network);
-every rank connects, and the settings that shape communication are checked equal on all ranks.
+channel, never the controller's, and the secret sealed by an X25519 agreement (commlib.keyshare), since
+that channel is in clear too; every rank connects, and the settings that shape communication are
+checked equal on all ranks.
 The result is the job's Context (placement + settings + engine + exchange) and its controller;
 its engine is the one that carries the ring's data (commlib.engine.data_engine).
 """
 import secrets
 import threading
 
-from commlib import controller, engine as engines
+from commlib import controller, engine as engines, keyshare
 from commlib.context import detect
 from commlib.errors import CommTimeout, Mismatch
 from commlib.net import parse_address, primary_ip
-from commlib.settings import defined
+from commlib.settings import define, defined
+from commlib.switch import auth
+
+define("anchor_key_file", "", "a key file every rank reads (`python -m commlib.switch.auth FILE` writes one): the "
+       "trust anchor that keeps an active attacker on the launcher's channel from taking or replacing the job's "
+       "secret (without it, only a passive one is kept out)", per_rank=True)
 
 
 def join(settings):
     """(Context, ControllerClient, ControllerServer or None) for this rank."""
     engine = engines.create(settings.ring_engine, detect(), settings.timeout_s)
     placement = detect()   # creating the engine may have initialized Horovod
-    share = lambda value: within(settings.timeout_s, "sharing the controller's address and the job's secret "
-                                 "(commlib.init)", engine.broadcast_object, value)
-    server, client, secret = start_controller(settings, placement, share)
+    bounded = lambda fn: lambda value: within(settings.timeout_s, "sharing the controller's address and the job's "
+                                              "secret (commlib.init)", fn, value)
+    server, client, secret = start_controller(settings, placement, bounded(engine.broadcast_object),
+                                              allgather=bounded(keyshare.allgather_bytes(engine)))
     ctx = placement.joined(settings=settings, exchange_fn=client.exchange, engine=engine, job_token=client.token,
                            secret=secret)
     try:
@@ -36,35 +43,38 @@ def join(settings):
     return ctx, client, server
 
 
-def start_controller(s, placement, share, secret=None):
-    """Rank 0 serves; every rank connects to the address rank 0 shares (or COMMLIB_CONTROLLER_ADDR),
-    and gets rank 0's secret in the same broadcast. share(value) -> rank 0's value, on every rank.
-    `secret`: the job's, when there is one already (a process set's), then only the address travels.
-    Returns (server or None, client, secret)."""
+def start_controller(s, placement, broadcast, secret=None, allgather=None):
+    """Rank 0 serves; every rank connects to the address rank 0 shares (or COMMLIB_CONTROLLER_ADDR).
+    broadcast(value) -> rank 0's value, on every rank. `secret`: the job's, when there is one already (a
+    process set's), then only the address travels; else rank 0 draws one and shares it sealed
+    (commlib.keyshare, which needs `allgather`). Returns (server or None, client, secret)."""
     options = dict(timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms,
                    negotiation_timeout_s=s.negotiation_timeout_s, stall_warning_s=s.stall_warning_s)
     server = None
-    drawn = secret is None
-    if drawn:
-        secret = secrets.token_bytes(32) if placement.rank == 0 else None
+    address = None
     if s.controller_addr:
         address = parse_address(s.controller_addr, "COMMLIB_CONTROLLER_ADDR")
         if placement.rank == 0:
             server = controller.ControllerServer(placement.size, *address, **options)
-        if drawn:
-            secret = share(secret)
     else:
         host = s.controller_host or ("127.0.0.1" if placement.all_local else primary_ip())
-        address = None
         if placement.rank == 0:
             server = controller.ControllerServer(placement.size, host if placement.all_local else "0.0.0.0", 0,
                                                  **options)
             address = (host, server.address[1])
-        if drawn:
-            address, secret = share((address, secret))
-        else:
-            address = share(address)
-    return server, controller.ControllerClient(address, placement.rank, s.timeout_s), secret
+    drawn = secret is None
+    if drawn:
+        anchor = auth.read_key(s.anchor_key_file) if s.anchor_key_file else None
+        mine = secrets.token_bytes(32) if placement.rank == 0 else None
+        secret, shared = keyshare.share(placement.rank, allgather, broadcast, mine, address, anchor)
+    else:
+        shared = broadcast(address)
+    client = controller.ControllerClient(shared, placement.rank, s.timeout_s)
+    opened = client.exchange("init/secret", secret is not None, s.timeout_s) if drawn else [True]
+    if not all(opened):   # every rank fails, not only those whose copy was altered
+        client.close()
+        raise keyshare.unopened([rank for rank, ok in enumerate(opened) if not ok])
+    return server, client, secret
 
 
 def _check_settings_agree(ctx):

@@ -2,11 +2,14 @@
 aggregators, links shaped by tc (benchmarks/netem.py). Correctness over real interfaces, each
 worker its own host (no loopback shortcuts, no embedded switch); speed is bench_network.py's job."""
 import json
+import socket
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from commlib.switch import auth, control
@@ -99,3 +102,56 @@ def test_omnireduce_across_hosts(mode, tmp_path):
         finally:
             cluster.kill(procs)
     check_omnireduce(results("\n".join(outs), 3), (time.monotonic() - start, outs))
+
+
+def _streams(capture):
+    """The payloads of a capture file (tests/workers/capture.py): each TCP direction reassembled in
+    sequence order, and each UDP datagram, as byte strings."""
+    data, at, tcp, datagrams = capture.read_bytes(), 0, {}, []
+    while at < len(data):
+        (length,), frame = struct.unpack_from("!I", data, at), None
+        frame, at = data[at + 4:at + 4 + length], at + 4 + length
+        if frame[12:14] != b"\x08\x00":   # IPv4 only: the cluster has no other
+            continue
+        ip = frame[14:]
+        header, protocol, total = (ip[0] & 15) * 4, ip[9], struct.unpack_from("!H", ip, 2)[0]
+        segment = ip[header:total]
+        if protocol == socket.IPPROTO_TCP:
+            flow = (ip[12:20], segment[:4])
+            offset = (segment[12] >> 4) * 4
+            tcp.setdefault(flow, {})[struct.unpack_from("!I", segment, 4)[0]] = segment[offset:]
+        elif protocol == socket.IPPROTO_UDP:
+            datagrams.append(segment[8:])
+    streams = [b"".join(parts[seq] for seq in sorted(parts)) for parts in tcp.values()]
+    return [s for s in streams + datagrams if s]
+
+
+def test_no_byte_on_the_launchers_wire_derives_the_job_key(tmp_path):
+    """A sniffer on a link between two hosts sees the whole job, set-up included: the launcher's
+    channel (torch.distributed's Gloo, over which rank 0 hands out the job's secret), the controller,
+    the omnireduce packets. Every 32-byte window of every stream it saw, taken as the daemon key,
+    derives a job key, and none is the one the job's packets are MACed with; nor is the secret there."""
+    hosts = ["w0", "w1"]
+    capture = tmp_path / "capture.bin"
+    with netem.Cluster(hosts, rate="1gbit") as cluster:
+        sniffer = subprocess.Popen(["ip", "netns", "exec", cluster.fabric, sys.executable, str(WORKERS / "capture.py"),
+                                    "p0", str(capture)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            assert sniffer.stdout.readline().strip() == "capturing"
+            outs = _run(cluster, hosts, "keyshare_worker.py", env={"COMMLIB_OMNIREDUCE_MODE": "colocated"})
+            time.sleep(0.5)   # the last frames reach the file
+        finally:
+            cluster.kill([sniffer])
+    ranks = results("\n".join(outs), 2)
+    for r in ranks:
+        assert r["exact"] and r["marker_back"] and r["algorithms"] == ["omnireduce", "ring"], r
+    secret, job_key, nonce = (ranks[0][k] for k in ("secret", "job_key", "nonce"))
+    assert all((r["secret"], r["job_key"]) == (secret, job_key) for r in ranks), ranks
+    streams = _streams(capture)
+    marker = (np.arange(16, dtype=np.float32) + 271828.0).tobytes()
+    assert any(marker in s for s in streams), "the capture missed the ranks' ring traffic: it proves nothing"
+    secret, job_key = bytes.fromhex(secret), bytes.fromhex(job_key)
+    windows = {s[i:i + auth.DAEMON_KEY_BYTES] for s in streams for i in range(len(s) - auth.DAEMON_KEY_BYTES + 1)}
+    assert secret not in windows, "the job's secret crossed the wire in clear"
+    derives = [w.hex() for w in windows if auth.job_key(w, nonce) == job_key]
+    assert not derives, f"{len(derives)} byte sequences on the wire derive the job key: {derives[:3]}"
