@@ -27,6 +27,12 @@ __all__ = ["Average", "Sum", "Min", "Max", "Product", "Handle", "init", "shutdow
 def init(policy=None, **settings):
     """Start commlib on this rank (idempotent). `policy`: a Policy or its text; other keyword
     arguments are settings (see commlib.settings). COMMLIB_<NAME> variables override both."""
+    start(policy, settings)
+
+
+def start(policy, settings, join=None):
+    """init(); join(settings) -> (Context, ControllerClient, server) forms the job where the caller
+    knows it better than the launcher's environment (commlib's torch.distributed backend)."""
     global _runtime
     args = (policy, settings)
     with _init_lock:
@@ -40,7 +46,7 @@ def init(policy=None, **settings):
         resolved = Settings(settings if text is None else dict(settings, policy=text))
         if not isinstance(policy, Policy) or "COMMLIB_POLICY" in os.environ:
             policy = Policy.parse(resolved.policy)
-        _runtime = Runtime(resolved, policy)
+        _runtime = Runtime(resolved, policy, job=join(resolved) if join else None)
         _runtime.init_args = args
         atexit.register(shutdown)
 

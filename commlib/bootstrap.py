@@ -24,10 +24,12 @@ define("anchor_key_file", "", "a key file every rank reads (`python -m commlib.s
        "secret (without it, only a passive one is kept out)", per_rank=True)
 
 
-def join(settings):
-    """(Context, ControllerClient, ControllerServer or None) for this rank."""
-    engine = engines.create(settings.ring_engine, detect(), settings.timeout_s)
-    placement = detect()   # creating the engine may have initialized Horovod
+def join(settings, engine=None, placement=None):
+    """(Context, ControllerClient, ControllerServer or None) for this rank; from the launcher's
+    engine and placement unless given (a torch.distributed process group's)."""
+    if engine is None:
+        engine = engines.create(settings.ring_engine, detect(), settings.timeout_s)
+        placement = detect()   # creating the engine may have initialized Horovod
     bounded = lambda fn: lambda value: within(settings.timeout_s, "sharing the controller's address and the job's "
                                               "secret (commlib.init)", fn, value)
     server, client, secret = start_controller(settings, placement, bounded(engine.broadcast_object),

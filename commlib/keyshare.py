@@ -61,13 +61,14 @@ def share(rank, allgather, broadcast, secret, public=None, anchor=None):
         for r, theirs in enumerate(publics):
             nonce = secrets.token_bytes(NONCE_BYTES)
             key = _sealing_key(private, theirs, publics[0], theirs, r, anchor)
-            sealed.append(nonce + ChaCha20Poly1305(key).encrypt(nonce, secret, LABEL))
+            sealed.append((nonce + ChaCha20Poly1305(key).encrypt(nonce, secret, LABEL)).hex())   # JSON travels
     sealed, public = broadcast((sealed, public))
     try:
-        nonce, box = sealed[rank][:NONCE_BYTES], sealed[rank][NONCE_BYTES:]
+        mine_sealed = bytes.fromhex(sealed[rank])
+        nonce, box = mine_sealed[:NONCE_BYTES], mine_sealed[NONCE_BYTES:]
         key = _sealing_key(private, publics[0], publics[0], mine, rank, anchor)
         return ChaCha20Poly1305(key).decrypt(nonce, box, LABEL), public
-    except (InvalidTag, IndexError, TypeError, ValueError):
+    except (InvalidTag, IndexError, TypeError, ValueError):   # ValueError: not hex
         return None, public
 
 

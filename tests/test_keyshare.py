@@ -94,7 +94,8 @@ class ManInTheMiddle:
         if rank == 0:
             return root
         sealed, public = root
-        nonce, box = sealed[rank][:keyshare.NONCE_BYTES], sealed[rank][keyshare.NONCE_BYTES:]
+        theirs = bytes.fromhex(sealed[rank])
+        nonce, box = theirs[:keyshare.NONCE_BYTES], theirs[keyshare.NONCE_BYTES:]
         real0, real_r = self.real[0], self.real[rank]
         try:   # the attacker holds no anchor: it derives as if there were none
             opening = keyshare._sealing_key(self.keys[rank], real0, real0, self.public[rank], rank, None)
@@ -104,7 +105,7 @@ class ManInTheMiddle:
             return root
         resealing = keyshare._sealing_key(self.keys[0], real_r, self.public[0], real_r, rank, None)
         forged = list(sealed)
-        forged[rank] = nonce + ChaCha20Poly1305(resealing).encrypt(nonce, self.taken, keyshare.LABEL)
+        forged[rank] = (nonce + ChaCha20Poly1305(resealing).encrypt(nonce, self.taken, keyshare.LABEL)).hex()
         return forged, public
 
 
@@ -156,7 +157,7 @@ def test_an_altered_sealed_copy_fails_on_every_rank_with_what_to_do(tmp_path):
             sealed, public = root
             if rank == 2:
                 sealed = list(sealed)
-                sealed[2] = sealed[2][:-1] + bytes([sealed[2][-1] ^ 1])
+                sealed[2] = sealed[2][:-1] + ("0" if sealed[2][-1] != "0" else "1")
             return sealed, public
 
     wire = Wire(3, Flipper())

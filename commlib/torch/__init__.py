@@ -19,6 +19,7 @@ from commlib.errors import BackendUnavailable
 from commlib import horovod_options
 from commlib.policy import Policy
 from commlib.torch.ddp import CommlibState, ddp_comm_hook  # noqa: F401  (DDP comm hook)
+from commlib.torch import process_group  # noqa: F401  (registers the "commlib" torch.distributed backend)
 
 try:
     from horovod.torch import (broadcast_object, broadcast_optimizer_state,  # noqa: F401  (re-exported)

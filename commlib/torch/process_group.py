@@ -1,0 +1,189 @@
+"""commlib as a torch.distributed backend: `dist.init_process_group("commlib")`, one line.
+
+    import torch.distributed as dist, commlib.torch   # registers "commlib"
+    dist.init_process_group("commlib")                 # under torchrun; or "cpu:commlib,cuda:nccl"
+
+The world's process group sends each all_reduce (Sum, Avg, Min, Max, Product) through commlib's
+core like every other front-end: the policy picks the algorithm (the embedded switch, omnireduce,
+the ring), ranks negotiate and fuse, `commlib.records()` and the study see it. Everything else
+(reduce_scatter, all_gather, broadcast, barrier, all_to_all, send/recv, bitwise ops, subgroups
+from `new_group`) goes through a Gloo group this backend owns over the same store: in-network
+aggregation saves no bytes on a reduce-scatter or an all-gather (a ring moves (N-1)/N of the
+tensor each way; through a switch every worker uploads all of it).
+
+Collectives pair up across ranks by their order, as in every process group: commlib's names for
+them are a counter (the core's unnamed allreduces), so a rank that skips or reorders one gets a
+Mismatch or a timeout naming the tensor, never a silent wrong sum.
+"""
+import datetime
+import json
+import os
+import queue
+import socket
+import threading
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import commlib
+from commlib import api, bootstrap
+from commlib.context import Context
+from commlib.engine import GlooEngine
+
+_OPS = {dist.ReduceOp.SUM: commlib.Sum, dist.ReduceOp.AVG: commlib.Average, dist.ReduceOp.MIN: commlib.Min,
+        dist.ReduceOp.MAX: commlib.Max, dist.ReduceOp.PRODUCT: commlib.Product}
+_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
+NAME = "commlib"
+
+
+class CommlibProcessGroup(dist.ProcessGroup):
+    """all_reduce through commlib's core (the world's group only), the rest through its own Gloo."""
+
+    def __init__(self, store, rank, size, timeout):
+        super().__init__(rank, size)
+        self._size = size
+        gloo = lambda prefix: dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, _options(timeout))
+        self.gloo = gloo("commlib/gloo")
+        # every collective this class does not override (all but all_reduce) runs on it
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.gloo)
+        self._core = size > 1 and (not api.is_initialized() or api.size() == size) and _is_world(size)
+        if self._core and not api.is_initialized():
+            # the core's ring gets a Gloo group of its own: its collectives run on commlib's thread and
+            # must never interleave with the caller's on self.gloo (Gloo pairs collectives by order)
+            api.start(None, {}, lambda settings: bootstrap.join(settings, *_job_of(gloo("commlib/ring"), rank, size)))
+        self._completer = _Completer()
+
+    def getBackendName(self):
+        return NAME
+
+    def size(self):
+        return self._size
+
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        op = _OPS.get(opts.reduceOp.op)   # a ReduceOp; its RedOpType is what compares
+        if not self._core or op is None or any(t.dtype not in _DTYPES or t.is_sparse for t in tensors):
+            return self.gloo.allreduce(tensors, opts)
+        work = _Work()
+        try:
+            handles = commlib.grouped_allreduce_async(tensors, [None] * len(tensors), op=op)
+        except Exception as exc:   # refused on every rank (the core tells the others): raised at wait()
+            work.future.set_exception(exc)
+            return work
+        self._completer.add(handles, tensors, work.future)
+        return work
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        options = dist.AllreduceOptions()
+        options.reduceOp = (opts or dist.AllreduceCoalescedOptions()).reduceOp
+        return self.allreduce(tensors, options)
+
+
+def _options(timeout):
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_default_device()]   # as torch's own gloo group
+    return options
+
+
+class _Work(dist.Work):
+    """One all_reduce: done when commlib's handles are. wait() raises the collective's own error (a
+    Work made by `_create_work_from_future` returns True from wait() even when it failed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.future = torch.futures.Future()
+        # set_exception only stores the error as the future's value; one raised in a then() callback
+        # is an error to C++ callers (DDP's reducer) too
+        self._checked = self.future.then(lambda future: future.value())
+
+    def wait(self, timeout=None):
+        self.future.wait()   # raises the error set on it
+        return True
+
+    def is_completed(self):
+        return self.future.done()
+
+    def is_success(self):
+        return self._checked.done() and not self._failed()
+
+    def exception(self):
+        return self._failed()
+
+    def _failed(self):
+        try:
+            self._checked.value()
+        except Exception as exc:   # the collective's error, as torch's own Work reports it
+            return exc
+        return None
+
+    def get_future(self):
+        return self._checked
+
+    def result(self):
+        return self.future.wait()
+
+
+def _is_world(size):
+    """The group being made is the world's (torch makes it first; later ones are `new_group`s)."""
+    return not dist.is_initialized() and size == int(os.environ.get("WORLD_SIZE", size))
+
+
+class _GroupEngine(GlooEngine):
+    """commlib's ring engine over the backend's own Gloo group (no store of its own to serve)."""
+
+    def __init__(self, group, rank, size):
+        self.size, self.group, self.ctx = size, group, Context(rank, size, rank, size)
+
+    def broadcast_object(self, obj):
+        """Rank 0's JSON-able `obj` on every rank: the bootstrap's address and sealed secret."""
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8) if self.ctx.rank == 0 else None
+        length = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+        self.group.broadcast([length]).wait()
+        data = torch.empty(int(length), dtype=torch.uint8) if data is None else data
+        self.group.broadcast([data]).wait()
+        return json.loads(bytes(data.numpy()).decode())
+
+
+def _job_of(group, rank, size):
+    """(engine, placement) of the job this process group is: local ranks by host name."""
+    engine = _GroupEngine(group, rank, size)
+    hosts = [part.tobytes().decode() for part in engine.allgather(np.frombuffer(socket.gethostname().encode(),
+                                                                                np.uint8).copy(), "hosts")]
+    local = [r for r, host in enumerate(hosts) if host == hosts[rank]]
+    return engine, Context(rank, size, local.index(rank), len(local), "torch.distributed")
+
+
+class _Completer:
+    """A thread that waits for each call's handles in order and completes its Future, copying the
+    results into the caller's tensors (all_reduce is in place)."""
+
+    def __init__(self):
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="commlib-c10d-futures", daemon=True)
+        self._thread.start()
+
+    def add(self, handles, tensors, future):
+        self._queue.put((handles, tensors, future))
+
+    def _run(self):
+        while True:
+            handles, tensors, future = self._queue.get()
+            try:
+                for handle, tensor in zip(handles, tensors):
+                    result = commlib.synchronize(handle)   # bounded: Handle.wait's timeout
+                    if result is not tensor:
+                        tensor.copy_(result)
+            except Exception as exc:   # Mismatch, CommTimeout, PeerFailure: raised where the caller waits
+                future.set_exception(exc)
+                continue
+            future.set_result(tensors)
+
+
+def _create(store, rank, size, timeout):
+    return CommlibProcessGroup(store, rank, size, timeout or datetime.timedelta(seconds=1800))
+
+
+if NAME not in dist.Backend.backend_list:
+    dist.Backend.register_backend(NAME, _create, devices=["cpu"])

@@ -1,0 +1,165 @@
+"""torch.distributed programs on `dist.init_process_group("commlib")`, each against a Gloo group of the
+same job on the same inputs. argv: scenario (collectives | ddp | fsdp | mismatch | missing).
+
+Inputs are small integers (as floats, too), so every sum, average over 2 or 4 ranks, product, min
+and max is exact in any order and dtype: the comparison with Gloo is equality, whatever the
+algorithm's reduction order. Each rank reports (commlib.testing.report) what differed, by name.
+"""
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import commlib
+import commlib.torch  # noqa: F401  (registers the "commlib" backend)
+from commlib.testing import report
+
+scenario = sys.argv[1]
+dist.init_process_group("commlib")
+rank, size = dist.get_rank(), dist.get_world_size()
+gloo = dist.new_group(backend="gloo")
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+       "product": dist.ReduceOp.PRODUCT}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+          "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
+
+
+def inputs(dtype, op, n=1000, of=None):
+    """Rank `of`'s small integers: 1 or 2 for a product (no overflow), else 0..7."""
+    g = torch.Generator().manual_seed(17 * (rank if of is None else of) + n)
+    high = 3 if op == "product" else 8
+    return torch.randint(1 if op == "product" else 0, high, (n,), generator=g).to(dtype)
+
+
+def reference(dtype, op, n=1000):
+    """The result from Gloo (which has no AVG: its sum, divided, exact for these inputs)."""
+    out = inputs(dtype, op, n)
+    dist.all_reduce(out, op=OPS["sum" if op == "avg" else op], group=gloo)
+    return out / size if op == "avg" else out
+
+
+def outcome(fn):
+    try:
+        return fn()
+    except Exception as exc:   # compared by the test: which error, on which rank
+        return f"{type(exc).__name__}: {exc}"
+
+
+def allreduce_cases():
+    cases = {}
+    for dname, dtype in DTYPES.items():
+        for op in OPS:
+            if op == "avg" and not dtype.is_floating_point:
+                continue   # neither Gloo nor NCCL averages integers
+            ours = inputs(dtype, op)
+            work = dist.all_reduce(ours, op=OPS[op], async_op=True)
+            waited = work.wait()
+            theirs = reference(dtype, op)
+            cases[f"{dname}/{op}"] = {"equal": bool(torch.equal(ours, theirs)), "dtype": str(ours.dtype),
+                                      "completed": work.is_completed(), "waited": waited,
+                                      "future": torch.equal(work.get_future().wait()[0], ours)}
+    return cases
+
+
+def other_collectives():
+    got = {}
+    x = inputs(torch.float32, "sum", 8)
+    out, ref = torch.empty(8 * size), torch.empty(8 * size)
+    dist.all_gather_into_tensor(out, x)
+    dist.all_gather_into_tensor(ref, x, group=gloo)
+    got["all_gather_into_tensor"] = torch.equal(out, ref)
+    x = inputs(torch.float32, "sum", 4 * size)
+    out, ref = torch.empty(4), torch.empty(4)
+    dist.reduce_scatter_tensor(out, x)
+    dist.reduce_scatter_tensor(ref, x, group=gloo)
+    got["reduce_scatter_tensor"] = torch.equal(out, ref)
+    x = torch.arange(2.0 * size) + 100 * rank
+    out = torch.empty(2 * size)
+    dist.all_to_all_single(out, x)
+    got["all_to_all_single"] = out.tolist() == [100.0 * src + 2 * rank + i for src in range(size) for i in range(2)]
+    b = torch.full((3,), float(rank))
+    dist.broadcast(b, src=size - 1)
+    got["broadcast"] = b.tolist() == [float(size - 1)] * 3
+    dist.barrier()
+    if rank == 0:
+        dist.send(torch.arange(3.0), dst=size - 1)
+    if rank == size - 1:
+        r = torch.empty(3)
+        dist.recv(r, src=0)
+        got["send_recv"] = r.tolist() == [0.0, 1.0, 2.0]
+    pair = dist.new_group([0, 1])
+    if rank in (0, 1):
+        z = torch.full((2,), float(rank + 1))
+        dist.all_reduce(z, group=pair)
+        got["new_group"] = z.tolist() == [3.0, 3.0]
+    return got
+
+
+def ddp_against_gloo(steps=3):
+    """DDP with no hook on the commlib group and on the Gloo group, from the same start and data."""
+    def train(group):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        model = torch.nn.parallel.DistributedDataParallel(net, process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(100 + rank)
+        losses = []
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), losses
+    ours, our_losses = train(None)
+    theirs, their_losses = train(gloo)
+    diff = float((ours - theirs).abs().max() / theirs.abs().max())
+    return {"relative_diff": diff, "losses": our_losses, "gloo_losses": their_losses}
+
+
+def fsdp_against_gloo(steps=3):
+    """FSDP2 (`fully_shard` per layer) on the commlib group's mesh and on the Gloo group's."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    def train(mesh):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        for layer in (net[0], net[2], net):
+            fully_shard(layer, mesh=mesh)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(100 + rank)
+        losses = []
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+    return {"losses": train(DeviceMesh.from_group(dist.group.WORLD, "cpu")),
+            "gloo_losses": train(DeviceMesh.from_group(gloo, "cpu"))}
+
+
+if scenario == "collectives":
+    results = {"allreduce": allreduce_cases(), "other": other_collectives()}
+elif scenario == "ddp":
+    results = ddp_against_gloo()
+elif scenario == "fsdp":
+    results = fsdp_against_gloo()
+elif scenario == "mismatch":   # the last rank reduces a tensor of another length
+    start = time.monotonic()
+    t = torch.ones(10 if rank == size - 1 else 12)
+    results = {"error": outcome(lambda: dist.all_reduce(t)), "seconds": time.monotonic() - start}
+elif scenario == "missing":    # the last rank never calls it
+    start = time.monotonic()
+    t = torch.ones(10)
+    results = {"error": None if rank == size - 1 else outcome(lambda: dist.all_reduce(t)),
+               "seconds": time.monotonic() - start}
+results["algorithms"] = sorted({r["algorithm"] for r in commlib.records().values()})
+report(rank=rank, size=size, **results)
+if scenario in ("collectives", "ddp", "fsdp"):
+    dist.destroy_process_group()
