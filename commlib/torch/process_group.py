@@ -147,12 +147,17 @@ class _GroupEngine(GlooEngine):
 
 
 def _job_of(group, rank, size):
-    """(engine, placement) of the job this process group is: local ranks by host name."""
+    """(engine, placement) of the job this process group is: the local ranks as torchrun says, else
+    those on this host by name."""
     engine = _GroupEngine(group, rank, size)
-    hosts = [part.tobytes().decode() for part in engine.allgather(np.frombuffer(socket.gethostname().encode(),
-                                                                                np.uint8).copy(), "hosts")]
-    local = [r for r, host in enumerate(hosts) if host == hosts[rank]]
-    return engine, Context(rank, size, local.index(rank), len(local), "torch.distributed")
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        local_rank, local_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["LOCAL_WORLD_SIZE"])
+    else:
+        name = np.frombuffer(socket.gethostname().encode(), np.uint8).copy()
+        hosts = [part.tobytes() for part in engine.allgather(name, "hosts")]
+        local = [r for r, host in enumerate(hosts) if host == hosts[rank]]
+        local_rank, local_size = local.index(rank), len(local)
+    return engine, Context(rank, size, local_rank, local_size, "torch.distributed")
 
 
 class _Completer:
