@@ -6,7 +6,8 @@ commlib's core: dense float32 to the switch, here a commlib-switch on an unshape
 group of the same ranks. The configurations train the dense MLP of bench_training.py from the same
 start in the same processes, taking turns step by step:
   DDP on Gloo (no hook), DDP on the commlib backend (no hook), DDP on Gloo with commlib's comm hook
-  (the hook path, for comparison), FSDP2 (`fully_shard` per layer) on Gloo and on the commlib backend.
+  (the hook path, for comparison), FSDP2 (`fully_shard` per layer) on Gloo, on the commlib backend and
+  on it with int8 reduce-scatter and all-gather (COMMLIB_C10D_INT8's, on a group of its own here).
 Rank 0 prints samples/s per configuration; each configuration's loss curve is kept.
 
     python benchmarks/bench_c10d.py [--quick] [--workers 4] [--rate 500mbit] [--steps 20]
@@ -25,13 +26,13 @@ import common  # noqa: E402
 import netem  # noqa: E402
 
 CONFIGS = ["DDP on gloo", "DDP on commlib backend", "DDP on gloo + commlib hook", "FSDP2 on gloo",
-           "FSDP2 on commlib backend"]
+           "FSDP2 on commlib backend", "FSDP2 on commlib backend, int8"]
 PEERS = {"DDP on commlib backend": "DDP on gloo", "DDP on gloo + commlib hook": "DDP on gloo",
-         "FSDP2 on commlib backend": "FSDP2 on gloo"}
+         "FSDP2 on commlib backend": "FSDP2 on gloo", "FSDP2 on commlib backend, int8": "FSDP2 on gloo"}
 
 
 # -- inside each rank (its own namespace) -------------------------------------------------------------
-def build(label, args, gloo):
+def build(label, args, gloo, int8):
     """(net, the module to train) for `label`, from the same start as every other."""
     import torch
     import torch.distributed as dist
@@ -44,7 +45,7 @@ def build(label, args, gloo):
     h = args.hidden
     net = torch.nn.Sequential(torch.nn.Linear(args.features, h), torch.nn.ReLU(), torch.nn.Linear(h, h),
                               torch.nn.ReLU(), torch.nn.Linear(h, 10))
-    group = dist.group.WORLD if "commlib backend" in label else gloo
+    group = (int8 if label.endswith("int8") else dist.group.WORLD) if "commlib backend" in label else gloo
     if label.startswith("FSDP2"):
         mesh = DeviceMesh.from_group(group, "cpu")
         for layer in (net[0], net[2], net[4], net):
@@ -68,11 +69,13 @@ def worker(args):
     dist.init_process_group("commlib")
     rank, size = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
+    int8 = dist.new_group(backend="commlib")   # its reduce-scatter and all-gather in int8 (ZeRO++'s qgZ, qwZ)
+    int8.int8 = {"reduce_scatter", "all_gather"}
     rt = runtime()
     teacher = torch.randn(args.features, 10, generator=torch.Generator().manual_seed(1234))
     runs = {}
     for label in CONFIGS:
-        net, model = build(label, args, gloo)
+        net, model = build(label, args, gloo, int8)
         runs[label] = (net, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), [], [], [])
     # turns step by step: a change of load on this shared machine falls on every configuration alike
     for step in range(args.warmup + args.steps):
@@ -153,7 +156,8 @@ def main(argv=None):
     markdown = (f"{title}. Samples/s = median over the timed steps x workers; 'vs' = the median of the per-step "
                 f"ratios against the peer that ran beside it in the same step. The commlib backend's all_reduce "
                 f"went through {', '.join(algorithms)}; FSDP2's reduce-scatter and all-gather go through the "
-                f"backend's Gloo group, by design (README).\n\n"
+                f"backend's Gloo group, by design (README), in int8 with a scale per 256 values where the row says "
+                f"so (lossy: see the loss column and commlib/torch/int8_collectives.py).\n\n"
                 "| configuration | samples/s | vs | loss first -> last |\n|---|---|---|---|\n"
                 + "\n".join(rows) + "\n\n![c10d](results/c10d.png)\n")
     common.save("c10d", common.training_settings(args), results, markdown)

@@ -46,6 +46,17 @@ def test_fsdp2_trains_as_on_gloo():
         assert result["losses"] == result["gloo_losses"], result
 
 
+def test_int8_reduce_scatter_and_all_gather_within_their_stated_bound():
+    """COMMLIB_C10D_INT8 opts in: every element within the bound commlib/torch/int8_collectives.py states
+    (float32 rounding of the scales and sums aside: 1e-3 of it), and FSDP2 trains within 1e-3 of Gloo."""
+    for result in run(2, "int8", COMMLIB_C10D_INT8="reduce_scatter,all_gather"):
+        assert set(result["worst_over_bound"]) == {"reduce_scatter/sum", "reduce_scatter/avg", "all_gather"}
+        assert all(0 < worst <= 1.001 for worst in result["worst_over_bound"].values()), result
+        fsdp = result["fsdp"]
+        assert fsdp["losses"] != fsdp["gloo_losses"], "int8 did not reach FSDP2's collectives"
+        assert fsdp["losses"] == pytest.approx(fsdp["gloo_losses"], rel=1e-3), fsdp
+
+
 def test_a_mismatch_is_a_clear_error_on_every_rank_at_once():
     for result in run(2, "mismatch"):
         assert result["error"].startswith("Mismatch: tensor 'allreduce.noname.0': ranks disagree on shape"), result

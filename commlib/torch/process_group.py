@@ -30,11 +30,17 @@ import commlib
 from commlib import api, bootstrap
 from commlib.context import Context
 from commlib.engine import GlooEngine
+from commlib.errors import ConfigError
+from commlib.settings import define
+from commlib.torch import int8_collectives
 
 _OPS = {dist.ReduceOp.SUM: commlib.Sum, dist.ReduceOp.AVG: commlib.Average, dist.ReduceOp.MIN: commlib.Min,
         dist.ReduceOp.MAX: commlib.Max, dist.ReduceOp.PRODUCT: commlib.Product}
 _DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
 NAME = "commlib"
+INT8 = {"reduce_scatter", "all_gather"}
+define("c10d_int8", "", "the commlib torch.distributed backend's collectives that travel as int8 with a scale "
+       "per block (ZeRO++'s qgZ/qwZ; lossy, see commlib/torch/int8_collectives.py): reduce_scatter, all_gather")
 
 
 class CommlibProcessGroup(dist.ProcessGroup):
@@ -53,6 +59,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
             # must never interleave with the caller's on self.gloo (Gloo pairs collectives by order)
             api.start(None, {}, lambda settings: bootstrap.join(settings, *_job_of(gloo("commlib/ring"), rank, size)))
         self._completer = _Completer()
+        self.int8 = _int8_collectives()   # which collectives travel as int8: COMMLIB_C10D_INT8's, per group
 
     def getBackendName(self):
         return NAME
@@ -74,10 +81,43 @@ class CommlibProcessGroup(dist.ProcessGroup):
         self._completer.add(handles, tensors, work.future)
         return work
 
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        op = _OPS.get(opts.reduceOp.op)
+        if "reduce_scatter" not in self.int8 or op not in (commlib.Sum, commlib.Average) \
+                or not output.is_floating_point():
+            return self.gloo._reduce_scatter_base(output, input, opts)
+        return _done(lambda: int8_collectives.reduce_scatter(self.gloo, output, input, op == commlib.Average),
+                     [output])
+
+    def all_gather_single(self, output, input, opts=None):
+        if "all_gather" not in self.int8 or not input.is_floating_point():
+            return self.gloo._allgather_base(output, input, opts or dist.AllgatherOptions())
+        return _done(lambda: int8_collectives.all_gather(self.gloo, output, input), [output])
+
     def allreduce_coalesced(self, tensors, opts=None):
         options = dist.AllreduceOptions()
         options.reduceOp = (opts or dist.AllreduceCoalescedOptions()).reduceOp
         return self.allreduce(tensors, options)
+
+
+def _int8_collectives():
+    text = api.runtime().settings.c10d_int8 if api.is_initialized() else os.environ.get("COMMLIB_C10D_INT8", "")
+    chosen = {c.strip() for c in text.split(",") if c.strip()}
+    if chosen - INT8:
+        raise ConfigError(f"COMMLIB_C10D_INT8={','.join(sorted(chosen))}: name some of {', '.join(sorted(INT8))}")
+    return chosen
+
+
+def _done(fn, outputs):
+    """A finished Work: fn() ran here (a collective with no async form), its error raised at wait()."""
+    work = _Work()
+    try:
+        fn()
+        work.future.set_result(outputs)
+    except Exception as exc:   # raised where the caller waits, as an asynchronous one would be
+        work.future.set_exception(exc)
+    return work
 
 
 def _options(timeout):

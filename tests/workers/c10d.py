@@ -1,5 +1,5 @@
 """torch.distributed programs on `dist.init_process_group("commlib")`, each against a Gloo group of the
-same job on the same inputs. argv: scenario (collectives | ddp | fsdp | mismatch | missing).
+same job on the same inputs. argv: scenario (collectives | ddp | fsdp | int8 | mismatch | missing).
 
 Inputs are small integers (as floats, too), so every sum, average over 2 or 4 ranks, product, min
 and max is exact in any order and dtype: the comparison with Gloo is equality, whatever the
@@ -144,12 +144,46 @@ def fsdp_against_gloo(steps=3):
             "gloo_losses": train(DeviceMesh.from_group(gloo, "cpu"))}
 
 
+def int8_against_gloo(n=4096):
+    """reduce_scatter (Sum, Avg) and all_gather in int8 (COMMLIB_C10D_INT8) against Gloo's exact result:
+    the largest error over the bound int8_collectives states, per element (<= 1 holds it)."""
+    from commlib.torch.int8_collectives import BLOCK
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(size * n, generator=g) * torch.logspace(-3, 3, size * n)   # blocks of every magnitude
+    block_max = [torch.nn.functional.pad(part.abs(), (0, -n % BLOCK)).view(-1, BLOCK).amax(dim=1)
+                 .repeat_interleave(BLOCK)[:n] for part in everyone(x).view(size, size, n)[:, rank]]
+    worst = {}
+    for op in ("sum", "avg"):
+        ours, exact = torch.empty(n), torch.empty(n)
+        dist.reduce_scatter_tensor(ours, x, op=OPS[op])
+        dist.reduce_scatter_tensor(exact, x, group=gloo)
+        exact = exact / size if op == "avg" else exact
+        bound = sum(block_max) / 254 / (size if op == "avg" else 1)
+        worst[f"reduce_scatter/{op}"] = float(((ours - exact).abs() / bound).max())
+    shard = x[:n]
+    ours, exact = torch.empty(size * n), torch.empty(size * n)
+    dist.all_gather_into_tensor(ours, shard)
+    dist.all_gather_into_tensor(exact, shard, group=gloo)
+    bound = torch.cat([torch.nn.functional.pad(part.abs(), (0, -n % BLOCK)).view(-1, BLOCK).amax(dim=1)
+                       .repeat_interleave(BLOCK)[:n] for part in exact.view(size, n)]) / 254
+    worst["all_gather"] = float(((ours - exact).abs() / bound).max())
+    return {"worst_over_bound": worst, "fsdp": fsdp_against_gloo()}
+
+
+def everyone(x):
+    out = torch.empty(size * x.numel())
+    dist.all_gather_into_tensor(out, x, group=gloo)
+    return out
+
+
 if scenario == "collectives":
     results = {"allreduce": allreduce_cases(), "other": other_collectives()}
 elif scenario == "ddp":
     results = ddp_against_gloo()
 elif scenario == "fsdp":
     results = fsdp_against_gloo()
+elif scenario == "int8":
+    results = int8_against_gloo()
 elif scenario == "mismatch":   # the last rank reduces a tensor of another length
     start = time.monotonic()
     t = torch.ones(10 if rank == size - 1 else 12)
@@ -161,5 +195,5 @@ elif scenario == "missing":    # the last rank never calls it
                "seconds": time.monotonic() - start}
 results["algorithms"] = sorted({r["algorithm"] for r in commlib.records().values()})
 report(rank=rank, size=size, **results)
-if scenario in ("collectives", "ddp", "fsdp"):
+if scenario in ("collectives", "ddp", "fsdp", "int8"):
     dist.destroy_process_group()
