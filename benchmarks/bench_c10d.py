@@ -110,20 +110,6 @@ def worker(args):
 
 
 # -- the launcher -------------------------------------------------------------------------------------
-def _run(args, n):
-    hosts = [f"w{r}" for r in range(n)]
-    with netem.Cluster(hosts + ["switch"], rate=args.rate, unshaped={"switch"}) as cluster:
-        switch, address = cluster.start_switch("switch", cwd=ROOT)
-        try:
-            forwarded = ["--worker", *[f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "batch", "hidden",
-                                                                             "features")]]
-            ranks = cluster.run(hosts, [sys.executable, str(Path(__file__)), *forwarded],
-                                {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "120"}, args.timeout, cwd=ROOT)
-        finally:
-            cluster.kill([switch])
-    return common.cluster_result(ranks, echo=True)
-
-
 def main(argv=None):
     args = common.parse_training_arguments(common.training_arguments(__doc__, steps=20), argv)
     if args.worker:
@@ -132,7 +118,7 @@ def main(argv=None):
     if not ok:
         raise SystemExit(f"bench_c10d: {why}")
     print(f"== {args.workers} emulated hosts, links {args.rate} each way, {len(CONFIGS)} configurations", flush=True)
-    payload = _run(args, args.workers)
+    payload = common.switch_job(args, Path(__file__))
     n, results = payload["size"], payload["results"]
     algorithms = results.pop("algorithms")
     rows = []

@@ -330,6 +330,22 @@ def cluster_result(ranks, echo=False):
     return found[0]
 
 
+def switch_job(args, script, forwarded=("steps", "warmup", "batch", "hidden", "features")):
+    """A torchrun-like job of `script --worker` (with the `forwarded` options) on args.workers emulated
+    hosts, links shaped to args.rate, a commlib-switch on an unshaped host; rank 0's payload."""
+    import netem
+    hosts = [f"w{r}" for r in range(args.workers)]
+    with netem.Cluster(hosts + ["switch"], rate=args.rate, unshaped={"switch"}) as cluster:
+        switch, address = cluster.start_switch("switch", cwd=ROOT)
+        try:
+            argv = [sys.executable, str(script), "--worker", *[f"--{k}={getattr(args, k)}" for k in forwarded]]
+            ranks = cluster.run(hosts, argv, {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "120"},
+                                args.timeout, cwd=ROOT)
+        finally:
+            cluster.kill([switch])
+    return cluster_result(ranks, echo=True)
+
+
 def horovod_built():
     """Horovod with its torch ops is installed (tried in a child process, so this one stays light)."""
     return subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode == 0

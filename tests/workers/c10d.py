@@ -96,84 +96,75 @@ def other_collectives():
     return got
 
 
-def ddp_against_gloo(steps=3):
-    """DDP with no hook on the commlib group and on the Gloo group, from the same start and data."""
-    def train(group):
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-        model = torch.nn.parallel.DistributedDataParallel(net, process_group=group)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        g = torch.Generator().manual_seed(100 + rank)
-        losses = []
-        for _ in range(steps):
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), losses
-    ours, our_losses = train(None)
-    theirs, their_losses = train(gloo)
+def train(wrap, steps=3):
+    """Losses of a small MLP wrapped by wrap(net) -> module, from the same start and data on every call."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model = wrap(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), losses
+
+
+def ddp_against_gloo():
+    """DDP with no hook on the commlib group and on the Gloo group."""
+    ddp = lambda group: lambda net: torch.nn.parallel.DistributedDataParallel(net, process_group=group)
+    (ours, our_losses), (theirs, their_losses) = train(ddp(None)), train(ddp(gloo))
     diff = float((ours - theirs).abs().max() / theirs.abs().max())
     return {"relative_diff": diff, "losses": our_losses, "gloo_losses": their_losses}
 
 
-def fsdp_against_gloo(steps=3):
+def fsdp_against_gloo():
     """FSDP2 (`fully_shard` per layer) on the commlib group's mesh and on the Gloo group's."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    def train(mesh):
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-        for layer in (net[0], net[2], net):
-            fully_shard(layer, mesh=mesh)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        g = torch.Generator().manual_seed(100 + rank)
-        losses = []
-        for _ in range(steps):
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-            loss = torch.nn.functional.mse_loss(net(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
-    return {"losses": train(DeviceMesh.from_group(dist.group.WORLD, "cpu")),
-            "gloo_losses": train(DeviceMesh.from_group(gloo, "cpu"))}
+    def fsdp(group):
+        def wrap(net):
+            for layer in (net[0], net[2], net):
+                fully_shard(layer, mesh=DeviceMesh.from_group(group, "cpu"))
+            return net
+        return wrap
+    return {"losses": train(fsdp(dist.group.WORLD))[1], "gloo_losses": train(fsdp(gloo))[1]}
 
 
 def int8_against_gloo(n=4096):
     """reduce_scatter (Sum, Avg) and all_gather in int8 (COMMLIB_C10D_INT8) against Gloo's exact result:
     the largest error over the bound int8_collectives states, per element (<= 1 holds it)."""
-    from commlib.torch.int8_collectives import BLOCK
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(size * n, generator=g) * torch.logspace(-3, 3, size * n)   # blocks of every magnitude
-    block_max = [torch.nn.functional.pad(part.abs(), (0, -n % BLOCK)).view(-1, BLOCK).amax(dim=1)
-                 .repeat_interleave(BLOCK)[:n] for part in everyone(x).view(size, size, n)[:, rank]]
+    gathered = torch.empty(size * size * n)
+    dist.all_gather_into_tensor(gathered, x, group=gloo)
+    mine_from_each = [block_max(part) for part in gathered.view(size, size, n)[:, rank]]   # what rank r sends me
     worst = {}
     for op in ("sum", "avg"):
         ours, exact = torch.empty(n), torch.empty(n)
         dist.reduce_scatter_tensor(ours, x, op=OPS[op])
         dist.reduce_scatter_tensor(exact, x, group=gloo)
         exact = exact / size if op == "avg" else exact
-        bound = sum(block_max) / 254 / (size if op == "avg" else 1)
+        bound = sum(mine_from_each) / 254 / (size if op == "avg" else 1)
         worst[f"reduce_scatter/{op}"] = float(((ours - exact).abs() / bound).max())
-    shard = x[:n]
     ours, exact = torch.empty(size * n), torch.empty(size * n)
-    dist.all_gather_into_tensor(ours, shard)
-    dist.all_gather_into_tensor(exact, shard, group=gloo)
-    bound = torch.cat([torch.nn.functional.pad(part.abs(), (0, -n % BLOCK)).view(-1, BLOCK).amax(dim=1)
-                       .repeat_interleave(BLOCK)[:n] for part in exact.view(size, n)]) / 254
+    dist.all_gather_into_tensor(ours, x[:n])
+    dist.all_gather_into_tensor(exact, x[:n], group=gloo)
+    bound = torch.cat([block_max(part) for part in exact.view(size, n)]) / 254
     worst["all_gather"] = float(((ours - exact).abs() / bound).max())
     return {"worst_over_bound": worst, "fsdp": fsdp_against_gloo()}
 
 
-def everyone(x):
-    out = torch.empty(size * x.numel())
-    dist.all_gather_into_tensor(out, x, group=gloo)
-    return out
+def block_max(x):
+    """Per element, the largest magnitude in its int8 block (the scale's source)."""
+    from commlib.torch.int8_collectives import BLOCK
+    blocks = torch.nn.functional.pad(x.abs(), (0, -x.numel() % BLOCK)).view(-1, BLOCK).amax(dim=1)
+    return blocks.repeat_interleave(BLOCK)[:x.numel()]
 
 
 if scenario == "collectives":
