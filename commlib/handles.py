@@ -7,16 +7,30 @@ from commlib.errors import CommTimeout
 class Handle:
     """The result of an asynchronous allreduce: `synchronize(handle)` or `poll(handle)`."""
 
-    __slots__ = ("name", "_event", "_result", "_error", "_timeout", "_then")
+    __slots__ = ("name", "_event", "_result", "_error", "_timeout", "_then", "_callbacks", "_lock")
 
     def __init__(self, name, timeout):
         self.name, self._timeout = name, timeout
         self._event = threading.Event()
         self._result = self._error = self._then = None
+        self._callbacks, self._lock = [], threading.Lock()
 
     def set(self, result=None, error=None):
-        self._result, self._error = result, error
-        self._event.set()
+        with self._lock:
+            self._result, self._error = result, error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+    def add_done_callback(self, fn):
+        """fn(handle) once the result or error is in: now if it is, else on the thread that sets it
+        (commlib's background thread: keep fn short, as torch's Future.then callbacks)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def then(self, fn):
         """Apply fn to the result once, when the caller first waits for it."""

@@ -189,3 +189,15 @@ def test_a_bucket_of_adjacent_views_is_fused_without_a_copy():
     assert not together.flags.writeable, "the caller's memory must not be written by the backends"
     assert fused([b, a]) is None and fused([a, flat[4:]]) is None, "non-adjacent arrays need a copy"
     assert fused([a, flat[3:].astype(np.float64)]) is None
+
+
+def test_a_handle_calls_back_when_it_resolves_or_at_once_if_it_has():
+    from commlib.handles import Handle
+    seen = []
+    pending, failed = Handle("p", 1.0), Handle("f", 1.0)
+    pending.add_done_callback(lambda h: seen.append(("p", h.wait())))
+    assert seen == []
+    pending.set(result=7)
+    failed.set(error=commlib.CommError("gone"))
+    failed.add_done_callback(lambda h: seen.append(("f", h.done())))
+    assert seen == [("p", 7), ("f", True)]

@@ -18,7 +18,6 @@ Mismatch or a timeout naming the tensor, never a silent wrong sum.
 import datetime
 import json
 import os
-import queue
 import socket
 import threading
 
@@ -58,7 +57,6 @@ class CommlibProcessGroup(dist.ProcessGroup):
             # the core's ring gets a Gloo group of its own: its collectives run on commlib's thread and
             # must never interleave with the caller's on self.gloo (Gloo pairs collectives by order)
             api.start(None, {}, lambda settings: bootstrap.join(settings, *_job_of(gloo("commlib/ring"), rank, size)))
-        self._completer = _Completer()
         self.int8 = _int8_collectives()   # which collectives travel as int8: COMMLIB_C10D_INT8's, per group
 
     def getBackendName(self):
@@ -78,7 +76,7 @@ class CommlibProcessGroup(dist.ProcessGroup):
         except Exception as exc:   # refused on every rank (the core tells the others): raised at wait()
             work.future.set_exception(exc)
             return work
-        self._completer.add(handles, tensors, work.future)
+        _complete(handles, tensors, work.future)
         return work
 
     def reduce_scatter_single(self, output, input, opts=None):
@@ -200,30 +198,27 @@ def _job_of(group, rank, size):
     return engine, Context(rank, size, local_rank, local_size, "torch.distributed")
 
 
-class _Completer:
-    """A thread that waits for each call's handles in order and completes its Future, copying the
-    results into the caller's tensors (all_reduce is in place)."""
+def _complete(handles, tensors, future):
+    """Complete `future` with `tensors` once every handle resolved, each result copied into its tensor
+    (all_reduce is in place), or with the first error; on commlib's thread, as the handles resolve."""
+    left, lock = [len(handles)], threading.Lock()
 
-    def __init__(self):
-        self._queue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="commlib-c10d-futures", daemon=True)
-        self._thread.start()
-
-    def add(self, handles, tensors, future):
-        self._queue.put((handles, tensors, future))
-
-    def _run(self):
-        while True:
-            handles, tensors, future = self._queue.get()
-            try:
-                for handle, tensor in zip(handles, tensors):
-                    result = commlib.synchronize(handle)   # bounded: Handle.wait's timeout
-                    if result is not tensor:
-                        tensor.copy_(result)
-            except Exception as exc:   # Mismatch, CommTimeout, PeerFailure: raised where the caller waits
-                future.set_exception(exc)
-                continue
-            future.set_result(tensors)
+    def one_done(_):
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            for handle, tensor in zip(handles, tensors):
+                result = handle.wait()   # resolved: returns at once, or raises its error
+                if result is not tensor:
+                    tensor.copy_(result)
+        except Exception as exc:   # Mismatch, CommTimeout, PeerFailure: raised where the caller waits
+            future.set_exception(exc)
+            return
+        future.set_result(tensors)
+    for handle in handles:
+        handle.add_done_callback(one_done)
 
 
 def _create(store, rank, size, timeout):
