@@ -103,22 +103,62 @@ def _check_horovod_sees_the_launch(hvd, environ):
                           f"(commlib.torch.ddp_comm_hook with DDP, or commlib.allreduce)")
 
 
+def initialized_process_group():
+    """(rank, size) of torch.distributed's default process group when this process initialized one."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:   # a half-imported or broken torch.distributed counts as absent
+        pass
+    return None
+
+
+def _check_agrees(where, rank, size, group):
+    """The launcher's word against the process group's: a disagreement would reduce over the wrong ranks."""
+    if group is not None and group != (rank, size):
+        raise ConfigError(f"{where} says rank {rank} of {size} but torch.distributed's process group is rank "
+                          f"{group[0]} of {group[1]}: commlib would reduce over other ranks than the job's. Start "
+                          f"every process with the same launcher and world size (or unset the stale variables)")
+
+
 def detect(environ=None):
-    """This process's placement: Horovod if initialized, else the launcher's variables, else mpi4py,
-    else a single process."""
+    """This process's placement: Horovod if initialized, else torch.distributed's process group if
+    initialized (Lightning's own launcher sets no RANK), else the launcher's variables, else mpi4py, else
+    a single process. Where two of them speak, they must agree."""
     environ = os.environ if environ is None else environ
+    group = initialized_process_group()
     hvd = initialized_horovod()
     if hvd is not None:
         _check_horovod_sees_the_launch(hvd, environ)
+        _check_agrees("Horovod", hvd.rank(), hvd.size(), group)
         return Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), "horovod")
     for launcher, rank, size, local_rank, local_size in _ENVIRONMENTS:
         if rank in environ and size in environ:
             n = int(environ[size])
+            _check_agrees(f"the {launcher} environment ({rank}, {size})", int(environ[rank]), n, group)
             return Context(int(environ[rank]), n, int(environ.get(local_rank, environ[rank])),
                            int(environ.get(local_size, n)), launcher)
+    if group is not None:   # ranks and local ranks as the launcher set them (Lightning: LOCAL_RANK, no RANK)
+        rank, size = group
+        local_size = int(environ.get("LOCAL_WORLD_SIZE", 0)) or _local_size_by_host()
+        return Context(rank, size, int(environ.get("LOCAL_RANK", 0)), local_size, "torchrun")
+    if "WORLD_SIZE" in environ and int(environ["WORLD_SIZE"]) > 1:   # a launcher whose group is not up yet
+        raise ConfigError(f"WORLD_SIZE={environ['WORLD_SIZE']} but no RANK and no torch.distributed process group: "
+                          f"commlib would run a job of one rank. Initialize torch.distributed first "
+                          f"(dist.init_process_group; Lightning does it in Trainer.fit) or launch with torchrun")
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized():
         world = mpi.COMM_WORLD
         local = world.Split_type(mpi.COMM_TYPE_SHARED)
         return Context(world.Get_rank(), world.Get_size(), local.Get_rank(), local.Get_size(), "mpi")
     return Context(0, 1, 0, 1, "single")
+
+
+def _local_size_by_host():
+    """How many ranks of the default process group run on this host (a collective on that group)."""
+    import socket
+    import torch.distributed as dist
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts.count(socket.gethostname())

@@ -1,21 +1,21 @@
 """PyTorch Lightning's DDPStrategy with commlib's comm hook.
 
+    python examples/lightning_ddp.py                      # Lightning starts the processes itself
     torchrun --nproc-per-node 2 examples/lightning_ddp.py
 
-The hook and its state go to DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...), as PyTorch's
-own hooks do. Lightning 2.6 registers a strategy's comm hook on CUDA devices only (a PyTorch 1.8
-limit since lifted: gloo runs comm hooks), so on CPU `RegisterCommHook` registers the same state
-and hook once DDP has wrapped the model.
+The hook and its state go to DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...), as PyTorch's own
+hooks do; commlib.torch.lightning.DDPStrategy is Lightning's, but registers the hook on CPU too
+(Lightning 2.6 does on CUDA only). The hook's first bucket starts commlib over DDP's world.
 """
 import argparse
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 import commlib
 import commlib.torch as cl
+from commlib.torch.lightning import DDPStrategy
 
 
 class Regression(pl.LightningModule):
@@ -34,17 +34,6 @@ class Regression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
-class RegisterCommHook(pl.Callback):
-    """Registers the strategy's comm hook where Lightning itself does not (non-CUDA devices)."""
-
-    def __init__(self, state, hook):
-        self.state, self.hook = state, hook
-
-    def on_fit_start(self, trainer, pl_module):
-        if trainer.strategy.root_device.type != "cuda":
-            trainer.strategy.model.register_comm_hook(self.state, self.hook)
-
-
 def dataset(n=2048):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 32, generator=g)
@@ -61,10 +50,10 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = Regression()
-    state = cl.CommlibState(model.named_parameters(), policy=args.policy)   # starts commlib (and torch.distributed)
+    state = cl.CommlibState(model.named_parameters(), policy=args.policy)
     strategy = DDPStrategy(ddp_comm_state=state, ddp_comm_hook=cl.ddp_comm_hook)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
-                         callbacks=[RegisterCommHook(state, cl.ddp_comm_hook)], logger=False,
+                         logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, DataLoader(dataset(), batch_size=32, shuffle=True))
     if trainer.global_rank == 0:

@@ -1,13 +1,9 @@
 """Issue 27: `dist.init_process_group("commlib")`, in the manner of PyTorch's process-group tests:
 every collective x dtype x op against a Gloo group of the same job (tests/workers/c10d.py), Work
 semantics, subgroups, DDP with no hook, FSDP2, a mismatch and a missing rank on every rank."""
-import subprocess
-import sys
-
 import pytest
 
-from commlib.testing import results
-from launch import ROOT, WORKERS, _env, spawn
+from launch import spawn
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(360)]
 
@@ -70,14 +66,3 @@ def test_a_rank_that_never_calls_is_a_timeout_naming_it():
                                      "rank 1 within 3.0s"), first
     assert 3 <= first["seconds"] < 15, first
 
-
-def test_lightning_with_the_commlib_backend_on_its_own_launcher():
-    """`python train.py` with Trainer(devices=2, strategy=DDPStrategy(process_group_backend="commlib")):
-    Lightning starts the ranks itself (no RANK in the environment), on CPU."""
-    done = subprocess.run([sys.executable, str(WORKERS / "lightning_c10d.py")], capture_output=True, text=True,
-                          timeout=240, cwd=ROOT, env=_env(None))
-    assert done.returncode == 0, done.stdout + done.stderr
-    for result in results(done.stdout, 2):
-        assert result["size"] == 2 and result["backend"] == "commlib", result
-        assert result["same_on_all_ranks"] and result["trained"], result
-        assert "switchml" in result["algorithms"], result
