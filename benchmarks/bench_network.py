@@ -15,6 +15,7 @@ whether the link or the 2-core CPU was the bottleneck. Results are checked again
 Results: benchmarks/results/network.json, network.png and RESULTS.md. Needs root (namespaces, tc).
 """
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -102,14 +103,23 @@ def _run(args, n):
 
 
 def _plot(rows, title):
-    labels = [f"N={r['workers']}\n{r['workload']}\n{r['algorithm']}" for r in rows]
-    fig, ax = common.figure(figsize=(max(6, 0.9 * len(rows)), 4))
-    colors = {"ring": "#888888", "switchml": "#1f77b4", "omnireduce": "#2ca02c"}
-    ax.bar(range(len(rows)), [r["median_ms"] for r in rows], color=[colors[r["algorithm"]] for r in rows])
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylabel("median allreduce time (ms)")
-    ax.set_title(title, fontsize=9)
+    fig, ax = common.figure(figsize=(10, 4.5))
+    common.grouped_bars(ax, rows, lambda r: f"N={r['workers']} {r['workload']}", lambda r: r["algorithm"],
+                        "median_ms", "vs_ring", "ring", ylabel="median allreduce time (ms)")
+    common.titled(fig, title)
     common.save_figure(fig, "network")
+
+
+def _title(args, engine):
+    return f"{args.elements:,} float32 per worker, links {args.rate} each way; ring = {engine} allreduce; " \
+           f"median of {args.runs} runs"
+
+
+def replot():
+    """Draw the figure again from results/network.json (no run)."""
+    saved = json.loads((common.RESULTS / "network.json").read_text())
+    engine = next(iter(saved["results"]["raw"].values()))["engine"] if saved["results"]["raw"] else "?"
+    _plot(saved["results"]["rows"], _title(argparse.Namespace(**saved["settings"]), engine))
 
 
 def main(argv=None):
@@ -123,7 +133,10 @@ def main(argv=None):
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--replot", action="store_true", help="redraw the figure from results/network.json, no run")
     args = parser.parse_args(argv)
+    if args.replot:
+        return replot()
     args.elements = args.elements or (1 << 18 if args.quick else 1 << 22)
     args.runs = args.runs or (3 if args.quick else 5)
     args.workers = args.workers or ("4" if args.quick else "4,8")
@@ -159,8 +172,7 @@ def main(argv=None):
                       f"x{row['vs_ring']:5.2f} vs ring  sent {row['tx_mib']:7.2f} MiB/worker  "
                       f"link {row['link_utilization']:4.0%}", flush=True)
     engine = next(iter(results.values()))["engine"] if results else "?"
-    title = (f"{args.elements:,} float32 per worker, links {args.rate} each way; ring = {engine} "
-             f"allreduce; median of {args.runs} runs")
+    title = _title(args, engine)
     _plot(rows, title)
     table = "\n".join(f"| {r['workers']} | {r['workload']} | {r['algorithm']} | {r['median_ms']:.1f} | "
                       f"{r['goodput_gbps']:.3f} | {r['vs_ring']:.2f}x | {r['tx_mib']:.2f} | "

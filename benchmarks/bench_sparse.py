@@ -21,6 +21,7 @@ Results: benchmarks/results/sparse.json, sparse.png, sparse_skew.png and RESULTS
 --ids: sparse_<rate>_ids<ids>). Needs root.
 """
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -149,16 +150,14 @@ def _run(args, n):
     return common.cluster_result(ranks)
 
 
-def _plots(rows, raw, title, suite):
-    fig, ax = common.figure(figsize=(max(7, 0.5 * len(rows)), 4))
-    colors = {"sparse_allgather": "#888888", "omnireduce": "#2ca02c", "hotcold": "#d62728",
-              "hotcold+presence": "#ff7f0e", "switchml": "#1f77b4"}
-    ax.bar(range(len(rows)), [r["median_ms"] for r in rows], color=[colors[r["algorithm"]] for r in rows])
-    ax.set_xticks(range(len(rows)), [f"N={r['workers']} {r['workload']}\n{r['algorithm']}" for r in rows],
-                  fontsize=5, rotation=90)
+def _plots(rows, raw, title, suite, rate):
+    fig, ax = common.figure(figsize=(10, 4.5))
+    link_ms = lambda r: r["bound_kib"] * 1024 * 8 / common.rate_bps(rate) * 1e3
+    common.grouped_bars(ax, rows, lambda r: f"N={r['workers']} {r['workload'].replace('.s', ', Zipf ')}",
+                        lambda r: r["algorithm"], "median_ms", "vs_allgather", "sparse_allgather",
+                        bound=link_ms, ylabel="median time per allreduce (ms)")
     ax.set_yscale("log")
-    ax.set_ylabel("median time per allreduce (ms)")
-    ax.set_title(title, fontsize=8)
+    common.titled(fig, title)
     common.save_figure(fig, suite)
     fig, ax = common.figure(figsize=(6, 4))
     for n, payload in raw.items():
@@ -176,6 +175,23 @@ def _plots(rows, raw, title, suite):
     ax.set_title("update skew (hotcold's per-row counts, summed over ranks)", fontsize=8)
     ax.legend(fontsize=6)
     common.save_figure(fig, f"{suite}_skew")
+
+
+def _title(args):
+    return (f"row-sparse allreduce, {args.ids} Zipf ids per rank per step, rows of {args.dim} float32, links "
+            f"{args.rate}; median of {args.runs} steps (slowest rank), the algorithms taking turns in each")
+
+
+def _suite(args):
+    """Another rate or batch: files of its own."""
+    return "sparse" + ("" if args.rate == "500mbit" else f"_{args.rate}") + ("" if args.ids == 4096 else f"_ids{args.ids}")
+
+
+def replot(suite):
+    """Draw `suite`'s figures again from its results file (no run)."""
+    saved = json.loads((common.RESULTS / f"{suite}.json").read_text())
+    args = argparse.Namespace(**saved["settings"])
+    _plots(saved["results"]["rows"], saved["results"]["raw"], _title(args), suite, args.rate)
 
 
 def main(argv=None):
@@ -196,7 +212,10 @@ def main(argv=None):
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=170)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--replot", metavar="SUITE", help="redraw SUITE's figures from its results file, no run")
     args = parser.parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     args.runs = args.runs or (2 if args.quick else 7)
     args.workers = args.workers or ("4" if args.quick else "4,8")
     args.zipf = [float(v) for v in (args.zipf or ("1.1" if args.quick else "0.8,1.1,1.4")).split(",")]
@@ -230,12 +249,8 @@ def main(argv=None):
                       f"sent {row['tx_kib']:9.1f} KiB (model {row['model_up_kib']:9.1f})  "
                       f"received {row['rx_kib']:9.1f} KiB (model {row['model_down_kib']:9.1f}, "
                       f"bound {row['bound_kib']:7.1f}: x{row['model_vs_bound']:4.2f})", flush=True)
-    title = (f"row-sparse allreduce, {args.ids} Zipf ids per rank per step, rows of {args.dim} float32, links "
-             f"{args.rate}; median of {args.runs} steps (slowest rank), the algorithms taking turns in each")
-    # another rate or batch: its own files
-    suite = ("sparse" + ("" if args.rate == "500mbit" else f"_{args.rate}")
-             + ("" if args.ids == 4096 else f"_ids{args.ids}"))
-    _plots(rows, raw, title, suite)
+    title, suite = _title(args), _suite(args)
+    _plots(rows, raw, title, suite, args.rate)
     table = "\n".join(
         f"| {r['workers']} | {r['workload']} | {r['rows_per_rank']:.0f} | {r['algorithm']} | {r['median_ms']:.1f} | "
         f"{r['vs_allgather']:.2f}x | {r['tx_kib']:.0f} / {r['model_up_kib']:.0f} | {r['rx_kib']:.0f} / "

@@ -236,6 +236,35 @@ def plot_losses(ax, results):
     ax.legend(fontsize=7)
 
 
+def grouped_bars(ax, rows, group, series, value, ratio, peer, bound=None, ylabel=""):
+    """Bars of rows[value] grouped by group(row) along x, one colour per series(row) with a legend; each
+    bar labelled with rows[ratio] against `peer` (the series every ratio is to); bound(row), where
+    given, a black line over its bar: the time the physical bound allows."""
+    groups = list(dict.fromkeys(group(r) for r in rows))
+    names = list(dict.fromkeys(series(r) for r in rows))
+    width = 0.8 / len(names)
+    colors = dict(zip(names, ["#888888", "#1f77b4", "#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#8c564b"]))
+    for r in rows:
+        x = groups.index(group(r)) - 0.4 + width * (names.index(series(r)) + 0.5)
+        bar = ax.bar(x, r[value], width, color=colors[series(r)], label=series(r))
+        ax.bar_label(bar, [f"{r[ratio]:.2f}x"], fontsize=6, rotation=90, padding=2)
+        if bound is not None and bound(r):
+            ax.hlines(bound(r), x - width / 2, x + width / 2, colors="black", linewidth=1.5,
+                      label="bound (link time of the fewest bytes)")
+    handles = dict(zip(*reversed(ax.get_legend_handles_labels())))   # one entry per label
+    ax.legend(handles.values(), handles.keys(), fontsize=7, title=f"bar labels: speed vs {peer}",
+              title_fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_xticks(range(len(groups)), groups, fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.margins(y=0.15)
+
+
+def titled(fig, title, width=110):
+    """A title wrapped to the figure instead of cut at its edges."""
+    import textwrap
+    fig.suptitle("\n".join(textwrap.wrap(title, width)), fontsize=8)
+
+
 def training_arguments(description, steps, warmup=2, warmup_help="untimed steps"):
     """The options the emulated-network training benchmarks share (bench_training, bench_ddp,
     bench_tf); a benchmark adds its own, then parses with parse_training_arguments."""
