@@ -19,7 +19,7 @@ class Context:
     size: int
     local_rank: int
     local_size: int
-    launcher: str = "single"         # horovod, horovodrun, mpi, torchrun, single, threads
+    launcher: str = "single"         # horovod, horovodrun, mpi, torchrun, torch.distributed (the backend), single, threads
     settings: object = None          # commlib.settings.Settings
     exchange_fn: object = None       # (key, value, timeout) -> list of every rank's value
     engine: object = None            # commlib.engine.Engine: the existing ring engine (None in unit tests)
