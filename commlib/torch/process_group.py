@@ -50,7 +50,8 @@ class CommlibProcessGroup(dist.ProcessGroup):
         self._size = size
         gloo = lambda prefix: dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, _options(timeout))
         self.gloo = gloo("commlib/gloo")
-        # every collective this class does not override (all but all_reduce) runs on it
+        # what asks for the group's backend (FSDP2's device mesh) finds it; collectives go through the
+        # Python methods below, never torch's C++ path into it (see _on_gloo)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.gloo)
         self._core = size > 1 and (not api.is_initialized() or api.size() == size) and _is_world(size)
         if self._core and not api.is_initialized():
@@ -93,10 +94,35 @@ class CommlibProcessGroup(dist.ProcessGroup):
             return self.gloo._allgather_base(output, input, opts or dist.AllgatherOptions())
         return _done(lambda: int8_collectives.all_gather(self.gloo, output, input), [output])
 
+    # Gloo has no coalesced forms of these: one after the other, as torch's own Python process group does
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return _last([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)])
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return _last([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)])
+
     def allreduce_coalesced(self, tensors, opts=None):
         options = dist.AllreduceOptions()
         options.reduceOp = (opts or dist.AllreduceCoalescedOptions()).reduceOp
         return self.allreduce(tensors, options)
+
+
+def _on_gloo(method):
+    """A collective run by the backend's Gloo group, called from Python, which lets the GIL go while Gloo
+    queues it. Torch's C++ path from a Python process group into a registered backend keeps the GIL
+    while it waits for Gloo's queue lock, and Gloo's worker, holding that lock, may wait for the GIL
+    to free a finished Work's tensors: a deadlock (seen: all_to_all_single, then broadcast)."""
+    return lambda self, *args, **kwargs: getattr(self.gloo, method)(*args, **kwargs)
+
+
+for _name, _method in {"broadcast": "broadcast", "barrier": "barrier", "allgather": "allgather",
+                       "_allgather_base": "_allgather_base", "allgather_coalesced": "allgather_coalesced",
+                       "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "_reduce_scatter_base",
+                       "alltoall": "alltoall",
+                       "all_to_all_single": "alltoall_base", "alltoall_base": "alltoall_base", "send": "send",
+                       "recv": "recv", "recv_anysource": "recv_anysource", "reduce": "reduce", "gather": "gather",
+                       "scatter": "scatter", "monitored_barrier": "monitored_barrier"}.items():
+    setattr(CommlibProcessGroup, _name, _on_gloo(_method))
 
 
 def _int8_collectives():
@@ -105,6 +131,12 @@ def _int8_collectives():
     if chosen - INT8:
         raise ConfigError(f"COMMLIB_C10D_INT8={','.join(sorted(chosen))}: name some of {', '.join(sorted(INT8))}")
     return chosen
+
+
+def _last(works):
+    for work in works[:-1]:
+        work.wait()
+    return works[-1]
 
 
 def _done(fn, outputs):
