@@ -47,6 +47,9 @@ CARRIERS = {
 TRAFFIC = "traffic"   # the bound of choices the traffic model settles
 
 
+PLANS_KEPT = 4096
+
+
 @dataclass(frozen=True)
 class Plan:
     """What every rank must agree on for one tensor, besides its shape, dtype, op and scaling."""
@@ -102,13 +105,30 @@ class Dispatcher:
     def __init__(self, backends, unavailable, policy, settings):
         self.backends, self.unavailable = backends, unavailable
         self.policy, self.settings = policy, settings
+        self._plans = {}   # (name, shape, dtype, algorithm, policy, op) -> Plan, oldest first
         for backend in backends.values():   # composite algorithms (hotcold) run over the others
             if hasattr(backend, "bind"):
                 backend.bind(backends)
 
     def plan(self, name, staged, algorithm=None, compression=None, policy=None, op="sum"):
         """(Plan, compressor object or None) for a tensor. `algorithm`/`compression` given by the
-        caller win over the policy; `policy` (a Policy) replaces commlib.init's for this tensor."""
+        caller win over the policy; `policy` (a Policy) replaces commlib.init's for this tensor.
+        A dense tensor's plan that no measurement decides is remembered: the same tensor at the next
+        step costs a lookup (a model's hundreds of parameters, every step)."""
+        key = None
+        if staged.sparse is None and compression is None:
+            key = (name, staged.shape, staged.dtype_name, algorithm, policy, op)   # the key holds the policy: no id reuse
+            known = self._plans.get(key)
+            if known is not None:
+                return known, None
+        plan, compressor = self._plan(name, staged, algorithm, compression, policy, op)
+        if key is not None and compressor is None and plan.density is None:
+            if len(self._plans) >= PLANS_KEPT:   # unnamed calls have names of their own: keep it bounded
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = plan
+        return plan, compressor
+
+    def _plan(self, name, staged, algorithm, compression, policy, op):
         meta = TensorMeta(name, tuple(staged.shape), str(staged.travel_dtype),
                           staged.numel * staged.travel_dtype.itemsize)
         chosen_by_caller = algorithm is not None or compression is not None

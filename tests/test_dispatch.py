@@ -111,3 +111,18 @@ def dict_backend_with_ops():
     ring = FakeBackend("ring", ("float16", "float32", "float64", "int32"))
     ring.ops = ("sum", "min", "max", "product")
     return ring
+
+
+def test_a_plan_no_measurement_decides_is_remembered_per_tensor_and_the_rest_is_not(monkeypatch):
+    d = dispatcher(("ring", "switchml"))
+    first, _ = plan(d, np.zeros(8, np.float32))
+    again, _ = plan(d, np.ones(8, np.float32))
+    assert again is first                                          # the same tensor: a lookup
+    assert plan(d, np.zeros(9, np.float32))[0] is not first        # another shape: planned anew
+    assert plan(d, np.zeros(8, np.float32), algorithm="ring")[0].algorithm == "ring"
+    measured = dispatcher()                                        # auto with omnireduce: density decides
+    assert plan(measured, np.zeros(8, np.float32))[0] is not plan(measured, np.zeros(8, np.float32))[0]
+    monkeypatch.setattr("commlib.dispatch.PLANS_KEPT", 3)
+    for i in range(10):                                            # unnamed calls: every name new, kept bounded
+        plan(d, np.zeros(8, np.float32), name=f"noname.{i}")
+    assert len(d._plans) == 3
