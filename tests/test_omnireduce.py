@@ -557,3 +557,26 @@ def test_env_overrides(monkeypatch):
     monkeypatch.setenv("COMMLIB_OMNIREDUCE_MODE", "dedicated")
     s = Settings()
     assert s.omnireduce_block_size == 64 and s.omnireduce_mode == "dedicated"
+
+
+def test_a_survivor_unregisters_when_the_closing_exchange_fails():
+    """A rank whose peer died closes without it (its closing exchange times out) and still ends
+    the job on a dedicated aggregator, which would otherwise hold it for job_idle_s."""
+    agg = Aggregator("127.0.0.1", 0, job_idle_s=600).start()
+    try:
+        group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=agg.address_str,
+                                       timeout_s=1.0))
+        backends = group.run(started, 30)
+        assert agg.stats()["jobs"] == 1
+        backends[0].close()                 # rank 1 never comes to close: it died
+        assert agg.stats()["jobs"] == 0 or _eventually(lambda: agg.stats()["jobs"] == 0), agg.stats()
+        backends[1].close()
+    finally:
+        agg.close()
+
+
+def _eventually(check, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return check()

@@ -284,7 +284,8 @@ def test_aggregator_survives_hostile_control_packets():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             assert agg.register(sock, [aggregator.address], request, 5.0)[0][0] >= 0   # still serves
         stats = aggregator.stats()     # what does not start with "{" is a data packet to the C loop
-        assert stats["bad_recv"] == 5 and stats["control"] == {"malformed": 1, "invalid": 13}, stats
+        assert stats["bad_recv"] == 5 and stats["control"] == {"invalid": 13, "unpadded": 1}, stats   # counters
+        assert stats["ctrl_dropped"] == 2, stats    # "{not json" and the 5001 bytes: no JSON object, dropped in C
     finally:
         aggregator.close()
 
@@ -409,6 +410,78 @@ def test_keyed_omnireduce_job_end_to_end(tmp_path):
             a.close()
 
 
+FLOODER = """
+import socket, sys, time
+address, until = (sys.argv[1], int(sys.argv[2])), time.monotonic() + float(sys.argv[3])
+socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(4)]
+junk = [b'{"op":"register"}', b'{"op":"counters"}', b"x", b'{"op":"unregister","job":"j","epoch":1,"rank":0}']
+sent = 0
+while time.monotonic() < until:
+    for _ in range(500):
+        for sock, data in zip(socks, junk):
+            try:
+                sock.sendto(data, address)
+            except OSError:
+                pass
+    sent += 2000
+print(sent)
+"""
+
+
+def test_a_control_flood_neither_stalls_omnireduce_nor_starves_its_keepalives(tmp_path):
+    """An unprivileged process floods a keyed aggregator's port with small datagrams (requests and
+    junk, from 4 sockets) while a job runs: the C loop drops them (ctrl_dropped), so the job's calls
+    stay about as fast as without the flood, and its keepalives (data-path packets) hold the job
+    through a pause longer than the aggregator's idle time."""
+    import statistics
+    import commlib.backends.omnireduce as om
+    key_file = tmp_path / "agg.key"
+    auth.write_key(str(key_file))
+    aggregator = agg.Aggregator("127.0.0.1", 0, key=auth.read_key(str(key_file)), job_idle_s=2.0).start()
+    flooder = None
+    try:
+        group = LocalGroup(2, Settings({"timeout_s": 10.0, "omnireduce_retransmit_ms": 5.0,
+                                        "omnireduce_mode": "dedicated", "omnireduce_block_size": 64,
+                                        "omnireduce_aggregators": aggregator.address_str,
+                                        "omnireduce_key_file": str(key_file)}))
+        backends = [om.OmniReduceBackend(ctx) for ctx in group.contexts]
+        group.run(lambda ctx: backends[ctx.rank].start(), 30)
+        x = np.arange(2 * 20000, dtype=np.float32).reshape(2, 20000)
+
+        def calls(tag, pause=0.0):
+            def work(ctx):
+                time.sleep(pause)                  # no data: only keepalives hold the job
+                times = []
+                for i in range(15):
+                    t = time.perf_counter()
+                    out = backends[ctx.rank].allreduce(x[ctx.rank], f"{tag}{i}")
+                    times.append(time.perf_counter() - t)
+                    np.testing.assert_array_equal(out, x.sum(axis=0))
+                return statistics.median(times)
+            return max(group.run(work, 60))
+
+        quiet = calls("quiet")
+        flooder = subprocess.Popen([sys.executable, "-c", FLOODER, *map(str, aggregator.address), "30"],
+                                   stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        before = aggregator.stats()["ctrl_dropped"]
+        flooded = calls("flood", pause=3.0)        # 1.5 x the idle time
+        stats = aggregator.stats()
+        flooder.kill()
+        print(f"median call {quiet * 1e3:.1f} ms quiet, {flooded * 1e3:.1f} ms flooded; "
+              f"{stats['ctrl_dropped'] - before} control datagrams dropped in C, {stats['keepalives_recv']} keepalives")
+        assert stats["ctrl_dropped"] - before > 10000, stats        # the flood reached it
+        assert stats["jobs"] == 1 and "jobs_expired" not in stats["control"], stats
+        assert flooded < max(3 * quiet, quiet + 0.3), (f"median call {flooded * 1e3:.1f} ms under the flood, "
+                                                       f"{quiet * 1e3:.1f} ms without")
+        group.run(lambda ctx: backends[ctx.rank].close(), 30)
+    finally:
+        if flooder is not None:
+            flooder.kill()
+            flooder.wait()
+        aggregator.close()
+
+
 # -- bullet 3: the aggregator's counters while it runs; the daemons' key files -----------------------
 def test_aggregator_cli_counters_and_key_file(tmp_path):
     key_file = tmp_path / "agg.key"
@@ -419,7 +492,7 @@ def test_aggregator_cli_counters_and_key_file(tmp_path):
     try:
         address, = control.wait_ready(proc, 30, "commlib-aggregator")
         host, port = address.rsplit(":", 1)
-        udp_request((host, int(port)), b"{nope", timeout=0.2)
+        udp_request((host, int(port)), b"{nope}", timeout=0.2)    # may be JSON: the C loop hands it up
         out = subprocess.run(cmd + ["counters", address, "--key-file", str(key_file)], capture_output=True,
                              text=True, timeout=30)
         assert out.returncode == 0, out.stderr
@@ -463,5 +536,39 @@ def test_switch_cli_with_a_key_file(tmp_path):
         proc.wait()
     bad = tmp_path / "short.key"
     bad.write_text("abcd\n")
+    bad.chmod(0o600)
     out = subprocess.run(cli + ["--port", "0", "--key-file", str(bad)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "at least 16" in out.stderr
+
+
+def test_key_files_are_private(tmp_path):
+    """A key file others may read is refused with what to do (as ssh); writing a key over an
+    existing file makes it private, whatever its mode was."""
+    path = tmp_path / "daemon.key"
+    path.write_text("ab" * 32 + "\n")
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match=f"chmod 600 {path}"):
+        auth.read_key(str(path))
+    subprocess.run([sys.executable, "-m", "commlib.switch.auth", str(path)], check=True, capture_output=True, timeout=30)
+    assert path.stat().st_mode & 0o777 == 0o600, oct(path.stat().st_mode)
+    assert len(auth.read_key(str(path))) == auth.DAEMON_KEY_BYTES
+
+
+def test_an_aggregator_answers_no_datagram_with_more_bytes_than_it_had():
+    """No amplification: junk, an unpadded counters or register gets nothing longer than itself (it
+    got 79 and 351 bytes for 1 and 17); the clients pad theirs, so they are answered."""
+    aggregator = agg.Aggregator("127.0.0.1", 0).start()
+    try:
+        for data in (b"x", b"{}", b"{" + b" " * 30 + b"}", control.encode({"op": "counters"}),
+                     control.encode({"op": "register", "job": "j", "epoch": 1})):
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.settimeout(0.3)
+                sock.sendto(data, aggregator.address)
+                try:
+                    answer = sock.recv(65536)
+                except socket.timeout:
+                    answer = b""
+            assert len(answer) <= len(data), (data, answer)
+        assert agg.query(aggregator.address, {"op": "counters"})["jobs"] == 0     # padded: answered
+    finally:
+        aggregator.close()
