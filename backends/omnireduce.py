@@ -231,7 +231,9 @@ class OmniReduceBackend(Backend):
                               f"{[v['params'] for v in everyone]}; set them identically everywhere")
         self._epoch = everyone[0]["epoch"]
         embedded = self.mode == "colocated" or not s.omnireduce_aggregators
-        daemon_key = self._step("key", lambda: keys.daemon_key(ctx, embedded, s.omnireduce_key_file), setup_s)
+        daemon_key = self._step("key", lambda: keys.daemon_key(ctx, embedded, s.omnireduce_key_file, "omnireduce_key_file",
+                                                               f"commlib-aggregator at {s.omnireduce_aggregators}"),
+                                setup_s)
         self._daemon_key = daemon_key   # rank 0 reads the aggregators' counters with it (timeline)
         self._nonce = everyone[0]["nonce"]
         self._key = keys.job_key(ctx, daemon_key, self._nonce)

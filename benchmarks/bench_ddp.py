@@ -139,7 +139,7 @@ def _run(args, n):
             forwarded = ["--worker", *[f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "batch", "hidden",
                                                                              "features")]]
             ranks = cluster.run(hosts, [sys.executable, str(Path(__file__)), *forwarded],
-                                {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "120"}, args.timeout, cwd=ROOT)
+                                {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "120", "COMMLIB_AUTHENTICATE": "0"}, args.timeout, cwd=ROOT)
         finally:
             cluster.kill([switch])
     return common.cluster_result(ranks, echo=True)

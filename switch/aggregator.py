@@ -304,7 +304,8 @@ class Aggregator:
                                             f"from elsewhere?); a rank registers from one socket")
         lib.omr_agg_set_worker(self._agg, job.id, rank, source[0].encode(), source[1])
         job.ranks.add(rank)
-        return {"job": job.id, "key": job.key, "idle_s": self.job_idle_s}
+        return {"job": job.id, "key": job.key, "idle_s": self.job_idle_s, "authenticated": job.job_key is not None
+                and body.get("authenticate", True) is not False}
 
     def _admit(self, params, source):
         lim, need = self.limits, job_bytes(params)
@@ -376,6 +377,9 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2, sign=None):
                     continue
                 body = control.result(reply, f"omnireduce aggregator {source[0]}:{source[1]} refused rank "
                                              f"{request['rank']}")
+                if request.get("authenticate") and body.get("authenticated") is False:
+                    raise ConfigError(auth.unauthenticated(   # the key file names a key the aggregator lacks
+                        f"omnireduce aggregator {source[0]}:{source[1]}", "the aggregator has no key"))
                 answers[pending.pop(source)] = (int(body["job"]), int(body["key"]),
                                                 float(body.get("idle_s", float("inf"))))
             if pending and time.monotonic() >= deadline:

@@ -158,6 +158,13 @@ class Replays:
             del self._seen[sender]
 
 
+def unauthenticated(daemon, why):
+    """Why a job with `authenticate` on refuses `daemon`, and the two ways to go on."""
+    return (f"COMMLIB_AUTHENTICATE is on (the default) but {why}, so the job's packets to the {daemon} would "
+            f"carry no MACs: start it with --key-file FILE and give the job the same file, or set "
+            f"COMMLIB_AUTHENTICATE=0 to run without MACs (a trusted fabric only)")
+
+
 def check_nonce(nonce):
     """A job nonce from a request: a short string (new_nonce() gives 32 hex digits)."""
     if not isinstance(nonce, str) or not 8 <= len(nonce) <= 64:

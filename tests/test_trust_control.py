@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from commlib.errors import ConfigError, PeerFailure
+from commlib.errors import CommError, ConfigError, PeerFailure
 from commlib.settings import Settings
 from commlib.testing import LocalGroup
 
@@ -570,5 +570,61 @@ def test_an_aggregator_answers_no_datagram_with_more_bytes_than_it_had():
                     answer = b""
             assert len(answer) <= len(data), (data, answer)
         assert agg.query(aggregator.address, {"op": "counters"})["jobs"] == 0     # padded: answered
+    finally:
+        aggregator.close()
+
+
+# -- a job with COMMLIB_AUTHENTICATE on (the default) refuses a keyless daemon, on every rank ----------
+def _start_errors(group, make):
+    """Each rank's error from starting its backend (None where it started)."""
+    backends = [make(ctx) for ctx in group.contexts]
+
+    def start(ctx):
+        try:
+            backends[ctx.rank].start()
+        except Exception as exc:   # the test looks at every rank's
+            return exc
+        backends[ctx.rank].close()
+        return None
+    return group.run(start, 40)
+
+
+def _says_how_to_go_on(errors, *words):
+    assert len(errors) == 2, errors
+    for exc in errors:                 # the failing rank's ConfigError, as ctx.agree raises it on each rank
+        assert isinstance(exc, CommError) and "ConfigError" in str(exc) or isinstance(exc, ConfigError), errors
+        for word in ("COMMLIB_AUTHENTICATE=0", "--key-file", *words):
+            assert word in str(exc), (word, str(exc))
+
+
+@pytest.mark.parametrize("key_file", [False, True])
+def test_a_job_refuses_a_keyless_switch(tmp_path, key_file):
+    """No key file: the job would run without MACs; a key file the switch was not started with:
+    the switch would register it without MACs. Both are a clear error on every rank."""
+    path = tmp_path / "switch.key"
+    auth.write_key(str(path))
+    with sw.SwitchServer("127.0.0.1", 0, slots=256) as server:
+        fields = {"timeout_s": 5.0, "switch_addr": server.address,
+                  **({"switch_key_file": str(path)} if key_file else {})}
+        errors = _start_errors(LocalGroup(2, Settings(fields)), sml.SwitchMLBackend)
+        _says_how_to_go_on(errors, "the switch has no key" if key_file else "COMMLIB_SWITCH_KEY_FILE")
+        assert server.status()["jobs"] == {} or key_file          # no key file: nothing was registered
+        fine = _start_errors(LocalGroup(2, Settings(dict(fields, authenticate=False))), sml.SwitchMLBackend)
+        assert fine == [None, None], fine                          # said explicitly: a trusted fabric
+
+
+@pytest.mark.parametrize("key_file", [False, True])
+def test_a_job_refuses_a_keyless_aggregator(tmp_path, key_file):
+    import commlib.backends.omnireduce as om
+    path = tmp_path / "agg.key"
+    auth.write_key(str(path))
+    aggregator = agg.Aggregator("127.0.0.1", 0).start()
+    try:
+        fields = {"timeout_s": 5.0, "omnireduce_mode": "dedicated", "omnireduce_aggregators": aggregator.address_str,
+                  **({"omnireduce_key_file": str(path)} if key_file else {})}
+        errors = _start_errors(LocalGroup(2, Settings(fields)), om.OmniReduceBackend)
+        _says_how_to_go_on(errors, "the aggregator has no key" if key_file else "COMMLIB_OMNIREDUCE_KEY_FILE")
+        fine = _start_errors(LocalGroup(2, Settings(dict(fields, authenticate=False))), om.OmniReduceBackend)
+        assert fine == [None, None], fine
     finally:
         aggregator.close()
