@@ -428,6 +428,34 @@ print(sent)
 """
 
 
+def test_only_a_ranks_own_keepalives_hold_its_job():
+    """Keepalives are data-path packets checked in C: one under another key or with another job
+    secret holds nothing (the job expires under them); the rank's own hold it past the idle time."""
+    key, nonce = auth.new_key(), auth.new_nonce()
+    job_key = auth.job_key(key, nonce)
+    aggregator = agg.Aggregator("127.0.0.1", 0, key=key, job_idle_s=1.0).start()
+    try:
+        request = {"job": "j", "epoch": 1, "rank": 0, "size": 1, "columns": 4, "aggregators": 1, "block": 16,
+                   "nonce": nonce, "authenticate": True}
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rank0:
+            (job, secret, _), = agg.register(rank0, [aggregator.address], request, 5.0, sign=auth.Signer(job_key))
+            for _ in range(12):                          # 2.4 s: the job lives on its own keepalives
+                agg.keepalive(rank0, [aggregator.address], [(job, secret)], 0, job_key)
+                time.sleep(0.2)
+            stats = aggregator.stats()
+            assert stats["jobs"] == 1 and stats["keepalives_recv"] >= 10, stats
+            forged = auth.new_key()[:16]
+            for _ in range(15):                          # 3 s of forged ones: it expires
+                agg.keepalive(rank0, [aggregator.address], [(job, secret)], 0, forged)
+                agg.keepalive(rank0, [aggregator.address], [(job, secret ^ 1)], 0, job_key)
+                time.sleep(0.2)
+        stats = aggregator.stats()
+        assert stats["jobs"] == 0 and stats["control"]["jobs_expired"] == 1, stats
+        assert stats["bad_mac"] >= 4 and stats["bad_recv"] >= 4, stats   # until it expired; then an unknown job
+    finally:
+        aggregator.close()
+
+
 def test_a_control_flood_neither_stalls_omnireduce_nor_starves_its_keepalives(tmp_path):
     """An unprivileged process floods a keyed aggregator's port with small datagrams (requests and
     junk, from 4 sockets) while a job runs: the C loop drops them (ctrl_dropped), so the job's calls
