@@ -500,7 +500,8 @@ def test_a_control_flood_neither_stalls_omnireduce_nor_starves_its_keepalives(tm
               f"{stats['ctrl_dropped'] - before} control datagrams dropped in C, {stats['keepalives_recv']} keepalives")
         assert stats["ctrl_dropped"] - before > 10000, stats        # the flood reached it
         assert stats["jobs"] == 1 and "jobs_expired" not in stats["control"], stats
-        assert flooded < max(3 * quiet, quiet + 0.3), (f"median call {flooded * 1e3:.1f} ms under the flood, "
+        # a functional bound (a loaded 2-core host: the flooder takes a core), not a benchmark
+        assert flooded < max(3 * quiet, quiet + 0.5), (f"median call {flooded * 1e3:.1f} ms under the flood, "
                                                        f"{quiet * 1e3:.1f} ms without")
         group.run(lambda ctx: backends[ctx.rank].close(), 30)
     finally:

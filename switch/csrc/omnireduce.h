@@ -64,11 +64,14 @@
 /* control messages (register, unregister, counters) share the aggregator's port: a datagram whose
  * first byte is OMR_CONTROL ('{') is one, in switch/control.py's format, handled in Python. The C
  * loop hands Python only what may be one (a JSON object: '{' ... '}'), at most OMR_CTRL_RATE a
- * second from one source (address and port; a burst of OMR_CTRL_BURST), and drops the rest
- * (ctrl_dropped): a flood costs the aggregator what it costs the switch, a receive and a look. */
+ * second from one source (address and port; a burst of OMR_CTRL_BURST) and OMR_CTRL_ALL_RATE from
+ * all, and drops the rest (ctrl_dropped): a flood costs the aggregator what it costs the switch, a
+ * receive and a look; running jobs need no control message (keepalives are OMR_KEEPALIVE). */
 #define OMR_CONTROL 0x7B
 #define OMR_CTRL_RATE 50
 #define OMR_CTRL_BURST 16
+#define OMR_CTRL_ALL_RATE 400
+#define OMR_CTRL_ALL_BURST 64
 
 #define OMR_F_ZERO 1              /* the block is all zero: no payload */
 #define OMR_F_INT32 2             /* payload is int32 (else float32) */

@@ -67,7 +67,7 @@ struct omr_agg {
     tp_rxq rq;
     omr_ctrl ctrl[OMR_CTRL_QUEUE];
     int nctrl, ctrl_head;
-    omr_bucket buckets[OMR_CTRL_SOURCES];
+    omr_bucket buckets[OMR_CTRL_SOURCES], all;   /* per source; all sources together */
     omr_astats st;
 };
 
@@ -344,8 +344,21 @@ static void refuse(omr_agg *a, const struct sockaddr_in *to, const omr_hdr *in, 
     a->st.refused++;
 }
 
+/* a token from b, refilled at `rate` a second up to `burst` */
+static int take(omr_bucket *b, uint64_t now, uint64_t rate, uint16_t burst) {
+    uint64_t earned = (now - b->at) * rate / 1000000u;
+    if (earned || b->at == 0) {
+        b->tokens = (uint16_t)(b->at == 0 || b->tokens + earned > burst ? burst : b->tokens + earned);
+        b->at = now;
+    }
+    if (b->tokens == 0) return 0;
+    b->tokens--;
+    return 1;
+}
+
 /* Whether a control datagram may go to Python: it may be a JSON object, and its source has a token
- * (OMR_CTRL_RATE a second, bursts of OMR_CTRL_BURST). Nothing else of it is read here. */
+ * (OMR_CTRL_RATE a second, bursts of OMR_CTRL_BURST), and so do all sources together (OMR_CTRL_ALL_RATE:
+ * many ports). Nothing else of it is read here. */
 static int ctrl_admit(omr_agg *a, const uint8_t *p, size_t len, const struct sockaddr_in *from, uint64_t now) {
     size_t end = len;
     while (end > 1 && (p[end - 1] == '\n' || p[end - 1] == '\r' || p[end - 1] == ' ')) end--;
@@ -357,14 +370,7 @@ static int ctrl_admit(omr_agg *a, const uint8_t *p, size_t len, const struct soc
     if (b->at == 0 || b->addr != addr || b->port != port) {
         b->addr = addr; b->port = port; b->tokens = OMR_CTRL_BURST; b->at = now;
     }
-    uint64_t earned = (now - b->at) * OMR_CTRL_RATE / 1000000u;
-    if (earned) {
-        b->tokens = (uint16_t)(b->tokens + earned > OMR_CTRL_BURST ? OMR_CTRL_BURST : b->tokens + earned);
-        b->at = now;
-    }
-    if (b->tokens == 0) return 0;
-    b->tokens--;
-    return 1;
+    return take(b, now, OMR_CTRL_RATE, OMR_CTRL_BURST) && take(&a->all, now, OMR_CTRL_ALL_RATE, OMR_CTRL_ALL_BURST);
 }
 
 /* A keepalive: the rank lives, if it is one of the job's (key and MAC as its data packets) and
