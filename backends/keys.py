@@ -10,6 +10,7 @@ switch/csrc), derived from the daemon key of the switch or aggregator and the jo
 
 The daemon derives the same job key from the nonce in the registration.
 """
+from commlib.errors import ConfigError
 from commlib.settings import define
 from commlib.switch import auth
 
@@ -17,12 +18,17 @@ define("authenticate", True, "MAC every switchml/omnireduce data packet and resu
        "(SipHash-2-4); off only on a trusted fabric (saves the MAC's cost, see benchmarks/RESULTS.md)")
 
 
-def daemon_key(ctx, embedded, key_file=""):
+def daemon_key(ctx, embedded, key_file="", setting="", daemon="daemon"):
     """The key of the daemon this rank talks to: the job's secret for one the job started itself,
-    else the key file's (None without one: a daemon that has no key, on a trusted fabric)."""
+    else the key file's (`setting` names it). Without one the job's packets would carry no MACs:
+    refused unless `authenticate` is off (a trusted fabric), so no job runs unauthenticated silently."""
     if embedded:
         return ctx.secret or None
-    return auth.read_key(key_file) if key_file else None
+    if key_file:
+        return auth.read_key(key_file)
+    if ctx.settings.authenticate:
+        raise ConfigError(auth.unauthenticated(daemon, f"no key file (COMMLIB_{setting.upper()}) names its key"))
+    return None
 
 
 def job_key(ctx, key, nonce):

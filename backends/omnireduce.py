@@ -186,7 +186,7 @@ class OmniReduceBackend(Backend):
                 raise ConfigError(f"{name}={getattr(s, name)}: a probability in [0, 0.5)")
         self._prefix = ctx.scope("omnireduce")      # this instance's exchange keys
         self._sock = self._worker = self._colocated = None
-        self._processes, self._aggregators, self._agg_desc = [], [], []
+        self._processes, self._aggregators, self._agg_desc, self._jobs = [], [], [], []
         self._job_hash = agg.token_hash(ctx.job_token or "no-token")
         self._seq, self._broken, self._closed = 0, None, False
         self._key = self._nonce = None              # the job key of its packets (None: no MACs), its nonce
@@ -231,7 +231,9 @@ class OmniReduceBackend(Backend):
                               f"{[v['params'] for v in everyone]}; set them identically everywhere")
         self._epoch = everyone[0]["epoch"]
         embedded = self.mode == "colocated" or not s.omnireduce_aggregators
-        daemon_key = self._step("key", lambda: keys.daemon_key(ctx, embedded, s.omnireduce_key_file), setup_s)
+        daemon_key = self._step("key", lambda: keys.daemon_key(ctx, embedded, s.omnireduce_key_file, "omnireduce_key_file",
+                                                               f"commlib-aggregator at {s.omnireduce_aggregators}"),
+                                setup_s)
         self._daemon_key = daemon_key   # rank 0 reads the aggregators' counters with it (timeline)
         self._nonce = everyone[0]["nonce"]
         self._key = keys.job_key(ctx, daemon_key, self._nonce)
@@ -278,6 +280,7 @@ class OmniReduceBackend(Backend):
         if self._worker == ffi.NULL:
             self._worker = None
             raise BackendUnavailable("omnireduce: cannot create the worker (invalid settings or out of memory)")
+        self._jobs = [(job, key) for job, key, _ in jobs]
         for index, ((ip, port), (job, key, _)) in enumerate(zip(self._aggregators, jobs)):
             lib.omr_worker_set_agg(self._worker, index, ip.encode(), port, job, key,
                                    ffi.NULL if self._key is None else self._key)
@@ -291,7 +294,7 @@ class OmniReduceBackend(Backend):
         """Dedicated aggregators drop a job that is silent for their idle time: while this backend
         is open, tell them it lives (a job may reduce nothing for a long evaluation)."""
         while not self._stopping.wait(every_s):
-            agg.keepalive(self._sock, self._aggregators, self._job_hash, self._epoch, self.rank, self._sign)
+            agg.keepalive(self._sock, self._aggregators, self._jobs, self.rank, self._key)
 
     def _spawn_aggregators(self, count):
         """Rank 0, all ranks local, nothing configured: start `count` commlib-aggregator processes."""
@@ -479,7 +482,7 @@ class OmniReduceBackend(Backend):
         except CommError as exc:
             log.warning("omnireduce rank %d: closing without the others (%s)", self.rank, exc)
             done = False
-        if done and self.mode == "dedicated" and self._sock is not None:
+        if self.mode == "dedicated" and self._sock is not None:   # without the others too: the job is over
             agg.deregister(self._sock, self._aggregators, self._job_hash, self._epoch, self.rank, self._sign)
         self._release()
 

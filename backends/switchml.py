@@ -141,7 +141,8 @@ class SwitchMLBackend(Backend):
         # 3. rank 0 registers the job; everyone learns its job number and nonce, derives its keys and
         #    keeps the job alive
         self._daemon_key = self.ctx.agree(f"{self._scope}/key", keys.daemon_key, self.ctx,   # agreed, never sent
-                                          not self.ctx.settings.switch_addr, self.ctx.settings.switch_key_file)
+                                          not self.ctx.settings.switch_addr, self.ctx.settings.switch_key_file,
+                                          "switch_key_file", f"commlib-switch at {self.address}")
         job = self._step("job", lambda: self._register(workers))[0]
         self.job, self.nonce = job["job"], job["nonce"]
         self._key = keys.job_key(self.ctx, self._daemon_key, self.nonce)
@@ -191,9 +192,11 @@ class SwitchMLBackend(Backend):
             return None
         nonce = auth.new_nonce()
         key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
+        authenticate = keys.job_key(self.ctx, self._daemon_key, nonce) is not None
         reply = sw.SwitchClient(self.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0).register(
-            self.token, workers, self.window, self.elems, nonce=nonce,
-            authenticate=keys.job_key(self.ctx, self._daemon_key, nonce) is not None)
+            self.token, workers, self.window, self.elems, nonce=nonce, authenticate=authenticate)
+        if authenticate and reply.get("authenticated") is False:   # the key file names a key the switch lacks
+            raise ConfigError(auth.unauthenticated(f"commlib-switch at {self.address}", "the switch has no key"))
         return {"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0)}
 
     def _keep_alive(self, every_s):

@@ -93,7 +93,7 @@ def _run(args, n):
     with netem.Cluster(hosts + ["switch"], rate=args.rate, delay_ms=args.delay_ms, unshaped={"switch"}) as cluster:
         switch, address = cluster.start_switch("switch", cwd=ROOT)
         try:
-            env = {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "60", "COMMLIB_FUSION_THRESHOLD": "0"}
+            env = {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "60", "COMMLIB_FUSION_THRESHOLD": "0", "COMMLIB_AUTHENTICATE": "0"}
             forwarded = ["--worker", "--elements", str(args.elements), "--runs", str(args.runs),
                          "--densities", ",".join(map(str, args.densities))]
             ranks = cluster.run(hosts, [sys.executable, str(Path(__file__)), *forwarded], env, args.timeout, cwd=ROOT)

@@ -138,7 +138,7 @@ def _run(args, n):
     with netem.Cluster(hosts + ["switch"], rate=args.rate, unshaped={"switch"}) as cluster:
         switch, address = cluster.start_switch("switch", cwd=ROOT)
         try:
-            env = {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "60", "COMMLIB_HOTCOLD_EVERY": str(args.every),
+            env = {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "60", "COMMLIB_AUTHENTICATE": "0", "COMMLIB_HOTCOLD_EVERY": str(args.every),
                    "COMMLIB_HOTCOLD_SHARE": str(args.share), "COMMLIB_HOTCOLD_RULE": args.rule,
                    "COMMLIB_OMNIREDUCE_BLOCK_SIZE": str(args.omnireduce_block)}
             forwarded = ["--worker", "--runs", str(args.runs), "--ids", str(args.ids), "--dim", str(args.dim),

@@ -220,7 +220,7 @@ def _run(args, n, script=None, forwarded=("steps", "warmup", "batch", "hidden", 
                                          stdout=subprocess.PIPE, text=True, cwd=ROOT)]
         try:
             rendezvous_port = _read_ready(daemons[1], "Horovod's rendezvous server")
-            env = {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "120",
+            env = {"COMMLIB_SWITCH_ADDR": address, "COMMLIB_TIMEOUT_S": "120", "COMMLIB_AUTHENTICATE": "0",
                    # what horovodrun --gloo sets for each process (horovod/runner/gloo_run.py)
                    "HOROVOD_GLOO_RENDEZVOUS_ADDR": cluster.address("switch"),
                    "HOROVOD_GLOO_RENDEZVOUS_PORT": rendezvous_port, "HOROVOD_CONTROLLER": "gloo",

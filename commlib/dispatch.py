@@ -110,20 +110,21 @@ class Dispatcher:
             if hasattr(backend, "bind"):
                 backend.bind(backends)
 
-    def plan(self, name, staged, algorithm=None, compression=None, policy=None, op="sum"):
+    def plan(self, name, staged, algorithm=None, compression=None, policy=None, op="sum", remember=True):
         """(Plan, compressor object or None) for a tensor. `algorithm`/`compression` given by the
         caller win over the policy; `policy` (a Policy) replaces commlib.init's for this tensor.
-        A dense tensor's plan that no measurement decides is remembered: the same tensor at the next
-        step costs a lookup (a model's hundreds of parameters, every step)."""
+        A dense tensor's plan that no measurement decides is remembered (unless `remember` is off: an
+        unnamed call, whose name never comes again): the same tensor at the next step costs a lookup
+        (a model's hundreds of parameters, every step)."""
         key = None
-        if staged.sparse is None and compression is None:
+        if remember and staged.sparse is None and compression is None:
             key = (name, staged.shape, staged.dtype_name, algorithm, policy, op)   # the key holds the policy: no id reuse
             known = self._plans.get(key)
             if known is not None:
                 return known, None
         plan, compressor = self._plan(name, staged, algorithm, compression, policy, op)
         if key is not None and compressor is None and plan.density is None:
-            if len(self._plans) >= PLANS_KEPT:   # unnamed calls have names of their own: keep it bounded
+            if len(self._plans) >= PLANS_KEPT:   # a program that makes up names: keep it bounded
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan
         return plan, compressor

@@ -31,8 +31,9 @@ STOP = {"t": "stop"}
 class Entry:
     """One tensor in flight: the caller's tensor, its plan, its handle and its timestamps."""
 
-    def __init__(self, staged, name, op, plan, compressor, prescale, postscale, handle):
+    def __init__(self, staged, name, op, plan, compressor, prescale, postscale, handle, record=None):
         self.staged, self.name, self.op, self.plan, self.compressor = staged, name, op, plan, compressor
+        self.record = record or name   # its commlib.records() key: unnamed calls share one (bounded memory)
         self.prescale, self.postscale, self.handle = prescale, postscale, handle
         self.algorithm = None    # settled by the controller
         self.estimate = None     # the traffic model's, when it settled the algorithm
@@ -286,14 +287,14 @@ class Executor:
 
     def _record(self, entry, bucket, start, end, fused, phases):
         t = entry.times
-        self.records[entry.name] = {
+        self.records[entry.record] = {
             "algorithm": entry.algorithm, "compression": entry.plan.compression, "dtype": entry.staged.dtype_name,
             "nbytes": entry.staged.nbytes, "density": entry.density, "bucket": bucket, "fused_with": fused - 1,
             "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start,
             "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True),
             **phases.server(), "note": entry.plan.note}
         if entry.rows is not None:   # row-sparse: rows sent by this rank and in the union, the model's estimate
-            self.records[entry.name].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate,
+            self.records[entry.record].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate,
                                             skew=entry.skew)
         self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, fused - 1)
 

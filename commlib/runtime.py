@@ -20,6 +20,7 @@ from commlib.process_sets import ProcessSets
 from commlib.tensors import Staged
 
 log = logging.getLogger("commlib")
+UNNAMED = "allreduce.noname"   # the record of every unnamed call (each travels under a name of its own)
 
 
 class Runtime:
@@ -74,7 +75,7 @@ class Runtime:
         s = self.settings
         entries, metas, refused = [], [], None
         for tensor, name in zip(tensors, names):
-            named, name = name is not None, name or f"allreduce.noname.{next(self._names)}"
+            named, name = name is not None, name or f"{UNNAMED}.{next(self._names)}"   # unique while in flight
             try:
                 staged, op_name, plan, compressor = self._plan(tensor, name, named, op, algorithm, compression,
                                                                 policy)
@@ -83,7 +84,8 @@ class Runtime:
                 refused = refused or exc
                 continue
             handle = Handle(name, s.negotiation_timeout_s + 3 * s.timeout_s + 10)
-            entries.append(Entry(staged, name, op_name, plan, compressor, prescale, postscale, handle))
+            entries.append(Entry(staged, name, op_name, plan, compressor, prescale, postscale, handle,
+                                 None if named else UNNAMED))
             metas.append({"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op_name,
                           "choices": plan.choices, "compression": plan.compression, "density": plan.density,
                           "prescale": prescale, "postscale": postscale, "rows": plan.rows})
@@ -114,7 +116,7 @@ class Runtime:
         staged = Staged(tensor)
         if op == Average and staged.travel_dtype.kind in "iu":
             raise InvalidTensor(f"tensor {name!r}: op=Average on {staged.dtype_name} would truncate; use op=commlib.Sum")
-        plan, compressor = self.dispatcher.plan(name, staged, algorithm, compression, policy, op)
+        plan, compressor = self.dispatcher.plan(name, staged, algorithm, compression, policy, op, remember=named)
         if compressor is not None and not named:
             raise ConfigError(f"compressed tensors need a name= that is the same at every step: error feedback "
                               f"and random streams are kept per name (compression {plan.compression})")

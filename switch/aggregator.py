@@ -9,22 +9,28 @@ worker's address under its rank (so several workers on one host work).
 
     {"op": "register", "job": H, "epoch": E, "rank": r, "size": n, "columns": c, "aggregators": a,
      "index": i, "block": b, "nonce": N}  -> {"ok": true, "job": id, "key": k, "idle_s": s}
-    {"op": "keepalive", "job": H, "epoch": E, "rank": r}     (no answer)
     {"op": "unregister", "job": H, "epoch": E, "rank": r}    (no answer)
     {"op": "counters"}  -> {"ok": true, ...packet counters, "control": drops by reason, "jobs": n}
 
+Keepalives are not control messages but packets of the data path (OMR_KEEPALIVE, omnireduce.h),
+checked in C with the job's key and MAC like its data: a flood of control datagrams cannot crowd
+them out. The C loop hands Python only datagrams that may be requests, at most OMR_CTRL_RATE a
+second per source, and Python answers no request with more bytes than it had (no amplification:
+clients pad theirs, `control.pad`).
+
 Admission (an aggregator with a daemon key, switch/auth.py; `commlib-aggregator --key-file`): a
 register is signed (`seq`, `mac`) with the job key auth.job_key(daemon key, nonce), which only a
-holder of the daemon key computes; a job's keepalive and unregister with that job key, by one of
-its ranks; counters with the daemon key. A seq is accepted once per sender (auth.Replays' window), so a sniffed request replayed
+holder of the daemon key computes; a job's unregister with that job key, by one of its ranks;
+counters with the daemon key. A seq is accepted once per sender (auth.Replays' window), so a sniffed request replayed
 is refused (it cannot move a rank's results elsewhere nor end the job). Without a key (a trusted
 fabric) requests are unsigned, as before. Registrations are capped (`Limits`: the memory a job
 reserves, the total, jobs per source address), so no request reserves gigabytes.
 
-Every rank of a job sends "keepalive" every idle_s / 4; a job one of whose registered ranks has
-been silent for `job_idle_s` is dropped (that rank died), as are jobs a rank deregisters after the
-job's closing barrier. Every control datagram, however malformed, is answered (register,
-counters) or dropped and counted by reason; none ends the serving loop.
+Every rank of a job sends a keepalive every idle_s / 4; a job one of whose registered ranks has
+sent nothing valid for `job_idle_s` is dropped (that rank died), as are jobs a rank deregisters
+after the job's closing barrier. Every control datagram, however malformed, is answered (register,
+counters: when the answer is no longer than the request) or dropped and counted by reason; none
+ends the serving loop.
 
 Used three ways: `commlib-aggregator` processes (dedicated mode, switch/aggregator_main.py),
 a thread inside every worker (colocated mode), or a role of another daemon (`serve()`).
@@ -48,6 +54,8 @@ log = logging.getLogger("commlib.omnireduce")
 SOCKET_BUFFER = 4 << 20                  # bytes: a window of blocks
 _PARAMS = ("size", "columns", "aggregators", "index", "block")
 _OMR_SETS = 8                            # switch/csrc/omnireduce_internal.h: shadow sets per slot
+REGISTER_BYTES = 1024                    # a register's padded size: room for its answer or refusal
+QUERY_BYTES = 4000                       # a counters request's padded size (OMR_CTRL_MAX is 4096)
 
 
 def token_hash(token):
@@ -100,13 +108,12 @@ def _check_params(params):
 
 
 class _Job:
-    __slots__ = ("id", "key", "params", "ranks", "alive", "nonce", "job_key", "source", "bytes", "addresses")
+    __slots__ = ("id", "key", "params", "ranks", "nonce", "job_key", "source", "bytes", "addresses")
 
     def __init__(self, job_id, key, params, nonce=None, job_key=None, source=None):
         self.id, self.key, self.params, self.ranks = job_id, key, params, set()
         self.nonce, self.job_key, self.source = nonce, job_key, source
         self.bytes = job_bytes(params)
-        self.alive = {}                  # rank -> its last registration or keepalive
         self.addresses = {}              # rank -> (ip, port) its results go to: set by its first register
 
 
@@ -195,35 +202,36 @@ class Aggregator:
             source = (ffi.string(self._ip).decode(), self._port[0])
             request = control.decode(bytes(ffi.buffer(self._ctrl, n)))
             reply = control.answer(lambda r: self.handle(r, source), request, self.drops)
-            if request is not None and request.get("op") in ("register", "counters") or \
-                    request is None and n < 1024:      # keepalive and unregister are not answered
-                try:
-                    self.sock.sendto(control.encode(reply), source)
-                except OSError:
-                    self.drops.add("send_failed")
+            if request is None or request.get("op") not in ("register", "counters"):
+                continue                        # unregister is not answered, nor what is no request
+            data = control.fit(reply, n)
+            if data is None:
+                self.drops.add("unpadded")      # its answer would be longer than it: amplification
+                continue
+            try:
+                self.sock.sendto(data, source)
+            except OSError:
+                self.drops.add("send_failed")
 
     def handle(self, request, source):
         """The fields of the answer to one control request from `source` (ip, port)."""
         op = request.get("op")
         if op == "register":
             return self._register(request, source)
-        if op in ("keepalive", "unregister"):
+        if op == "unregister":
             job_ident = self._job_ident(request)
             job = self._jobs.get(job_ident)
             if job is None:
                 raise ConfigError(f"job {job_ident} is not registered here")
-            rank = self._authenticate_job(job, request)
-            if op == "keepalive":
-                job.alive[rank] = time.monotonic()
-            else:
-                self._remove(job_ident)
-                log.info("omnireduce aggregator %s: job %s closed", self.address_str, job.id)
+            self._authenticate_job(job, request)
+            self._remove(job_ident)
+            log.info("omnireduce aggregator %s: job %s closed", self.address_str, job.id)
             return {}
         if op == "counters":
             if self.key is not None:
                 self._check(self.key, request, ("operator",), "counters")
             return self.stats()
-        raise ValueError(f"unknown op {str(op)[:40]!r}; use register, keepalive, unregister or counters")
+        raise ValueError(f"unknown op {str(op)[:40]!r}; use register, unregister or counters")
 
     @staticmethod
     def _job_ident(request):
@@ -238,7 +246,7 @@ class Aggregator:
                                                         "COMMLIB_OMNIREDUCE_KEY_FILE)")
 
     def _authenticate_job(self, job, request):
-        """The rank a keepalive/unregister comes from; signed with the job's key on a keyed aggregator."""
+        """The rank an unregister comes from; signed with the job's key on a keyed aggregator."""
         rank = request.get("rank")
         if self.key is not None:
             if auth.verify(job.job_key, request):
@@ -246,8 +254,8 @@ class Aggregator:
             else:
                 self._check(self.key, request, ("operator",), request["op"])
         if rank is None and self.key is None:    # an unsigned request of a client before ranks were named
-            return min(job.alive, default=0)
-        if not isinstance(rank, int) or rank not in job.alive:
+            return min(job.ranks, default=0)
+        if not isinstance(rank, int) or rank not in job.ranks:
             raise ValueError(f"rank {rank!r} is not a registered rank of job {job.id}")
         return rank
 
@@ -296,8 +304,8 @@ class Aggregator:
                                             f"from elsewhere?); a rank registers from one socket")
         lib.omr_agg_set_worker(self._agg, job.id, rank, source[0].encode(), source[1])
         job.ranks.add(rank)
-        job.alive[rank] = time.monotonic()
-        return {"job": job.id, "key": job.key, "idle_s": self.job_idle_s}
+        return {"job": job.id, "key": job.key, "idle_s": self.job_idle_s, "authenticated": job.job_key is not None
+                and body.get("authenticate", True) is not False}
 
     def _admit(self, params, source):
         lim, need = self.limits, job_bytes(params)
@@ -324,10 +332,9 @@ class Aggregator:
                 self._ended.popitem(last=False)
 
     def _collect_idle(self):
-        """Drop the jobs one of whose ranks has been silent (no keepalive) for job_idle_s: it died."""
-        now = time.monotonic()
+        """Drop the jobs one of whose ranks has been silent (no keepalive, no data) for job_idle_s: it died."""
         for ident, job in list(self._jobs.items()):
-            silent = now - min(job.alive.values(), default=now)
+            silent = lib.omr_agg_job_idle_s(self._agg, job.id)
             if silent > self.job_idle_s:
                 self._remove(ident)
                 self.drops.add("jobs_expired")
@@ -352,7 +359,8 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2, sign=None):
         while pending:
             for address, index in pending.items():
                 try:
-                    sock.sendto(control.encode(sign(dict(request, op="register", index=index))), address)
+                    sock.sendto(control.encode(sign(control.pad(dict(request, op="register", index=index),
+                                                                REGISTER_BYTES))), address)
                 except OSError:
                     pass    # ECONNREFUSED from an earlier attempt: nobody listens there (yet)
             resend_at = min(time.monotonic() + retry_s, deadline)
@@ -369,6 +377,9 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2, sign=None):
                     continue
                 body = control.result(reply, f"omnireduce aggregator {source[0]}:{source[1]} refused rank "
                                              f"{request['rank']}")
+                if request.get("authenticate") and body.get("authenticated") is False:
+                    raise ConfigError(auth.unauthenticated(   # the key file names a key the aggregator lacks
+                        f"omnireduce aggregator {source[0]}:{source[1]}", "the aggregator has no key"))
                 answers[pending.pop(source)] = (int(body["job"]), int(body["key"]),
                                                 float(body.get("idle_s", float("inf"))))
             if pending and time.monotonic() >= deadline:
@@ -383,16 +394,7 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2, sign=None):
 
 def deregister(sock, aggregators, job_hash, epoch, rank=None, sign=None):
     """Best effort: tell the aggregators the job is over (they also drop jobs whose ranks fell silent)."""
-    _tell("unregister", sock, aggregators, job_hash, epoch, rank, sign)
-
-
-def keepalive(sock, aggregators, job_hash, epoch, rank=None, sign=None):
-    """Best effort: this rank of the job lives though it may send no data (its aggregators keep its state)."""
-    _tell("keepalive", sock, aggregators, job_hash, epoch, rank, sign)
-
-
-def _tell(op, sock, aggregators, job_hash, epoch, rank, sign):
-    request = {"op": op, "job": job_hash, "epoch": epoch}
+    request = {"op": "unregister", "job": job_hash, "epoch": epoch}
     if rank is not None:
         request["rank"] = rank
     for address in aggregators:
@@ -402,9 +404,23 @@ def _tell(op, sock, aggregators, job_hash, epoch, rank, sign):
             pass
 
 
+def keepalive(sock, aggregators, jobs, rank, mac_key=None):
+    """Best effort: this rank of the job lives though it may send no data (its aggregators keep its
+    state). jobs: (job, key) at each aggregator, as `register` answered; mac_key: the job key of its
+    packets (None: no MACs)."""
+    buf = ffi.new("uint8_t[]", 64)
+    for address, (job, key) in zip(aggregators, jobs):
+        n = lib.omr_keepalive_packet(buf, job, key, rank, ffi.NULL if mac_key is None else mac_key)
+        try:
+            sock.sendto(bytes(ffi.buffer(buf, n)), address)
+        except OSError:
+            pass
+
+
 def query(address, request, timeout_s=5.0, key=None):
     """One answered control request (counters) to the aggregator at (ip, port), signed with the
     daemon key `key` when given: the answer's fields, or ConfigError/CommTimeout."""
+    request = control.pad(request, QUERY_BYTES)      # room for the answer (no amplification)
     if key is not None:
         request = auth.Signer(key)(request)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:

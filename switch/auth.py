@@ -17,6 +17,7 @@ import hmac
 import json
 import os
 import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -41,6 +42,10 @@ def read_key(path):
     """The daemon key in `path` (hex text, as `write_key` writes it)."""
     try:
         with open(path) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if mode & 0o077 and stat.S_ISREG(mode):   # as ssh: a key others may read is no secret
+                raise ConfigError(f"the key file {path!r} is readable by others (mode {mode & 0o777:o}): "
+                                  f"`chmod 600 {path}`")
             key = bytes.fromhex(f.read().strip())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read the key file {path!r} ({exc}); create one with "
@@ -55,6 +60,7 @@ def write_key(path, key=None):
     """Write a new (or the given) daemon key to `path`, readable by its owner only."""
     key = key or new_key()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)                      # O_CREAT's mode applies to a new file only
     with os.fdopen(fd, "w") as f:
         f.write(key.hex() + "\n")
     return key
@@ -150,6 +156,13 @@ class Replays:
         """Drop the senders whose key starts with `prefix` (a tuple): an ended job's ranks."""
         for sender in [s for s in self._seen if s[:len(prefix)] == prefix]:
             del self._seen[sender]
+
+
+def unauthenticated(daemon, why):
+    """Why a job with `authenticate` on refuses `daemon`, and the two ways to go on."""
+    return (f"COMMLIB_AUTHENTICATE is on (the default) but {why}, so the job's packets to the {daemon} would "
+            f"carry no MACs: start it with --key-file FILE and give the job the same file, or set "
+            f"COMMLIB_AUTHENTICATE=0 to run without MACs (a trusted fabric only)")
 
 
 def check_nonce(nonce):

@@ -101,6 +101,23 @@ def answer(handle, request, drops=None):
                                   f"counted and the daemon keeps serving")
 
 
+def pad(request, size):
+    """`request` with a "pad" field that brings its encoding to about `size` bytes: a daemon answers a
+    datagram with no more bytes than it had (as QUIC's padded Initial), so no spoofed request
+    amplifies a flood."""
+    short = size - len(encode(request)) - len(',"pad":""')
+    return dict(request, pad=" " * short) if short > 0 else request
+
+
+def fit(reply, size):
+    """The encoding of `reply` if it is at most `size` bytes, a refusal's error cut to fit, else None."""
+    data, error = encode(reply), str(reply.get("error", ""))
+    while len(data) > size and not reply.get("ok", True) and error:   # escapes make it longer than its characters
+        error = error[:max(0, len(error) - (len(data) - size) - 3)]
+        data = encode(dict(reply, error=error + "..."))
+    return data if len(data) <= size else None
+
+
 def result(reply, what):
     """The fields of an answer; a refusal raises ConfigError naming `what` and the reason."""
     if reply is None:

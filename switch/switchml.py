@@ -338,7 +338,8 @@ class SwitchServer:
             self._next_job = (number + 1) % MAX_JOBS   # a just-ended number is not reused at once
         log.info("commlib-switch %s: job #%d registered (%d workers, %d slots)", self.address, number,
                  len(workers), slots)
-        return {"job": number, "epoch": self.epoch, "slots": slots, "expiry_s": self.job_expiry_s}
+        return {"job": number, "epoch": self.epoch, "slots": slots, "expiry_s": self.job_expiry_s,
+                "authenticated": key is not None and authenticate}
 
     def _admit(self, slots, nonce, source):
         """Refuse a registration beyond the limits, or of a nonce seen before (a replayed register)."""

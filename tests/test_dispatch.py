@@ -122,7 +122,10 @@ def test_a_plan_no_measurement_decides_is_remembered_per_tensor_and_the_rest_is_
     assert plan(d, np.zeros(8, np.float32), algorithm="ring")[0].algorithm == "ring"
     measured = dispatcher()                                        # auto with omnireduce: density decides
     assert plan(measured, np.zeros(8, np.float32))[0] is not plan(measured, np.zeros(8, np.float32))[0]
+    kept = len(d._plans)
+    plan(d, np.zeros(8, np.float32), name="once", remember=False)  # an unnamed call: its name never comes again
+    assert len(d._plans) == kept
     monkeypatch.setattr("commlib.dispatch.PLANS_KEPT", 3)
-    for i in range(10):                                            # unnamed calls: every name new, kept bounded
-        plan(d, np.zeros(8, np.float32), name=f"noname.{i}")
+    for i in range(10):                                            # a program that makes up names: kept bounded
+        plan(d, np.zeros(8, np.float32), name=f"made.up.{i}")
     assert len(d._plans) == 3

@@ -52,7 +52,7 @@ def test_switchml_through_a_switch_on_its_own_host():
         switch, address = cluster.start_switch("switch", cwd=ROOT)
         try:
             assert address.startswith(cluster.address("switch"))
-            outs = _run(cluster, hosts, "switchml_worker.py", "external", env={"COMMLIB_SWITCH_ADDR": address})
+            outs = _run(cluster, hosts, "switchml_worker.py", "external", env={"COMMLIB_SWITCH_ADDR": address, "COMMLIB_AUTHENTICATE": "0"})
             counters = subprocess.run(["ip", "netns", "exec", cluster.namespace("w0"), sys.executable, "-m",
                                        "commlib.switch", "counters", address], capture_output=True, text=True,
                                       cwd=ROOT, timeout=30)
@@ -74,7 +74,7 @@ def test_switchml_timers_do_not_fire_under_its_own_window_on_a_slow_link():
     with netem.Cluster(hosts + ["switch"], rate="20mbit", unshaped={"switch"}) as cluster:
         switch, address = cluster.start_switch("switch", cwd=ROOT)
         try:
-            outs = _run(cluster, hosts, "switchml_slow_link.py", env={"COMMLIB_SWITCH_ADDR": address})
+            outs = _run(cluster, hosts, "switchml_slow_link.py", env={"COMMLIB_SWITCH_ADDR": address, "COMMLIB_AUTHENTICATE": "0"})
         finally:
             cluster.kill([switch])
     for rank, seen in enumerate(results("\n".join(outs), 2)):

@@ -34,6 +34,10 @@ pytestmark = pytest.mark.timeout(60)
 DENSITIES = [0.0, 0.01, 0.1, 0.5, 1.0]
 
 
+# dedicated keyless aggregators: a trusted fabric, where a job must say it runs without MACs
+KEYLESS = {"omnireduce_mode": "dedicated", "authenticate": False}
+
+
 def settings(**kw):
     return Settings({"timeout_s": 10.0, "omnireduce_retransmit_ms": 5.0, **kw})
 
@@ -284,7 +288,7 @@ def test_dedicated_aggregators_interleave_and_serve_several_jobs():
 
         def job(name, x, token):
             results, _ = run(x.shape[0], lambda rank, b: [b.allreduce(x[rank], f"{name}{k}") for k in range(3)],
-                             token=token, omnireduce_mode="dedicated", omnireduce_aggregators=addresses,
+                             token=token, **KEYLESS, omnireduce_aggregators=addresses,
                              omnireduce_block_size=16, omnireduce_columns=9)
             out[name] = results
 
@@ -317,7 +321,7 @@ def test_live_job_outlasts_idle_collection_and_a_dead_one_does_not():
             time.sleep(2.5)                 # idle collection runs every second: several chances
             return first, backend.allreduce(x[rank], "after")
 
-        results, _ = run(2, work, omnireduce_mode="dedicated", omnireduce_aggregators=agg.address_str,
+        results, _ = run(2, work, **KEYLESS, omnireduce_aggregators=agg.address_str,
                          omnireduce_block_size=16)
         for pair in results:
             for result in pair:
@@ -343,10 +347,10 @@ def test_live_job_outlasts_idle_collection_and_a_dead_one_does_not():
 def test_registration_rejects_mismatched_settings():
     agg = Aggregator("127.0.0.1", 0).start()
     try:
-        group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=agg.address_str))
+        group = LocalGroup(2, settings(**KEYLESS, omnireduce_aggregators=agg.address_str))
         ctx0, ctx1 = group.contexts
         # rank 1 claims a different block size: the exchange catches it before registration
-        ctx1.settings = settings(omnireduce_mode="dedicated", omnireduce_aggregators=agg.address_str,
+        ctx1.settings = settings(**KEYLESS, omnireduce_aggregators=agg.address_str,
                                  omnireduce_block_size=64)
         errors = group.run(errors_of(started), 20)
         assert all(isinstance(e, ConfigError) and "differ across ranks" in str(e) for e in errors), errors
@@ -357,7 +361,7 @@ def test_registration_rejects_mismatched_settings():
 def test_restarted_aggregator_is_a_clear_error():
     agg = Aggregator("127.0.0.1", 0).start()
     port = agg.address[1]
-    group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=agg.address_str,
+    group = LocalGroup(2, settings(**KEYLESS, omnireduce_aggregators=agg.address_str,
                                    timeout_s=3.0))
     backends = group.run(started, 20)
     agg.close()
@@ -410,7 +414,7 @@ def test_dead_dedicated_aggregator_is_named_within_the_timeout():
                              "--port", "0", "--quiet"], stdout=subprocess.PIPE, text=True)
     try:
         address, = control.wait_ready(proc, 30, "commlib-aggregator")
-        group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=address, timeout_s=2.0))
+        group = LocalGroup(2, settings(**KEYLESS, omnireduce_aggregators=address, timeout_s=2.0))
         backends = group.run(started, 20)
         x = np.ones(3000, np.float32)
         assert group.run(errors_of(lambda ctx: backends[ctx.rank].allreduce(x, "before")), 20) == [None, None]
@@ -432,7 +436,7 @@ def test_unreachable_aggregator_fails_registration_on_every_rank():
     free = Aggregator("127.0.0.1", 0)
     address = free.address_str
     free.close()                                            # nobody listens there now
-    group = LocalGroup(2, settings(omnireduce_mode="dedicated", omnireduce_aggregators=address, timeout_s=1.0))
+    group = LocalGroup(2, settings(**KEYLESS, omnireduce_aggregators=address, timeout_s=1.0))
     errors = group.run(errors_of(started), 20)
     for e in errors:
         assert isinstance(e, CommError) and "failed on rank 0" in str(e) and address in str(e) and \
@@ -557,3 +561,26 @@ def test_env_overrides(monkeypatch):
     monkeypatch.setenv("COMMLIB_OMNIREDUCE_MODE", "dedicated")
     s = Settings()
     assert s.omnireduce_block_size == 64 and s.omnireduce_mode == "dedicated"
+
+
+def test_a_survivor_unregisters_when_the_closing_exchange_fails():
+    """A rank whose peer died closes without it (its closing exchange times out) and still ends
+    the job on a dedicated aggregator, which would otherwise hold it for job_idle_s."""
+    agg = Aggregator("127.0.0.1", 0, job_idle_s=600).start()
+    try:
+        group = LocalGroup(2, settings(**KEYLESS, omnireduce_aggregators=agg.address_str,
+                                       timeout_s=1.0))
+        backends = group.run(started, 30)
+        assert agg.stats()["jobs"] == 1
+        backends[0].close()                 # rank 1 never comes to close: it died
+        assert agg.stats()["jobs"] == 0 or _eventually(lambda: agg.stats()["jobs"] == 0), agg.stats()
+        backends[1].close()
+    finally:
+        agg.close()
+
+
+def _eventually(check, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return check()

@@ -194,7 +194,7 @@ def test_two_jobs_share_one_switch():
             def work(rank, backend):
                 return [backend.allreduce(float_data(rank, 7000, seed), "f"),
                         backend.allreduce(int_data(rank, 9000, seed), "i"), backend.job]
-            outs[tag] = run(n, work, switch_addr=server.address, switch_window=64)
+            outs[tag] = run(n, work, switch_addr=server.address, switch_window=64, authenticate=False)
 
         jobs = [("a", 2, 1), ("b", 3, 2)]
         LocalGroup(len(jobs), settings()).run(lambda ctx: job(*jobs[ctx.rank]), 50)   # a thread per job
@@ -362,7 +362,7 @@ def test_switch_daemon_restart_and_death_are_clear_errors():
             return first
 
         barrier, holder = threading.Barrier(2), []
-        results = run(2, work, switch_addr=address)
+        results = run(2, work, switch_addr=address, authenticate=False)
         np.testing.assert_array_equal(results[0], 2 * np.arange(300))
         restarted, _ = holder[0]
         # now the switch dies for good: the next job fails fast, with what to do
@@ -379,7 +379,7 @@ def test_switch_daemon_restart_and_death_are_clear_errors():
                 backend.close()
 
         start = time.monotonic()
-        errors = LocalGroup(2, settings(switch_addr=address)).run(set_up, 20)
+        errors = LocalGroup(2, settings(switch_addr=address, authenticate=False)).run(set_up, 20)
         assert time.monotonic() - start < 8
         for e in errors:                                   # every rank raises rank 0's error
             assert e is not None and "failed on rank 0" in str(e) and address in str(e), e
@@ -405,7 +405,7 @@ def test_switch_killed_mid_job_is_refused_quickly():
             assert time.monotonic() - start < 2.0
 
         barrier = threading.Barrier(2)
-        run(2, work, switch_addr=address)
+        run(2, work, switch_addr=address, authenticate=False)
     finally:
         proc.kill()
 
@@ -416,7 +416,7 @@ def test_cli_counters_and_simulate():
         def work(rank, backend):
             return backend.allreduce(np.ones(2000, np.float32), "x"), backend.job
 
-        results = run(2, work, switch_addr=address)
+        results = run(2, work, switch_addr=address, authenticate=False)
         np.testing.assert_array_equal(results[0][0], np.full(2000, 2.0, np.float32))
         cli = [sys.executable, "-m", "commlib.switch"]
         out = subprocess.run(cli + ["simulate", address, "--ingress", "0.02"], capture_output=True, text=True,

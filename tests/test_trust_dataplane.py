@@ -402,7 +402,7 @@ def keyed_aggregator(monkeypatch):
     """A commlib-aggregator with a daemon key, and ranks that hold it (as a key file would give it)."""
     from commlib.backends import keys
     from commlib.switch.aggregator import Aggregator
-    monkeypatch.setattr(keys, "daemon_key", lambda ctx, embedded, key_file="": DAEMON_KEY)
+    monkeypatch.setattr(keys, "daemon_key", lambda ctx, embedded, *args: DAEMON_KEY)
     agg = Aggregator("127.0.0.1", 0, key=DAEMON_KEY).start()
     yield agg
     agg.close()

@@ -58,9 +58,20 @@
 #define OMR_PULL 4                /* worker -> aggregator: ack, replay what I miss, or say whom you wait for */
 #define OMR_STATUS 5              /* aggregator -> worker: waiting for rank `ack` (`next` ranks in all) */
 #define OMR_ERROR 6               /* aggregator -> worker: packet refused; `next` = OMR_ERR_* */
-/* control messages (register, keepalive, unregister) share the aggregator's port: a datagram
- * whose first byte is OMR_CONTROL ('{') is one, in switch/control.py's format, handled in Python */
+#define OMR_KEEPALIVE 7           /* worker -> aggregator: rank `rank` of the job lives (no reply); seq: the
+                                   * sender's wall clock in s, accepted within OMR_KEEPALIVE_WINDOW_S */
+#define OMR_KEEPALIVE_WINDOW_S 30
+/* control messages (register, unregister, counters) share the aggregator's port: a datagram whose
+ * first byte is OMR_CONTROL ('{') is one, in switch/control.py's format, handled in Python. The C
+ * loop hands Python only what may be one (a JSON object: '{' ... '}'), at most OMR_CTRL_RATE a
+ * second from one source (address and port; a burst of OMR_CTRL_BURST) and OMR_CTRL_ALL_RATE from
+ * all, and drops the rest (ctrl_dropped): a flood costs the aggregator what it costs the switch, a
+ * receive and a look; running jobs need no control message (keepalives are OMR_KEEPALIVE). */
 #define OMR_CONTROL 0x7B
+#define OMR_CTRL_RATE 50
+#define OMR_CTRL_BURST 16
+#define OMR_CTRL_ALL_RATE 400
+#define OMR_CTRL_ALL_BURST 64
 
 #define OMR_F_ZERO 1              /* the block is all zero: no payload */
 #define OMR_F_INT32 2             /* payload is int32 (else float32) */
@@ -113,6 +124,7 @@ typedef struct {
     uint64_t pkts_recv, bytes_recv, pkts_sent, bytes_sent;
     uint64_t data_recv, results_sent, replays, status_sent, acks_recv, pulls_recv;
     uint64_t dup_recv, stale_recv, bad_recv, bad_mac, refused, ctrl_recv, rounds, sim_dropped, sim_duplicated;
+    uint64_t ctrl_dropped, keepalives_recv;   /* control datagrams the C loop dropped; keepalives accepted */
     uint64_t queue_ns, proc_ns;   /* over every packet received: kernel arrival -> handling; handling */
 } omr_astats;
 
@@ -129,6 +141,9 @@ int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint3
 int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype, int block,
                          const uint8_t *mask, double timeout_s, omr_wstats *st);
 void omr_worker_free(omr_worker *w);
+/* a keepalive of rank `rank` for job (job, key) of an aggregator, into buf (at least 64 bytes), MAC'd
+ * under mac_key (NULL: none): its length. The caller sends it from the rank's socket. */
+int omr_keepalive_packet(uint8_t *buf, uint32_t job, uint32_t key, int rank, const uint8_t *mac_key);
 
 /* aggregator: fd is a bound UDP socket owned by the caller */
 typedef struct omr_agg omr_agg;
@@ -139,6 +154,7 @@ int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs
                     double loss, double dup, const uint8_t *mac_key);
 int omr_agg_set_worker(omr_agg *a, int job, int rank, const char *ip, int port);
 void omr_agg_remove_job(omr_agg *a, int job);
+/* how long the job's most silent registered rank sent nothing valid (data, keepalive), in s */
 double omr_agg_job_idle_s(omr_agg *a, int job);
 /* serve for up to timeout_ms; returns the number of control packets waiting (>0: return early), <0 on error */
 int omr_agg_run(omr_agg *a, int timeout_ms);

@@ -38,7 +38,7 @@ typedef struct {
     omr_state *states;                    /* nslots * 2 */
     uint32_t *nexts, *acks;
     uint8_t *seens, *accs, *datas;
-    uint64_t last_active;
+    uint64_t *alive;                      /* per worker: when it last sent a valid packet (us) */
 } omr_job;
 
 #define OMR_CTRL_QUEUE 32
@@ -50,6 +50,15 @@ typedef struct {
     uint8_t buf[OMR_CTRL_MAX];
 } omr_ctrl;
 
+/* a token bucket per control source (hashed address and port; sources that collide share one) */
+#define OMR_CTRL_SOURCES 1024
+typedef struct {
+    uint32_t addr;
+    uint16_t port;
+    uint16_t tokens;
+    uint64_t at;                          /* us of the last refill */
+} omr_bucket;
+
 struct omr_agg {
     int fd;
     uint64_t rng;
@@ -58,6 +67,7 @@ struct omr_agg {
     tp_rxq rq;
     omr_ctrl ctrl[OMR_CTRL_QUEUE];
     int nctrl, ctrl_head;
+    omr_bucket buckets[OMR_CTRL_SOURCES], all;   /* per source; all sources together */
     omr_astats st;
 };
 
@@ -76,7 +86,7 @@ omr_agg *omr_agg_new(int fd, uint64_t seed) {
 
 static void free_job(omr_job *j) {
     free(j->addr); free(j->has_addr); free(j->states);
-    free(j->nexts); free(j->acks); free(j->seens); free(j->accs); free(j->datas);
+    free(j->nexts); free(j->acks); free(j->seens); free(j->accs); free(j->datas); free(j->alive);
     memset(j, 0, sizeof *j);
 }
 
@@ -108,13 +118,14 @@ int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs
     size_t nst = (size_t)j->nslots * 2, nw = (size_t)nworkers;
     j->addr = calloc(nw, sizeof *j->addr);
     j->has_addr = calloc(nw, 1);
+    j->alive = calloc(nw, sizeof *j->alive);
     j->states = calloc(nst ? nst : 1, sizeof *j->states);
     j->nexts = calloc(nst * nw + 1, 4);
     j->acks = calloc(nst * nw + 1, 4);
     j->seens = calloc(nst * nw + 1, 1);
     j->accs = calloc(nst * j->bbytes + 1, 1);                  /* calloc: pages arrive on first use */
     j->datas = calloc(nst * OMR_SETS * j->bbytes + 1, 1);
-    if (!j->addr || !j->has_addr || !j->states || !j->nexts || !j->acks || !j->seens || !j->accs || !j->datas) {
+    if (!j->addr || !j->has_addr || !j->alive || !j->states || !j->nexts || !j->acks || !j->seens || !j->accs || !j->datas) {
         free_job(j);
         return -1;
     }
@@ -127,7 +138,6 @@ int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs
         S->data = j->datas + s * OMR_SETS * j->bbytes;
     }
     j->used = 1;
-    j->last_active = tp_now_us();
     return id;
 }
 
@@ -136,7 +146,7 @@ int omr_agg_set_worker(omr_agg *a, int job, int rank, const char *ip, int port) 
     omr_job *j = &a->jobs[job];
     if (omr_parse_addr(ip, port, &j->addr[rank])) return -1;
     j->has_addr[rank] = 1;
-    j->last_active = tp_now_us();
+    j->alive[rank] = tp_now_us();
     return 0;
 }
 
@@ -146,7 +156,11 @@ void omr_agg_remove_job(omr_agg *a, int job) {
 
 double omr_agg_job_idle_s(omr_agg *a, int job) {
     if (job < 0 || job >= OMR_MAX_JOBS || !a->jobs[job].used) return -1.0;
-    return (double)(tp_now_us() - a->jobs[job].last_active) / 1e6;
+    omr_job *j = &a->jobs[job];
+    uint64_t now = tp_now_us(), oldest = now;
+    for (int w = 0; w < j->nworkers; w++)
+        if (j->has_addr[w] && j->alive[w] < oldest) oldest = j->alive[w];
+    return (double)(now - oldest) / 1e6;
 }
 
 void omr_agg_stats(omr_agg *a, omr_astats *st) {
@@ -330,6 +344,53 @@ static void refuse(omr_agg *a, const struct sockaddr_in *to, const omr_hdr *in, 
     a->st.refused++;
 }
 
+/* a token from b, refilled at `rate` a second up to `burst` */
+static int take(omr_bucket *b, uint64_t now, uint64_t rate, uint16_t burst) {
+    uint64_t earned = (now - b->at) * rate / 1000000u;
+    if (earned || b->at == 0) {
+        b->tokens = (uint16_t)(b->at == 0 || b->tokens + earned > burst ? burst : b->tokens + earned);
+        b->at = now;
+    }
+    if (b->tokens == 0) return 0;
+    b->tokens--;
+    return 1;
+}
+
+/* Whether a control datagram may go to Python: it may be a JSON object, and its source has a token
+ * (OMR_CTRL_RATE a second, bursts of OMR_CTRL_BURST), and so do all sources together (OMR_CTRL_ALL_RATE:
+ * many ports). Nothing else of it is read here. */
+static int ctrl_admit(omr_agg *a, const uint8_t *p, size_t len, const struct sockaddr_in *from, uint64_t now) {
+    size_t end = len;
+    while (end > 1 && (p[end - 1] == '\n' || p[end - 1] == '\r' || p[end - 1] == ' ')) end--;
+    if (len > OMR_CTRL_MAX || end < 2 || p[end - 1] != '}') return 0;
+    uint32_t addr = from->sin_addr.s_addr;
+    uint16_t port = from->sin_port;
+    uint64_t h = ((uint64_t)addr << 16 | port) * 0x9E3779B97F4A7C15ULL;
+    omr_bucket *b = &a->buckets[h >> 54];   /* the top 10 bits: OMR_CTRL_SOURCES buckets */
+    if (b->at == 0 || b->addr != addr || b->port != port) {
+        b->addr = addr; b->port = port; b->tokens = OMR_CTRL_BURST; b->at = now;
+    }
+    return take(b, now, OMR_CTRL_RATE, OMR_CTRL_BURST) && take(&a->all, now, OMR_CTRL_ALL_RATE, OMR_CTRL_ALL_BURST);
+}
+
+/* A keepalive: the rank lives, if it is one of the job's (key and MAC as its data packets) and
+ * recent (a replayed one holds a dead job for OMR_KEEPALIVE_WINDOW_S at most). No reply. */
+static void keepalive(omr_agg *a, const omr_hdr *h, const uint8_t *payload, size_t plen, uint64_t now) {
+    omr_job *j = h->job < OMR_MAX_JOBS ? &a->jobs[h->job] : NULL;
+    int32_t age = (int32_t)((uint32_t)(tp_wall_ns() / 1000000000u) - h->seq);
+    if (!j || !j->used || h->key != j->key || h->rank >= j->nworkers || plen != 0 ||
+        age > OMR_KEEPALIVE_WINDOW_S || age < -OMR_KEEPALIVE_WINDOW_S) {
+        a->st.bad_recv++;
+        return;
+    }
+    if (j->auth && !omr_signed(j->mac_key, h, payload, plen)) {
+        a->st.bad_mac++;
+        return;
+    }
+    j->alive[h->rank] = now;
+    a->st.keepalives_recv++;
+}
+
 /* queue_ns: how long packet i waited (kernel arrival -> now); t_in: its handling's start
  * (tp_now_ns); both go into its round's stamp if it contributes */
 static void handle(omr_agg *a, int i, uint64_t now, uint64_t queue_ns, uint64_t t_in) {
@@ -340,7 +401,10 @@ static void handle(omr_agg *a, int i, uint64_t now, uint64_t queue_ns, uint64_t 
     a->st.bytes_recv += a->rq.seg_len[i];
     if (a->rq.seg_len[i] > 0 && a->rq.seg[i][0] == OMR_CONTROL) {   /* control: Python answers it */
         a->st.ctrl_recv++;
-        if (a->nctrl == OMR_CTRL_QUEUE || a->rq.seg_len[i] > OMR_CTRL_MAX) return;   /* the sender retries */
+        if (a->nctrl == OMR_CTRL_QUEUE || !ctrl_admit(a, a->rq.seg[i], a->rq.seg_len[i], tp_rxq_from(&a->rq, i), now)) {
+            a->st.ctrl_dropped++;         /* the sender retries */
+            return;
+        }
         omr_ctrl *c = &a->ctrl[(a->ctrl_head + a->nctrl) % OMR_CTRL_QUEUE];
         c->len = (int)a->rq.seg_len[i];
         memcpy(c->buf, a->rq.seg[i], (size_t)c->len);
@@ -354,6 +418,7 @@ static void handle(omr_agg *a, int i, uint64_t now, uint64_t queue_ns, uint64_t 
         a->st.bad_recv++;
         return;
     }
+    if (h->type == OMR_KEEPALIVE) return keepalive(a, h, payload, plen, now);
     if (h->type != OMR_DATA && h->type != OMR_ACK && h->type != OMR_PULL) {
         a->st.bad_recv++;
         return;
@@ -373,7 +438,7 @@ static void handle(omr_agg *a, int i, uint64_t now, uint64_t queue_ns, uint64_t 
     int w = h->rank;
     if (w >= j->nworkers || col % (uint32_t)j->naggs != (uint32_t)j->index || slot >= (uint32_t)j->nslots)
         return refuse(a, from, h, OMR_ERR_SLOT, key);
-    j->last_active = now;
+    j->alive[w] = now;
     omr_state *S = &j->states[slot * 2 + (h->seq & 1)];
     if (!S->used || S->seq != h->seq) {
         /* a tensor this state never saw: only a bootstrap data packet may start it, and only when

@@ -43,3 +43,13 @@ void omr_sendq_push(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h
     if (key) omr_mac(key, &copy, payload, len, mac);
     omr_sendq_push_ready(q, to, &copy, payload, len, mac, key ? TP_MAC_LEN : 0);
 }
+
+int omr_keepalive_packet(uint8_t *buf, uint32_t job, uint32_t key, int rank, const uint8_t *mac_key) {
+    omr_hdr h = {OMR_KEEPALIVE, (uint8_t)(mac_key ? OMR_F_MAC : 0), (uint16_t)rank, job, key,
+                 (uint32_t)(tp_wall_ns() / 1000000000u), 0, 0, 0, 0, 0, 0};
+    h.csum = omr_hdr_csum(&h, NULL, 0);
+    memcpy(buf, &h, sizeof h);
+    if (!mac_key) return (int)sizeof h;
+    omr_mac(mac_key, &h, NULL, 0, buf + sizeof h);
+    return (int)sizeof h + TP_MAC_LEN;
+}
