@@ -1,21 +1,22 @@
 """PyTorch Lightning's DDPStrategy with commlib's comm hook.
 
+    python examples/lightning_ddp.py                          # Lightning starts the processes
     torchrun --nproc-per-node 2 examples/lightning_ddp.py
 
 The hook and its state go to DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...), as PyTorch's
-own hooks do. Lightning 2.6 registers a strategy's comm hook on CUDA devices only (a PyTorch 1.8
-limit since lifted: gloo runs comm hooks), so on CPU `RegisterCommHook` registers the same state
-and hook once DDP has wrapped the model.
+own hooks do, with commlib.torch.lightning's DDPStrategy: Lightning's own registers a comm hook
+on CUDA devices only, so on CPU commlib's hook would never run. The state is built before
+Lightning starts its processes; commlib starts in each of them once the process group is up.
 """
 import argparse
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 import commlib
 import commlib.torch as cl
+from commlib.torch.lightning import DDPStrategy
 
 
 class Regression(pl.LightningModule):
@@ -34,17 +35,6 @@ class Regression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
-class RegisterCommHook(pl.Callback):
-    """Registers the strategy's comm hook where Lightning itself does not (non-CUDA devices)."""
-
-    def __init__(self, state, hook):
-        self.state, self.hook = state, hook
-
-    def on_fit_start(self, trainer, pl_module):
-        if trainer.strategy.root_device.type != "cuda":
-            trainer.strategy.model.register_comm_hook(self.state, self.hook)
-
-
 def dataset(n=2048):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 32, generator=g)
@@ -55,17 +45,18 @@ def dataset(n=2048):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="*=auto", help="commlib policy, per parameter name")
-    parser.add_argument("--devices", type=int, default=2, help="processes on this host (torchrun's --nproc-per-node)")
+    parser.add_argument("--devices", type=int, default=2,
+                        help="processes on this host (torchrun's --nproc-per-node, or Lightning's own)")
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = Regression()
-    state = cl.CommlibState(model.named_parameters(), policy=args.policy)   # starts commlib (and torch.distributed)
+    state = cl.CommlibState(model.named_parameters(), policy=args.policy)   # commlib starts with the process group
     strategy = DDPStrategy(ddp_comm_state=state, ddp_comm_hook=cl.ddp_comm_hook)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
-                         callbacks=[RegisterCommHook(state, cl.ddp_comm_hook)], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
     trainer.fit(model, DataLoader(dataset(), batch_size=32, shuffle=True))
     if trainer.global_rank == 0:
         first, last = sum(model.losses[:5]) / 5, sum(model.losses[-5:]) / 5

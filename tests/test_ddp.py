@@ -2,6 +2,7 @@
 torchrun and Lightning. Ranks write their results as JSON; the assertions are here."""
 import json
 import re
+import sys
 
 import pytest
 
@@ -9,7 +10,7 @@ import torch
 
 import commlib
 from commlib.torch.ddp import CommlibState, _views
-from launch import BIN, ROOT, _env, _run, free_port, spawn
+from launch import BIN, ROOT, WORKERS, _env, _run, free_port, spawn
 
 pytestmark = pytest.mark.timeout(400)
 multiprocess = pytest.mark.multiprocess
@@ -143,6 +144,21 @@ def test_lightning_example_trains_with_the_hook():
     first, last, buckets, used = float(found[1]), float(found[2]), int(found[3]), found[4]
     assert last < 0.8 * first and buckets >= 30, out.stdout
     assert used == "[('ring', None), ('switchml', None)]", out.stdout
+
+
+@multiprocess
+def test_lightning_own_launcher_forms_the_process_groups_job(tmp_path):
+    """`python script.py` with Trainer(devices=2, accelerator="cpu"): Lightning starts rank 1
+    without RANK; commlib's job must still be the process group's two ranks, the hook must run on
+    CPU (a bucket per step: 4 steps in each of 2 epochs), and both ranks must end with the same weights."""
+    out = _run([sys.executable, str(WORKERS / "lightning_launch.py"), str(tmp_path)], 300, _env(None))
+    assert out.returncode == 0, out.stdout
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        assert r["commlib"] == [r["rank"], 2], f"rank {r['rank']}: commlib's job is {r['commlib']} (rank, size)"
+        assert r["buckets"] >= 8, f"rank {r['rank']}: only {r['buckets']} buckets went through commlib"
+    diff = max(abs(a - b) for a, b in zip(results[0]["weights"], results[1]["weights"]))
+    assert diff == 0.0, f"the ranks' weights differ by up to {diff} after training"
 
 
 def test_state_needs_the_models_named_parameters():

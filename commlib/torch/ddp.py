@@ -19,6 +19,7 @@ import threading
 import torch
 
 import commlib
+from commlib.context import placed
 from commlib.errors import ConfigError
 from commlib.executor import fused
 
@@ -48,7 +49,9 @@ class CommlibState:
     same names, and starts commlib (``commlib.init()``: under torchrun the ring is a gloo group of
     the job's own rendezvous, and the embedded switch and aggregators need no configuration).
     Initialize torch.distributed first if you want another backend than gloo (e.g. nccl): a job
-    without a process group gets a gloo one from commlib.
+    without a process group gets a gloo one from commlib. Where the rank is not known yet
+    (Lightning builds the state before it starts its processes, which get no RANK), commlib starts
+    at the first bucket, over the world of the process group DDP runs in.
 
     Cost: each parameter is one tensor for the core (about 0.2 ms per parameter and step on
     loopback, benchmarks/bench_ddp_overhead.py); it buys per-name policies and PowerSGD on
@@ -59,7 +62,7 @@ class CommlibState:
         # hyperparameters
         "policy", "algorithm", "compression",
         # internal state
-        "names", "_completer",
+        "names", "_completer", "_started",
         # statistics
         "iteration", "buckets_reduced", "bytes_reduced",
     )
@@ -79,7 +82,15 @@ class CommlibState:
         self.names = names
         self._completer = _Completer()
         self.iteration = self.buckets_reduced = self.bytes_reduced = 0
-        commlib.init()
+        self._started = False
+        if placed():   # else (Lightning builds it before it starts the processes) at the first bucket
+            self.start()
+
+    def start(self):
+        """Start commlib (once), in the job this process's placement gives (commlib.context.detect)."""
+        if not self._started:
+            commlib.init()
+            self._started = True
 
     def name_of(self, param):
         try:
@@ -98,6 +109,7 @@ def ddp_comm_hook(state, bucket):
     # to both, so DDP's backward raises the error's own message
     result = future.then(_value)
     try:
+        state.start()
         buffer = bucket.buffer()
         params = bucket.parameters()
         views = _views(buffer, params)
