@@ -5,9 +5,9 @@ Ranks submit the metadata of tensors as they become ready; once all ranks submit
 and agree on it, the server releases it in a `go` batch, once per cycle. Every client receives
 the same batches in the same order, so all ranks run the same tensors in the same order (and
 fuse them identically). Disagreement is a `Mismatch`, a tensor some ranks never submit is a
-`CommTimeout` (after a stall warning), a rank that vanishes is a `PeerFailure`: all raised on every
-rank. An error that arrives while a collective is running takes effect when that collective
-returns or hits its own timeout (the backends' `timeout_s`).
+`CommTimeout` (after a stall warning), a rank that vanishes or leaves after an error is a
+`PeerFailure`: all raised on every rank. An error that arrives while a collective is running
+takes effect when that collective returns or hits its own timeout (the backends' `timeout_s`).
 
 The same channel carries `exchange` (an allgather of small JSON values) for backends' set-up.
 Messages are length-prefixed JSON: the channel never unpickles what a peer sends.
@@ -90,6 +90,7 @@ class ControllerServer:
         self._gathers = {}        # key -> {"values": {rank: value}, "since": t}
         self._ready = []          # [{"name", "algorithm"}] released at the next cycle
         self._done = set()        # ranks that said bye
+        self._left = set()        # ranks shutting down (they said leave): they submit nothing more
         self._failed = False
         self._thread = threading.Thread(target=self._serve, name="commlib-controller", daemon=True)
         self._thread.start()
@@ -182,8 +183,28 @@ class ControllerServer:
                 values = self._gathers.pop(msg["key"])["values"]
                 self._send_to(entry["among"], {"t": "gathered", "key": msg["key"],
                                                "values": [values.get(r) for r in entry["among"]]})
+        elif kind == "leave":   # a rank shutting down: it submits nothing more
+            self._left.add(rank)
+            if msg.get("error"):   # it failed: the others get its error now, not a timeout naming someone else
+                self._broadcast_error("PeerFailure", f"rank {rank} failed and left the job: {msg['error']}")
+                return
         elif kind == "bye":
             self._done.add(rank)
+        if self._left:
+            self._fail_abandoned()
+
+    def _fail_abandoned(self):
+        """Rounds that wait for a rank that shut down can never complete: fail them at once."""
+        for name, rounds in list(self._pending.items()):
+            for entry in list(rounds):
+                gone = sorted(self._left - set(entry["metas"]))
+                if gone:
+                    rounds.remove(entry)
+                    self._broadcast({"t": "error", "kind": "PeerFailure", "names": [name], "message": (
+                        f"tensor {name!r} was submitted by {_ranks_text(sorted(entry['metas']))}, but "
+                        f"{_ranks_text(gone)} shut commlib down without it; see that rank's output")})
+            if not rounds:
+                del self._pending[name]
 
     def _complete(self, name, metas):
         failed = sorted((rank, meta["error"]) for rank, meta in metas.items() if "error" in meta)
@@ -350,6 +371,14 @@ class ControllerClient:
         if "error" in answer:
             raise CommTimeout(answer["error"])
         return answer["values"]
+
+    def leave(self, error=None):
+        """Tell the controller this rank is shutting down, with the error it fails with (a
+        string), if any: the others then fail what waits for this rank at once, naming it."""
+        try:
+            self._send({"t": "leave", "error": error})
+        except (CommError, OSError):
+            pass   # the job is gone already: nobody waits for this rank
 
     def close(self):
         if self._closed:

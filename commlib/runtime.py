@@ -124,8 +124,10 @@ class Runtime:
                               f"and random streams are kept per name (compression {plan.compression})")
         return staged, op, plan, compressor
 
-    def shutdown(self):
-        self.process_sets.shutdown()
+    def shutdown(self, error=None):
+        """error: why this rank leaves, when it fails (text): the other ranks get it at once."""
+        self.client.leave(error)
+        self.process_sets.shutdown(error)
         if not self.executor.stop(self.settings.timeout_s):   # still inside a collective: its native state must outlive it
             log.warning("commlib: shutdown while a collective is still running; backends left open")
             self.client.close()

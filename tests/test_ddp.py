@@ -110,6 +110,22 @@ def test_mismatched_shape_in_a_bucket_is_a_clear_error_on_every_rank(tmp_path):
 
 
 @multiprocess
+@pytest.mark.parametrize("nprocs, failing", [(3, 1), (2, 0)])
+def test_a_rank_that_fails_and_exits_gives_the_others_its_error_at_once(tmp_path, nprocs, failing):
+    """Its atexit shutdown tells the controller why it leaves: the others, waiting in backward for
+    its bucket, get its error (rank and message) within seconds, not a timeout naming a healthy rank."""
+    procs = spawn(nprocs, "failing_rank.py", tmp_path, failing, timeout=300)
+    assert procs[failing].returncode != 0, procs.output
+    for rank in set(range(nprocs)) - {failing}:
+        assert procs[rank].returncode == 0, procs.output
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["step"] == 2, r
+        assert f"rank {failing} failed and left the job" in r["error"], r["error"]
+        assert f"rank {failing}'s own failure in its hook" in r["error"], r["error"]
+        assert r["seconds"] < 15, f"rank {rank} waited {r['seconds']:.1f}s for the failed rank's error"
+
+
+@multiprocess
 def test_commlib_powersgd_reaches_pytorch_powersgd_loss(tmp_path):
     """Same matrix rank, seed, start step and error feedback: the mean loss of the last 10 of 40
     steps within 5% of PyTorch's powerSGD_hook's, and both train."""
