@@ -126,6 +126,21 @@ def test_a_rank_that_fails_and_exits_gives_the_others_its_error_at_once(tmp_path
 
 
 @multiprocess
+def test_parameter_names_that_differ_between_ranks_are_a_mismatch_at_once(tmp_path):
+    """The last rank calls its layer `tail`, the others `head` (same shapes): once every rank waits
+    for names the others never submit, every rank gets a Mismatch naming the tensors and ranks,
+    long before the negotiation timeout (600 s)."""
+    results = ranks(3, "ddp_mismatch.py", tmp_path, "names", timeout=240)
+    for r in results:
+        assert r["error"] is not None, f"rank {r['rank']}: backward did not fail"
+        message = r["error"]["message"]
+        assert "Mismatch" in message and "do not pair up" in message, message
+        assert "ranks 0,1 submitted 'head.bias', 'head.weight' (not rank 2)" in message, message
+        assert "rank 2 submitted 'tail.bias', 'tail.weight' (not ranks 0,1)" in message, message
+        assert r["seconds"] < 30, f"rank {r['rank']} waited {r['seconds']:.1f}s for the mismatch"
+
+
+@multiprocess
 def test_commlib_powersgd_reaches_pytorch_powersgd_loss(tmp_path):
     """Same matrix rank, seed, start step and error feedback: the mean loss of the last 10 of 40
     steps within 5% of PyTorch's powerSGD_hook's, and both train."""
