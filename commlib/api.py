@@ -2,6 +2,7 @@
 import atexit
 import logging
 import os
+import sys
 import threading
 
 from commlib import differentiable
@@ -49,14 +50,35 @@ def start(policy, settings, join=None):
         _runtime = Runtime(resolved, policy, job=join(resolved) if join else None)
         _runtime.init_args = args
         atexit.register(shutdown)
+        if sys.excepthook is not _excepthook:
+            _excepthook.previous, sys.excepthook = sys.excepthook, _excepthook
 
 
 def shutdown():
+    """End commlib on this rank. Called while an exception is handled, or at exit after an uncaught
+    one, it tells the other ranks that this rank failed and why, so they fail at once too."""
     global _runtime
     with _init_lock:
         if _runtime is not None:
             runtime, _runtime = _runtime, None
-            runtime.shutdown()
+            runtime.shutdown(_failure())
+
+
+_uncaught = None   # the exception that ended the main thread, seen by _excepthook before atexit's shutdown
+
+
+def _excepthook(kind, value, traceback):
+    global _uncaught
+    _uncaught = value
+    _excepthook.previous(kind, value, traceback)
+
+
+def _failure():
+    """'Type: message' of the error this rank is failing with, or None."""
+    error = sys.exc_info()[1] or _uncaught
+    if error is None or isinstance(error, SystemExit):
+        return None
+    return f"{type(error).__name__}: {error}"
 
 
 def is_initialized():

@@ -1,12 +1,13 @@
 """Who this rank is in the job, and what a backend sees of the job: one Context.
 
-`detect()` fills in the placement (rank, size, local rank and size, launcher) from Horovod, the
-launcher's environment or mpi4py; commlib's bootstrap then adds the job: settings, the ring
-engine, `exchange` (an allgather of small JSON values through the controller), a job token and
-the job's secret.
+`detect()` fills in the placement (rank, size, local rank and size, launcher) from Horovod,
+torch.distributed's process group, the launcher's environment or mpi4py; commlib's bootstrap then
+adds the job: settings, the ring engine, `exchange` (an allgather of small JSON values through the
+controller), a job token and the job's secret.
 """
 import dataclasses
 import os
+import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ class Context:
     size: int
     local_rank: int
     local_size: int
-    launcher: str = "single"         # horovod, horovodrun, mpi, torchrun, torch.distributed (the backend), single, threads
+    launcher: str = "single"         # horovod, horovodrun, mpi, torchrun, torch.distributed, single, threads
     settings: object = None          # commlib.settings.Settings
     exchange_fn: object = None       # (key, value, timeout) -> list of every rank's value
     engine: object = None            # commlib.engine.Engine: the existing ring engine (None in unit tests)
@@ -91,6 +92,55 @@ def initialized_horovod():
     return None
 
 
+def _launched(environ):
+    """The placement the launcher's variables give, or None."""
+    for launcher, rank, size, local_rank, local_size in _ENVIRONMENTS:
+        if rank in environ and size in environ:
+            n = int(environ[size])
+            return Context(int(environ[rank]), n, int(environ.get(local_rank, environ[rank])),
+                           int(environ.get(local_size, n)), launcher)
+    return None
+
+
+def _group_world():
+    """(rank, size) in torch.distributed's initialized default process group, or None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _process_group(environ):
+    """The placement of torch.distributed's initialized default process group, or None. Its world
+    is the job's even where the launcher exports no RANK (Lightning starts its processes itself)."""
+    world = _group_world()
+    if world is None:
+        return None
+    rank, size = world
+    if "LOCAL_WORLD_SIZE" in environ:
+        local = [int(environ.get("LOCAL_RANK", rank)), int(environ["LOCAL_WORLD_SIZE"])]
+    else:   # the ranks on this host, from the group itself
+        import torch.distributed as dist
+        hosts = [None] * size
+        dist.all_gather_object(hosts, socket.gethostname())
+        local = [hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank])]
+    return Context(rank, size, *local, "torch.distributed")
+
+
+def _disagree(what, world, other, other_name):
+    """What is wrong when two sources of this process's placement, (rank, size) each, disagree, else None."""
+    if other is None or tuple(other) == tuple(world):
+        return None
+    return (f"{what} says this process is rank {world[0]} of {world[1]}, but {other_name} says rank "
+            f"{other[0]} of {other[1]}: commlib would reduce over the wrong ranks")
+
+
+def _refuse(problem):
+    if problem:
+        raise ConfigError(f"{problem}. Start every process with one launcher and initialize torch.distributed "
+                          f"(or Horovod) with the launcher's RANK and WORLD_SIZE")
+
+
 def _check_horovod_sees_the_launch(hvd, environ):
     """hvd.init() under torchrun (which Horovod does not know) gives every process a job of its own:
     each would train alone as rank 0. Refuse that rather than take it for the job."""
@@ -103,50 +153,31 @@ def _check_horovod_sees_the_launch(hvd, environ):
                           f"(commlib.torch.ddp_comm_hook with DDP, or commlib.allreduce)")
 
 
-def initialized_process_group():
-    """(rank, size) of torch.distributed's default process group when this process initialized one."""
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except Exception:   # a half-imported or broken torch.distributed counts as absent
-        pass
-    return None
-
-
-def _check_agrees(where, rank, size, group):
-    """The launcher's word against the process group's: a disagreement would reduce over the wrong ranks."""
-    if group is not None and group != (rank, size):
-        raise ConfigError(f"{where} says rank {rank} of {size} but torch.distributed's process group is rank "
-                          f"{group[0]} of {group[1]}: commlib would reduce over other ranks than the job's. Start "
-                          f"every process with the same launcher and world size (or unset the stale variables)")
-
-
 def detect(environ=None):
     """This process's placement: Horovod if initialized, else torch.distributed's process group if
-    initialized (Lightning's own launcher sets no RANK), else the launcher's variables, else mpi4py, else
-    a single process. Where two of them speak, they must agree."""
+    initialized, else the launcher's variables, else mpi4py, else a single process. Where two of
+    them speak they must agree (ConfigError): commlib never forms a job of one rank in a process
+    that belongs to a larger world."""
     environ = os.environ if environ is None else environ
-    group = initialized_process_group()
+    launched = _launched(environ)
     hvd = initialized_horovod()
     if hvd is not None:
         _check_horovod_sees_the_launch(hvd, environ)
-        _check_agrees("Horovod", hvd.rank(), hvd.size(), group)
-        return Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), "horovod")
-    for launcher, rank, size, local_rank, local_size in _ENVIRONMENTS:
-        if rank in environ and size in environ:
-            n = int(environ[size])
-            _check_agrees(f"the {launcher} environment ({rank}, {size})", int(environ[rank]), n, group)
-            return Context(int(environ[rank]), n, int(environ.get(local_rank, environ[rank])),
-                           int(environ.get(local_size, n)), launcher)
-    if group is not None:   # ranks and local ranks as the launcher set them (Lightning: LOCAL_RANK, no RANK)
-        rank, size = group
-        local_size = int(environ.get("LOCAL_WORLD_SIZE", 0)) or _local_size_by_host()
-        return Context(rank, size, int(environ.get("LOCAL_RANK", 0)), local_size, "torchrun")
-    if "WORLD_SIZE" in environ and int(environ["WORLD_SIZE"]) > 1:   # a launcher whose group is not up yet
-        raise ConfigError(f"WORLD_SIZE={environ['WORLD_SIZE']} but no RANK and no torch.distributed process group: "
-                          f"commlib would run a job of one rank. Initialize torch.distributed first "
-                          f"(dist.init_process_group; Lightning does it in Trainer.fit) or launch with torchrun")
+        world = Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), "horovod")
+        _refuse(_disagree("Horovod", (world.rank, world.size), _group_world(), "torch.distributed"))
+        return world
+    world = _process_group(environ)
+    if world is not None:
+        _refuse(_disagree("torch.distributed", (world.rank, world.size), launched and (launched.rank, launched.size),
+                          f"the launcher ({launched and launched.launcher})"))
+        return dataclasses.replace(world, launcher=launched.launcher) if launched else world
+    if launched is not None:
+        return launched
+    if int(environ.get("WORLD_SIZE", 1)) > 1:   # Lightning's launcher: WORLD_SIZE and LOCAL_RANK, no RANK
+        raise ConfigError(f"WORLD_SIZE={environ['WORLD_SIZE']} but no RANK in the environment, and torch.distributed "
+                          f"is not initialized: commlib cannot tell this process's rank. Start commlib after the "
+                          f"process group is up (under Lightning, commlib.torch.lightning.DDPStrategy does), or "
+                          f"launch with torchrun")
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized():
         world = mpi.COMM_WORLD
@@ -155,10 +186,20 @@ def detect(environ=None):
     return Context(0, 1, 0, 1, "single")
 
 
-def _local_size_by_host():
-    """How many ranks of the default process group run on this host (a collective on that group)."""
-    import socket
-    import torch.distributed as dist
-    hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    return hosts.count(socket.gethostname())
+def placed(environ=None):
+    """Whether this process's world is known now: Horovod or torch.distributed initialized, or a
+    launcher's rank in the environment. (Lightning's first process looks like a single one until
+    it starts the others.)"""
+    environ = os.environ if environ is None else environ
+    return initialized_horovod() is not None or _group_world() is not None or _launched(environ) is not None
+
+
+def check_world(ctx):
+    """A ConfigError when torch.distributed's process group is up with another world than the job
+    commlib formed (commlib.init() ran before the process group did): such a job would reduce
+    over the wrong ranks, or none."""
+    problem = _disagree("commlib's job", (ctx.rank, ctx.size), _group_world(), "torch.distributed's process group")
+    if problem:
+        raise ConfigError(f"{problem}. commlib started before the process group was formed: call commlib.init() "
+                          f"(or build CommlibState) after torch.distributed is initialized, or commlib.shutdown() "
+                          f"and init again")

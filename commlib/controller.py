@@ -4,8 +4,9 @@ Rank 0 runs a `ControllerServer` thread; every rank (rank 0 included) holds a `C
 Ranks submit the metadata of tensors as they become ready; once all ranks submitted a name
 and agree on it, the server releases it in a `go` batch, once per cycle. Every client receives
 the same batches in the same order, so all ranks run the same tensors in the same order (and
-fuse them identically). Disagreement is a `Mismatch`, a tensor some ranks never submit is a
-`CommTimeout` (after a stall warning), a rank that vanishes is a `PeerFailure`: all raised on every
+fuse them identically). Disagreement is a `Mismatch` (names too: every rank waits for tensors the
+others never submitted), a tensor some ranks never submit is a `CommTimeout` (after a stall
+warning), a rank that vanishes or leaves after an error is a `PeerFailure`: all raised on every
 rank. An error that arrives while a collective is running takes effect when that collective
 returns or hits its own timeout (the backends' `timeout_s`).
 
@@ -30,6 +31,9 @@ log = logging.getLogger("commlib")
 _HEADER = struct.Struct("!I")
 # Fields all ranks must agree on for a tensor (besides its name).
 AGREED_FIELDS = ("shape", "dtype", "op", "choices", "compression", "prescale", "postscale")
+# Every rank waiting for tensors no other rank submitted, with no submission for this long: the
+# ranks' names differ (a Mismatch) rather than a rank being slow.
+PAIRING_GRACE_S = 5.0
 
 
 def send_msg(sock, msg):
@@ -58,6 +62,11 @@ def _recv_exact(sock, n):
 
 def _ranks_text(ranks):
     return "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
+
+
+def _names_text(names, most=5):
+    shown = ", ".join(map(repr, sorted(names)[:most]))
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def check_agreement(name, metas):
@@ -93,6 +102,8 @@ class ControllerServer:
         self._gathers = {}        # key -> {"values": {rank: value}, "since": t}
         self._ready = []          # [{"name", "algorithm"}] released at the next cycle
         self._done = set()        # ranks that said bye
+        self._left = set()        # ranks shutting down (they said leave): they submit nothing more
+        self._last_submit = time.monotonic()
         self._failed = False
         self._thread = threading.Thread(target=self._serve, name="commlib-controller", daemon=True)
         self._thread.start()
@@ -163,6 +174,7 @@ class ControllerServer:
     def _handle(self, rank, msg):
         kind = msg["t"]
         if kind == "submit":
+            self._last_submit = time.monotonic()
             for meta in msg["metas"]:
                 name = meta["name"]
                 rounds = self._pending.setdefault(name, [])
@@ -185,8 +197,28 @@ class ControllerServer:
                 values = self._gathers.pop(msg["key"])["values"]
                 self._send_to(entry["among"], {"t": "gathered", "key": msg["key"],
                                                "values": [values.get(r) for r in entry["among"]]})
+        elif kind == "leave":   # a rank shutting down: it submits nothing more
+            self._left.add(rank)
+            if msg.get("error"):   # it failed: the others get its error now, not a timeout naming someone else
+                self._broadcast_error("PeerFailure", f"rank {rank} failed and left the job: {msg['error']}")
+                return
         elif kind == "bye":
             self._done.add(rank)
+        if self._left:
+            self._fail_abandoned()
+
+    def _fail_abandoned(self):
+        """Rounds that wait for a rank that shut down can never complete: fail them at once."""
+        for name, rounds in list(self._pending.items()):
+            for entry in list(rounds):
+                gone = sorted(self._left - set(entry["metas"]))
+                if gone:
+                    rounds.remove(entry)
+                    self._broadcast({"t": "error", "kind": "PeerFailure", "names": [name], "message": (
+                        f"tensor {name!r} was submitted by {_ranks_text(sorted(entry['metas']))}, but "
+                        f"{_ranks_text(gone)} shut commlib down without it; see that rank's output")})
+            if not rounds:
+                del self._pending[name]
 
     def _complete(self, name, metas):
         failed = sorted((rank, meta["error"]) for rank, meta in metas.items() if "error" in meta)
@@ -228,6 +260,7 @@ class ControllerServer:
                 self._broadcast({"t": "stall", "message": (
                     f"tensor {name!r} has waited {waited:.0f}s for {_ranks_text(missing)}; it fails after "
                     f"{self.negotiation_timeout_s:.0f}s (COMMLIB_NEGOTIATION_TIMEOUT_S)")})
+        self._check_pairing(now)
         for key, entry in list(self._gathers.items()):
             if now - entry["since"] > self.timeout_s:
                 del self._gathers[key]
@@ -237,6 +270,29 @@ class ControllerServer:
                     self._broadcast_error("CommTimeout", message)
                 else:   # a process set that did not form: its ranks fail, the job goes on
                     self._send_to(entry["among"], {"t": "gathered", "key": key, "error": message})
+
+    def _check_pairing(self, now):
+        """Every rank waits for tensors another rank has not submitted, and no rank submitted
+        anything for PAIRING_GRACE_S: their names differ (ranks that merely submit in other orders,
+        or a slow rank with nothing pending, keep submitting). A Mismatch at once, not a timeout."""
+        grace = min(PAIRING_GRACE_S, self.negotiation_timeout_s)
+        if not self._pending or now - self._last_submit < grace:
+            return
+        by_ranks = {}   # the ranks that submitted a waiting tensor -> its names
+        for name, rounds in self._pending.items():
+            by_ranks.setdefault(tuple(sorted(rounds[0]["metas"])), []).append(name)
+        waiting = {rank for ranks in by_ranks for rank in ranks}
+        if not set(range(self.size)) - self._left <= waiting:
+            return   # a rank with nothing pending is still on its way
+        sides = "; ".join(f"{_ranks_text(list(ranks))} submitted {_names_text(names)} "
+                          f"(not {_ranks_text(sorted(set(range(self.size)) - set(ranks)))})"
+                          for ranks, names in sorted(by_ranks.items()))
+        names = list(self._pending)
+        self._pending.clear()
+        self._broadcast({"t": "error", "kind": "Mismatch", "names": names, "message": (
+            f"the ranks' tensor names do not pair up: {sides}; every rank waits and none submitted anything for "
+            f"{grace:g}s. Every rank must reduce the same tensors under the same names (DDP: the same "
+            f"model, with the same parameter names, on every rank)")})
 
     def _broadcast_error(self, kind, message):
         """An error that breaks the job (names=None): every rank fails everything in flight."""
@@ -353,6 +409,14 @@ class ControllerClient:
         if "error" in answer:
             raise CommTimeout(answer["error"])
         return answer["values"]
+
+    def leave(self, error=None):
+        """Tell the controller this rank is shutting down, with the error it fails with (a
+        string), if any: the others then fail what waits for this rank at once, naming it."""
+        try:
+            self._send({"t": "leave", "error": error})
+        except (CommError, OSError):
+            pass   # the job is gone already: nobody waits for this rank
 
     def close(self):
         if self._closed:

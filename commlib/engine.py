@@ -3,7 +3,8 @@
 Each engine sums, allgathers and broadcasts numpy arrays across all ranks. Which one runs is the
 `ring_engine` setting. The launcher's engine starts the job (it shares the controller's address):
 Horovod when it is (or, under horovodrun, can be) initialized, MPI through mpi4py under mpirun,
-torch.distributed under torchrun, else a single process. `auto` then carries the data of a Horovod
+torch.distributed under torchrun or where a process group is initialized (Lightning starts its
+processes without RANK), else a single process. `auto` then carries the data of a Horovod
 job over commlib's own Gloo ring (`gloo`, when torch is installed): Horovod would negotiate every
 collective a second time on top of commlib's controller, which made each small collective
 (PowerSGD's factors, compressed payloads) several times slower.
@@ -290,7 +291,7 @@ def _auto(placement):
         return "horovod_tensorflow" if hvd is not None and hvd.__name__ == "horovod.tensorflow" else "horovod"
     if placement.launcher == "mpi":
         return "mpi"
-    if placement.launcher == "torchrun":
+    if placement.launcher in ("torchrun", "torch.distributed"):   # the job's process group (Lightning's too)
         return "torch"
     if placement.size == 1:
         return "local"

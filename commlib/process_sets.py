@@ -97,11 +97,11 @@ class ProcessSets:
         with self._lock:
             return list(self._runtimes.values())
 
-    def shutdown(self):
+    def shutdown(self, error=None):
         with self._lock:
             runtimes, self._runtimes = list(self._runtimes.values()), {}
         for runtime in reversed(runtimes):
-            runtime.shutdown()
+            runtime.shutdown(error)
 
 
 def form(parent, ranks, hvd_set=None):

@@ -11,7 +11,7 @@ import os
 
 from commlib import bootstrap, differentiable, study
 from commlib.backends import start_all
-from commlib.context import initialized_horovod
+from commlib.context import check_world, initialized_horovod
 from commlib.dispatch import Dispatcher
 from commlib.errors import CommError, ConfigError, InvalidTensor
 from commlib.executor import HOROVOD_OPS, OPS, Average, Entry, Executor, Sum
@@ -97,8 +97,12 @@ class Runtime:
         return [entry.handle for entry in entries]
 
     def _check_world(self):
-        """An elastic reset gives Horovod a new world: a job formed for the old one would fail (or
-        hang) on every call, and hvd.elastic.run would reset again and again."""
+        """A process group formed after commlib's job (Lightning's, around a CommlibState built
+        early) must not leave commlib reducing over another world. An elastic reset gives Horovod a
+        new world: a job formed for the old one would fail (or hang) on every call, and
+        hvd.elastic.run would reset again and again."""
+        if not self._is_set and not self._elastic:
+            check_world(self.ctx)
         if not self._elastic:
             return
         hvd = initialized_horovod()
@@ -122,8 +126,10 @@ class Runtime:
                               f"and random streams are kept per name (compression {plan.compression})")
         return staged, op, plan, compressor
 
-    def shutdown(self):
-        self.process_sets.shutdown()
+    def shutdown(self, error=None):
+        """error: why this rank leaves, when it fails (text): the other ranks get it at once."""
+        self.client.leave(error)
+        self.process_sets.shutdown(error)
         if not self.executor.stop(self.settings.timeout_s):   # still inside a collective: its native state must outlive it
             log.warning("commlib: shutdown while a collective is still running; backends left open")
             self.client.close()

@@ -1,11 +1,12 @@
 """PyTorch Lightning's DDPStrategy with commlib's comm hook.
 
-    python examples/lightning_ddp.py                      # Lightning starts the processes itself
+    python examples/lightning_ddp.py                          # Lightning starts the processes
     torchrun --nproc-per-node 2 examples/lightning_ddp.py
 
-The hook and its state go to DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...), as PyTorch's own
-hooks do; commlib.torch.lightning.DDPStrategy is Lightning's, but registers the hook on CPU too
-(Lightning 2.6 does on CUDA only). The hook's first bucket starts commlib over DDP's world.
+The hook and its state go to DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...), as PyTorch's
+own hooks do, with commlib.torch.lightning's DDPStrategy: Lightning's own registers a comm hook
+on CUDA devices only, so on CPU commlib's hook would never run. The state is built before
+Lightning starts its processes; commlib starts in each of them once the process group is up.
 """
 import argparse
 
@@ -44,17 +45,18 @@ def dataset(n=2048):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="*=auto", help="commlib policy, per parameter name")
-    parser.add_argument("--devices", type=int, default=2, help="processes on this host (torchrun's --nproc-per-node)")
+    parser.add_argument("--devices", type=int, default=2,
+                        help="processes on this host (torchrun's --nproc-per-node, or Lightning's own)")
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = Regression()
-    state = cl.CommlibState(model.named_parameters(), policy=args.policy)
+    state = cl.CommlibState(model.named_parameters(), policy=args.policy)   # commlib starts with the process group
     strategy = DDPStrategy(ddp_comm_state=state, ddp_comm_hook=cl.ddp_comm_hook)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
-                         logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
     trainer.fit(model, DataLoader(dataset(), batch_size=32, shuffle=True))
     if trainer.global_rank == 0:
         first, last = sum(model.losses[:5]) / 5, sum(model.losses[-5:]) / 5

@@ -8,8 +8,8 @@ from launch import spawn
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(360)]
 
 
-def run(nprocs, scenario, **env):
-    return spawn(nprocs, "c10d.py", scenario, timeout=300, env=env).check().results()
+def run(nprocs, scenario, *args, **env):
+    return spawn(nprocs, "c10d.py", scenario, *args, timeout=300, env=env).check().results()
 
 
 @pytest.mark.parametrize("nprocs, policy, algorithms", [(2, "*=ring", ["ring"]), (4, "*=auto", ["ring", "switchml"])])
@@ -61,7 +61,7 @@ def test_a_mismatch_is_a_clear_error_on_every_rank_at_once():
 
 
 def test_a_rank_that_never_calls_is_a_timeout_naming_it():
-    first, last = run(2, "missing", COMMLIB_NEGOTIATION_TIMEOUT_S="3", COMMLIB_STALL_WARNING_S="1")
+    first, last = run(2, "missing", 8, COMMLIB_NEGOTIATION_TIMEOUT_S="3", COMMLIB_STALL_WARNING_S="1")
     assert first["error"].startswith("CommTimeout: tensor 'allreduce.noname.0' was submitted by rank 0 but not by "
                                      "rank 1 within 3.0s"), first
     assert 3 <= first["seconds"] < 15, first

@@ -171,6 +171,32 @@ def test_horovod_alone_under_torchrun_is_an_error_that_says_what_to_do():
     assert "ConfigError" in out.stderr and "torchrun started 2" in out.stderr and "horovodrun" in out.stderr, out.stderr
 
 
+def test_placement_comes_from_the_process_group_and_disagreement_is_an_error(tmp_path):
+    """Lightning starts its processes with WORLD_SIZE but no RANK: without a process group that is
+    an error (no job of one rank), with one its world is the job's, and a launcher that says
+    otherwise is an error too."""
+    code = f"""if True:
+        import torch.distributed as dist
+        from commlib.context import detect
+        def refused(environ):
+            try:
+                detect(environ)
+            except Exception as exc:
+                return f"{{type(exc).__name__}}: {{exc}}"
+        print("no group:", refused({{"WORLD_SIZE": "2", "LOCAL_RANK": "1"}}))
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+        print("group:", detect({{"WORLD_SIZE": "2", "LOCAL_RANK": "1"}}).launcher)
+        print("launcher:", refused({{"RANK": "1", "WORLD_SIZE": "2"}}))
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert lines["no group"].startswith("ConfigError: WORLD_SIZE=2 but no RANK"), lines["no group"]
+    assert lines["group"] == "torch.distributed", lines["group"]
+    assert lines["launcher"].startswith("ConfigError: torch.distributed says this process is rank 0 of 1, but the "
+                                        "launcher (torchrun) says rank 1 of 2"), lines["launcher"]
+
+
 def test_grouped_allreduce_is_released_and_fused_together(runtime):
     tensors = [np.full(3, i, np.float32) for i in range(6)]
     outs = commlib.grouped_allreduce(tensors, [f"g{i}" for i in range(6)], op=commlib.Sum)

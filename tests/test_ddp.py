@@ -2,6 +2,7 @@
 torchrun and Lightning. Ranks write their results as JSON; the assertions are here."""
 import json
 import re
+import sys
 
 import pytest
 
@@ -9,7 +10,7 @@ import torch
 
 import commlib
 from commlib.torch.ddp import CommlibState, _views
-from launch import BIN, ROOT, _env, _run, free_port, spawn
+from launch import BIN, ROOT, WORKERS, _env, _run, free_port, spawn
 
 pytestmark = pytest.mark.timeout(400)
 multiprocess = pytest.mark.multiprocess
@@ -109,6 +110,37 @@ def test_mismatched_shape_in_a_bucket_is_a_clear_error_on_every_rank(tmp_path):
 
 
 @multiprocess
+@pytest.mark.parametrize("nprocs, failing", [(3, 1), (2, 0)])
+def test_a_rank_that_fails_and_exits_gives_the_others_its_error_at_once(tmp_path, nprocs, failing):
+    """Its atexit shutdown tells the controller why it leaves: the others, waiting in backward for
+    its bucket, get its error (rank and message) within seconds, not a timeout naming a healthy rank."""
+    procs = spawn(nprocs, "failing_rank.py", tmp_path, failing, timeout=300)
+    assert procs[failing].returncode != 0, procs.output
+    for rank in set(range(nprocs)) - {failing}:
+        assert procs[rank].returncode == 0, procs.output
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["step"] == 2, r
+        assert f"rank {failing} failed and left the job" in r["error"], r["error"]
+        assert f"rank {failing}'s own failure in its hook" in r["error"], r["error"]
+        assert r["seconds"] < 15, f"rank {rank} waited {r['seconds']:.1f}s for the failed rank's error"
+
+
+@multiprocess
+def test_parameter_names_that_differ_between_ranks_are_a_mismatch_at_once(tmp_path):
+    """The last rank calls its layer `tail`, the others `head` (same shapes): once every rank waits
+    for names the others never submit, every rank gets a Mismatch naming the tensors and ranks,
+    long before the negotiation timeout (600 s)."""
+    results = ranks(3, "ddp_mismatch.py", tmp_path, "names", timeout=240)
+    for r in results:
+        assert r["error"] is not None, f"rank {r['rank']}: backward did not fail"
+        message = r["error"]["message"]
+        assert "Mismatch" in message and "do not pair up" in message, message
+        assert "ranks 0,1 submitted 'head.bias', 'head.weight' (not rank 2)" in message, message
+        assert "rank 2 submitted 'tail.bias', 'tail.weight' (not ranks 0,1)" in message, message
+        assert r["seconds"] < 30, f"rank {r['rank']} waited {r['seconds']:.1f}s for the mismatch"
+
+
+@multiprocess
 def test_commlib_powersgd_reaches_pytorch_powersgd_loss(tmp_path):
     """Same matrix rank, seed, start step and error feedback: the mean loss of the last 10 of 40
     steps within 5% of PyTorch's powerSGD_hook's, and both train."""
@@ -143,6 +175,21 @@ def test_lightning_example_trains_with_the_hook():
     first, last, buckets, used = float(found[1]), float(found[2]), int(found[3]), found[4]
     assert last < 0.8 * first and buckets >= 30, out.stdout
     assert used == "[('ring', None), ('switchml', None)]", out.stdout
+
+
+@multiprocess
+def test_lightning_own_launcher_forms_the_process_groups_job(tmp_path):
+    """`python script.py` with Trainer(devices=2, accelerator="cpu"): Lightning starts rank 1
+    without RANK; commlib's job must still be the process group's two ranks, the hook must run on
+    CPU (a bucket per step: 4 steps in each of 2 epochs), and both ranks must end with the same weights."""
+    out = _run([sys.executable, str(WORKERS / "lightning_launch.py"), str(tmp_path)], 300, _env(None))
+    assert out.returncode == 0, out.stdout
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        assert r["commlib"] == [r["rank"], 2], f"rank {r['rank']}: commlib's job is {r['commlib']} (rank, size)"
+        assert r["buckets"] >= 8, f"rank {r['rank']}: only {r['buckets']} buckets went through commlib"
+    diff = max(abs(a - b) for a, b in zip(results[0]["weights"], results[1]["weights"]))
+    assert diff == 0.0, f"the ranks' weights differ by up to {diff} after training"
 
 
 def test_state_needs_the_models_named_parameters():

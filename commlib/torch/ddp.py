@@ -19,6 +19,7 @@ import threading
 import torch
 
 import commlib
+from commlib.context import placed
 from commlib.errors import ConfigError
 from commlib.executor import fused
 
@@ -45,10 +46,12 @@ class CommlibState:
        PowerSGD cannot factor: one more reason the hook reduces per parameter.
 
     The state is built from the wrapped model's ``named_parameters()`` on every rank, with the
-    same names. The hook's first bucket starts commlib (``commlib.init()``) if nothing did: by then
-    DDP's process group is up, so the job is that group's world whoever launched it (torchrun,
-    Lightning's own launcher); the ring is a gloo group of the same rendezvous, and the embedded
-    switch and aggregators need no configuration.
+    same names, and starts commlib (``commlib.init()``: under torchrun the ring is a gloo group of
+    the job's own rendezvous, and the embedded switch and aggregators need no configuration).
+    Initialize torch.distributed first if you want another backend than gloo (e.g. nccl): a job
+    without a process group gets a gloo one from commlib. Where the rank is not known yet
+    (Lightning builds the state before it starts its processes, which get no RANK), commlib starts
+    at the first bucket, over the world of the process group DDP runs in.
 
     Cost: each parameter is one tensor for the core (about 0.2 ms per parameter and step on
     loopback, benchmarks/bench_ddp_overhead.py); it buys per-name policies and PowerSGD on
@@ -59,7 +62,7 @@ class CommlibState:
         # hyperparameters
         "policy", "algorithm", "compression",
         # internal state
-        "names", "_completer",
+        "names", "_completer", "_started",
         # statistics
         "iteration", "buckets_reduced", "bytes_reduced",
     )
@@ -79,6 +82,15 @@ class CommlibState:
         self.names = names
         self._completer = _Completer()
         self.iteration = self.buckets_reduced = self.bytes_reduced = 0
+        self._started = False
+        if placed():   # else (Lightning builds it before it starts the processes) at the first bucket
+            self.start()
+
+    def start(self):
+        """Start commlib (once), in the job this process's placement gives (commlib.context.detect)."""
+        if not self._started:
+            commlib.init()
+            self._started = True
 
     def name_of(self, param):
         try:
@@ -97,8 +109,7 @@ def ddp_comm_hook(state, bucket):
     # to both, so DDP's backward raises the error's own message
     result = future.then(_value)
     try:
-        commlib.init()   # idempotent; the first bucket starts the job over DDP's world
-        _check_world()
+        state.start()
         buffer = bucket.buffer()
         params = bucket.parameters()
         views = _views(buffer, params)
@@ -115,15 +126,6 @@ def ddp_comm_hook(state, bucket):
         state.iteration += 1
     state._completer.add(handles, views, buffer, future)
     return result
-
-
-def _check_world():
-    """A commlib job started before torch.distributed (as a one-rank job) must not reduce DDP's buckets."""
-    import torch.distributed as dist
-    if dist.is_initialized() and dist.get_world_size() != commlib.size():
-        raise ConfigError(f"commlib's job has {commlib.size()} ranks but DDP's process group {dist.get_world_size()}: "
-                          f"commlib.init() ran before torch.distributed was initialized; let the hook start it "
-                          f"(do not call commlib.init() before dist.init_process_group / Trainer.fit)")
 
 
 def _value(future):

@@ -190,11 +190,15 @@ elif scenario == "mismatch":   # the last rank reduces a tensor of another lengt
     start = time.monotonic()
     t = torch.ones(10 if rank == size - 1 else 12)
     results = {"error": outcome(lambda: dist.all_reduce(t)), "seconds": time.monotonic() - start}
-elif scenario == "missing":    # the last rank never calls it
+elif scenario == "missing":    # the last rank never calls it, and stays (one that leaves is a PeerFailure at once)
     start = time.monotonic()
     t = torch.ones(10)
-    results = {"error": None if rank == size - 1 else outcome(lambda: dist.all_reduce(t)),
-               "seconds": time.monotonic() - start}
+    if rank == size - 1:
+        time.sleep(float(sys.argv[2]))
+        results = {"error": None}
+    else:
+        results = {"error": outcome(lambda: dist.all_reduce(t))}
+    results["seconds"] = time.monotonic() - start
 note_algorithm()
 results["algorithms"] = sorted(SEEN)
 report(rank=rank, size=size, **results)

@@ -1,4 +1,5 @@
-"""A DDP bucket whose `head.weight` has another shape on the last rank than on the others.
+"""A DDP bucket whose `head.weight` has another shape on the last rank than on the others, or
+(`ddp_mismatch.py OUT names`) the same shapes under other names there (`tail.*`).
 
 DDP is built with init_sync=False, which skips its own shape check, so the mismatch reaches the
 hook as a real bucket would. Every rank writes OUT/rank<r>.json with the error its backward raised
@@ -18,13 +19,14 @@ import commlib
 import commlib.torch as cl
 
 out = Path(sys.argv[1])
+names = sys.argv[2:] == ["names"]
 torch.set_num_threads(1)
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 rank, size = dist.get_rank(), dist.get_world_size()
-outputs = 5 if rank == size - 1 else 4
+last = rank == size - 1
 net = torch.nn.Sequential()
 net.add_module("body", torch.nn.Linear(8, 16))
-net.add_module("head", torch.nn.Linear(16, outputs))
+net.add_module("tail" if last and names else "head", torch.nn.Linear(16, 5 if last and not names else 4))
 model = DDP(net, init_sync=False)
 model.register_comm_hook(cl.CommlibState(net.named_parameters(), policy="*=ring"), cl.ddp_comm_hook)
 start = time.monotonic()

@@ -1,18 +1,14 @@
-"""Lightning starting its own processes (`python lightning_ddp.py MODE`, Trainer(devices=2) on CPU).
-MODE: hook (commlib.torch.lightning.DDPStrategy with commlib's comm hook) | backend
-(DDPStrategy(process_group_backend="commlib")). Each rank reports whether the ranks' weights are
-equal after training, the size of commlib's job and what reduced the buckets."""
-import sys
-
+"""Lightning starting its own processes (`python lightning_backend.py`, Trainer(devices=2) on CPU)
+with Lightning's own DDPStrategy(process_group_backend="commlib"): no hook, the commlib backend
+under DDP. Each rank reports whether the ranks' weights are equal after training, the size of
+commlib's job and what reduced the last bucket. (The hook's case: lightning_launch.py.)"""
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.strategies import DDPStrategy
 
 import commlib
-import commlib.torch as cl
+import commlib.torch  # noqa: F401  (registers the backend)
 from commlib.testing import report
-from commlib.torch.lightning import DDPStrategy
-
-MODE = sys.argv[1]
 
 
 class Model(pl.LightningModule):
@@ -40,10 +36,7 @@ class Model(pl.LightningModule):
 
 
 model = Model()
-if MODE == "hook":
-    strategy = DDPStrategy(ddp_comm_state=cl.CommlibState(model.named_parameters()), ddp_comm_hook=cl.ddp_comm_hook)
-else:
-    strategy = DDPStrategy(process_group_backend="commlib")
+strategy = DDPStrategy(process_group_backend="commlib")
 g = torch.Generator().manual_seed(1)
 data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
 trainer = pl.Trainer(devices=2, accelerator="cpu", strategy=strategy, max_epochs=2, logger=False,
