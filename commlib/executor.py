@@ -134,11 +134,15 @@ class Executor:
         self._thread = threading.Thread(target=self._loop, name="commlib-background", daemon=True)
         self._thread.start()
 
-    def track(self, entry):
+    def track(self, entries):
+        """Track one submission's entries, all or none (a refused one leaves nothing in flight)."""
         with self._lock:
-            if entry.name in self._entries:
-                raise ConfigError(f"tensor {entry.name!r} is already in flight; give each tensor of a step a unique name")
-            self._entries[entry.name] = entry
+            batch = {}
+            for entry in entries:
+                if entry.name in self._entries or entry.name in batch:
+                    raise ConfigError(f"tensor {entry.name!r} is already in flight; give each tensor of a step a unique name")
+                batch[entry.name] = entry
+            self._entries.update(batch)
 
     def stop(self, timeout):
         """Fail what is waiting, end the thread; False if a collective is still running."""

@@ -13,7 +13,7 @@ from commlib import bootstrap, differentiable, study
 from commlib.backends import start_all
 from commlib.context import check_world, initialized_horovod
 from commlib.dispatch import Dispatcher
-from commlib.errors import CommError, ConfigError, InvalidTensor
+from commlib.errors import CommError, ConfigError
 from commlib.executor import HOROVOD_OPS, OPS, Average, Entry, Executor, Sum
 from commlib.handles import Handle
 from commlib.process_sets import ProcessSets
@@ -89,9 +89,12 @@ class Runtime:
             metas.append({"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op_name,
                           "choices": plan.choices, "compression": plan.compression, "density": plan.density,
                           "prescale": prescale, "postscale": postscale, "rows": plan.rows})
-        for entry in entries:
-            self.executor.track(entry)
-        self.client.submit(metas)
+        self.executor.track(entries)
+        try:
+            self.client.submit(metas)
+        except BaseException as exc:   # never sent: nothing of this call stays in flight
+            self.executor.fail([entry.name for entry in entries], exc)
+            raise
         if refused is not None:
             raise refused
         return [entry.handle for entry in entries]
@@ -117,9 +120,7 @@ class Runtime:
         if op not in (Sum, Average) and differentiable.wants_grad(tensor):
             raise ConfigError(f"tensor {name!r}: op={op} is not differentiable here; reduce tensor.detach(), "
                               f"or use Sum or Average")
-        staged = Staged(tensor)
-        if op == Average and staged.travel_dtype.kind in "iu":
-            raise InvalidTensor(f"tensor {name!r}: op=Average on {staged.dtype_name} would truncate; use op=commlib.Sum")
+        staged = Staged(tensor)   # op=Average on integers truncates toward zero, as Horovod's (executor.scaled)
         plan, compressor = self.dispatcher.plan(name, staged, algorithm, compression, policy, op, remember=named)
         if compressor is not None and not named:
             raise ConfigError(f"compressed tensors need a name= that is the same at every step: error feedback "

@@ -60,7 +60,7 @@ def main():
     trainer.fit(model, DataLoader(dataset(), batch_size=32, shuffle=True))
     if trainer.global_rank == 0:
         first, last = sum(model.losses[:5]) / 5, sum(model.losses[-5:]) / 5
-        used = sorted({(r["algorithm"], r["compression"]) for r in commlib.records().values()})
+        used = sorted({(r["algorithm"], r["compression"]) for r in commlib.records().values()}, key=str)
         print(f"lightning: loss {first:.4f} -> {last:.4f}; {state.iteration} steps, {state.buckets_reduced} buckets "
               f"through commlib: {used}", flush=True)
     commlib.shutdown()

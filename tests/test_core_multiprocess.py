@@ -22,12 +22,13 @@ def check_closed_form(results):
         assert result["torch"] == {"type": "Tensor", "shape": [3, 4], "values": [total / n]}, result
         assert result["small"] == [[n * (n - 1) // 2] * 5] * 20, result
         assert result["grad"] == [(result["rank"] + 1) * (n + 1) / 2] * 3, result   # (r+1) * mean_j (j+1)
+        average = [math.trunc(s * (1 / n)) for s in (total, -total, total - n)]
         assert result["ops"] == {"min": [1.0] * 4, "max": [float(n)] * 4, "product": [float(math.factorial(n))] * 4,
-                                 "horovod max": [n] * 2}, result
+                                 "horovod max": [n] * 2, "int average": average, "torch int average": average}, result
         for name in ("op.min", "op.max", "op.product"):   # the policy said switchml, which only sums
             algorithm, note = result["op_records"][name]
             assert algorithm == "ring" and "switchml cannot reduce with op=" in note, (name, algorithm, note)
-        assert result["records"] == 31 and result["fused"] > 0, f"20 small tensors should have been fused: {result}"
+        assert result["records"] == 33 and result["fused"] > 0, f"20 small tensors should have been fused: {result}"
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])

@@ -99,6 +99,28 @@ def test_composes_with_pytorch_fp16_compress_wrapper(tmp_path):
 
 
 @multiprocess
+@pytest.mark.parametrize("option, policy, bits", [
+    ("bfloat16", "*=ring", 8), ("bf16", "*=ring", 8), ("sparse", "embedding.*=sparse_allgather;*=ring", None)])
+def test_bfloat16_and_sparse_gradients_as_ddp_reduces_them(tmp_path, option, policy, bits):
+    """A bfloat16 model, the hook inside bf16_compress_wrapper (bfloat16 adds round to 8 bits, in
+    other orders than gloo's), and EmbeddingBag(sparse=True) through commlib's row-sparse path
+    (exact: each sparse gradient is its own bucket, as DDP makes it)."""
+    results = ranks(2, "ddp_grads.py", tmp_path, policy, option)
+    check_grads(results, exact if bits is None else lambda n, largest: largest * n * 2.0 ** -bits)
+    expected = {"embedding.weight": ["sparse_allgather", None]} if option == "sparse" else {}
+    assert {n: a for n, a in results[0]["records"].items() if a != ["ring", None]} == expected, results[0]["records"]
+
+
+@multiprocess
+def test_two_models_with_the_same_parameter_names_in_one_backward(tmp_path):
+    """A GAN's generator and discriminator: each state has its own names (the second's prefixed)."""
+    results = ranks(2, "ddp_grads.py", tmp_path, "*=ring", "gan")
+    check_grads(results, exact)
+    assert set(results[0]["records"]) == set(results[0]["names"])
+    assert "body.weight" in results[0]["names"] and "ddp1.body.weight" in results[0]["names"], results[0]["names"]
+
+
+@multiprocess
 def test_mismatched_shape_in_a_bucket_is_a_clear_error_on_every_rank(tmp_path):
     results = ranks(4, "ddp_mismatch.py", tmp_path, timeout=240)
     for r in results:
@@ -155,14 +177,19 @@ def test_commlib_powersgd_reaches_pytorch_powersgd_loss(tmp_path):
 
 
 @multiprocess
-def test_torchrun_example_trains_through_the_embedded_switch():
+@pytest.mark.parametrize("policy, used", [
+    (None, "[('switchml', None)]"),
+    ("*.weight=fp16;*=ring", "[('ring', 'fp16(seed=0, algorithm=None, memory=none)'), ('ring', None)]")])
+def test_torchrun_example_trains_through_the_embedded_switch(policy, used):
     """examples/ddp_torchrun.py under the real torchrun: no configuration, dense gradients go to
-    the embedded switch (`auto`), every step's bucket through commlib, the loss falls."""
-    out = torchrun(2, "examples/ddp_torchrun.py", "--steps", "40", timeout=300)
+    the embedded switch (`auto`), every step's bucket through commlib, the loss falls; with a
+    compressor in the policy too."""
+    args = ["--steps", "40"] + (["--policy", policy] if policy else [])
+    out = torchrun(2, "examples/ddp_torchrun.py", *args, timeout=300)
     assert out.returncode == 0, out.stdout
     losses = [float(v) for v in re.findall(r"step \d+: loss ([\d.]+)", out.stdout)]
     assert len(losses) == 5 and losses[-1] < 0.5 * losses[0], out.stdout
-    assert "40 steps, 40 buckets through commlib: [('switchml', None)]" in out.stdout, out.stdout
+    assert f"40 steps, 40 buckets through commlib: {used}" in out.stdout, out.stdout
 
 
 @multiprocess
@@ -195,6 +222,8 @@ def test_lightning_own_launcher_forms_the_process_groups_job(tmp_path):
 def test_state_needs_the_models_named_parameters():
     with pytest.raises(commlib.ConfigError, match="named_parameters"):
         CommlibState([])
+    with pytest.raises(commlib.ConfigError, match=r"named_parameters\(\), not parameters\(\)"):
+        CommlibState(torch.nn.Linear(2, 2).parameters())
     with pytest.raises(commlib.ConfigError, match="not both"):
         CommlibState(torch.nn.Linear(2, 2).named_parameters(), policy="*=ring", algorithm="ring")
 
@@ -208,5 +237,7 @@ def test_bucket_views_follow_the_buffer_and_refuse_what_they_cannot_split():
     assert buffer[6:].tolist() == [-1.0] * 4
     with pytest.raises(commlib.ConfigError, match="keep the buffer's length"):
         _views(torch.zeros(9), params)
-    with pytest.raises(commlib.ConfigError, match="dense gradients"):
+    sparse = torch.zeros(2, 3).to_sparse()
+    assert _views(sparse, params[:1]) == [sparse]   # a sparse gradient is its own bucket
+    with pytest.raises(commlib.ConfigError, match="one parameter's gradient"):
         _views(torch.zeros(10).to_sparse(), params)

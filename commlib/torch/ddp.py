@@ -13,6 +13,7 @@ slices of one algorithm back into one collective. The Future it returns is compl
 thread once the handles resolve, never by the hook, so DDP overlaps communication with backward
 as with its own hooks, and wrappers such as `fp16_compress_wrapper(ddp_comm_hook)` compose.
 """
+import itertools
 import queue
 import threading
 
@@ -48,10 +49,14 @@ class CommlibState:
     The state is built from the wrapped model's ``named_parameters()`` on every rank, with the
     same names, and starts commlib (``commlib.init()``: under torchrun the ring is a gloo group of
     the job's own rendezvous, and the embedded switch and aggregators need no configuration).
-    Initialize torch.distributed first if you want another backend than gloo (e.g. nccl): a job
-    without a process group gets a gloo one from commlib. Where the rank is not known yet
-    (Lightning builds the state before it starts its processes, which get no RANK), commlib starts
-    at the first bucket, over the world of the process group DDP runs in.
+    Each state's tensors have names of their own, so two models can reduce in one backward (a
+    GAN's generator and discriminator, both ``nn.Sequential``): the first state built in a process
+    uses the parameters' names, later ones prefix them with ``ddp1.``, ``ddp2.``, ... in the order
+    they are built (the same on every rank), and that is what policies and ``commlib.records()``
+    see; ``prefix=`` chooses it. Initialize torch.distributed first if you want another backend than
+    gloo (e.g. nccl): a job without a process group gets a gloo one from commlib. Where the rank is
+    not known yet (Lightning builds the state before it starts its processes, which get no RANK),
+    commlib starts at the first bucket, over the world of the process group DDP runs in.
 
     Cost: each parameter is one tensor for the core (about 0.2 ms per parameter and step on
     loopback, benchmarks/bench_ddp_overhead.py); it buys per-name policies and PowerSGD on
@@ -60,16 +65,20 @@ class CommlibState:
 
     __slots__ = (
         # hyperparameters
-        "policy", "algorithm", "compression",
+        "policy", "algorithm", "compression", "prefix",
         # internal state
         "names", "_completer", "_started",
         # statistics
         "iteration", "buckets_reduced", "bytes_reduced",
     )
 
-    def __init__(self, named_parameters, policy=None, algorithm=None, compression=None):
+    def __init__(self, named_parameters, policy=None, algorithm=None, compression=None, prefix=None):
         names = {}
-        for name, param in named_parameters:
+        for item in named_parameters:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise ConfigError(f"CommlibState needs the model's named_parameters(), (name, parameter) pairs; "
+                                  f"it got a {type(item).__name__}: pass model.named_parameters(), not parameters()")
+            name, param = item
             if id(param) in names:
                 continue   # a shared parameter is reduced once, under its first name (as DDP does)
             names[id(param)] = name
@@ -79,7 +88,11 @@ class CommlibState:
             raise ConfigError("give CommlibState a policy or an algorithm, not both: algorithm= overrides every rule")
         self.policy = commlib.Policy.parse(policy) if isinstance(policy, str) else policy
         self.algorithm, self.compression = algorithm, compression
-        self.names = names
+        if prefix is None:   # two models in one backward (a GAN's) may share parameter names
+            built = next(_states)
+            prefix = f"ddp{built}." if built else ""
+        self.names = {key: prefix + name for key, name in names.items()}
+        self.prefix = prefix
         self._completer = _Completer()
         self.iteration = self.buckets_reduced = self.bytes_reduced = 0
         self._started = False
@@ -99,6 +112,9 @@ class CommlibState:
             raise ConfigError(f"a parameter of shape {tuple(param.shape)} in a DDP bucket is not among the "
                               f"named_parameters() CommlibState was built from; build it from the module "
                               f"DDP wraps") from None
+
+
+_states = itertools.count()   # the states built in this process, in order (the same on every rank)
 
 
 def ddp_comm_hook(state, bucket):
@@ -133,10 +149,13 @@ def _value(future):
 
 
 def _views(buffer, params):
-    """Each parameter's slice of the flat bucket buffer, in the parameter's shape."""
+    """Each parameter's slice of the flat bucket buffer, in the parameter's shape (a sparse
+    gradient is a bucket of its own: DDP gives it whole, and commlib's row-sparse path reduces it)."""
     if buffer.is_sparse:
-        raise ConfigError("commlib's DDP hook reduces dense buckets; use dense gradients (sparse=False "
-                          "embeddings): omnireduce finds their non-zero blocks itself")
+        if len(params) != 1 or tuple(buffer.shape) != tuple(params[0].shape):
+            raise ConfigError(f"a sparse DDP bucket holds one parameter's gradient; this one has shape "
+                              f"{tuple(buffer.shape)} for {len(params)} parameters")
+        return [buffer]
     sizes = [p.numel() for p in params]
     if sum(sizes) != buffer.numel():
         raise ConfigError(f"DDP bucket of {buffer.numel()} elements holds parameters of {sum(sizes)}; "
@@ -178,8 +197,11 @@ class _Completer:
 
 def _flat(results, buffer):
     """The results as one flat tensor like the bucket's buffer, without copying, when they lie back
-    to back in one piece of host memory (a fused bucket's reduced buffer split per parameter); else None."""
-    if buffer.device.type != "cpu" or any(r.dtype != buffer.dtype or r.device != buffer.device for r in results):
+    to back in one piece of host memory (a fused bucket's reduced buffer split per parameter); else None.
+    A sparse bucket's result is its one reduced tensor; bfloat16, which numpy lacks, is copied."""
+    if buffer.is_sparse:
+        return results[0]
+    if buffer.device.type != "cpu" or buffer.dtype == torch.bfloat16 or any(r.dtype != buffer.dtype or r.device != buffer.device for r in results):
         return None
     flat = fused([r.numpy().reshape(-1) for r in results], writeable=True)
     return None if flat is None or flat.size != buffer.numel() else torch.from_numpy(flat)

@@ -21,6 +21,10 @@ y = commlib.allreduce(x * (r + 1), name="differentiable")
 ops = {op: commlib.allreduce(np.full(4, r + 1, np.float32), name=f"op.{op}", op=op, policy="*=switchml").tolist()
        for op in (commlib.Min, commlib.Max, commlib.Product)}
 ops["horovod max"] = commlib.allreduce(np.full(2, r + 1, np.int32), name="op.hvd", op=4).tolist()   # hvd.Max
+# op=Average on integers: the sum times 1/size, truncated toward zero (Horovod's ScaleBuffer)
+ops["int average"] = commlib.allreduce(np.array([r + 1, -(r + 1), r], np.int32), name="int.average").tolist()
+ops["torch int average"] = commlib.allreduce(torch.tensor([r + 1, -(r + 1), r], dtype=torch.int64),
+                                             name="int.torch").tolist()
 records = commlib.records()
 commlib.shutdown()
 report(rank=r, size=n,

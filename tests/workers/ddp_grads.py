@@ -4,6 +4,11 @@ argv: OUT POLICY [OPTIONS]; OPTIONS a comma list of
   unused      a layer each rank uses on alternate steps only (find_unused_parameters=True)
   accumulate  two backward passes per step, the first under no_sync()
   fp16        the hook inside PyTorch's fp16_compress_wrapper (and DDP's default inside it too)
+  bf16        the same with bf16_compress_wrapper
+  bfloat16    the model itself in bfloat16
+  sparse      an EmbeddingBag(sparse=True) in the model: sparse gradients, each its own bucket
+  gan         a second model of the same class (the same parameter names), its own DDP and state,
+              in the same backward
   float       normal draws instead of the dyadic fixture below (for bounds that are not exact)
 Writes OUT/rank<r>.json with, per step, the largest |difference| of the two models' gradients and
 the largest |gradient|, the hooked gradients of the last step, what commlib ran per parameter and
@@ -21,7 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_wrapper
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (allreduce_hook, bf16_compress_wrapper,
+                                                                       fp16_compress_wrapper)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlib
@@ -42,8 +48,12 @@ class Net(torch.nn.Module):
         self.head = torch.nn.Linear(48, 4)
         if "unused" in options:
             self.side = torch.nn.Linear(48, 4)
+        if "sparse" in options:
+            self.embedding = torch.nn.EmbeddingBag(50, 16, mode="sum", sparse=True)
 
     def forward(self, x, step):
+        if "sparse" in options:   # a few rows per sample, from the data: each rank touches its own rows
+            x = x + self.embedding((x[:, :3].abs() * 7).long() % 50)
         h = torch.relu(self.body(x))
         y = self.head(h)
         if "unused" in options and (rank + step) % 2 == 0:
@@ -59,41 +69,57 @@ def draw_parameters(model, step):
                     else torch.randint(-8, 9, p.shape, generator=g).float() / 4)
 
 
-def gradients(ddp, step):
-    draw_parameters(ddp.module, step)
-    ddp.zero_grad(set_to_none=False)
+def gradients(ddps, step):
+    for ddp in ddps:
+        draw_parameters(ddp.module, step)
+        ddp.zero_grad(set_to_none=False)
     g = torch.Generator().manual_seed(100 * step + rank)
     draw = (lambda *shape: torch.randn(shape, generator=g) * 2) if "float" in options else \
         (lambda *shape: torch.randint(-3, 4, shape, generator=g).float())
     batches = [(draw(32, 16), draw(32, 4)) for _ in range(2 if "accumulate" in options else 1)]
     for i, (x, target) in enumerate(batches):
         last = i == len(batches) - 1
-        with ddp.no_sync() if not last else contextlib.nullcontext():
-            (ddp(x, step) * target).sum().div(32).backward()
-    return [p.grad.clone() for p in ddp.module.parameters()]
+        x, target = x.to(dtype), target.to(dtype)
+        with contextlib.ExitStack() as stack:
+            if not last:
+                for ddp in ddps:
+                    stack.enter_context(ddp.no_sync())
+            sum((ddp(x, step) * target).sum() for ddp in ddps).div(32).backward()
+    return [p.grad.to_dense().float() for ddp in ddps for p in ddp.module.parameters()]
 
 
-net = Net()
+dtype = torch.bfloat16 if "bfloat16" in options else torch.float32
+nets = [Net().to(dtype) for _ in range(2 if "gan" in options else 1)]
 # ~1 KB caps: two buckets in the first step, then the one DDP rebuilds in backward order
 ddp_args = dict(bucket_cap_mb_list=[0.001] * 3, find_unused_parameters="unused" in options)
-plain = DDP(copy.deepcopy(net), **ddp_args)
-hooked = DDP(net, **ddp_args)
-state = cl.CommlibState(net.named_parameters(), policy=policy)
-hook = fp16_compress_wrapper(cl.ddp_comm_hook) if "fp16" in options else cl.ddp_comm_hook
-hooked.register_comm_hook(state, hook)
-if "fp16" in options:
-    plain.register_comm_hook(dist.group.WORLD, fp16_compress_wrapper(allreduce_hook))
+plain = [DDP(copy.deepcopy(net), **ddp_args) for net in nets]
+hooked = [DDP(net, **ddp_args) for net in nets]
+states = [cl.CommlibState(net.named_parameters(), policy=policy) for net in nets]
+
+
+def bf16_on_cpu(hook):
+    """bf16_compress_wrapper(hook) under another name: DDP accepts the wrapper by name only with NCCL."""
+    wrapped = bf16_compress_wrapper(hook)
+    return lambda state, bucket: wrapped(state, bucket)
+
+
+wrapper = fp16_compress_wrapper if "fp16" in options else bf16_on_cpu if "bf16" in options else None
+for ddp, state in zip(hooked, states):
+    ddp.register_comm_hook(state, wrapper(cl.ddp_comm_hook) if wrapper else cl.ddp_comm_hook)
+if wrapper:
+    for ddp in plain:
+        ddp.register_comm_hook(dist.group.WORLD, wrapper(allreduce_hook))
 
 steps = []
 for step in range(STEPS):
     theirs, ours = gradients(plain, step), gradients(hooked, step)
     steps.append({"max_diff": max((a - b).abs().max().item() for a, b in zip(theirs, ours)),
                   "max_grad": max(a.abs().max().item() for a in theirs)})
-names = [n for n, _ in net.named_parameters()]
+names = [n for state in states for n in state.names.values()]
 result = {"rank": rank, "size": size, "steps": steps, "names": names,
           "grads": [g.flatten().tolist() for g in ours],
           "records": {n: [r["algorithm"], r["compression"]] for n, r in commlib.records().items()},
-          "iteration": state.iteration, "buckets_reduced": state.buckets_reduced}
+          "iteration": states[0].iteration, "buckets_reduced": states[0].buckets_reduced}
 (out / f"rank{rank}.json").write_text(json.dumps(result))
 commlib.shutdown()
 dist.destroy_process_group()
