@@ -388,7 +388,8 @@ def test_one_control_format_for_the_switch_and_the_aggregators(switch):
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.settimeout(5)
     try:
-        sock.sendto(control.encode({"op": "register", "rank": 0}), agg.address)
+        # padded: the aggregator answers no datagram with more bytes than it had (no amplification)
+        sock.sendto(control.encode(control.pad({"op": "register", "rank": 0}, 1024)), agg.address)
         data, _ = sock.recvfrom(65536)
         assert data[:1] == control.MARK
         reply = control.decode(data)

@@ -5,7 +5,7 @@ mismatch: rank 1 reduces a tensor of the wrong shape -> Mismatch on every rank n
 timeout:  rank 1 never submits a tensor -> CommTimeout on the others naming rank 1, within the timeout.
 dead:     rank 1 exits abruptly -> PeerFailure on the others naming rank 1.
 settings: rank 1 has another fusion_threshold -> Mismatch at init on every rank naming it.
-refused:  rank 1's tensor is refused before it is submitted (op=Average on int32) -> the same
+refused:  rank 1's tensor is refused before it is submitted (a bool tensor) -> the same
           InvalidTensor on every rank at once (default timeouts), and the job goes on; a tensor
           refused on every rank can be submitted again under its name at once.
 noinit:   (under horovodrun) rank 1 joins Horovod but never calls commlib.init() -> CommTimeout at
@@ -53,11 +53,11 @@ if mode == "noinit":
 if mode == "refused":   # the default timeouts: a rank waiting for the refused tensor would wait 600 s
     commlib.init(policy="*=ring")
     r = commlib.rank()
-    refused = outcome(lambda: commlib.allreduce(np.ones(4, np.int32 if r == 1 else np.float32), name="grad.w"))
+    refused = outcome(lambda: commlib.allreduce(np.ones(4, np.bool_ if r == 1 else np.float32), name="grad.w"))
     after = commlib.allreduce(np.ones(4, np.float32), name="after", op=commlib.Sum)
     # refused on every rank, then the same name submitted again at once: the controller's late notice
     # of the refusal must not fail the new tensor
-    everyone = outcome(lambda: commlib.allreduce(np.ones(4, np.int32), name="again"))["error"]
+    everyone = outcome(lambda: commlib.allreduce(np.ones(4, np.bool_), name="again"))["error"]
     again = commlib.allreduce(np.ones(4, np.float32), name="again", op=commlib.Sum)
     report(rank=r, after=after.tolist(), everyone=everyone, again=again.tolist(), **refused)
     commlib.shutdown()
