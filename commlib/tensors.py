@@ -19,6 +19,8 @@ class Staged:
     """A tensor's description (for the policy and negotiation) and, on demand, its host view."""
 
     def __init__(self, tensor):
+        if isinstance(tensor, np.generic):   # a 0-d value as numpy hands it (TF's 0-d tensors, keras' scalars)
+            tensor = np.asarray(tensor)
         self.tensor = tensor
         self.torch = _is_torch(tensor)
         self.sparse = None   # coalesced RowSparse for sparse inputs

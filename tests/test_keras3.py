@@ -3,6 +3,7 @@ that `make install` builds: 2-rank model.fit equals the single-process large-bat
 mpirun (ring through mpi4py) and torchrun (torch.distributed), with the TensorFlow and the torch
 backends of Keras 3. The ranks run the .venv-keras3 python; this file runs in the main suite."""
 import re
+import subprocess
 
 import pytest
 
@@ -56,3 +57,32 @@ def test_example_keras3_fit_trains():
 def test_gradient_tape_without_horovod_on_tf_2_21():
     """commlib.tensorflow.DistributedGradientTape in a tf.function where Horovod is not installed."""
     _ok(_mpirun(SCRIPT, "*=ring", 1e-5, "tape", env={"KERAS_BACKEND": "tensorflow"}), "tensorflow", "ring")
+
+
+TAPE_IN_FUNCTION = """
+import tensorflow as tf
+import commlib, commlib.tensorflow as cl
+v = tf.Variable(1.0)
+
+@tf.function
+def step():
+    with tf.GradientTape() as tape:
+        loss = v * v
+    return cl.DistributedGradientTape(tape).gradient(loss, [v])[0]   # starts commlib (one rank)
+
+print("gradient", float(step()))
+commlib.shutdown()
+"""
+
+
+def test_tape_built_inside_tf_function_is_not_traced_by_autograph(tmp_path):
+    """The tape's constructor is Python set-up (it starts commlib, which imports modules): AutoGraph
+    must not convert it, or it warns that it "could not transform _gcd_import". (A script in a file:
+    AutoGraph converts only functions whose source it can read.)"""
+    script = tmp_path / "tape_in_function.py"
+    script.write_text(TAPE_IN_FUNCTION)
+    env = {k: v for k, v in _env(None).items() if k not in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK")}
+    out = subprocess.run([str(KERAS3_BIN / "python"), str(script)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and "gradient 2.0" in out.stdout, out.stdout + out.stderr
+    assert "could not transform" not in out.stderr, out.stderr

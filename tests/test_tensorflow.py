@@ -86,6 +86,23 @@ def test_keras_fit_with_horovod_callbacks_matches_horovod():
         assert result["algorithms"] == ["ring"], result
 
 
+def test_what_horovod_users_write_beside_the_plain_tape():
+    """tests/workers/tf_dropin.py: 0-d gradients, a watched eager tensor, a rank outside the tape's
+    process set (its local gradient, as Horovod's), the Partial tape and optimizer equal to
+    Horovod's own, and a from_config copy of the optimizer still on commlib."""
+    out = horovodrun(2, "tf_dropin.py", timeout=240)
+    assert out.returncode == 0, out.stdout
+    for result in results(out.stdout, 2):
+        local = 2.0 * (result["rank"] + 1)
+        assert result["scalar eager"] == result["scalar function"] == 3.0, result
+        assert result["scalar outside the set"] == local, f"rank {result['rank']}: not its local gradient {result}"
+        assert result["watched tensor"] == [3.0], result
+        assert result["partial tape vs horovod"] <= 1e-6 and result["partial optimizer vs horovod"] <= 1e-6, result
+        assert result["copy reduces through commlib"], result
+        assert "grad_0" in result["records"] and ("scalar2" in result["records"]) == (result["rank"] == 0), result
+    assert "could not transform" not in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_shape_mismatch_is_a_commlib_error_on_every_rank(mode):
     out = horovodrun(2, "tf_mismatch.py", mode, timeout=120)

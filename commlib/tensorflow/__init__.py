@@ -19,12 +19,15 @@ model.fit uses `commlib.keras`.
 commlib's ring reuses the job's TF Horovod instance to start (commlib.engine: a second one,
 horovod.torch, would race it) and carries its data on commlib's own Gloo ring.
 """
+from tensorflow.autograph.experimental import do_not_convert
+
 import commlib
 from commlib import horovod_options
 from commlib.errors import BackendUnavailable, ConfigError
 from commlib.policy import Policy
-# at module level: an import inside these functions, traced by AutoGraph when a user builds the tape
-# inside tf.function, makes it warn that it "could not transform _gcd_import"
+# at module level, and the constructors below are not converted: an import inside them (commlib.init
+# starts backends), traced by AutoGraph when a user builds the tape inside tf.function, makes it warn
+# that it "could not transform _gcd_import"
 from commlib.tensorflow.gradients import GradientReducer  # noqa: F401  (public)
 from commlib.tensorflow.names import tensor_names  # noqa: F401  (public)
 from commlib.tensorflow.tape import CommlibGradientTape
@@ -41,6 +44,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'commlib.tensorflow' has no attribute {name!r}")
 
 
+@do_not_convert
 def DistributedGradientTape(gradtape, compression=None, op=None, gradient_predivide_factor=1.0,
                             sparse_as_dense=False, policy=None, algorithm=None, **horovod_kwargs):
     """Horovod's `hvd.DistributedGradientTape(gradtape, ...)`, its gradients reduced by commlib.
@@ -65,6 +69,32 @@ def DistributedGradientTape(gradtape, compression=None, op=None, gradient_prediv
     return tape
 
 
+@do_not_convert
+def PartialDistributedGradientTape(gradtape, *args, local_layers=None, **kwargs):
+    """Horovod's `hvd.PartialDistributedGradientTape`: DistributedGradientTape's (arguments as
+    there), the gradients of `local_layers` (Keras layers) kept local, as Horovod keeps them."""
+    tape = DistributedGradientTape(gradtape, *args, **kwargs)
+    if not hasattr(tape, "register_local_source"):
+        raise ConfigError("local_layers need Horovod's tape (horovod built with TensorFlow); without it "
+                          "commlib.tensorflow reduces every gradient: use DistributedGradientTape")
+    for variable in local_variables(local_layers):
+        tape.register_local_source(variable)
+    return tape
+
+
+def local_variables(local_layers):
+    """The trainable variables of Horovod's `local_layers` argument (a layer, layers, or None)."""
+    import tensorflow as tf
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, tf.keras.layers.Layer):
+        local_layers = [local_layers]
+    if not all(isinstance(layer, tf.keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")   # Horovod's words
+    return [variable for layer in local_layers for variable in layer.trainable_weights]
+
+
+@do_not_convert
 def DistributedOptimizer(optimizer, compression=None, op=None, gradient_predivide_factor=1.0,
                          sparse_as_dense=False, backward_passes_per_step=1, policy=None, algorithm=None,
                          **horovod_kwargs):
@@ -84,7 +114,20 @@ def distributed_optimizer(horovod_factory, optimizer, compression, op, gradient_
     opt = horovod_factory(optimizer, op=op, gradient_predivide_factor=gradient_predivide_factor,
                           sparse_as_dense=sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
                           **horovod_kwargs)
+    if type(opt).__bases__ == (type(optimizer),):   # Keras: a class Horovod made for this optimizer alone
+        _copies_install(type(opt), reducer)
     return install(opt, reducer)
+
+
+def _copies_install(cls, reducer):
+    """Keras copies an optimizer with from_config (clone_model, restoring), which runs Horovod's
+    __init__ again and with it Horovod's own allreduce: the copies of this class get the reducer too."""
+    init = cls.__init__
+
+    def __init__(self, **kwargs):
+        init(self, **kwargs)
+        install(self, reducer)
+    cls.__init__ = __init__
 
 
 def install(horovod_object, reducer):

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 import commlib
+from commlib.process_sets import ranks_of
 from commlib.sparse import RowSparse
 from commlib.tensorflow.names import tensor_names
 
@@ -45,7 +46,7 @@ class GradientReducer:
     def __call__(self, grads, vars=None, use_generic_names=False):
         grads = list(grads)
         present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
+        if not present or not self._included():   # outside the set: the local gradients, as Horovod's
             return grads
         names = tensor_names(vars, len(grads), use_generic_names)
         names = [names[i] for i in present]
@@ -88,6 +89,10 @@ class GradientReducer:
                 grads[i] = tf.cast(out, before.dtype) if out.dtype != before.dtype else out
                 k += 1
         return grads
+
+    def _included(self):
+        ranks = ranks_of(self.process_set, commlib.size())
+        return ranks is None or commlib.rank() in ranks
 
     @staticmethod
     def _pack(sparse, arrays):

@@ -7,7 +7,7 @@ doing the communication, and Horovod's Keras callbacks beside it.
     model.fit(x, y, callbacks=[cl.callbacks.BroadcastGlobalVariablesCallback(0),
                                cl.callbacks.MetricAverageCallback()])
 """
-from commlib.tensorflow import distributed_optimizer
+from commlib.tensorflow import distributed_optimizer, local_variables
 from commlib.errors import BackendUnavailable
 
 try:
@@ -29,3 +29,12 @@ def DistributedOptimizer(optimizer, compression=None, op=None, gradient_predivid
     import horovod.tensorflow.keras as hvd
     return distributed_optimizer(hvd.DistributedOptimizer, optimizer, compression, op, gradient_predivide_factor,
                                  sparse_as_dense, backward_passes_per_step, policy, algorithm, horovod_kwargs)
+
+
+def PartialDistributedOptimizer(optimizer, *args, local_layers=None, **kwargs):
+    """Horovod's `PartialDistributedOptimizer`: DistributedOptimizer's (arguments as there), the
+    gradients of `local_layers` (Keras layers) kept local, as Horovod keeps them."""
+    opt = DistributedOptimizer(optimizer, *args, **kwargs)
+    for variable in local_variables(local_layers):
+        opt.register_local_var(variable)
+    return opt

@@ -30,9 +30,21 @@ shard = np.concatenate([np.arange(k * GLOBAL_BATCH + rank * local_batch, k * GLO
                         for k in range(STEPS)])
 
 
+class Scale(keras.layers.Layer):
+    """One learned scalar: a shape=() weight, whose gradient reaches commlib as a 0-d value."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, x):
+        return x * self.scale
+
+
 def fit(optimizer, x, y, batch_size):
     keras.utils.set_random_seed(0)   # the same start everywhere
-    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1),
+                              Scale()])
+    commlib.keras.broadcast_variables(model.variables)   # the scalar too
     model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
     return np.concatenate([w.ravel() for w in model.get_weights()])
