@@ -14,9 +14,10 @@ install: apt venv deps horovod develop keras3
 
 apt:
 	@if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null || ! command -v cmake >/dev/null || \
-	    ! command -v c++ >/dev/null || ! command -v ip >/dev/null || ! command -v tc >/dev/null; then \
+	    ! command -v c++ >/dev/null || ! command -v ip >/dev/null || ! command -v tc >/dev/null || \
+	    ! test -f /usr/include/openssl/evp.h; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    openmpi-bin libopenmpi-dev iproute2 build-essential cmake; fi
+	    openmpi-bin libopenmpi-dev iproute2 build-essential cmake libssl-dev; fi
 
 venv:
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -26,7 +27,7 @@ venv:
 deps:
 	$(PIP) install -q --upgrade "pip<25" setuptools wheel packaging
 	$(PIP) install -q torch==2.13.0 tensorflow-cpu==2.15.1 numpy==1.26.4 cffi mpi4py \
-	    pytest pytest-timeout matplotlib tqdm psutil cloudpickle pyyaml pytorch_lightning==2.6.6 atheris
+	    pytest pytest-timeout matplotlib tqdm psutil cloudpickle pyyaml pytorch_lightning==2.6.6 atheris cryptography
 
 # horovod 0.28.1 from its sdist (no wheel for Python 3.11), its C++14 raised to C++17, which PyTorch 2.x headers need.
 horovod:

@@ -1,7 +1,7 @@
 """SwitchML allreduce goodput through the software switch, as the SwitchML benchmark reports it.
 
 For each worker count, a `commlib-switch` process and N worker processes on loopback; each run
-allreduces one float32 tensor of --elements values (quantized to int32 per 256-value packet) and
+allreduces one float32 tensor of --elements values (quantized to int32 per packet of the job's size) and
 prints, like p4app-switchML's allreduce benchmark,
 
     Job(s) #i# finished. Duration: #ns# ns Goodput: #x# Gbps.
@@ -97,7 +97,8 @@ def worker(args):
         "switch_packets": after["pkts_recv"] - before["pkts_recv"],
         "worker_resends": w_after["resends"] - w_before["resends"],
     }
-    profile["mac_cpu_ns_per_packet"] = mac_cpu_ns(256)
+    profile["packet_elems"], profile["window"] = w_after["packet_elems"], w_after["window"]
+    profile["mac_cpu_ns_per_packet"] = mac_cpu_ns(profile["packet_elems"])
     breakdowns = [dict(b, server_s=server_s) for b in splits["switchml"]]
     common.emit({"switchml_ns": sml_ns, "ring_ns": ring_ns, "engine": engine, "profile": profile,
                  "breakdowns": breakdowns,
@@ -112,18 +113,20 @@ def switch_counters(backend, rank):
     return backend.switch_wide_counters() if rank == 0 else None
 
 
-def mac_cpu_ns(elems, calls=20000):
-    """CPU time of one packet's MAC (SipHash-2-4 over a header and `elems` int32), the cffi call's
-    own cost taken out: what each MAC adds on the worker (two per packet: sign, verify) and on the
-    switch (one per contribution, one per result). CPU time, so a busy host does not inflate it."""
+def mac_cpu_ns(elems, calls=2000):
+    """CPU time of one packet's MAC (switchml.h: ChaCha20-Poly1305 from OpenSSL over the 64-bit id,
+    a header and `elems` int32), the cffi call's own cost taken out: what each MAC adds on the worker
+    (two per packet: sign, verify) and on the switch (one per contribution, one per result). CPU
+    time, so a busy host does not inflate it."""
     import os
-    from commlib.switch.switchml import lib
-    key, packet = os.urandom(16), os.urandom(20 + 4 * elems)
+    from commlib.switch.switchml import ffi, lib
+    mac = ffi.gc(lib.tp_mac_new(os.urandom(16), b"commlib switchml packets"), lib.tp_mac_free)
+    nonce, prefix, packet, tag = os.urandom(12), os.urandom(8), os.urandom(20 + 4 * elems), ffi.new("uint8_t[16]")
     costs = []
     for length in (len(packet), 0):
         start = time.process_time_ns()
         for _ in range(calls):
-            lib.tp_siphash(key, packet, length)
+            lib.tp_mac_tag(mac, nonce, prefix, 8, packet, length, tag)
         costs.append((time.process_time_ns() - start) / calls)
     return costs[0] - costs[1]
 
@@ -176,7 +179,8 @@ def main(argv=None):
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--elements", type=int, default=None, help="float32 values per tensor")
     parser.add_argument("--runs", type=int, default=None)
-    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--window", type=int, default=0, help="packets in flight per rank (0: the backend's default)")
+    parser.add_argument("--packet-elems", type=int, default=0, help="values per packet (0: sized by the path)")
     parser.add_argument("--no-offload", action="store_true", help="one datagram per system call (no GSO/GRO)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -186,7 +190,8 @@ def main(argv=None):
     if args.worker:
         return worker(args)
 
-    env = {"COMMLIB_SWITCH_WINDOW": str(args.window), "COMMLIB_SWITCH_OFFLOAD": "0" if args.no_offload else "1",
+    env = {"COMMLIB_SWITCH_WINDOW": str(args.window), "COMMLIB_SWITCH_PACKET_ELEMS": str(args.packet_elems),
+           "COMMLIB_SWITCH_OFFLOAD": "0" if args.no_offload else "1",
            "COMMLIB_TIMEOUT_S": "60"}
     results, rows = {}, []
     for n in [int(v) for v in args.workers.split(",")]:
@@ -212,7 +217,8 @@ def main(argv=None):
         print(f"  MAC cost: {mac_cost:.1%} of the goodput; CPU ns/element with/without MACs: worker "
               f"{on['worker_cpu_ns_per_element']:.2f}/{off['worker_cpu_ns_per_element']:.2f}, switch "
               f"{on['switch_cpu_ns_per_element']:.2f}/{off['switch_cpu_ns_per_element']:.2f}; one MAC "
-              f"{prof['mac_cpu_ns_per_packet']:.0f} CPU ns per 256-value packet")
+              f"{prof['mac_cpu_ns_per_packet']:.0f} CPU ns per {prof['packet_elems']}-value packet (window "
+              f"{prof['window']})")
         print(f"  profile: switch {prof['switch_cpu_ns_per_element']:.2f} CPU ns/element, busy "
               f"{prof['switch_busy_fraction']:.0%}; worker {prof['worker_cpu_ns_per_element']:.2f} CPU ns/element, "
               f"waiting {prof['worker_wait_fraction']:.0%}; {prof['worker_resends']} resends")
@@ -240,13 +246,13 @@ def main(argv=None):
                 "worker CPU ns/elem | embedded, MACs Gbps | embedded, no MACs Gbps | MAC cost | MAC worker CPU "
                 "ns/elem | MAC switch CPU ns/elem | one MAC, CPU ns/packet | bottleneck (switchml) |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
-                "\nMAC cost: the goodput lost to the packet MACs (SipHash-2-4 over every packet and result, "
-                "switch/csrc), the switch embedded in rank 0 with COMMLIB_AUTHENTICATE on and off (wall time: "
+                "\nMAC cost: the goodput lost to the packet MACs (ChaCha20-Poly1305 from OpenSSL over every packet "
+                "and result, switch/csrc/switchml.h), the switch embedded in rank 0 with COMMLIB_AUTHENTICATE on and off (wall time: "
                 "noisy on a busy host); the CPU time per element the MACs add to a worker and to the switch "
-                "(robust); one MAC of a 256-value packet (a worker makes two per packet, the switch n + 1 per "
+                "(robust); one MAC of a packet of the job's size (a worker makes two per packet, the switch n + 1 per "
                 "round of n contributions).\n")
     settings = {"elements": args.elements, "runs": args.runs, "window": args.window, "quick": args.quick,
-                "offload": not args.no_offload, "packet_elems": 256}
+                "offload": not args.no_offload, "packet_elems": args.packet_elems}
     common.save("switchml", settings, results, markdown)
     print(markdown)
     return 0

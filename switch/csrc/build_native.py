@@ -47,7 +47,7 @@ def builder(path=os.path.relpath):
         include_dirs=sorted({path(h.parent) for h in HEADERS}),
         depends=[path(h) for h in HEADERS] + [path(here / n) for n in ("switchml_common.h", "omnireduce_internal.h")],
         extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno", "-Wall", "-Wno-unused-function"],
-        libraries=["m", "pthread"],
+        libraries=["m", "pthread", "crypto"],   # crypto: OpenSSL's libcrypto (the packet MAC; apt: libssl-dev)
     )
     return ffi
 
