@@ -112,6 +112,25 @@ def test_int32_exact_and_float_within_bound(n, elems):
             assert_within_bound(floats, results[0][2 * i + 1], used)
 
 
+def test_scalar_and_vector_kernels_give_the_same_sums():
+    """The whole path (exponents, quantization, the switch's adds, dequantization) with the
+    portable scalar kernels and with the AVX2 ones (commlib/csrc/kernels.h): the same bits."""
+    def work(rank, backend):
+        return [backend.allreduce(data(rank, size, i), f"t{i}") for i, size in enumerate((1, 1000, 33333))
+                for data in (float_data, int_data)]
+
+    sums = []
+    try:
+        for want in (0, 1):
+            sw.lib.cl_simd(want)
+            sums.append(run(3, work, switch_packet_elems=1001))
+    finally:
+        sw.lib.cl_simd(1)
+    for rank in range(3):
+        for scalar, vector in zip(sums[0][rank], sums[1][rank]):
+            assert scalar.tobytes() == vector.tobytes()
+
+
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_full_scale_blocks_cannot_overflow_and_int32_wraps(n):
     """Every rank at the top of its block's range, all of one sign: each quantized value is

@@ -17,7 +17,7 @@ here = Path(__file__).resolve().parent
 root = here.parent.parent
 HEADERS = [root / "commlib" / "csrc" / "kernels.h", here / "transport.h", here / "switchml.h", here / "omnireduce.h"]
 SOURCES = [root / "commlib" / "csrc" / "kernels.c"] + [here / name for name in (
-    "transport.c", "switchml_lanes.c", "switchml_switch.c", "switchml_worker.c",
+    "transport.c", "switchml_switch.c", "switchml_worker.c",
     "omnireduce_common.c", "omnireduce_worker.c", "omnireduce_aggregator.c")]
 C_ONLY = re.compile(r"^#ifndef TP_PYTHON_API_ONLY$.*?^#endif /\* TP_PYTHON_API_ONLY \*/$", re.S | re.M)
 

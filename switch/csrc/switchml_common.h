@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"   /* the per-element work: big-endian lanes, quantization */
 #include "switchml.h"
 #include "transport.h"
 
@@ -77,11 +78,5 @@ static inline void sml_seal(uint8_t *hdr) { tp_wr32(hdr + SML_CSUM_OFF, sml_head
 
 static inline int sml_sealed(const uint8_t *hdr) { return tp_rd32(hdr + SML_CSUM_OFF) == sml_header_checksum(hdr); }
 
-
-/* ---- big-endian int32 lanes (switchml_lanes.c): the per-element work of the switch and the
- * worker, built for AVX2 and for the baseline, picked at load time. */
-void sml_be_load(int32_t *dst, const uint8_t *src, size_t n);       /* dst[i] = be32(src + 4i) */
-void sml_be_add(int32_t *dst, const uint8_t *src, size_t n);        /* dst[i] += be32(src + 4i), wrapping */
-void sml_be_store(uint8_t *dst, const int32_t *src, size_t n);      /* be32(dst + 4i) = src[i] */
 
 #endif

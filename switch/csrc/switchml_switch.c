@@ -268,7 +268,7 @@ static size_t build_result(job_t *j, const slot_set *s, const int32_t *vals, con
     p[11] = 0;
     sml_seal(p);
     uint8_t *pl = p + SML_HDR_LEN;
-    sml_be_store(pl, vals, elems);
+    cl_be_store(pl, vals, elems);
     size_t len = SML_HDR_LEN + 4 * (size_t)elems;
     if (s->nf) {
         memcpy(p + len, nfr, elems);
@@ -397,7 +397,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     s->bitmap = (first ? 0 : before) | bit;
     if (fresh) {
         if (first) {  /* first contribution: overwrite (lazy clearing) */
-            sml_be_load(vals, pl, elems);
+            cl_be_load(vals, pl, elems);
             s->exp = exp;
             s->size = (uint8_t)code;
             s->pkt_id = pkt_id;
@@ -406,7 +406,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
             s->countdown = (uint32_t)j->nworkers - 1;
             s->queue_ns = s->proc_ns = 0;
         } else {  /* later contribution: int32 sum (wrapping), max exponent, OR of the flags */
-            sml_be_add(vals, pl, elems);
+            cl_be_add(vals, pl, elems);
             if (exp > s->exp) s->exp = exp;
             if (has_nf) {
                 const uint8_t *r = pl + 4 * elems;

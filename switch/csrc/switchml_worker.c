@@ -60,7 +60,6 @@ struct sml_worker {
     uint8_t *parity;     /* per slot: the set of the slot's next use */
     chain_t *ch;
     uint8_t *bufs;       /* window * stride: the packet in flight of each chain */
-    int32_t *q;          /* elems: a block's quantized values */
     float *clean;        /* elems: a block with its non-finite values zeroed */
     tp_rxq rx;
     tp_txq tx;
@@ -87,7 +86,6 @@ static void free_buffers(sml_worker *w) {
     tp_mac_free(w->mac);
     free(w->parity);
     free(w->ch);
-    free(w->q);
     free(w->clean);
     free(w->bufs);
     free(w);
@@ -101,13 +99,12 @@ sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworke
     w->stride = (sml_pkt_max(elems) + 63) & ~(size_t)63;
     w->parity = calloc(window, 1);
     w->ch = calloc(window, sizeof *w->ch);
-    w->q = malloc(elems * sizeof *w->q);
     w->clean = malloc(elems * sizeof *w->clean);
     if (posix_memalign((void **)&w->bufs, 64, (size_t)window * w->stride)) w->bufs = NULL;
     int rx_ok = tp_rxq_init(&w->rx, fd, RX_BATCH, sml_pkt_max(elems), offload) == 0;
     int tx_ok = tp_txq_init(&w->tx, fd, TX_CAP, TP_CONNECTED | (offload ? TP_GSO : 0)) == 0;
     if (key) w->mac = tp_mac_new(key, SML_MAC_LABEL);
-    if (!w->parity || !w->ch || !w->q || !w->clean || !w->bufs || !rx_ok || !tx_ok || (key && !w->mac)) {
+    if (!w->parity || !w->ch || !w->clean || !w->bufs || !rx_ok || !tx_ok || (key && !w->mac)) {
         if (rx_ok) tp_rxq_free(&w->rx);
         if (tx_ok) tp_txq_free(&w->tx);
         free_buffers(w);
@@ -165,7 +162,6 @@ static uint32_t put_f32_block(sml_worker *w, const tensor_t *t, uint64_t b, uint
     const float *x = (const float *)t->x + b * w->elems;
     size_t cnt = t->n - b * w->elems;
     if (cnt > w->elems) cnt = w->elems;
-    int32_t *q = w->q;
     uint32_t len = 4 * w->elems;
     if (t->nf[b]) {
         float *clean = w->clean;
@@ -179,13 +175,11 @@ static uint32_t put_f32_block(sml_worker *w, const tensor_t *t, uint64_t b, uint
             else if (fabsf(v) >= 0x1p127f) r[i] = SML_NF_RANGE;
             if (r[i]) clean[i] = 0.0f;
         }
-        cl_quantize(clean, cnt, w->elems, &t->mexp[b], w->nworkers, q);
+        x = clean;
         *flags |= SML_F_NONFINITE;
         len += w->elems;
-    } else {
-        cl_quantize(x, cnt, w->elems, &t->mexp[b], w->nworkers, q);
     }
-    sml_be_store(pl, q, cnt);
+    cl_quantize_be(x, cnt, t->mexp[b], w->nworkers, pl);
     memset(pl + 4 * cnt, 0, 4 * (w->elems - cnt));  /* the partial last block */
     return len;
 }
@@ -202,7 +196,7 @@ static uint32_t build(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c) {
         const int32_t *x = (const int32_t *)t->x + p * w->elems;
         size_t cnt = t->n - p * w->elems;
         if (cnt > w->elems) cnt = w->elems;
-        sml_be_store(pl, x, cnt);
+        cl_be_store(pl, x, cnt);
         memset(pl + 4 * cnt, 0, 4 * (w->elems - cnt));
         flags = (uint8_t)sml_elems_code(w->elems);
         len = 4 * w->elems;
@@ -255,7 +249,7 @@ static void take_result(sml_worker *w, tensor_t *t, uint64_t p, const uint8_t *h
         int32_t *out = (int32_t *)t->out + p * w->elems;
         size_t cnt = t->n - p * w->elems;
         if (cnt > w->elems) cnt = w->elems;
-        sml_be_load(out, pl, cnt);
+        cl_be_load(out, pl, cnt);
         return;
     }
     if (p < t->B) t->mexp[p] = (int8_t)h[10];
@@ -264,9 +258,7 @@ static void take_result(sml_worker *w, tensor_t *t, uint64_t p, const uint8_t *h
     float *out = (float *)t->out + b * w->elems;
     size_t cnt = t->n - b * w->elems;
     if (cnt > w->elems) cnt = w->elems;
-    int32_t *q = w->q;
-    sml_be_load(q, pl, cnt);
-    cl_dequantize(q, cnt, w->elems, &t->mexp[b], w->nworkers, out);
+    cl_dequantize_be(pl, cnt, t->mexp[b], w->nworkers, out);
     if (h[1] & SML_F_NONFINITE) {
         const uint8_t *r = pl + 4 * w->elems;
         for (size_t i = 0; i < cnt; i++) {
