@@ -155,6 +155,17 @@ def timed_embedded(ctx, timed, authenticate, elements):
         backend.close()
 
 
+def line_rate(worker_ns, switch_ns, n, rates=(10, 25, 100)):
+    """What the measured CPU costs mean on a fast network: the link rate (Gbit/s of float32
+    gradients) one core of each role feeds, and the cores per role for each of `rates` Gbit/s per
+    worker. worker_ns: a worker's CPU ns per element; switch_ns: the switch's per element of one
+    contribution, which serves n workers' contributions."""
+    worker_gbps, switch_gbps = 32 / worker_ns, 32 / switch_ns
+    return {"worker_core_gbps": worker_gbps, "switch_core_gbps": switch_gbps,
+            "switch_core_gbps_per_worker": switch_gbps / n,
+            "cores": {str(r): {"worker": r / worker_gbps, "switch": n * r / switch_gbps} for r in rates}}
+
+
 # -- the launcher ------------------------------------------------------------------------------------
 def _start_switch(extra):
     port_file = Path(tempfile.mkdtemp()) / "port"
@@ -193,7 +204,7 @@ def main(argv=None):
     env = {"COMMLIB_SWITCH_WINDOW": str(args.window), "COMMLIB_SWITCH_PACKET_ELEMS": str(args.packet_elems),
            "COMMLIB_SWITCH_OFFLOAD": "0" if args.no_offload else "1",
            "COMMLIB_TIMEOUT_S": "60"}
-    results, rows = {}, []
+    results, rows, fast_rows = {}, [], []
     for n in [int(v) for v in args.workers.split(",")]:
         proc, address = _start_switch(["--no-offload"] if args.no_offload else [])
         try:
@@ -222,7 +233,20 @@ def main(argv=None):
         print(f"  profile: switch {prof['switch_cpu_ns_per_element']:.2f} CPU ns/element, busy "
               f"{prof['switch_busy_fraction']:.0%}; worker {prof['worker_cpu_ns_per_element']:.2f} CPU ns/element, "
               f"waiting {prof['worker_wait_fraction']:.0%}; {prof['worker_resends']} resends")
+        per_contribution = on["switch_cpu_ns_per_element"] / n
+        fast = line_rate(on["worker_cpu_ns_per_element"], per_contribution, n)
+        default_ratio = statistics.median(mac) / statistics.median(ring) if ring else None
+        if ring:
+            print(f"  default set-up (switch embedded in rank 0, MACs): {statistics.median(mac):.3f} Gbps = "
+                  f"{default_ratio:.2f}x the ring in the same processes")
+        print(f"  fast networks, from the CPU costs with MACs (worker {on['worker_cpu_ns_per_element']:.2f} ns/element, "
+              f"switch {per_contribution:.2f} ns/element/contribution): one core feeds a worker's "
+              f"{fast['worker_core_gbps']:.1f} Gbit/s, a switch's {fast['switch_core_gbps']:.1f} Gbit/s of "
+              f"contributions ({fast['switch_core_gbps_per_worker']:.1f} per worker at {n}); cores for "
+              + ", ".join(f"{r} Gbit/s per worker: worker {c['worker']:.1f}, switch {c['switch']:.1f}"
+                          for r, c in fast["cores"].items()))
         results[str(n)] = {"switchml_ns": payload["switchml_ns"], "switchml_gbps": common.summarize(sml),
+                           "default_ratio_median": default_ratio, "line_rate": fast,
                            "ring_engine": payload["engine"], "ring_ns": payload["ring_ns"],
                            "ring_gbps": common.summarize(ring) if ring else None,
                            "ratio_median": statistics.median(sml) / statistics.median(ring) if ring else None,
@@ -236,6 +260,11 @@ def main(argv=None):
                     f"{prof['worker_cpu_ns_per_element']:.2f} | {statistics.median(mac):.3f} | "
                     f"{statistics.median(no_mac):.3f} | {mac_cost:.1%} | +{worker_added:.2f} | +{switch_added:.2f} | "
                     f"{prof['mac_cpu_ns_per_packet']:.0f} | {verdict} |")
+        fast_rows.append(f"| {n} | {statistics.median(mac):.3f} | "
+                         + (f"{default_ratio:.2f}x" if ring else "-")
+                         + f" | {on['worker_cpu_ns_per_element']:.2f} | {per_contribution:.2f} | "
+                         f"{fast['worker_core_gbps']:.1f} | {fast['switch_core_gbps_per_worker']:.1f} | "
+                         + " | ".join(f"{c['worker']:.1f} / {c['switch']:.1f}" for c in fast["cores"].values()) + " |")
     engine = next(iter(results.values()))["ring_engine"] if results else "?"
     markdown = (f"float32 allreduce of {args.elements:,} values on loopback (median goodput, Gbps = elements*32/ns; "
                 f"ring = {engine} allreduce in the same processes). " + common.BOTTLENECK_RULE + " Here, switchml's, per "
@@ -250,7 +279,14 @@ def main(argv=None):
                 "and result, switch/csrc/switchml.h), the switch embedded in rank 0 with COMMLIB_AUTHENTICATE on and off (wall time: "
                 "noisy on a busy host); the CPU time per element the MACs add to a worker and to the switch "
                 "(robust); one MAC of a packet of the job's size (a worker makes two per packet, the switch n + 1 per "
-                "round of n contributions).\n")
+                "round of n contributions).\n"
+                "\nFast networks, from the CPU costs of the default set-up (switch embedded in rank 0, MACs on): the "
+                "link rate one core of each role feeds (Gbit/s of float32 gradients per worker; a switch core serves "
+                "every worker's contributions) and the cores per role for 10, 25 and 100 Gbit/s per worker (worker / "
+                "switch), with the default set-up's goodput against the ring in the same processes.\n\n"
+                "| workers | default set-up Gbps | / ring | worker CPU ns/elem | switch CPU ns/elem/contribution | "
+                "worker core Gbit/s | switch core Gbit/s per worker | cores at 10 Gbit/s | at 25 | at 100 |\n"
+                "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(fast_rows) + "\n")
     settings = {"elements": args.elements, "runs": args.runs, "window": args.window, "quick": args.quick,
                 "offload": not args.no_offload, "packet_elems": args.packet_elems}
     common.save("switchml", settings, results, markdown)
