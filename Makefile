@@ -14,9 +14,10 @@ install: apt venv deps horovod develop keras3
 
 apt:
 	@if ! command -v mpirun >/dev/null || ! command -v mpicc >/dev/null || ! command -v cmake >/dev/null || \
-	    ! command -v c++ >/dev/null || ! command -v ip >/dev/null || ! command -v tc >/dev/null; then \
+	    ! command -v c++ >/dev/null || ! command -v ip >/dev/null || ! command -v tc >/dev/null || \
+	    ! test -f /usr/include/openssl/evp.h; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    openmpi-bin libopenmpi-dev iproute2 build-essential cmake; fi
+	    openmpi-bin libopenmpi-dev iproute2 build-essential cmake libssl-dev; fi
 
 venv:
 	@test -x $(PY) || python3 -m venv $(VENV)

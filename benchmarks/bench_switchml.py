@@ -1,7 +1,7 @@
 """SwitchML allreduce goodput through the software switch, as the SwitchML benchmark reports it.
 
 For each worker count, a `commlib-switch` process and N worker processes on loopback; each run
-allreduces one float32 tensor of --elements values (quantized to int32 per 256-value packet) and
+allreduces one float32 tensor of --elements values (quantized to int32 per packet of the job's size) and
 prints, like p4app-switchML's allreduce benchmark,
 
     Job(s) #i# finished. Duration: #ns# ns Goodput: #x# Gbps.
@@ -97,7 +97,8 @@ def worker(args):
         "switch_packets": after["pkts_recv"] - before["pkts_recv"],
         "worker_resends": w_after["resends"] - w_before["resends"],
     }
-    profile["mac_cpu_ns_per_packet"] = mac_cpu_ns(256)
+    profile["packet_elems"], profile["window"] = w_after["packet_elems"], w_after["window"]
+    profile["mac_cpu_ns_per_packet"] = mac_cpu_ns(profile["packet_elems"])
     breakdowns = [dict(b, server_s=server_s) for b in splits["switchml"]]
     common.emit({"switchml_ns": sml_ns, "ring_ns": ring_ns, "engine": engine, "profile": profile,
                  "breakdowns": breakdowns,
@@ -112,18 +113,20 @@ def switch_counters(backend, rank):
     return backend.switch_wide_counters() if rank == 0 else None
 
 
-def mac_cpu_ns(elems, calls=20000):
-    """CPU time of one packet's MAC (SipHash-2-4 over a header and `elems` int32), the cffi call's
-    own cost taken out: what each MAC adds on the worker (two per packet: sign, verify) and on the
-    switch (one per contribution, one per result). CPU time, so a busy host does not inflate it."""
+def mac_cpu_ns(elems, calls=2000):
+    """CPU time of one packet's MAC (switchml.h: ChaCha20-Poly1305 from OpenSSL over the 64-bit id,
+    a header and `elems` int32), the cffi call's own cost taken out: what each MAC adds on the worker
+    (two per packet: sign, verify) and on the switch (one per contribution, one per result). CPU
+    time, so a busy host does not inflate it."""
     import os
-    from commlib.switch.switchml import lib
-    key, packet = os.urandom(16), os.urandom(20 + 4 * elems)
+    from commlib.switch.switchml import ffi, lib
+    mac = ffi.gc(lib.tp_mac_new(os.urandom(16), b"commlib switchml packets"), lib.tp_mac_free)
+    nonce, prefix, packet, tag = os.urandom(12), os.urandom(8), os.urandom(20 + 4 * elems), ffi.new("uint8_t[16]")
     costs = []
     for length in (len(packet), 0):
         start = time.process_time_ns()
         for _ in range(calls):
-            lib.tp_siphash(key, packet, length)
+            lib.tp_mac_tag(mac, nonce, prefix, 8, packet, length, tag)
         costs.append((time.process_time_ns() - start) / calls)
     return costs[0] - costs[1]
 
@@ -152,6 +155,17 @@ def timed_embedded(ctx, timed, authenticate, elements):
         backend.close()
 
 
+def line_rate(worker_ns, switch_ns, n, rates=(10, 25, 100)):
+    """What the measured CPU costs mean on a fast network: the link rate (Gbit/s of float32
+    gradients) one core of each role feeds, and the cores per role for each of `rates` Gbit/s per
+    worker. worker_ns: a worker's CPU ns per element; switch_ns: the switch's per element of one
+    contribution, which serves n workers' contributions."""
+    worker_gbps, switch_gbps = 32 / worker_ns, 32 / switch_ns
+    return {"worker_core_gbps": worker_gbps, "switch_core_gbps": switch_gbps,
+            "switch_core_gbps_per_worker": switch_gbps / n,
+            "cores": {str(r): {"worker": r / worker_gbps, "switch": n * r / switch_gbps} for r in rates}}
+
+
 # -- the launcher ------------------------------------------------------------------------------------
 def _start_switch(extra):
     port_file = Path(tempfile.mkdtemp()) / "port"
@@ -176,7 +190,8 @@ def main(argv=None):
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--elements", type=int, default=None, help="float32 values per tensor")
     parser.add_argument("--runs", type=int, default=None)
-    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--window", type=int, default=0, help="packets in flight per rank (0: the backend's default)")
+    parser.add_argument("--packet-elems", type=int, default=0, help="values per packet (0: sized by the path)")
     parser.add_argument("--no-offload", action="store_true", help="one datagram per system call (no GSO/GRO)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -186,9 +201,10 @@ def main(argv=None):
     if args.worker:
         return worker(args)
 
-    env = {"COMMLIB_SWITCH_WINDOW": str(args.window), "COMMLIB_SWITCH_OFFLOAD": "0" if args.no_offload else "1",
+    env = {"COMMLIB_SWITCH_WINDOW": str(args.window), "COMMLIB_SWITCH_PACKET_ELEMS": str(args.packet_elems),
+           "COMMLIB_SWITCH_OFFLOAD": "0" if args.no_offload else "1",
            "COMMLIB_TIMEOUT_S": "60"}
-    results, rows = {}, []
+    results, rows, fast_rows = {}, [], []
     for n in [int(v) for v in args.workers.split(",")]:
         proc, address = _start_switch(["--no-offload"] if args.no_offload else [])
         try:
@@ -212,11 +228,25 @@ def main(argv=None):
         print(f"  MAC cost: {mac_cost:.1%} of the goodput; CPU ns/element with/without MACs: worker "
               f"{on['worker_cpu_ns_per_element']:.2f}/{off['worker_cpu_ns_per_element']:.2f}, switch "
               f"{on['switch_cpu_ns_per_element']:.2f}/{off['switch_cpu_ns_per_element']:.2f}; one MAC "
-              f"{prof['mac_cpu_ns_per_packet']:.0f} CPU ns per 256-value packet")
+              f"{prof['mac_cpu_ns_per_packet']:.0f} CPU ns per {prof['packet_elems']}-value packet (window "
+              f"{prof['window']})")
         print(f"  profile: switch {prof['switch_cpu_ns_per_element']:.2f} CPU ns/element, busy "
               f"{prof['switch_busy_fraction']:.0%}; worker {prof['worker_cpu_ns_per_element']:.2f} CPU ns/element, "
               f"waiting {prof['worker_wait_fraction']:.0%}; {prof['worker_resends']} resends")
+        per_contribution = on["switch_cpu_ns_per_element"] / n
+        fast = line_rate(on["worker_cpu_ns_per_element"], per_contribution, n)
+        default_ratio = statistics.median(mac) / statistics.median(ring) if ring else None
+        if ring:
+            print(f"  default set-up (switch embedded in rank 0, MACs): {statistics.median(mac):.3f} Gbps = "
+                  f"{default_ratio:.2f}x the ring in the same processes")
+        print(f"  fast networks, from the CPU costs with MACs (worker {on['worker_cpu_ns_per_element']:.2f} ns/element, "
+              f"switch {per_contribution:.2f} ns/element/contribution): one core feeds a worker's "
+              f"{fast['worker_core_gbps']:.1f} Gbit/s, a switch's {fast['switch_core_gbps']:.1f} Gbit/s of "
+              f"contributions ({fast['switch_core_gbps_per_worker']:.1f} per worker at {n}); cores for "
+              + ", ".join(f"{r} Gbit/s per worker: worker {c['worker']:.1f}, switch {c['switch']:.1f}"
+                          for r, c in fast["cores"].items()))
         results[str(n)] = {"switchml_ns": payload["switchml_ns"], "switchml_gbps": common.summarize(sml),
+                           "default_ratio_median": default_ratio, "line_rate": fast,
                            "ring_engine": payload["engine"], "ring_ns": payload["ring_ns"],
                            "ring_gbps": common.summarize(ring) if ring else None,
                            "ratio_median": statistics.median(sml) / statistics.median(ring) if ring else None,
@@ -230,6 +260,11 @@ def main(argv=None):
                     f"{prof['worker_cpu_ns_per_element']:.2f} | {statistics.median(mac):.3f} | "
                     f"{statistics.median(no_mac):.3f} | {mac_cost:.1%} | +{worker_added:.2f} | +{switch_added:.2f} | "
                     f"{prof['mac_cpu_ns_per_packet']:.0f} | {verdict} |")
+        fast_rows.append(f"| {n} | {statistics.median(mac):.3f} | "
+                         + (f"{default_ratio:.2f}x" if ring else "-")
+                         + f" | {on['worker_cpu_ns_per_element']:.2f} | {per_contribution:.2f} | "
+                         f"{fast['worker_core_gbps']:.1f} | {fast['switch_core_gbps_per_worker']:.1f} | "
+                         + " | ".join(f"{c['worker']:.1f} / {c['switch']:.1f}" for c in fast["cores"].values()) + " |")
     engine = next(iter(results.values()))["ring_engine"] if results else "?"
     markdown = (f"float32 allreduce of {args.elements:,} values on loopback (median goodput, Gbps = elements*32/ns; "
                 f"ring = {engine} allreduce in the same processes). " + common.BOTTLENECK_RULE + " Here, switchml's, per "
@@ -240,13 +275,20 @@ def main(argv=None):
                 "worker CPU ns/elem | embedded, MACs Gbps | embedded, no MACs Gbps | MAC cost | MAC worker CPU "
                 "ns/elem | MAC switch CPU ns/elem | one MAC, CPU ns/packet | bottleneck (switchml) |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
-                "\nMAC cost: the goodput lost to the packet MACs (SipHash-2-4 over every packet and result, "
-                "switch/csrc), the switch embedded in rank 0 with COMMLIB_AUTHENTICATE on and off (wall time: "
+                "\nMAC cost: the goodput lost to the packet MACs (ChaCha20-Poly1305 from OpenSSL over every packet "
+                "and result, switch/csrc/switchml.h), the switch embedded in rank 0 with COMMLIB_AUTHENTICATE on and off (wall time: "
                 "noisy on a busy host); the CPU time per element the MACs add to a worker and to the switch "
-                "(robust); one MAC of a 256-value packet (a worker makes two per packet, the switch n + 1 per "
-                "round of n contributions).\n")
+                "(robust); one MAC of a packet of the job's size (a worker makes two per packet, the switch n + 1 per "
+                "round of n contributions).\n"
+                "\nFast networks, from the CPU costs of the default set-up (switch embedded in rank 0, MACs on): the "
+                "link rate one core of each role feeds (Gbit/s of float32 gradients per worker; a switch core serves "
+                "every worker's contributions) and the cores per role for 10, 25 and 100 Gbit/s per worker (worker / "
+                "switch), with the default set-up's goodput against the ring in the same processes.\n\n"
+                "| workers | default set-up Gbps | / ring | worker CPU ns/elem | switch CPU ns/elem/contribution | "
+                "worker core Gbit/s | switch core Gbit/s per worker | cores at 10 Gbit/s | at 25 | at 100 |\n"
+                "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(fast_rows) + "\n")
     settings = {"elements": args.elements, "runs": args.runs, "window": args.window, "quick": args.quick,
-                "offload": not args.no_offload, "packet_elems": 256}
+                "offload": not args.no_offload, "packet_elems": args.packet_elems}
     common.save("switchml", settings, results, markdown)
     print(markdown)
     return 0

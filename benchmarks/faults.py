@@ -13,7 +13,7 @@ median of --repeat jobs) and whether every result of every job is bit-identical 
 run's, with what the relay did and what
 the daemons and workers counted (retransmissions, late packets refused).
 
-    python benchmarks/faults.py [--quick] [--ranks 4] [--elements 1048576] [--repeat 3]
+    python benchmarks/faults.py [--quick] [--ranks 4] [--elements 1048576] [--repeat 3] [--packet-elems 0]
 Results: benchmarks/results/faults.json (and RESULTS.md). Exits 1 when a result differs.
 The relay is Python on the same cores as the job: its own latency is part of every time, the
 fault-free one included, so the times compare faults with each other, not with a real fabric.
@@ -71,9 +71,11 @@ def inputs(algorithm, ranks, elements):
     return out
 
 
-def run(algorithm, faults, ranks, tensors, seed):
+def run(algorithm, faults, ranks, tensors, seed, packet_elems=0):
     """(seconds of the slowest rank, results by rank, relay counters, backend counters of rank 0)."""
     base, settings = ALGORITHMS[algorithm]
+    if algorithm == "switchml":
+        settings = dict(settings, switch_packet_elems=packet_elems)
     backend_cls, relays = relayed(base, faults, seed)
     group = LocalGroup(ranks, Settings({"timeout_s": 60.0, **settings}))
     stats = {}
@@ -120,6 +122,7 @@ def main(argv=None):
     parser.add_argument("--elements", type=int, default=1 << 20, help="float32 elements per tensor and rank")
     parser.add_argument("--repeat", type=int, default=3, help="jobs per fault (the median time is shown)")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 64 Ki elements, one job per fault")
+    parser.add_argument("--packet-elems", type=int, default=0, help="switchml's values per packet (0: the path's)")
     args = parser.parse_args(argv)
     if args.quick:
         args.ranks, args.elements, args.repeat = 2, 1 << 16, 1
@@ -132,7 +135,8 @@ def main(argv=None):
         for i, (name, faults) in enumerate(PROFILES):
             times, same = [], True
             for k in range(args.repeat):
-                seconds, results, relay, stats = run(algorithm, faults, args.ranks, tensors, seed=100 * k + i + 1)
+                seconds, results, relay, stats = run(algorithm, faults, args.ranks, tensors, seed=100 * k + i + 1,
+                                                     packet_elems=args.packet_elems)
                 if reference is None:
                     reference = results[0]
                 same &= all(got.tobytes() == want.tobytes() for rank in results for got, want in zip(rank, reference))
@@ -156,7 +160,7 @@ def main(argv=None):
                 "| algorithm | fault | seconds | x none | identical | relay made | job counted |\n"
                 "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
     common.save("faults", {"ranks": args.ranks, "elements": args.elements, "repeat": args.repeat,
-                             "quick": args.quick}, rows, markdown)
+                             "quick": args.quick, "packet_elems": args.packet_elems}, rows, markdown)
     return 0 if identical else 1
 
 

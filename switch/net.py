@@ -24,3 +24,12 @@ def udp_socket(host=None, port=0, buffer_bytes=4 << 20):
         sock.close()
         raise
     return sock
+
+
+def path_mtu(sock, default=1500):
+    """The MTU of the path of a connected socket (Linux's IP_MTU: the route's device or the path MTU
+    the kernel learned), or `default` where the kernel does not say."""
+    try:
+        return sock.getsockopt(socket.IPPROTO_IP, getattr(socket, "IP_MTU", 14))
+    except OSError:
+        return default

@@ -262,7 +262,8 @@ def relayed(backend_cls, faults, seed=0):
             return relay_for(address) if self.rank == 0 else address
 
         def _open_socket(self):                        # switchml, every rank
-            return list(relays[0].link(tuple(super()._open_socket())))
+            path = super()._open_socket()
+            return dict(path, addr=list(relays[0].link(tuple(path["addr"]))))
 
         def _spawn_aggregators(self, count):           # omnireduce dedicated, rank 0
             return [relay_for(address) for address in super()._spawn_aggregators(count)]

@@ -5,8 +5,8 @@ One `SwitchServer` listens on host:port twice: UDP for the data plane (SwitchML 
 job of SwitchML's controller, in the control format of both daemons (switch/control.py: one JSON
 object per line, answered by {"ok": true, ...} or {"ok": false, "error": ...}):
 
-    {"op": "register", "nonce": N, "token": T, "workers": [[ip, port], ...], "slots": W, "elems": 256,
-     "authenticate": true}
+    {"op": "register", "nonce": N, "token": T, "workers": [[ip, port], ...], "slots": W, "elems": E,
+     "authenticate": true}     (E values per packet: 1..MAX_ELEMS, slots * E <= MAX_POOL_VALUES)
         -> {"ok": true, "job": n, "epoch": "...", "slots": W, "expiry_s": s}   (job 0..255, W slots x 2 sets;
         on a switch with a daemon key, the job's packets carry MACs under auth.job_key(key, N) unless
         "authenticate" is false)
@@ -56,7 +56,8 @@ except ImportError as exc:   # not built: say how to build it where it is used
                     f"`python setup.py build_ext --inplace` (or `make install`)")
 
 # Header: type, flags, job, rank, packet id, pool index (bit 15 = set), exponent, code, token,
-# checksum; then 0/64/256 big-endian int32 and, with SML_F_NONFINITE, one flag byte per value.
+# checksum; then none or the job's values per packet as big-endian int32 and, with SML_F_NONFINITE,
+# one flag byte per value.
 # The constants and counters are switch/csrc/switchml.h's, read through cffi.
 HEADER = struct.Struct("!BBBBIHbBII")
 HDR_LEN = HEADER.size
@@ -69,6 +70,7 @@ def _fields(struct_name):
 if lib is not None:
     assert HDR_LEN == lib.SML_HDR_LEN and HEADER.size - 4 == lib.SML_CSUM_OFF
     MAX_WORKERS, MAX_JOBS, MAX_SLOTS = lib.SML_MAX_WORKERS, lib.SML_MAX_JOBS, lib.SML_MAX_SLOTS
+    MAX_ELEMS, MAX_POOL_VALUES = lib.SML_MAX_ELEMS, lib.SML_MAX_POOL_VALUES
     COUNTERS, GLOBAL_COUNTERS = _fields("sml_counters"), _fields("sml_global")
     WORKER_COUNTERS = _fields("sml_worker_counters")
 
@@ -83,6 +85,14 @@ def pack_header(type, flags, job, rank, packet_id, pool, exponent, token, code=0
     """A sealed header (pool = slot | set << 15)."""
     raw = HEADER.pack(type, flags, job, rank, packet_id, pool, exponent, code, token, 0)
     return raw[:lib.SML_CSUM_OFF] + struct.pack("!I", checksum(raw))
+
+
+def path_elems(mtu):
+    """Values per packet for a path of this MTU: the most whose DATA packet and RESULT (stamp and MAC
+    included) fit one IPv4 datagram unfragmented, within MAX_ELEMS (a block holding Inf/NaN adds its
+    flag region and may fragment: rare, and still correct)."""
+    room = mtu - 28 - HDR_LEN - lib.SML_STAMP_LEN - lib.SML_SEQ_LEN - lib.SML_MAC_LEN   # 28: IPv4 and UDP headers
+    return max(1, min(MAX_ELEMS, room // 4))
 
 
 def token32(job_token):
@@ -309,8 +319,9 @@ class SwitchServer:
             raise ConfigError(f"token {token} is not a 32-bit unsigned integer (see token32())")
         if not isinstance(workers, list) or not 1 <= len(workers) <= MAX_WORKERS:
             raise ConfigError(f"a job has 1..{MAX_WORKERS} workers, a list of [ip, port]")
-        if not 1 <= slots <= MAX_SLOTS or elems not in (64, 256):
-            raise ConfigError(f"slots={slots} (1..{MAX_SLOTS}) and elems={elems} (64 or 256) are not valid")
+        if not 1 <= slots <= MAX_SLOTS or not 1 <= elems <= MAX_ELEMS or slots * elems > MAX_POOL_VALUES:
+            raise ConfigError(f"slots={slots} (1..{MAX_SLOTS}) and elems={elems} (values per packet, 1..{MAX_ELEMS}) "
+                              f"are not valid, or together pass the {MAX_POOL_VALUES} values a job may hold")
         addrs = [_ipv4_port(worker) for worker in workers]
         with self._lock:
             self._admit(slots, nonce, source)

@@ -101,3 +101,15 @@ def test_slowest_call_reports_the_slowest_ranks_breakdown():
     result, seconds, split = common.slowest_call(Ctx(), "bench/x/0/s", lambda: time.sleep(0.01) or "out")
     assert (result, seconds, split) == ("out", 9.0, {"process_s": 1.0, "transfer_s": 8.0}), \
         "the row's time and breakdown must be the slowest rank's, the result this rank's own"
+
+
+def test_line_rate_from_cpu_costs():
+    """bench_switchml's fast-network view: 3.2 CPU ns per float32 element is 10 Gbit/s per core; a
+    switch at 0.8 ns per element per contribution serves 40 Gbit/s of contributions, 10 per worker
+    at 4 workers, so 25 Gbit/s per worker takes 2.5 worker cores and 2.5 switch cores."""
+    import bench_switchml
+    fast = bench_switchml.line_rate(3.2, 0.8, 4)
+    assert fast["worker_core_gbps"] == pytest.approx(10.0) and fast["switch_core_gbps"] == pytest.approx(40.0)
+    assert fast["switch_core_gbps_per_worker"] == pytest.approx(10.0)
+    assert fast["cores"]["25"] == pytest.approx({"worker": 2.5, "switch": 2.5})
+    assert fast["cores"]["100"] == pytest.approx({"worker": 10.0, "switch": 10.0})

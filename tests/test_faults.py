@@ -51,9 +51,11 @@ def switchml_inputs(n):
     return out
 
 
-def run_switchml(n, faults, seed=1):
+def run_switchml(n, faults, seed=1, elems=0):
     """Every tensor of switchml_inputs through the embedded switch behind a relay with `faults`
-    both ways: (results by rank, relay counters, the job's switch counters)."""
+    both ways: (results by rank, relay counters, the job's switch counters). elems: values per
+    packet (0: the path's, on loopback the largest; then a window of 2, so that slots are reused
+    within these tensors as with Tofino's 256 and a window of 32)."""
     inputs = switchml_inputs(n)
     backend_cls, relays = relayed(sml.SwitchMLBackend, faults, seed)
     seen = {}
@@ -65,8 +67,8 @@ def run_switchml(n, faults, seed=1):
         return out
 
     try:
-        results = run_ranks(n, backend_cls, work, switch_window=32, switch_retransmit_ms=2.0,
-                            switch_retransmit_max_ms=40.0)
+        results = run_ranks(n, backend_cls, work, switch_window=32 if elems == 256 else 2, switch_packet_elems=elems,
+                            switch_retransmit_ms=2.0, switch_retransmit_max_ms=40.0)
     finally:
         for relay in relays:
             relay.stop()
@@ -79,14 +81,14 @@ def assert_identical(results, reference, n):
             assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), f"tensor {i} rank {rank} differs"
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_switchml_bit_identical_under_reordering_jitter_loss_duplication(n):
-    clean, _, _ = run_switchml(n, NONE)
+@pytest.mark.parametrize("n, elems", [(2, 0), (4, 0), (2, 256)])
+def test_switchml_bit_identical_under_reordering_jitter_loss_duplication(n, elems):
+    clean, _, _ = run_switchml(n, NONE, elems=elems)
     inputs = switchml_inputs(n)
     ints = [x for x in inputs if x.dtype == np.int32]
     for got, x in zip([r for r in clean[0] if r.dtype == np.int32], ints):
         np.testing.assert_array_equal(got, x.sum(axis=0, dtype=np.int32))   # the reference is right
-    faulty, relayed, switch = run_switchml(n, NASTY)
+    faulty, relayed, switch = run_switchml(n, NASTY, elems=elems)
     assert_identical(faulty, clean, n)
     for direction in ("up", "down"):
         c = relayed[direction]
@@ -94,12 +96,13 @@ def test_switchml_bit_identical_under_reordering_jitter_loss_duplication(n):
     assert switch["replays"] + switch["drop_incomplete"] > 0, switch   # retransmissions reached it
 
 
-def test_switchml_reordering_alone():
+@pytest.mark.parametrize("elems", [0, 256])
+def test_switchml_reordering_alone(elems):
     """Reordering without loss: the late packets are the originals, held back past their timer, so
     the late copy of a packet reaches its slot after the slot moved on (SwitchML's failure mode
     without per-slot versions)."""
-    clean, _, _ = run_switchml(2, NONE)
-    faulty, relayed, switch = run_switchml(2, REORDER, seed=5)
+    clean, _, _ = run_switchml(2, NONE, elems=elems)
+    faulty, relayed, switch = run_switchml(2, REORDER, seed=5, elems=elems)
     assert_identical(faulty, clean, 2)
     assert relayed["up"]["reordered"] > 0
     assert switch["drop_late"] > 0, switch   # the late copies reached reused slots and were refused

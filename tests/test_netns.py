@@ -58,7 +58,7 @@ def test_switchml_through_a_switch_on_its_own_host():
                                       cwd=ROOT, timeout=30)
         finally:
             cluster.kill([switch])
-    check_switchml(results("\n".join(outs), 3), "external", address)
+    check_switchml(results("\n".join(outs), 3), "external", address, packet_elems=355)   # 1500-byte frames
     assert counters.returncode == 0, counters.stderr
     seen = json.loads(counters.stdout)
     assert seen["switch"]["pkts_recv"] > 0 and seen["switch"]["drop_checksum"] == 0, seen
@@ -74,7 +74,10 @@ def test_switchml_timers_do_not_fire_under_its_own_window_on_a_slow_link():
     with netem.Cluster(hosts + ["switch"], rate="20mbit", unshaped={"switch"}) as cluster:
         switch, address = cluster.start_switch("switch", cwd=ROOT)
         try:
-            outs = _run(cluster, hosts, "switchml_slow_link.py", env={"COMMLIB_SWITCH_ADDR": address, "COMMLIB_AUTHENTICATE": "0"})
+            outs = _run(cluster, hosts, "switchml_slow_link.py", env={"COMMLIB_SWITCH_ADDR": address,
+                                                                     "COMMLIB_AUTHENTICATE": "0",
+                                                                     "COMMLIB_SWITCH_PACKET_ELEMS": "256",
+                                                                     "COMMLIB_SWITCH_WINDOW": "128"})
         finally:
             cluster.kill([switch])
     for rank, seen in enumerate(results("\n".join(outs), 2)):

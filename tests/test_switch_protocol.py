@@ -206,6 +206,39 @@ def test_int32_sum_wraps_like_hardware(job2):
     assert job2.recv(0)["values"] == [-2 ** 31] * E
 
 
+def test_packets_of_the_jobs_own_size(switch):
+    """A job registered with 1001 values per packet (not a multiple of any vector width) takes size
+    code 3 (the job's size) with exactly that payload; its results carry the same; Tofino's codes
+    and other lengths are refused for it."""
+    n = 1001
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+            s.settimeout(1.0)
+        client = sw.SwitchClient(switch.address)
+        j = client.register(TOKEN, [list(s.getsockname()) for s in socks], 4, n)["job"]
+        a, b = [[(r * 7919 + i) * (-1) ** i for i in range(n)] for r in (1, 2)]
+        for rank, values in enumerate((a, b)):
+            socks[rank].sendto(header(1, 3, j, rank, 9, 2, 4) + struct.pack(f"!{n}i", *values), ("127.0.0.1", switch.port))
+        for rank in (0, 1):
+            raw = socks[rank].recv(65536)
+            assert len(raw) == 20 + 4 * n + 8 and raw[1] == 3 | 16, (len(raw), raw[1])
+            assert list(struct.unpack(f"!{n}i", raw[20:20 + 4 * n])) == [x + y for x, y in zip(a, b)]
+        socks[0].sendto(header(1, 1, j, 0, 10, 3, 4) + bytes(4 * 64), ("127.0.0.1", switch.port))       # Tofino's 64
+        socks[0].sendto(header(1, 3, j, 0, 10, 3, 4) + bytes(4 * n - 4), ("127.0.0.1", switch.port))   # one value short
+        socks[0].sendto(header(1, 3, j, 0, 10, 3, 4) + bytes(4 * n + 4), ("127.0.0.1", switch.port))   # one too many
+        time.sleep(0.2)
+        assert client.counters(j)["counters"]["drop_malformed"] == 1
+        assert client.counters()["switch"]["drop_short"] == 2
+        for elems, slots in ((0, 4), (sw.MAX_ELEMS + 1, 4), (sw.MAX_ELEMS, sw.MAX_POOL_VALUES // sw.MAX_ELEMS + 1)):
+            with pytest.raises(ConfigError, match="values per packet"):
+                client.register(TOKEN, [list(s.getsockname()) for s in socks], slots, elems)
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_multicast_to_every_worker(switch):
     job = Job(switch, 3)
     try:

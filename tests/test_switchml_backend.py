@@ -67,7 +67,7 @@ def int_data(rank, size, seed=0):
     return np.random.default_rng(7 + 1000 * seed + rank).integers(-2 ** 26, 2 ** 26, size, dtype=np.int32)
 
 
-def assert_within_bound(inputs, got, elems=256):
+def assert_within_bound(inputs, got, elems):
     n = len(inputs)
     stack = np.stack(inputs).astype(np.float64)
     exact = stack.sum(axis=0)
@@ -83,18 +83,21 @@ def assert_within_bound(inputs, got, elems=256):
     assert np.all(got[zero] == 0.0)                                     # zero blocks stay exact
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_int32_exact_and_float_within_bound(n):
+@pytest.mark.parametrize("n, elems", [(2, 0), (4, 0), (8, 0), (2, 256), (3, 333), (2, 8192)])
+def test_int32_exact_and_float_within_bound(n, elems):
     """Back-to-back tensors of different sizes (0, 1, not multiples of the packet, > window) and
-    dtypes on one job: the pool shift carries across them."""
+    dtypes on one job: the pool shift carries across them. Packets sized by the path (0: 8192 values
+    on loopback), Tofino's 256, 333 (not a multiple of any vector width) and the largest."""
     def work(rank, backend):
         out = []
         for i, size in enumerate(SIZES):
             out.append(backend.allreduce(int_data(rank, size, i), f"i{i}"))
             out.append(backend.allreduce(float_data(rank, size, i), f"f{i}"))
-        return out
+        return out, backend.stats()["packet_elems"]
 
-    results = run(n, work, switch_window=16 if n == 8 else 128)
+    results = run(n, work, switch_window=16 if n == 8 else 0, switch_packet_elems=elems)
+    results, used = [r[0] for r in results], results[0][1]
+    assert used == (elems or sml.PATH_MAX_ELEMS), used     # loopback: the largest packets
     for i, size in enumerate(SIZES):
         ints = [int_data(r, size, i) for r in range(n)]
         exact = np.sum(np.stack(ints).astype(np.int64), axis=0).astype(np.int32) if size else np.zeros(0, np.int32)
@@ -106,7 +109,26 @@ def test_int32_exact_and_float_within_bound(n):
             assert got_f.dtype == np.float32 and got_f.shape == (size,)
             np.testing.assert_array_equal(got_f, results[0][2 * i + 1])   # every rank gets the same bits
         if size:
-            assert_within_bound(floats, results[0][2 * i + 1])
+            assert_within_bound(floats, results[0][2 * i + 1], used)
+
+
+def test_scalar_and_vector_kernels_give_the_same_sums():
+    """The whole path (exponents, quantization, the switch's adds, dequantization) with the
+    portable scalar kernels and with the AVX2 ones (commlib/csrc/kernels.h): the same bits."""
+    def work(rank, backend):
+        return [backend.allreduce(data(rank, size, i), f"t{i}") for i, size in enumerate((1, 1000, 33333))
+                for data in (float_data, int_data)]
+
+    sums = []
+    try:
+        for want in (0, 1):
+            sw.lib.cl_simd(want)
+            sums.append(run(3, work, switch_packet_elems=1001))
+    finally:
+        sw.lib.cl_simd(1)
+    for rank in range(3):
+        for scalar, vector in zip(sums[0][rank], sums[1][rank]):
+            assert scalar.tobytes() == vector.tobytes()
 
 
 @pytest.mark.parametrize("n", [1, 2, 8])
@@ -123,8 +145,8 @@ def test_full_scale_blocks_cannot_overflow_and_int32_wraps(n):
     def work(rank, backend):
         return backend.allreduce(full, "full"), backend.allreduce(wrap if rank == 0 else np.array([1, -1, -9], np.int32), "wrap")
 
-    results = run(n, work)
-    assert_within_bound([full] * n, results[0][0])
+    results = run(n, work, switch_packet_elems=256)
+    assert_within_bound([full] * n, results[0][0], 256)
     assert np.all(results[0][0][512:768] == 0.0)
     expected = (wrap.astype(np.int64) + (n - 1) * np.array([1, -1, -9])) % 2 ** 32
     np.testing.assert_array_equal(results[0][1], np.where(expected >= 2 ** 31, expected - 2 ** 32, expected).astype(np.int32))
@@ -141,7 +163,7 @@ def test_packets_of_64_window_of_one_without_offload():
 
 def _lossy_work(rank, backend):
     out = []
-    for i, size in enumerate([1, 3000, 20000, 257]):
+    for i, size in enumerate([1, 3000, 20000, 257, 100000]):
         out.append(backend.allreduce(float_data(rank, size, i), f"f{i}"))
         out.append(backend.allreduce(int_data(rank, size, i), f"i{i}"))
     out.append(backend.stats())
@@ -149,10 +171,12 @@ def _lossy_work(rank, backend):
     return out
 
 
-@pytest.mark.parametrize("loss", [0.01, 0.1])
-def test_loss_and_duplication_give_bit_identical_results(loss):
-    clean = run(4, _lossy_work, switch_window=32)
-    lossy = run(4, _lossy_work, switch_window=32, switch_drop_probability=loss,
+@pytest.mark.parametrize("loss, elems", [(0.01, 256), (0.1, 256), (0.1, 0), (0.1, 1001)])
+def test_loss_and_duplication_give_bit_identical_results(loss, elems):
+    """Loss recovery, the shadow copies and the timers at Tofino's size, the path's (loopback: the
+    largest) and an odd one."""
+    clean = run(4, _lossy_work, switch_window=32, switch_packet_elems=elems)
+    lossy = run(4, _lossy_work, switch_window=32, switch_packet_elems=elems, switch_drop_probability=loss,
                 switch_duplicate_probability=loss, switch_retransmit_ms=1.0, switch_retransmit_max_ms=20.0)
     for rank in range(4):
         for a, b in zip(clean[rank][:-2], lossy[rank][:-2]):
@@ -179,7 +203,8 @@ def test_a_late_rank_costs_the_others_one_probe_per_timer_not_their_window():
         after = backend.stats()
         return out, {k: after[k] - before[k] for k in ("resends", "held", "received")}
 
-    (out0, rank0), (out1, _) = run(2, work, switch_window=64, switch_retransmit_ms=5.0, switch_retransmit_max_ms=40.0)
+    (out0, rank0), (out1, _) = run(2, work, switch_window=64, switch_packet_elems=256, switch_retransmit_ms=5.0,
+                                   switch_retransmit_max_ms=40.0)
     assert np.array_equal(out0, x[0] + x[1]) and np.array_equal(out1, x[0] + x[1])
     # 300 ms of timers from 5 ms doubling to 40: about 10 expiries, one probe each
     assert rank0["held"] >= 63, f"rank 0 held only {rank0['held']} expired packets while rank 1 was late"
@@ -193,7 +218,7 @@ def test_two_jobs_share_one_switch():
         def job(tag, n, seed):
             def work(rank, backend):
                 return [backend.allreduce(float_data(rank, 7000, seed), "f"),
-                        backend.allreduce(int_data(rank, 9000, seed), "i"), backend.job]
+                        backend.allreduce(int_data(rank, 9000, seed), "i"), backend.job, backend.elems]
             outs[tag] = run(n, work, switch_addr=server.address, switch_window=64, authenticate=False)
 
         jobs = [("a", 2, 1), ("b", 3, 2)]
@@ -201,7 +226,7 @@ def test_two_jobs_share_one_switch():
         assert set(outs) == {"a", "b"}
         assert outs["a"][0][2] != outs["b"][0][2]
         for tag, n, seed in (("a", 2, 1), ("b", 3, 2)):
-            assert_within_bound([float_data(r, 7000, seed) for r in range(n)], outs[tag][0][0])
+            assert_within_bound([float_data(r, 7000, seed) for r in range(n)], outs[tag][0][0], outs[tag][0][3])
             np.testing.assert_array_equal(outs[tag][n - 1][1], sum(int_data(r, 9000, seed) for r in range(n)))
         assert server.status()["jobs"] == {} and server.status()["free_slots"] == 512   # both ended cleanly
 
@@ -219,7 +244,7 @@ def test_nonfinite_propagates_elementwise():
     clean = [np.where(mask, x, 0).astype(np.float32) for x in base]
     # finite neighbours in the same blocks keep full accuracy
     assert np.all(np.isfinite(got[mask]))
-    assert_within_bound([c for c in clean], np.where(mask, got, 0).astype(np.float32))
+    assert_within_bound([c for c in clean], np.where(mask, got, 0).astype(np.float32), sml.PATH_MAX_ELEMS)
 
 
 def test_nonfinite_in_otherwise_zero_blocks_and_all_nan():
@@ -285,9 +310,10 @@ def test_dtypes_converted_or_rejected():
 
 
 def test_settings_validated():
-    ctx = LocalGroup(1, settings(switch_packet_elems=100)).contexts[0]
-    with pytest.raises(ConfigError, match="64 or 256"):
-        sml.SwitchMLBackend(ctx)
+    for elems in (-1, sw.MAX_ELEMS + 1):
+        ctx = LocalGroup(1, settings(switch_packet_elems=elems)).contexts[0]
+        with pytest.raises(ConfigError, match=f"1..{sw.MAX_ELEMS} values per packet"):
+            sml.SwitchMLBackend(ctx)
     sml.SwitchMLBackend(LocalGroup(1, settings(switch_window=sw.MAX_SLOTS)).contexts[0])   # the header's limit
     ctx = LocalGroup(1, settings(switch_window=sw.MAX_SLOTS + 1)).contexts[0]
     with pytest.raises(ConfigError, match="switch_window"):

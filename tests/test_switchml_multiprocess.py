@@ -8,9 +8,11 @@ from test_switchml_backend import _switch_process, sw
 pytestmark = pytest.mark.multiprocess
 
 
-def check(results, mode, address=None):
-    """tests/workers/switchml_worker.py: rank r contributes (r + 1) * x."""
+def check(results, mode, address=None, packet_elems=8192):
+    """tests/workers/switchml_worker.py: rank r contributes (r + 1) * x; packets sized by the path
+    (loopback: the largest)."""
     for result in results:
+        assert result["packet_elems"] == packet_elems, result
         r, n = result["rank"], result["size"]
         total = n * (n + 1) // 2
         embedded = mode == "embedded" and r == 0

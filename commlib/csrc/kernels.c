@@ -1,24 +1,154 @@
+/* The per-element kernels (kernels.h): each written once as an inline body, built twice, plain
+ * and for AVX2 (target attribute), and picked per call by the CPU's features. Quantization uses
+ * explicit AVX2 intrinsics (double precision, as the scalar lrint); the other bodies are plain
+ * loops the compiler vectorizes for each target. */
 #include "kernels.h"
 
 #include <math.h>
+#include <string.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define CL_X86 1
+#define AVX2 __attribute__((target("avx2")))
+#else
+#define CL_X86 0
+#endif
+#define BODY static inline __attribute__((always_inline))
+
+static int vec;   /* the AVX2 kernels run */
+
+static int cpu_has_avx2(void) {
+#if CL_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+__attribute__((constructor)) static void pick(void) { vec = cpu_has_avx2(); }
+
+int cl_simd(int want) {
+    vec = want && cpu_has_avx2();
+    return vec;
+}
+
+static inline double scale(int8_t e, int nworkers) { return ldexp(2147483647.0 / nworkers, -(int)e); }
+
+static inline uint32_t rd32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return __builtin_bswap32(v);
+}
+
+static inline void wr32(uint8_t *p, uint32_t v) {
+    v = __builtin_bswap32(v);
+    memcpy(p, &v, 4);
+}
+
+/* ---- bodies --------------------------------------------------------------------------------- */
+/* max |x| as float bits: for non-negative floats the bit order is the value order, and Inf/NaN
+ * are above every finite bit pattern */
+BODY uint32_t absmax_bits(const float *x, size_t n) {
+    uint32_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        u &= 0x7fffffffu;
+        m = u > m ? u : m;
+    }
+    return m;
+}
+
+BODY void be_load(int32_t *restrict dst, const uint8_t *restrict src, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = (int32_t)rd32(src + 4 * i);
+}
+
+BODY void be_add(int32_t *restrict dst, const uint8_t *restrict src, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = (int32_t)((uint32_t)dst[i] + rd32(src + 4 * i));
+}
+
+BODY void be_store(uint8_t *restrict dst, const int32_t *restrict src, size_t n) {
+    for (size_t i = 0; i < n; i++) wr32(dst + 4 * i, (uint32_t)src[i]);
+}
+
+BODY void quantize_tail(const float *x, size_t from, size_t n, double f, uint8_t *be) {
+    for (size_t i = from; i < n; i++) wr32(be + 4 * i, (uint32_t)(int32_t)lrint((double)x[i] * f));
+}
+
+BODY void dequantize_tail(const uint8_t *be, size_t from, size_t n, double inv, float *out) {
+    for (size_t i = from; i < n; i++) out[i] = (float)((double)(int32_t)rd32(be + 4 * i) * inv);
+}
+
+/* ---- the two builds ------------------------------------------------------------------------- */
+static uint32_t absmax_scalar(const float *x, size_t n) { return absmax_bits(x, n); }
+static void be_load_scalar(int32_t *d, const uint8_t *s, size_t n) { be_load(d, s, n); }
+static void be_add_scalar(int32_t *d, const uint8_t *s, size_t n) { be_add(d, s, n); }
+static void be_store_scalar(uint8_t *d, const int32_t *s, size_t n) { be_store(d, s, n); }
+
+#if CL_X86
+AVX2 static uint32_t absmax_avx2(const float *x, size_t n) { return absmax_bits(x, n); }
+AVX2 static void be_load_avx2(int32_t *d, const uint8_t *s, size_t n) { be_load(d, s, n); }
+AVX2 static void be_add_avx2(int32_t *d, const uint8_t *s, size_t n) { be_add(d, s, n); }
+AVX2 static void be_store_avx2(uint8_t *d, const int32_t *s, size_t n) { be_store(d, s, n); }
+
+AVX2 static inline __m256i bswap_mask(void) {
+    return _mm256_setr_epi8(3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12,
+                            3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12);
+}
+
+AVX2 static void quantize_avx2(const float *x, size_t n, double f, uint8_t *be) {
+    __m256d fv = _mm256_set1_pd(f);
+    __m256i swap = bswap_mask();
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {   /* cvtpd_epi32 rounds to nearest even, as lrint does */
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m128i lo = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), fv));
+        __m128i hi = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), fv));
+        __m256i q = _mm256_shuffle_epi8(_mm256_set_m128i(hi, lo), swap);
+        _mm256_storeu_si256((__m256i *)(be + 4 * i), q);
+    }
+    quantize_tail(x, i, n, f, be);
+}
+
+AVX2 static void dequantize_avx2(const uint8_t *be, size_t n, double inv, float *out) {
+    __m256d iv = _mm256_set1_pd(inv);
+    __m256i swap = bswap_mask();
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i q = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(be + 4 * i)), swap);
+        __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(q)), iv));
+        __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(q, 1)), iv));
+        _mm256_storeu_ps(out + i, _mm256_set_m128(hi, lo));
+    }
+    dequantize_tail(be, i, n, inv, out);
+}
+#define PICK(name, ...) (vec ? name##_avx2(__VA_ARGS__) : name##_scalar(__VA_ARGS__))
+#else
+#define PICK(name, ...) name##_scalar(__VA_ARGS__)
+#endif
+
+static void quantize_scalar(const float *x, size_t n, double f, uint8_t *be) { quantize_tail(x, 0, n, f, be); }
+static void dequantize_scalar(const uint8_t *be, size_t n, double inv, float *out) { dequantize_tail(be, 0, n, inv, out); }
+
+/* ---- the interface -------------------------------------------------------------------------- */
 long cl_block_exponents(const float *x, size_t n, size_t block, int8_t *exps) {
     long bad = -1;
     for (size_t b = 0, start = 0; start < n; b++, start += block) {
-        size_t end = start + block < n ? start + block : n;
-        float amax = 0.0f;
-        for (size_t i = start; i < end; i++) {
-            float a = fabsf(x[i]);
-            amax = a > amax ? a : amax;
-            if (!(a <= 3.4028235e38f)) amax = INFINITY;  /* NaN compares false */
-        }
-        int e;
-        if (amax == 0.0f) {
+        size_t cnt = n - start < block ? n - start : block;
+        uint32_t bits = PICK(absmax, x + start, cnt);
+        if (bits == 0) {
             exps[b] = CL_EXP_ZERO;
             continue;
         }
-        frexpf(amax, &e);  /* amax = m * 2^e, 0.5 <= m < 1, so amax < 2^e */
-        if (isinf(amax) || e > CL_EXP_MAX) {
+        int e = CL_EXP_MAX + 1;          /* Inf/NaN: above every exponent */
+        if (bits <= 0x7f7fffffu) {
+            float amax;
+            memcpy(&amax, &bits, 4);
+            frexpf(amax, &e);            /* amax = m * 2^e, 0.5 <= m < 1, so amax < 2^e */
+        }
+        if (e > CL_EXP_MAX) {
             if (bad < 0) bad = (long)b;
             e = CL_EXP_MAX;
         }
@@ -27,22 +157,14 @@ long cl_block_exponents(const float *x, size_t n, size_t block, int8_t *exps) {
     return bad;
 }
 
-static inline double scale(int8_t e, int nworkers) {
-    return ldexp(2147483647.0 / nworkers, -(int)e);
+void cl_quantize_be(const float *x, size_t n, int8_t exp, int nworkers, uint8_t *be) {
+    PICK(quantize, x, n, scale(exp, nworkers), be);
 }
 
-void cl_quantize(const float *x, size_t n, size_t block, const int8_t *exps, int nworkers, int32_t *q) {
-    for (size_t b = 0, start = 0; start < n; b++, start += block) {
-        size_t end = start + block < n ? start + block : n;
-        double f = scale(exps[b], nworkers);
-        for (size_t i = start; i < end; i++) q[i] = (int32_t)lrint((double)x[i] * f);
-    }
+void cl_dequantize_be(const uint8_t *be, size_t n, int8_t exp, int nworkers, float *out) {
+    PICK(dequantize, be, n, 1.0 / scale(exp, nworkers), out);
 }
 
-void cl_dequantize(const int32_t *q, size_t n, size_t block, const int8_t *exps, int nworkers, float *out) {
-    for (size_t b = 0, start = 0; start < n; b++, start += block) {
-        size_t end = start + block < n ? start + block : n;
-        double inv = 1.0 / scale(exps[b], nworkers);
-        for (size_t i = start; i < end; i++) out[i] = (float)((double)q[i] * inv);
-    }
-}
+void cl_be_load(int32_t *dst, const uint8_t *src, size_t n) { PICK(be_load, dst, src, n); }
+void cl_be_add(int32_t *dst, const uint8_t *src, size_t n) { PICK(be_add, dst, src, n); }
+void cl_be_store(uint8_t *dst, const int32_t *src, size_t n) { PICK(be_store, dst, src, n); }

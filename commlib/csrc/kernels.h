@@ -1,9 +1,14 @@
-/* SwitchML's block quantization (the worker's data path, and the exponents Python computes).
+/* The per-element kernels of the data paths: SwitchML's block exponents and quantization, and
+ * big-endian int32 lanes (the worker's packets, the switch's aggregation).
  *
  * Block quantization follows SwitchML: a block of floats with exponent e (max|x| < 2^e) is
  * scaled by f = INT32_MAX / (nworkers * 2^e), so the nworkers-way int32 sum cannot overflow.
  * An all-zero block gets CL_EXP_ZERO, below every real exponent, so it never wins the max
- * and stays exactly zero. */
+ * and stays exactly zero.
+ *
+ * Each kernel has a portable scalar version and an AVX2 one; the AVX2 ones run where the CPU has
+ * AVX2 (chosen at load time, cl_simd), and both give the same bits: the quantization is in double
+ * precision in both (round to nearest even, as lrint), the rest is integer work. */
 #ifndef COMMLIB_KERNELS_H
 #define COMMLIB_KERNELS_H
 #include <stddef.h>
@@ -17,9 +22,19 @@
  * Returns the index of the first block holding Inf/NaN or |x| >= 2^127, or -1 if none. */
 long cl_block_exponents(const float *x, size_t n, size_t block, int8_t *exps);
 
-/* q = round(x * f(e)) per block; exps are the agreed (max) exponents. */
-void cl_quantize(const float *x, size_t n, size_t block, const int8_t *exps, int nworkers, int32_t *q);
-/* out = q / f(e) per block. */
-void cl_dequantize(const int32_t *q, size_t n, size_t block, const int8_t *exps, int nworkers, float *out);
+/* One block with the agreed (max) exponent `exp`: be[4i..4i+3] = big-endian round(x[i] * f(exp)). */
+void cl_quantize_be(const float *x, size_t n, int8_t exp, int nworkers, uint8_t *be);
+/* out[i] = big-endian be[4i..4i+3] / f(exp). */
+void cl_dequantize_be(const uint8_t *be, size_t n, int8_t exp, int nworkers, float *out);
+
+/* Big-endian int32 lanes. */
+void cl_be_load(int32_t *dst, const uint8_t *src, size_t n);    /* dst[i] = be32(src + 4i) */
+void cl_be_add(int32_t *dst, const uint8_t *src, size_t n);     /* dst[i] += be32(src + 4i), wrapping */
+void cl_be_store(uint8_t *dst, const int32_t *src, size_t n);   /* be32(dst + 4i) = src[i] */
+
+/* Which kernels run, for every thread: want 1 = the vector ones where the CPU has AVX2 (the
+ * default), 0 = the portable scalar ones (tests compare the two). Returns 1 if the vector ones
+ * run now. */
+int cl_simd(int want);
 
 #endif

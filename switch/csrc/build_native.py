@@ -17,7 +17,7 @@ here = Path(__file__).resolve().parent
 root = here.parent.parent
 HEADERS = [root / "commlib" / "csrc" / "kernels.h", here / "transport.h", here / "switchml.h", here / "omnireduce.h"]
 SOURCES = [root / "commlib" / "csrc" / "kernels.c"] + [here / name for name in (
-    "transport.c", "switchml_lanes.c", "switchml_switch.c", "switchml_worker.c",
+    "transport.c", "switchml_switch.c", "switchml_worker.c",
     "omnireduce_common.c", "omnireduce_worker.c", "omnireduce_aggregator.c")]
 C_ONLY = re.compile(r"^#ifndef TP_PYTHON_API_ONLY$.*?^#endif /\* TP_PYTHON_API_ONLY \*/$", re.S | re.M)
 
@@ -47,7 +47,7 @@ def builder(path=os.path.relpath):
         include_dirs=sorted({path(h.parent) for h in HEADERS}),
         depends=[path(h) for h in HEADERS] + [path(here / n) for n in ("switchml_common.h", "omnireduce_internal.h")],
         extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno", "-Wall", "-Wno-unused-function"],
-        libraries=["m", "pthread"],
+        libraries=["m", "pthread", "crypto"],   # crypto: OpenSSL's libcrypto (the packet MAC; apt: libssl-dev)
     )
     return ffi
 

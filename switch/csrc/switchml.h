@@ -5,21 +5,26 @@
  *   off len field
  *    0   1  type       SML_DATA (worker -> switch), SML_RESULT (switch -> worker),
  *                      SML_NACK (switch -> worker: the job is unknown to this switch)
- *    1   1  flags      bits 0-1 size code: 0 no payload (exponent only), 1 = 64, 2 = 256 int32;
+ *    1   1  flags      bits 0-1 size code: 0 no payload (exponent only), 1 = 64, 2 = 256 int32 (Tofino's
+ *                      sizes), 3 = the job's packet size (values per packet agreed at registration,
+ *                      1..SML_MAX_ELEMS: a software switch sizes packets by the path, not by registers);
+ *                      a payload is always the job's size;
  *                      bit 2 SML_F_NONFINITE: a region of one flag byte per payload element
  *                      follows the payload (SML_NF_* bits, OR-ed by the switch);
  *                      bit 3 SML_F_MAC: the packet ends with its MAC;
  *                      bit 4 SML_F_STAMP (RESULT only): the stamp follows the payload and region
  *    2   1  job        job number the switch assigned at registration
  *    3   1  rank       sender's rank in the job (RESULT: the rank whose packet it answers)
- *    4   4  packet id  worker-local packet id, echoed by the switch
+ *    4   4  packet id  the low 32 bits of the worker-local 64-bit packet id, echoed by the switch
+ *                      (the high bits are implied and authenticated: see the MAC)
  *    8   2  pool index bit 15 = set, bits 0-14 = slot within the job's pool
  *   10   1  exponent   int8 block exponent (max|x| < 2^e); DATA: the sender's, RESULT: the
  *                      max over workers; SML_EXP_NONE (-128): zero block / no exponent
  *   11   1  code       NACK reason (SML_NACK_*), else 0
  *   12   4  token      job token check: first 4 bytes of sha256(job token)
  *   16   4  checksum   tp_checksum (transport.h) of bytes 0-19, this field 0 when summing
- *   20  4k  payload    k = 0, 64 or 256 big-endian int32 (the partial last block zero-padded)
+ *   20  4k  payload    k = 0 or the job's values per packet, big-endian int32 (the partial last block
+ *                      zero-padded)
  *   ..   k  nf region  only with SML_F_NONFINITE
  *   ..   8  stamp      only with SML_F_STAMP (every RESULT has it, DATA never): the switch's share of
  *                      the round, big-endian uint32 nanoseconds summed over the round's nworkers
@@ -28,14 +33,35 @@
  *                      are not in it, the MAC covers the stamp). Per packet round, not per slot
  *                      window: a round's contributions meet in one slot anyway, so the sums cost two
  *                      adds per packet and no state beyond the slot; saturating at 2^32-1
- *   ..   8  mac        only with SML_F_MAC: SipHash-2-4 (transport.h) under the job key of every
- *                      byte before it (header with the packet id and pool index, payload, region, stamp),
- *                      so a packet cannot be forged or altered without the key, and a replayed one
- *                      carries an old packet id (see the version rule below). A job registered with
- *                      a key (the authenticated default) takes only DATA with a valid MAC and sends
- *                      only RESULTs with one; drops are counted (drop_bad_mac). NACKs carry none
- *                      (the switch has no key for a job it does not know): an authenticated worker
- *                      treats one as a hint it reports only if no result comes before its timeout.
+ *   ..   8  seq        RESULT with SML_F_MAC only: the switch's result number, its MAC's nonce
+ *   ..  16  mac        only with SML_F_MAC: the MAC (below) of every byte before it, so a packet cannot
+ *                      be forged or altered without the key, and a replayed one carries an old
+ *                      packet id (see the version rule below). A job registered with a key (the
+ *                      authenticated default) takes only DATA with a valid MAC and sends only RESULTs
+ *                      with one; drops are counted (drop_bad_mac). NACKs carry none (the switch has
+ *                      no key for a job it does not know): an authenticated worker treats one as a
+ *                      hint it reports only if no result comes before its timeout.
+ *
+ * The MAC: tp_mac (transport.h), ChaCha20-Poly1305 from OpenSSL as a nonce-based MAC under
+ * HKDF-SHA256(job key, "commlib switchml packets"), over id64 || packet, where id64 is the full
+ * 64-bit packet id, big-endian (of the packet for DATA, of the round answered for a RESULT), then
+ * the packet's bytes before the MAC. Nonce (12 bytes): type (SML_DATA or SML_RESULT), then for
+ * DATA the sender's rank, two zero bytes and id64; for a RESULT three zero bytes and its seq.
+ * Why every nonce MACs one message only:
+ *   - job keys are per registration (the job nonce is fresh), so nonces never meet another job's;
+ *   - DATA: a rank builds each packet id once (ids grow by a tensor's packets after every call,
+ *     a failed one included, and never wrap in 64 bits); a retransmission resends the same bytes
+ *     (same nonce, same message, same MAC: nothing new to an observer); ranks and types differ;
+ *   - RESULT: the switch numbers every result it builds (seq, per job, from a random 64-bit
+ *     start), a multicast's copies are one build; so a switch restarted with a replayed
+ *     registration (same job key) starts elsewhere in 2^64 too.
+ * Replays: a valid MAC is not enough, the packet id is each slot set's version (below) and the
+ * worker takes a result only for its outstanding packet. Both sides carry 32 bits of the id and
+ * extend them to 64 bits (the switch: the id nearest the job's newest accepted id; the worker:
+ * its newest sent id or before) and the MAC covers those 64 bits: a packet replayed 2^32 ids
+ * later extends to an id its MAC was not made for and is dropped (drop_bad_mac), where an id
+ * inside the MAC only would have wrapped back into a live round. sml_testing_id_bits shrinks
+ * the 32 bits on the wire, so tests can wrap them.
  *
  * Switch semantics per DATA packet from rank w with packet id i to (slot s, set X), as in
  * SwitchML, with the packet id as the set's version (every rank streams the same ids, growing):
@@ -57,10 +83,12 @@
 
 #define SML_HDR_LEN 20
 #define SML_CSUM_OFF 16
-#define SML_MAX_ELEMS 256
-#define SML_MAC_LEN 8
+#define SML_MAX_ELEMS 8192   /* values per packet: a packet with its flag region stays under 64 KiB */
+#define SML_MAX_POOL_VALUES (32768 * 256)   /* slots x values per packet of one job (its memory on the switch) */
+#define SML_MAC_LEN 16
+#define SML_SEQ_LEN 8
 #define SML_STAMP_LEN 8
-#define SML_MAX_PKT (SML_HDR_LEN + SML_MAX_ELEMS * 5 + SML_STAMP_LEN + SML_MAC_LEN)
+#define SML_MAX_PKT (SML_HDR_LEN + SML_MAX_ELEMS * 5 + SML_STAMP_LEN + SML_SEQ_LEN + SML_MAC_LEN)
 #define SML_MAX_WORKERS 64
 #define SML_MAX_JOBS 256
 #define SML_MAX_SLOTS 32768
@@ -71,6 +99,7 @@
 #define SML_NACK 3
 
 #define SML_F_SIZE 3
+#define SML_SIZE_JOB 3      /* size code: the job's values per packet */
 #define SML_F_NONFINITE 4
 #define SML_F_MAC 8
 #define SML_F_STAMP 16
@@ -133,8 +162,8 @@ typedef struct sml_switch sml_switch;
  * datagrams per system call; each is still its own packet on the wire). Thread-safe calls. */
 sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int offload);
 void sml_switch_free(sml_switch *sw);
-/* Register job `job` (0..255) with nworkers ranks and a pool of nslots slots of elems (64/256)
- * int32; key: the job key (SML_KEY_LEN bytes) its packets are authenticated with, or NULL (a
+/* Register job `job` (0..255) with nworkers ranks and a pool of nslots slots of elems values per
+ * packet (1..SML_MAX_ELEMS; nslots * elems <= SML_MAX_POOL_VALUES); key: the job key (SML_KEY_LEN bytes) its packets are authenticated with, or NULL (a
  * trusted fabric: no MAC). Returns 0 or an SML_ADD_* error. */
 #define SML_ADD_IN_USE (-1)
 #define SML_ADD_ARG (-2)
@@ -210,5 +239,10 @@ void sml_worker_counters_get(sml_worker *w, sml_worker_counters *out);
 int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, size_t n, const int8_t *exps,
                          const uint8_t *nf, int8_t *mexp, int timeout_ms);
 int sml_worker_errno(sml_worker *w);
+
+/* Testing only: carry `bits` (1..32) bits of the packet id on the wire instead of 32, so that a
+ * test wraps them within a few hundred packets (the ids stay 64-bit, and authenticated, inside).
+ * For every switch and worker of this process; set it before any streams. */
+void sml_testing_id_bits(int bits);
 
 #endif

@@ -6,12 +6,63 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"   /* the per-element work: big-endian lanes, quantization */
 #include "switchml.h"
 #include "transport.h"
 
-static inline uint32_t sml_size_elems(unsigned code) { return code == 1 ? 64u : code == 2 ? 256u : 0u; }
+/* Values in a packet of size code `code` of a job of `job_elems` values per packet. */
+static inline uint32_t sml_size_elems(unsigned code, uint32_t job_elems) {
+    return code == 1 ? 64u : code == 2 ? 256u : code == SML_SIZE_JOB ? job_elems : 0u;
+}
 
-static inline unsigned sml_elems_code(uint32_t elems) { return elems == 64 ? 1u : elems == 256 ? 2u : 0u; }
+/* The size code of a job's payloads: Tofino's codes for its sizes, else the job's. */
+static inline unsigned sml_elems_code(uint32_t elems) { return elems == 64 ? 1u : elems == 256 ? 2u : SML_SIZE_JOB; }
+
+/* The longest packet of a job of `elems` values per packet (flag region, stamp, seq and MAC included). */
+static inline size_t sml_pkt_max(uint32_t elems) {
+    return SML_HDR_LEN + 5 * (size_t)elems + SML_STAMP_LEN + SML_SEQ_LEN + SML_MAC_LEN;
+}
+
+/* ---- packet ids: 64-bit inside, the low bits of sml_id_mask on the wire (switchml.h) ---------- */
+extern uint32_t sml_id_mask;
+
+static inline uint32_t sml_id_wire(uint64_t id) { return (uint32_t)id & sml_id_mask; }
+
+/* The id with these wire bits nearest to ref (the switch: ranks stream the same ids, close together). */
+static inline uint64_t sml_id_near(uint32_t wire, uint64_t ref) {
+    uint64_t span = (uint64_t)sml_id_mask + 1, ahead = (wire - ref) & sml_id_mask;
+    return ahead < span / 2 ? ref + ahead : ref + ahead - span;
+}
+
+/* The id with these wire bits at or before newest (the worker: answers come for ids it sent). */
+static inline uint64_t sml_id_upto(uint32_t wire, uint64_t newest) { return newest - ((newest - wire) & sml_id_mask); }
+
+/* ---- the packet MAC (switchml.h): tp_mac over id64 || packet, the nonce by type ------------------- */
+#define SML_MAC_LABEL "commlib switchml packets"
+
+static inline void sml_nonce(uint8_t *nonce, uint8_t type, uint8_t rank, uint64_t counter) {
+    nonce[0] = type;
+    nonce[1] = rank;
+    nonce[2] = nonce[3] = 0;
+    tp_wr32(nonce + 4, (uint32_t)(counter >> 32));
+    tp_wr32(nonce + 8, (uint32_t)counter);
+}
+
+/* Write the MAC of the packet's `len` bytes (SML_F_MAC set in its flags) after them. */
+static inline void sml_sign(tp_mac *m, uint8_t *p, size_t len, uint64_t id, const uint8_t *nonce) {
+    uint8_t prefix[8];
+    tp_wr32(prefix, (uint32_t)(id >> 32));
+    tp_wr32(prefix + 4, (uint32_t)id);
+    tp_mac_tag(m, nonce, prefix, sizeof prefix, p, len, p + len);
+}
+
+/* Whether the MAC at p + len is that of the packet's `len` bytes before it. */
+static inline int sml_signed(tp_mac *m, const uint8_t *p, size_t len, uint64_t id, const uint8_t *nonce) {
+    uint8_t prefix[8];
+    tp_wr32(prefix, (uint32_t)(id >> 32));
+    tp_wr32(prefix + 4, (uint32_t)id);
+    return tp_mac_check(m, nonce, prefix, sizeof prefix, p, len, p + len);
+}
 
 /* The header checksum (transport.h's, over the 20 header bytes with the checksum field zero). */
 static inline uint32_t sml_header_checksum(const uint8_t *hdr) {
@@ -27,18 +78,5 @@ static inline void sml_seal(uint8_t *hdr) { tp_wr32(hdr + SML_CSUM_OFF, sml_head
 
 static inline int sml_sealed(const uint8_t *hdr) { return tp_rd32(hdr + SML_CSUM_OFF) == sml_header_checksum(hdr); }
 
-/* The MAC of a packet of `len` bytes (SML_F_MAC set in its flags) written after it. */
-static inline void sml_sign(uint8_t *p, size_t len, const uint8_t *key) { tp_wr64le(p + len, tp_siphash(key, p, len)); }
-
-/* Whether the MAC at p + len matches the packet's `len` bytes before it. */
-static inline int sml_signed(const uint8_t *p, size_t len, const uint8_t *key) {
-    return tp_rd64le(p + len) == tp_siphash(key, p, len);
-}
-
-/* ---- big-endian int32 lanes (switchml_lanes.c): the per-element work of the switch and the
- * worker, built for AVX2 and for the baseline, picked at load time. */
-void sml_be_load(int32_t *dst, const uint8_t *src, size_t n);       /* dst[i] = be32(src + 4i) */
-void sml_be_add(int32_t *dst, const uint8_t *src, size_t n);        /* dst[i] += be32(src + 4i), wrapping */
-void sml_be_store(uint8_t *dst, const int32_t *src, size_t n);      /* be32(dst + 4i) = src[i] */
 
 #endif

@@ -10,23 +10,23 @@
 
 #include <errno.h>
 #include <netinet/in.h>
+#include <openssl/rand.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 
 #define RX_BATCH 32
-#define RX_BUF 2048      /* without GRO: more than any packet */
+#define RX_BUF TP_GRO_BUF  /* without GRO too: any datagram (jobs choose their packet sizes) */
 #define TX_CAP 8192
-#define ARENA 1024
-#define ARENA_STRIDE 1344   /* >= SML_MAX_PKT */
-_Static_assert(ARENA_STRIDE >= SML_MAX_PKT, "a result with its MAC fits an arena buffer");
+#define ARENA (4u << 20)    /* bytes of result packets waiting to be sent */
+_Static_assert(ARENA >= 16 * SML_MAX_PKT, "a full arena is sent, so it needs room for a few results only");
 _Static_assert(sizeof ((sml_counters *)0)->ranks_per_ms / sizeof (uint64_t) == SML_MAX_WORKERS + 1, "a count per rank number");
 
 typedef struct {
     uint64_t bitmap;     /* ranks that contributed */
     uint32_t countdown;  /* ranks still missing; 0 = complete */
-    uint32_t pkt_id;     /* packet id of the first contribution (every rank streams the same ids) */
+    uint64_t pkt_id;     /* packet id of the first contribution (every rank streams the same ids) */
     int8_t exp;          /* max block exponent */
     uint8_t size;        /* size code of the contributions */
     uint8_t nf;          /* the nonfinite region holds flags */
@@ -34,9 +34,11 @@ typedef struct {
 } slot_set;
 
 typedef struct {
-    int active, auth;
+    int active;
     uint32_t token;
-    uint8_t key[SML_KEY_LEN];  /* the job key of the packets' MACs (auth) */
+    tp_mac *mac;         /* the packet MAC under the job key (switchml.h); NULL: packets without MACs */
+    uint64_t newest;     /* the newest packet id accepted: the wire's 32 bits are extended near it */
+    uint64_t seq;        /* the next result's number (its MAC's nonce) */
     int nworkers;
     uint32_t nslots, elems, ngroups;
     struct sockaddr_in addrs[SML_MAX_WORKERS];
@@ -60,16 +62,20 @@ struct sml_switch {
     /* batch state (owned by the thread in sml_switch_run) */
     tp_rxq rx;
     tp_txq tx;
-    uint8_t *arena;      /* ARENA result packets, referenced by tx until it is flushed */
+    uint8_t *arena;      /* ARENA bytes of result packets, referenced by tx until it is flushed */
     size_t arena_used;
 };
+
+uint32_t sml_id_mask = UINT32_MAX;
+
+void sml_testing_id_bits(int bits) { sml_id_mask = bits >= 1 && bits < 32 ? (1u << bits) - 1 : UINT32_MAX; }
 
 static double rnd(sml_switch *sw) { return tp_uniform(&sw->rng); }
 
 sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int offload) {
     sml_switch *sw = calloc(1, sizeof *sw);
     if (!sw) return NULL;
-    sw->arena = malloc((size_t)ARENA * ARENA_STRIDE);
+    sw->arena = malloc(ARENA);
     if (!sw->arena || tp_rxq_init(&sw->rx, fd, RX_BATCH, RX_BUF, offload) || tp_txq_init(&sw->tx, fd, TX_CAP, offload ? TP_GSO : 0)) {
         free(sw->arena);
         tp_rxq_free(&sw->rx);
@@ -87,6 +93,7 @@ sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int
 }
 
 static void job_release(job_t *j) {
+    tp_mac_free(j->mac);
     free(j->sets);
     free(j->values);
     free(j->nfreg);
@@ -107,7 +114,7 @@ void sml_switch_free(sml_switch *sw) {
 int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, uint32_t nslots, uint32_t elems,
                        const uint8_t *key) {
     if (job < 0 || job >= SML_MAX_JOBS || nworkers < 1 || nworkers > SML_MAX_WORKERS || nslots < 1 ||
-        nslots > SML_MAX_SLOTS || (elems != 64 && elems != 256))
+        nslots > SML_MAX_SLOTS || elems < 1 || elems > SML_MAX_ELEMS || (uint64_t)nslots * elems > SML_MAX_POOL_VALUES)
         return SML_ADD_ARG;
     int rc = 0;
     pthread_mutex_lock(&sw->mu);
@@ -123,13 +130,13 @@ int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, ui
         j->values = calloc((size_t)nslots * 2 * elems, sizeof *j->values);
         j->nfreg = calloc((size_t)nslots * 2 * elems, 1);
         j->groups = calloc(j->ngroups, sizeof *j->groups);
-        if (!j->sets || !j->values || !j->nfreg || !j->groups) {
+        if (key) j->mac = tp_mac_new(key, SML_MAC_LABEL);
+        if (!j->sets || !j->values || !j->nfreg || !j->groups || (key && !j->mac) ||
+            RAND_bytes((unsigned char *)&j->seq, sizeof j->seq) != 1) {
             job_release(j);
             rc = SML_ADD_NOMEM;
         } else {
             j->token = token;
-            j->auth = key != NULL;
-            if (key) memcpy(j->key, key, SML_KEY_LEN);
             j->nworkers = nworkers;
             j->nslots = nslots;
             j->elems = elems;
@@ -222,13 +229,17 @@ void sml_switch_global_counters(sml_switch *sw, sml_global *out) {
 
 /* ---- the data plane ------------------------------------------------------------------------ */
 
-/* Room for one result packet and its copies; sends what is queued when the batch state is full. */
-static uint8_t *take_buffer(sml_switch *sw) {
-    if (sw->arena_used == ARENA || sw->tx.cap - sw->tx.n < 2 * (SML_MAX_WORKERS + 1)) {
+/* Room for one result packet of up to len bytes and its copies; sends what is queued when the batch
+ * state is full. */
+static uint8_t *take_buffer(sml_switch *sw, size_t len) {
+    len = (len + 63) & ~(size_t)63;
+    if (sw->arena_used + len > ARENA || sw->tx.cap - sw->tx.n < 2 * (SML_MAX_WORKERS + 1)) {
         tp_txq_flush(&sw->tx);
         sw->arena_used = 0;
     }
-    return sw->arena + ARENA_STRIDE * sw->arena_used++;
+    uint8_t *p = sw->arena + sw->arena_used;
+    sw->arena_used += len;
+    return p;
 }
 
 static void emit(sml_switch *sw, uint8_t *buf, size_t len, const struct sockaddr_in *to, sml_counters *jc,
@@ -247,17 +258,17 @@ static void emit(sml_switch *sw, uint8_t *buf, size_t len, const struct sockaddr
 }
 
 /* The result of (slot, set) in answer to the packet `in`, in a fresh buffer; returns its length. */
-static size_t build_result(const job_t *j, const slot_set *s, const int32_t *vals, const uint8_t *nfr,
+static size_t build_result(job_t *j, const slot_set *s, const int32_t *vals, const uint8_t *nfr,
                            const uint8_t *in, uint8_t *p) {
-    uint32_t elems = sml_size_elems(s->size);
+    uint32_t elems = sml_size_elems(s->size, j->elems);
     memcpy(p, in, SML_HDR_LEN);   /* job, rank, packet id, pool index and token are echoed */
     p[0] = SML_RESULT;
-    p[1] = (uint8_t)(s->size | (s->nf ? SML_F_NONFINITE : 0) | SML_F_STAMP | (j->auth ? SML_F_MAC : 0));
+    p[1] = (uint8_t)(s->size | (s->nf ? SML_F_NONFINITE : 0) | SML_F_STAMP | (j->mac ? SML_F_MAC : 0));
     p[10] = (uint8_t)s->exp;
     p[11] = 0;
     sml_seal(p);
     uint8_t *pl = p + SML_HDR_LEN;
-    sml_be_store(pl, vals, elems);
+    cl_be_store(pl, vals, elems);
     size_t len = SML_HDR_LEN + 4 * (size_t)elems;
     if (s->nf) {
         memcpy(p + len, nfr, elems);
@@ -266,8 +277,14 @@ static size_t build_result(const job_t *j, const slot_set *s, const int32_t *val
     tp_wr32(p + len, s->queue_ns);
     tp_wr32(p + len + 4, s->proc_ns);
     len += SML_STAMP_LEN;
-    if (j->auth) {
-        sml_sign(p, len, j->key);
+    if (j->mac) {   /* a fresh seq per result built: its nonce (switchml.h) */
+        uint8_t nonce[TP_NONCE_LEN];
+        uint64_t seq = j->seq++;
+        sml_nonce(nonce, SML_RESULT, 0, seq);
+        tp_wr32(p + len, (uint32_t)(seq >> 32));
+        tp_wr32(p + len + 4, (uint32_t)seq);
+        len += SML_SEQ_LEN;
+        sml_sign(j->mac, p, len, s->pkt_id, nonce);
         len += SML_MAC_LEN;
     }
     return len;
@@ -275,7 +292,7 @@ static size_t build_result(const job_t *j, const slot_set *s, const int32_t *val
 
 static void nack(sml_switch *sw, const uint8_t *in, const struct sockaddr_in *from) {
     static sml_counters sink_j, sink_g;  /* NACKs belong to no job; the simulator still applies */
-    uint8_t *p = take_buffer(sw);
+    uint8_t *p = take_buffer(sw, SML_HDR_LEN);
     memcpy(p, in, SML_HDR_LEN);
     p[0] = SML_NACK;
     p[1] = 0;
@@ -295,13 +312,13 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     if (p[0] != SML_DATA) { g->drop_type++; return; }
     unsigned flags = p[1], code = flags & SML_F_SIZE;
     int has_nf = (flags & SML_F_NONFINITE) != 0, has_mac = (flags & SML_F_MAC) != 0;
-    uint32_t elems = sml_size_elems(code);
+    job_t *j = &sw->jobs[p[2]];
+    uint32_t elems = sml_size_elems(code, j->elems);   /* an unknown job's size is unknown: NACKed below */
     size_t body = SML_HDR_LEN + (size_t)elems * (has_nf ? 5 : 4);
-    if ((flags & ~15u) || code == 3 || len != body + (has_mac ? SML_MAC_LEN : 0)) {
+    if ((flags & ~15u) || ((j->active || code != SML_SIZE_JOB) && len != body + (has_mac ? SML_MAC_LEN : 0))) {
         g->drop_short++;
         return;
     }
-    job_t *j = &sw->jobs[p[2]];
     if (!j->active) {
         g->drop_unknown_job++;
         nack(sw, p, from);
@@ -312,7 +329,16 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     uint32_t slot = pool & 0x7fffu, set = pool >> 15;
     sml_counters *gc = &j->groups[(slot < j->nslots ? slot : 0) / sw->group_slots];
     /* first the MAC: nothing of an unauthenticated packet is believed, not even its rank */
-    if (j->auth && (!has_mac || !sml_signed(p, body, j->key))) { j->c.drop_bad_mac++; gc->drop_bad_mac++; return; }
+    uint64_t pkt_id = sml_id_near(tp_rd32(p + 4), j->newest);   /* the MAC covers all 64 bits */
+    if (j->mac) {
+        uint8_t nonce[TP_NONCE_LEN];
+        sml_nonce(nonce, SML_DATA, (uint8_t)rank, pkt_id);
+        if (!has_mac || !sml_signed(j->mac, p, body, pkt_id, nonce)) {
+            j->c.drop_bad_mac++;
+            gc->drop_bad_mac++;
+            return;
+        }
+    }
     if (tp_rd32(p + 12) != j->token) { j->c.drop_token++; gc->drop_token++; return; }
     if (rank >= (unsigned)j->nworkers || !(j->addr_mask >> rank & 1) ||
         j->addrs[rank].sin_addr.s_addr != from->sin_addr.s_addr || j->addrs[rank].sin_port != from->sin_port) {
@@ -324,6 +350,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     if (sw->p_in > 0 && rnd(sw) < sw->p_in) { j->c.drop_sim_ingress++; gc->drop_sim_ingress++; return; }
     j->c.pkts_recv++;
     gc->pkts_recv++;
+    if ((int64_t)(pkt_id - j->newest) > 0) j->newest = pkt_id;
     uint64_t ms = (t_in - queue_ns) / 1000000;   /* arrival, on the processing clock */
     if (ms != j->ms_now) {
         if (j->ms_ranks) j->c.ranks_per_ms[__builtin_popcountll(j->ms_ranks)]++;
@@ -338,13 +365,12 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     uint8_t *nfr = j->nfreg + idx * j->elems;
     uint64_t bit = 1ull << rank, before = s->bitmap;
     const uint8_t *pl = p + SML_HDR_LEN;
-    uint32_t pkt_id = tp_rd32(p + 4);
     int8_t exp = (int8_t)p[10];
 
     /* which round of (slot, set) this packet belongs to: packet ids grow along a rank's stream and
      * every rank streams the same ids, so the id is the slot's version (SwitchML's set bit tells
      * only two rounds apart; a packet delayed past a whole round needs more) */
-    int32_t age = (int32_t)(pkt_id - s->pkt_id);
+    int64_t age = (int64_t)(pkt_id - s->pkt_id);
     int fresh, first;
     if (before == 0 || (age > 0 && s->countdown == 0)) {
         fresh = first = 1;              /* the set's first use, or the next round once it is done */
@@ -371,7 +397,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     s->bitmap = (first ? 0 : before) | bit;
     if (fresh) {
         if (first) {  /* first contribution: overwrite (lazy clearing) */
-            sml_be_load(vals, pl, elems);
+            cl_be_load(vals, pl, elems);
             s->exp = exp;
             s->size = (uint8_t)code;
             s->pkt_id = pkt_id;
@@ -380,7 +406,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
             s->countdown = (uint32_t)j->nworkers - 1;
             s->queue_ns = s->proc_ns = 0;
         } else {  /* later contribution: int32 sum (wrapping), max exponent, OR of the flags */
-            sml_be_add(vals, pl, elems);
+            cl_be_add(vals, pl, elems);
             if (exp > s->exp) s->exp = exp;
             if (has_nf) {
                 const uint8_t *r = pl + 4 * elems;
@@ -395,7 +421,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
         s->queue_ns = tp_add_sat32(s->queue_ns, queue_ns);
         s->proc_ns = tp_add_sat32(s->proc_ns, tp_now_ns() - t_in);
         if (s->countdown == 0) {  /* complete: "multicast" to every worker of the job */
-            uint8_t *out = take_buffer(sw);
+            uint8_t *out = take_buffer(sw, sml_pkt_max(j->elems));
             size_t rlen = build_result(j, s, vals, nfr, p, out);
             for (int r = 0; r < j->nworkers; r++) {
                 j->c.results++;
@@ -404,7 +430,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
             }
         }
     } else if (s->countdown == 0) {  /* retransmission to a complete slot: unicast replay */
-        uint8_t *out = take_buffer(sw);
+        uint8_t *out = take_buffer(sw, sml_pkt_max(j->elems));
         size_t rlen = build_result(j, s, vals, nfr, p, out);
         j->c.replays++;
         gc->replays++;

@@ -35,11 +35,8 @@
 #include <stdlib.h>
 #include <sys/socket.h>
 
-#define RX_BATCH 16      /* GRO buffers of 64 KiB: up to ~60 results each */
-#define RX_BUF 2048      /* without GRO: more than any packet */
+#define RX_BATCH 16      /* GRO buffers of 64 KiB: up to ~60 results of 256 values each */
 #define TX_CAP 512
-#define PKT_STRIDE 1344  /* >= SML_MAX_PKT, multiple of 64 */
-_Static_assert(PKT_STRIDE >= SML_MAX_PKT, "a packet with its MAC fits a chain buffer");
 
 typedef struct {
     int64_t p;           /* outstanding packet of this chain, -1 when the chain is done */
@@ -53,14 +50,17 @@ typedef struct {
 
 struct sml_worker {
     int fd, job, rank, nworkers, err;
-    int auth, nack;      /* auth: packets carry MACs under key; nack: a NACK's code, reported on timeout */
-    uint8_t key[SML_KEY_LEN];
+    int nack;            /* a NACK's code, reported on timeout */
+    tp_mac *mac;         /* the packet MAC under the job key (switchml.h); NULL: packets without MACs */
     uint32_t token, window, elems;
+    size_t stride;       /* bytes of a chain's packet buffer: sml_pkt_max(elems), rounded up to 64 */
     tp_rtt rtt;          /* RFC 6298 estimate (ns); rtt.rto = the timer of a new packet */
-    uint32_t shift, pkt_base;
+    uint32_t shift;
+    uint64_t pkt_base;   /* the 64-bit id of the next tensor's packet 0 */
     uint8_t *parity;     /* per slot: the set of the slot's next use */
     chain_t *ch;
-    uint8_t *bufs;       /* window * PKT_STRIDE: the packet in flight of each chain */
+    uint8_t *bufs;       /* window * stride: the packet in flight of each chain */
+    float *clean;        /* elems: a block with its non-finite values zeroed */
     tp_rxq rx;
     tp_txq tx;
     sml_worker_counters c;
@@ -77,35 +77,43 @@ typedef struct {
     const uint8_t *nf;
     int8_t *mexp;
     int status;
+    uint64_t newest;      /* the highest packet sent */
     uint64_t answered;    /* the last result, ns */
     uint64_t next_timer;  /* no later than the earliest deadline of an outstanding packet, ns */
 } tensor_t;
 
+static void free_buffers(sml_worker *w) {
+    tp_mac_free(w->mac);
+    free(w->parity);
+    free(w->ch);
+    free(w->clean);
+    free(w->bufs);
+    free(w);
+}
+
 sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworkers, uint32_t window,
                            uint32_t elems, double rto_ms, double rto_max_ms, int offload, const uint8_t *key) {
-    if (window < 1 || window > SML_MAX_SLOTS || (elems != 64 && elems != 256) || nworkers < 1) return NULL;
+    if (window < 1 || window > SML_MAX_SLOTS || elems < 1 || elems > SML_MAX_ELEMS || nworkers < 1) return NULL;
     sml_worker *w = calloc(1, sizeof *w);
     if (!w) return NULL;
+    w->stride = (sml_pkt_max(elems) + 63) & ~(size_t)63;
     w->parity = calloc(window, 1);
     w->ch = calloc(window, sizeof *w->ch);
-    if (posix_memalign((void **)&w->bufs, 64, (size_t)window * PKT_STRIDE)) w->bufs = NULL;
-    int rx_ok = tp_rxq_init(&w->rx, fd, RX_BATCH, RX_BUF, offload) == 0;
+    w->clean = malloc(elems * sizeof *w->clean);
+    if (posix_memalign((void **)&w->bufs, 64, (size_t)window * w->stride)) w->bufs = NULL;
+    int rx_ok = tp_rxq_init(&w->rx, fd, RX_BATCH, sml_pkt_max(elems), offload) == 0;
     int tx_ok = tp_txq_init(&w->tx, fd, TX_CAP, TP_CONNECTED | (offload ? TP_GSO : 0)) == 0;
-    if (!w->parity || !w->ch || !w->bufs || !rx_ok || !tx_ok) {
+    if (key) w->mac = tp_mac_new(key, SML_MAC_LABEL);
+    if (!w->parity || !w->ch || !w->clean || !w->bufs || !rx_ok || !tx_ok || (key && !w->mac)) {
         if (rx_ok) tp_rxq_free(&w->rx);
         if (tx_ok) tp_txq_free(&w->tx);
-        free(w->parity);
-        free(w->ch);
-        free(w->bufs);
-        free(w);
+        free_buffers(w);
         return NULL;
     }
     w->fd = fd;
     w->job = job;
     w->rank = rank;
     w->token = token;
-    w->auth = key != NULL;
-    if (key) memcpy(w->key, key, SML_KEY_LEN);
     w->nworkers = nworkers;
     w->window = window;
     w->elems = elems;
@@ -118,10 +126,7 @@ void sml_worker_free(sml_worker *w) {
     if (!w) return;
     tp_rxq_free(&w->rx);
     tp_txq_free(&w->tx);
-    free(w->parity);
-    free(w->ch);
-    free(w->bufs);
-    free(w);
+    free_buffers(w);
 }
 
 void sml_worker_counters_get(sml_worker *w, sml_worker_counters *out) {
@@ -157,10 +162,9 @@ static uint32_t put_f32_block(sml_worker *w, const tensor_t *t, uint64_t b, uint
     const float *x = (const float *)t->x + b * w->elems;
     size_t cnt = t->n - b * w->elems;
     if (cnt > w->elems) cnt = w->elems;
-    int32_t q[SML_MAX_ELEMS];
     uint32_t len = 4 * w->elems;
     if (t->nf[b]) {
-        float clean[SML_MAX_ELEMS];
+        float *clean = w->clean;
         uint8_t *r = pl + 4 * w->elems;
         memset(r, 0, w->elems);
         for (size_t i = 0; i < cnt; i++) {
@@ -171,20 +175,18 @@ static uint32_t put_f32_block(sml_worker *w, const tensor_t *t, uint64_t b, uint
             else if (fabsf(v) >= 0x1p127f) r[i] = SML_NF_RANGE;
             if (r[i]) clean[i] = 0.0f;
         }
-        cl_quantize(clean, cnt, w->elems, &t->mexp[b], w->nworkers, q);
+        x = clean;
         *flags |= SML_F_NONFINITE;
         len += w->elems;
-    } else {
-        cl_quantize(x, cnt, w->elems, &t->mexp[b], w->nworkers, q);
     }
-    sml_be_store(pl, q, cnt);
+    cl_quantize_be(x, cnt, t->mexp[b], w->nworkers, pl);
     memset(pl + 4 * cnt, 0, 4 * (w->elems - cnt));  /* the partial last block */
     return len;
 }
 
 /* Build packet p of the tensor into its chain's buffer. */
 static uint32_t build(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c) {
-    uint8_t *h = w->bufs + c * PKT_STRIDE, *pl = h + SML_HDR_LEN;
+    uint8_t *h = w->bufs + c * w->stride, *pl = h + SML_HDR_LEN;
     uint32_t slot = (uint32_t)((w->shift + c) % w->window);
     uint32_t set = w->parity[slot] ^ (uint32_t)((p / t->wc) & 1);
     uint8_t flags = 0;
@@ -194,7 +196,7 @@ static uint32_t build(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c) {
         const int32_t *x = (const int32_t *)t->x + p * w->elems;
         size_t cnt = t->n - p * w->elems;
         if (cnt > w->elems) cnt = w->elems;
-        sml_be_store(pl, x, cnt);
+        cl_be_store(pl, x, cnt);
         memset(pl + 4 * cnt, 0, 4 * (w->elems - cnt));
         flags = (uint8_t)sml_elems_code(w->elems);
         len = 4 * w->elems;
@@ -209,15 +211,18 @@ static uint32_t build(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c) {
     h[1] = flags;
     h[2] = (uint8_t)w->job;
     h[3] = (uint8_t)w->rank;
-    tp_wr32(h + 4, w->pkt_base + (uint32_t)p);
+    uint64_t id = w->pkt_base + p;
+    tp_wr32(h + 4, sml_id_wire(id));
     tp_wr16(h + 8, (uint16_t)(slot | set << 15));
     h[10] = (uint8_t)exp;
     h[11] = 0;
     tp_wr32(h + 12, w->token);
-    if (w->auth) h[1] |= SML_F_MAC;
+    if (w->mac) h[1] |= SML_F_MAC;
     sml_seal(h);
-    if (w->auth) {
-        sml_sign(h, SML_HDR_LEN + len, w->key);
+    if (w->mac) {
+        uint8_t nonce[TP_NONCE_LEN];
+        sml_nonce(nonce, SML_DATA, (uint8_t)w->rank, id);
+        sml_sign(w->mac, h, SML_HDR_LEN + len, id, nonce);
         len += SML_MAC_LEN;
     }
     return SML_HDR_LEN + len;
@@ -226,6 +231,7 @@ static uint32_t build(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c) {
 static int send_packet(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c, uint64_t now) {
     chain_t *ch = &w->ch[c];
     ch->p = (int64_t)p;
+    if (p > t->newest) t->newest = p;
     ch->len = build(w, t, p, c);
     ch->rto = w->rtt.rto;
     ch->sent = now;
@@ -233,7 +239,7 @@ static int send_packet(sml_worker *w, tensor_t *t, uint64_t p, uint64_t c, uint6
     ch->resent_at = 0;
     ch->deadline = now + ch->rto;
     if (ch->deadline < t->next_timer) t->next_timer = ch->deadline;  /* its rto may be the smallest */
-    return queue(w, w->bufs + c * PKT_STRIDE, ch->len);
+    return queue(w, w->bufs + c * w->stride, ch->len);
 }
 
 /* Write back the valid elements of a result. */
@@ -243,7 +249,7 @@ static void take_result(sml_worker *w, tensor_t *t, uint64_t p, const uint8_t *h
         int32_t *out = (int32_t *)t->out + p * w->elems;
         size_t cnt = t->n - p * w->elems;
         if (cnt > w->elems) cnt = w->elems;
-        sml_be_load(out, pl, cnt);
+        cl_be_load(out, pl, cnt);
         return;
     }
     if (p < t->B) t->mexp[p] = (int8_t)h[10];
@@ -252,9 +258,7 @@ static void take_result(sml_worker *w, tensor_t *t, uint64_t p, const uint8_t *h
     float *out = (float *)t->out + b * w->elems;
     size_t cnt = t->n - b * w->elems;
     if (cnt > w->elems) cnt = w->elems;
-    int32_t q[SML_MAX_ELEMS];
-    sml_be_load(q, pl, cnt);
-    cl_dequantize(q, cnt, w->elems, &t->mexp[b], w->nworkers, out);
+    cl_dequantize_be(pl, cnt, t->mexp[b], w->nworkers, out);
     if (h[1] & SML_F_NONFINITE) {
         const uint8_t *r = pl + 4 * w->elems;
         for (size_t i = 0; i < cnt; i++) {
@@ -281,25 +285,34 @@ static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, u
     }
     if (h[0] == SML_NACK) {
         w->c.nacks++;
-        if (w->auth) {   /* anyone can forge a NACK: believed only if no result comes before the timeout */
+        if (w->mac) {   /* anyone can forge a NACK: believed only if no result comes before the timeout */
             w->nack = h[11] ? h[11] : 1;
             return 0;
         }
         w->err = h[11];
         return SML_E_NACK;
     }
-    uint32_t code = h[1] & SML_F_SIZE, elems = sml_size_elems(code);
+    uint32_t code = h[1] & SML_F_SIZE, elems = sml_size_elems(code, w->elems);
     size_t body = SML_HDR_LEN + 4 * (size_t)elems + ((h[1] & SML_F_NONFINITE) ? elems : 0) +
                   ((h[1] & SML_F_STAMP) ? SML_STAMP_LEN : 0);
     if (h[0] != SML_RESULT || len < body) {
         w->c.ignored++;
         return 0;
     }
-    if (w->auth && (!(h[1] & SML_F_MAC) || len != body + SML_MAC_LEN || !sml_signed(h, body, w->key))) {
-        w->c.bad_mac++;
-        return 0;
+    uint64_t id = sml_id_upto(tp_rd32(h + 4), w->pkt_base + t->newest);   /* the MAC covers all 64 bits */
+    if (w->mac) {
+        uint8_t nonce[TP_NONCE_LEN];
+        int ok = (h[1] & SML_F_MAC) && len == body + SML_SEQ_LEN + SML_MAC_LEN;
+        if (ok) {
+            sml_nonce(nonce, SML_RESULT, 0, (uint64_t)tp_rd32(h + body) << 32 | tp_rd32(h + body + 4));
+            ok = sml_signed(w->mac, h, body + SML_SEQ_LEN, id, nonce);
+        }
+        if (!ok) {
+            w->c.bad_mac++;
+            return 0;
+        }
     }
-    uint64_t p = (uint32_t)(tp_rd32(h + 4) - w->pkt_base);
+    uint64_t p = id - w->pkt_base;
     if (p >= t->P) {  /* a late duplicate of an earlier tensor */
         w->c.duplicates++;
         return 0;
@@ -396,7 +409,7 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
                         ch->resent++;
                         ch->resent_at = now;
                         w->c.resends++;
-                        rc = queue(w, w->bufs + c * PKT_STRIDE, ch->len);
+                        rc = queue(w, w->bufs + c * w->stride, ch->len);
                     }
                 }
                 if (ch->deadline < t.next_timer) t.next_timer = ch->deadline;
@@ -416,14 +429,17 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
     w->c.wait_ns += wait_ns;
     w->c.busy_ns += (t_end - t_start) - wait_ns;
     w->c.cpu_ns += tp_cpu_ns() - cpu0;
-    if (rc) return rc;
+    if (rc) {
+        w->pkt_base += t.P;   /* the ids of a failed call are never reused (they are its MACs' nonces) */
+        return rc;
+    }
     /* carry the stream over: per-slot set parity, pool shift, packet ids */
     for (uint64_t c = 0; c < t.wc; c++) {
         uint64_t uses = (t.P - c + t.wc - 1) / t.wc;
         w->parity[(w->shift + c) % w->window] ^= (uint8_t)(uses & 1);
     }
     w->shift = (uint32_t)((w->shift + t.P) % w->window);
-    w->pkt_base += (uint32_t)t.P;
+    w->pkt_base += t.P;
     w->c.tensors++;
     w->c.elements += n;
     return t.status;

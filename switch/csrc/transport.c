@@ -4,6 +4,9 @@
 
 #include <math.h>
 #include <netinet/udp.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/kdf.h>
 #include <poll.h>
 #include <stdlib.h>
 
@@ -78,6 +81,58 @@ uint64_t tp_siphash(const uint8_t *key, const void *buf, size_t len) {
     tp_sip_init(&s, key);
     tp_sip_update(&s, buf, len);
     return tp_sip_final(&s);
+}
+
+/* ---- the packet MAC: ChaCha20-Poly1305 through OpenSSL (transport.h) ------------------------- */
+struct tp_mac {
+    EVP_CIPHER_CTX *ctx;
+};
+
+tp_mac *tp_mac_new(const uint8_t *key, const char *label) {
+    uint8_t k[32];
+    size_t klen = sizeof k;
+    tp_mac *m = calloc(1, sizeof *m);
+    EVP_PKEY_CTX *kdf = EVP_PKEY_CTX_new_id(EVP_PKEY_HKDF, NULL);
+    int ok = m && kdf && EVP_PKEY_derive_init(kdf) > 0 && EVP_PKEY_CTX_set_hkdf_md(kdf, EVP_sha256()) > 0 &&
+             EVP_PKEY_CTX_set1_hkdf_key(kdf, key, TP_KEY_LEN) > 0 &&
+             EVP_PKEY_CTX_add1_hkdf_info(kdf, (const unsigned char *)label, (int)strlen(label)) > 0 &&
+             EVP_PKEY_derive(kdf, k, &klen) > 0 && klen == sizeof k;
+    EVP_PKEY_CTX_free(kdf);
+    if (ok) {
+        m->ctx = EVP_CIPHER_CTX_new();
+        ok = m->ctx && EVP_EncryptInit_ex(m->ctx, EVP_chacha20_poly1305(), NULL, k, NULL) > 0;
+    }
+    OPENSSL_cleanse(k, sizeof k);
+    if (!ok) {
+        tp_mac_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+void tp_mac_free(tp_mac *m) {
+    if (!m) return;
+    EVP_CIPHER_CTX_free(m->ctx);
+    free(m);
+}
+
+int tp_mac_tag(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, const void *b, size_t blen, uint8_t *tag) {
+    int out;
+    if (EVP_EncryptInit_ex(m->ctx, NULL, NULL, NULL, nonce) <= 0 ||
+        (alen && EVP_EncryptUpdate(m->ctx, NULL, &out, a, (int)alen) <= 0) ||    /* out NULL: associated data */
+        (blen && EVP_EncryptUpdate(m->ctx, NULL, &out, b, (int)blen) <= 0) ||
+        EVP_EncryptFinal_ex(m->ctx, tag, &out) <= 0 ||
+        EVP_CIPHER_CTX_ctrl(m->ctx, EVP_CTRL_AEAD_GET_TAG, TP_TAG_LEN, tag) <= 0) {
+        memset(tag, 0, TP_TAG_LEN);
+        return -1;
+    }
+    return 0;
+}
+
+int tp_mac_check(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, const void *b, size_t blen,
+                 const uint8_t *tag) {
+    uint8_t want[TP_TAG_LEN];
+    return tp_mac_tag(m, nonce, a, alen, b, blen, want) == 0 && CRYPTO_memcmp(want, tag, TP_TAG_LEN) == 0;
 }
 
 size_t tp_block_mask(const void *x, size_t n, int dtype, size_t block, double threshold, uint8_t *mask) {

@@ -145,15 +145,19 @@ def _drain(socks):
 
 
 class _SwitchRig:
-    """A C switch on a loopback socket with job 0 (2 ranks: our two sender sockets)."""
+    """A C switch on a loopback socket with jobs 0 and 1 (2 ranks each: our two sender sockets), of
+    Tofino's 64 values per packet and of 1001 (a path's size, not a multiple of any vector width)."""
+    ELEMS = (64, 1001)
 
     def __init__(self):
         self.sock, *self.ranks = _loopback(3)
         self.sw = lib.sml_switch_new(self.sock.fileno(), 1024, 64, 0)
-        assert lib.sml_switch_add_job(self.sw, 0, TOKEN, 2, 64, 64, JOB_KEY) == 0
-        for rank, s in enumerate(self.ranks):
-            ip = struct.unpack("!I", socket.inet_aton("127.0.0.1"))[0]
-            lib.sml_switch_set_addr(self.sw, 0, rank, ip, s.getsockname()[1])
+        self.mac = lib.tp_mac_new(JOB_KEY, b"commlib switchml packets")
+        for job, elems in enumerate(self.ELEMS):
+            assert lib.sml_switch_add_job(self.sw, job, TOKEN, 2, 64, elems, JOB_KEY) == 0
+            for rank, s in enumerate(self.ranks):
+                ip = struct.unpack("!I", socket.inet_aton("127.0.0.1"))[0]
+                lib.sml_switch_set_addr(self.sw, job, rank, ip, s.getsockname()[1])
         self.address = self.sock.getsockname()
 
 
@@ -161,26 +165,36 @@ _switch_rig = None
 
 
 def _switch_packet(fdp, rank):
-    """A DATA-like packet of job 0 whose fields are fuzzed within (or just beyond) their ranges,
+    """A DATA-like packet of job 0 or 1 whose fields are fuzzed within (or just beyond) their ranges,
     with the payload its size code asks for, sealed with the job's token, a valid checksum and
     mostly a valid MAC."""
+    job = fdp.ConsumeIntInRange(0, 1)
     size_code = fdp.ConsumeIntInRange(0, 3)
     flags = size_code | (lib.SML_F_NONFINITE if fdp.ConsumeBool() else 0) | \
         (lib.SML_F_MAC if fdp.ConsumeIntInRange(0, 7) else 0) | (fdp.ConsumeIntInRange(0, 15) << 4 if fdp.ConsumeIntInRange(0, 7) == 0 else 0)
     kind = fdp.PickValueInList([lib.SML_DATA, lib.SML_DATA, lib.SML_DATA, lib.SML_RESULT, lib.SML_NACK, 0, 255])
     slot = fdp.ConsumeIntInRange(0, 3) if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 70)
     packet_id = slot if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 300)   # mostly the slot's own
-    header = sw.pack_header(kind, flags & 0xFF, 0, rank if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 255),
-                            packet_id, slot | fdp.ConsumeIntInRange(0, 1) << 15, fdp.ConsumeIntInRange(-128, 127), TOKEN)
-    elems = {0: 0, 1: 64, 2: 256, 3: fdp.ConsumeIntInRange(0, 300)}[size_code]
+    sender = rank if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 255)
+    header = sw.pack_header(kind, flags & 0xFF, job, sender, packet_id, slot | fdp.ConsumeIntInRange(0, 1) << 15,
+                            fdp.ConsumeIntInRange(-128, 127), TOKEN)
+    elems = {0: 0, 1: 64, 2: 256, 3: _SwitchRig.ELEMS[job]}[size_code]
     extra = fdp.ConsumeIntInRange(-2, 2) if fdp.ConsumeIntInRange(0, 7) == 0 else 0
     payload = fdp.ConsumeBytes(max(0, elems * (5 if flags & lib.SML_F_NONFINITE else 4) + extra))
     if not flags & lib.SML_F_MAC or not fdp.ConsumeIntInRange(0, 7):
         return header + payload
-    return header + payload + _mac(header + payload)                       # SipHash under the job key
+    return header + payload + _sml_mac(sender, packet_id, header + payload)
 
 
-def _mac(data):
+def _sml_mac(rank, packet_id, data):
+    """switchml.h's MAC of a DATA packet (ids stay small here: the switch extends them to themselves)."""
+    tag = ffi.new("uint8_t[16]")
+    full = packet_id.to_bytes(8, "big")
+    lib.tp_mac_tag(_switch_rig.mac, bytes([lib.SML_DATA, rank & 0xFF, 0, 0]) + full, full, 8, data, len(data), tag)
+    return bytes(tag)
+
+
+def _mac(data):   # omnireduce's: SipHash under the job key
     return lib.tp_siphash(JOB_KEY, data, len(data)).to_bytes(8, "little")
 
 

@@ -53,4 +53,5 @@ report(rank=r, size=n, mode=mode, job_at_init=at_init["job"] is not None, embedd
        half={"dtype": str(half.dtype), "values": sorted(set(half.tolist()))},
        half_avg={"dtype": str(big.dtype), "values": sorted(set(big.tolist()))},
        torch_half={"dtype": str(torch_half.dtype), "values": sorted(set(torch_half.tolist()))},
-       received=stats["received"], authenticated=stats["authenticated"], algorithms=used, switch=stats["switch"], answers_after_shutdown=answers_after)
+       received=stats["received"], authenticated=stats["authenticated"], algorithms=used, switch=stats["switch"], answers_after_shutdown=answers_after,
+       packet_elems=stats["packet_elems"])

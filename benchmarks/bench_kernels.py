@@ -1,0 +1,105 @@
+"""The data paths' per-element kernels, each beside a memcpy of the same bytes on the same machine.
+
+For a packet's worth of values (--elems, in cache) and for a large tensor (--large, from memory),
+the CPU ns per element of each kernel of commlib/csrc/kernels.h (the worker's exponents,
+quantization and dequantization, the switch's big-endian lanes), of the transport's checksum and
+non-zero-block scan, and of switchml's packet MAC (ChaCha20-Poly1305 through OpenSSL, per int32),
+with the portable scalar kernels and with the vector (AVX2) ones, and memcpy of 4 bytes per element
+(the floor: a kernel at memcpy's cost runs at memory speed). CPU time, median of --repeats.
+
+    python benchmarks/bench_kernels.py [--elems 8192] [--large 4194304] [--repeats 7]
+Results: benchmarks/results/kernels.json (and RESULTS.md).
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
+from commlib._native import ffi, lib  # noqa: E402
+
+
+def per_element(fn, n, budget_ns=20_000_000, repeats=7):
+    """CPU ns per element of fn() over n elements: the median of `repeats` batches of calls."""
+    fn()
+    calls = max(1, int(budget_ns / max(1.0, n)))
+    samples = []
+    for _ in range(repeats):
+        start = time.process_time_ns()
+        for _ in range(calls):
+            fn()
+        samples.append((time.process_time_ns() - start) / calls / n)
+    return statistics.median(samples)
+
+
+def kernels(n):
+    """name -> a call over n elements, and the buffers they use (keep them alive while calling)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(n).astype(np.float32)
+    be, out, acc = np.zeros(4 * n, np.uint8), np.zeros(n, np.float32), np.zeros(n, np.int32)
+    exps, mask, tag = np.zeros(n // 256 + 1, np.int8), np.zeros(n // 256 + 1, np.uint8), ffi.new("uint8_t[16]")
+    src, dst = ffi.from_buffer(x), ffi.from_buffer(out)
+    xp, bep, outp, accp = (ffi.cast("float *", src), ffi.cast("uint8_t *", ffi.from_buffer(be)),
+                           ffi.cast("float *", dst), ffi.cast("int32_t *", ffi.from_buffer(acc)))
+    mac = ffi.gc(lib.tp_mac_new(os.urandom(16), b"commlib switchml packets"), lib.tp_mac_free)
+    nonce, prefix = os.urandom(12), os.urandom(8)
+    return (x, be, out, acc, exps, mask, src, dst), {
+        "memcpy (the floor)": lambda: ffi.memmove(dst, src, 4 * n),
+        "block exponents": lambda: lib.cl_block_exponents(xp, n, n, ffi.cast("int8_t *", ffi.from_buffer(exps))),
+        "quantize (to big-endian)": lambda: lib.cl_quantize_be(xp, n, 3, 4, bep),
+        "dequantize (from big-endian)": lambda: lib.cl_dequantize_be(bep, n, 3, 4, outp),
+        "switch: load (first contribution)": lambda: lib.cl_be_load(accp, bep, n),
+        "switch: add (int32 aggregation)": lambda: lib.cl_be_add(accp, bep, n),
+        "switch: store (result)": lambda: lib.cl_be_store(bep, accp, n),
+        "checksum": lambda: lib.tp_checksum(bep, 4 * n),
+        "non-zero-block scan": lambda: lib.tp_block_mask(xp, n, lib.TP_FLOAT32, 256, 0.0,
+                                                         ffi.cast("uint8_t *", ffi.from_buffer(mask))),
+        "packet MAC (ChaCha20-Poly1305)": lambda: lib.tp_mac_tag(mac, nonce, prefix, 8, bep, 4 * n, tag),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--elems", type=int, default=8192, help="a packet's values (in cache)")
+    parser.add_argument("--large", type=int, default=1 << 22, help="a large tensor's values (from memory)")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    vector = bool(lib.cl_simd(1))
+    results, rows = {}, []
+    for n in (args.elems, args.large):
+        buffers, calls = kernels(n)
+        for name, fn in calls.items():
+            row = {}
+            for level in ((0, 1) if vector else (0,)):
+                lib.cl_simd(level)
+                row["vector" if level else "scalar"] = per_element(fn, n, repeats=args.repeats)
+            lib.cl_simd(1)
+            results.setdefault(str(n), {})[name] = row
+        floor = results[str(n)]["memcpy (the floor)"]["scalar"]
+        print(f"== {n} values ({4 * n / 2 ** 10:.0f} KiB); CPU ns per element, x memcpy (vector kernels: "
+              f"{'AVX2' if vector else 'none on this CPU'})")
+        for name, row in results[str(n)].items():
+            best = row.get("vector", row["scalar"])
+            cells = "  ".join(f"{k} {v:6.3f}" for k, v in row.items())
+            print(f"  {name:<36} {cells}  ({best / floor:.1f}x memcpy)")
+            rows.append(f"| {n:,} | {name} | {row['scalar']:.3f} | "
+                        + (f"{row['vector']:.3f}" if "vector" in row else "-") + f" | {best / floor:.1f}x |")
+    markdown = ("CPU ns per element (one float32 or int32; the MAC per int32 of a packet) of the data paths' kernels, "
+                "scalar and AVX2 (commlib/csrc/kernels.h; chosen at load time where the CPU has AVX2), beside a "
+                "memcpy of the same bytes; a packet's values (in cache) and a large tensor (from memory). "
+                "Median of the repeats, process CPU time.\n\n"
+                "| values | kernel | scalar | vector | best x memcpy |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    common.save("kernels", {"elems": args.elems, "large": args.large, "repeats": args.repeats,
+                            "vector": "avx2" if vector else None}, results, markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
