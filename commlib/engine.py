@@ -11,10 +11,16 @@ collective a second time on top of commlib's controller, which made each small c
 """
 import datetime
 import importlib.util
+import itertools
+import json
+import os
+import time
+import urllib.error
+import urllib.request
 
 import numpy as np
 
-from commlib.errors import BackendUnavailable, ConfigError
+from commlib.errors import BackendUnavailable, CommTimeout, ConfigError
 from commlib.net import primary_ip
 
 
@@ -269,7 +275,62 @@ def reduce_op(op):
     return {"sum": ReduceOp.SUM, "min": ReduceOp.MIN, "max": ReduceOp.MAX, "product": ReduceOp.PRODUCT}[op]
 
 
-ENGINES = {"horovod": HorovodEngine, "horovod_tensorflow": HorovodTensorFlowEngine, "mpi": MPIEngine,
+class RendezvousEngine(Engine):
+    """horovodrun's key-value store (the HTTP rendezvous its Gloo ranks meet through), for commlib's
+    set-up in a script that has not initialized Horovod: initializing it here would take
+    `hvd.init(process_sets=...)` away from the script. Set-up only (objects travel as JSON, arrays
+    as bytes); the ring's data goes through commlib's Gloo ring (data_engine)."""
+    name = "horovod_rendezvous"
+    _calls = itertools.count()   # per process; every rank makes the same calls in the same order
+
+    def __init__(self, timeout_s=None, environ=None):
+        environ = os.environ if environ is None else environ
+        super().__init__(int(environ["HOROVOD_SIZE"]))
+        self.rank = int(environ["HOROVOD_RANK"])
+        self._url = (f"http://{environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:{environ['HOROVOD_GLOO_RENDEZVOUS_PORT']}"
+                     f"/commlib/")
+        self._timeout_s = timeout_s or 60.0
+
+    @staticmethod
+    def usable(environ):
+        """horovodrun's Gloo rendezvous, outside elastic mode (there the script initializes Horovod
+        first), with torch for commlib's own Gloo ring."""
+        return ("HOROVOD_GLOO_RENDEZVOUS_ADDR" in environ and environ.get("HOROVOD_ELASTIC") != "1"
+                and importlib.util.find_spec("torch") is not None)
+
+    def allgather(self, array, name):
+        call = next(self._calls)
+        self._put(f"{call}.{self.rank}", np.ascontiguousarray(array).tobytes())
+        return [np.frombuffer(self._get(f"{call}.{r}"), array.dtype).copy() for r in range(self.size)]
+
+    def broadcast_object(self, obj):
+        key = f"{next(self._calls)}.0"
+        if self.rank == 0:
+            self._put(key, json.dumps(obj).encode())
+        return json.loads(self._get(key))
+
+    def _put(self, key, data):
+        request = urllib.request.Request(self._url + key, data=data, method="PUT")
+        with urllib.request.urlopen(request, timeout=self._timeout_s):
+            pass
+
+    def _get(self, key):
+        deadline, pause = time.monotonic() + self._timeout_s, 0.005
+        while True:
+            try:
+                with urllib.request.urlopen(self._url + key, timeout=self._timeout_s) as answer:
+                    return answer.read()
+            except urllib.error.HTTPError as exc:
+                if exc.code != 404:
+                    raise
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"horovodrun's rendezvous: rank {key.rpartition('.')[2]} did not call commlib.init() "
+                                  f"within {self._timeout_s:.0f}s (or hvd.init()); every rank must")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
+
+
+ENGINES = {"horovod": HorovodEngine, "horovod_rendezvous": RendezvousEngine, "horovod_tensorflow": HorovodTensorFlowEngine, "mpi": MPIEngine,
            "torch": TorchEngine, "local": LocalEngine, "gloo": GlooEngine}
 
 
@@ -286,6 +347,8 @@ def data_engine(choice, ctx):
 def _auto(placement):
     from commlib.context import initialized_horovod
     hvd = initialized_horovod()
+    if placement.launcher in ("horovod", "horovodrun") and hvd is None and RendezvousEngine.usable(os.environ):
+        return "horovod_rendezvous"   # Horovod stays the script's to initialize (with its process sets)
     if placement.launcher in ("horovod", "horovodrun") or (placement.launcher == "mpi" and hvd is not None):
         # the Horovod instance the job already has (a second one would race it)
         return "horovod_tensorflow" if hvd is not None and hvd.__name__ == "horovod.tensorflow" else "horovod"
@@ -308,7 +371,7 @@ def create(choice, placement, timeout_s=None):
             raise ConfigError(f"ring_engine=local only works with one rank, not {placement.size}")
         return LocalEngine(1)
     try:
-        engine = TorchEngine(timeout_s) if name == "torch" else ENGINES[name]()
+        engine = ENGINES[name](timeout_s) if name in ("torch", "horovod_rendezvous") else ENGINES[name]()
     except ImportError as exc:
         raise BackendUnavailable(f"ring engine {name!r} is not installed ({exc}); run `make install`") from exc
     if engine.size != placement.size:
