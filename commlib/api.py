@@ -113,6 +113,8 @@ def add_process_set(process_set):
     each of them must call this, in the same order for all its sets; other ranks only get the object."""
     process_set = process_set if hasattr(process_set, "ranks") else ProcessSet(process_set)
     rt = runtime()
+    if isinstance(process_set, ProcessSet):
+        process_set.context = rt.ctx
     if process_set.ranks is not None and rt.ctx.rank in process_set.ranks:
         rt.process_sets.runtime(process_set)
     return process_set

@@ -9,15 +9,19 @@ checked equal on all ranks.
 The result is the job's Context (placement + settings + engine + exchange) and its controller;
 its engine is the one that carries the ring's data (commlib.engine.data_engine).
 """
+import logging
 import secrets
+import socket
 import threading
 
 from commlib import controller, engine as engines, keyshare
-from commlib.context import detect
-from commlib.errors import CommTimeout, Mismatch
+from commlib.context import Context, detect
+from commlib.errors import CommError, CommTimeout, Mismatch
 from commlib.net import parse_address, primary_ip
 from commlib.settings import define, defined
 from commlib.switch import auth
+
+log = logging.getLogger("commlib")
 
 define("anchor_key_file", "", "a key file every rank reads (`python -m commlib.switch.auth FILE` writes one): the "
        "trust anchor that keeps an active attacker on the launcher's channel from taking or replacing the job's "
@@ -43,6 +47,32 @@ def join(settings, engine=None, placement=None):
         client.close()
         raise
     return ctx, client, server
+
+
+def join_set(parent, client, ranks, hvd_set=None):
+    """A process set's (Context, ControllerClient, ControllerServer or None) on this rank, one of
+    `ranks`, from its job's Context and controller client: the set's own controller (its first rank
+    serves it), its ring (a subgroup of the job's engine; Horovod's own set `hvd_set` if given)."""
+    s, key = parent.settings, "process_set/" + ",".join(map(str, ranks))
+
+    def meet(step, value):   # an exchange among the set's ranks through the job's controller
+        return client.exchange(f"{key}/{step}", value, s.timeout_s, ranks=ranks)
+
+    me = ranks.index(parent.rank)
+    hosts = meet("hosts", socket.gethostname())
+    local = [i for i, host in enumerate(hosts) if host == hosts[me]]
+    placement = Context(me, len(ranks), local.index(me), len(local), parent.launcher)
+    settings = s.replaced(controller_addr="")   # the set's controller: its first rank serves it
+    # the job's secret (the daemon key of the switch and aggregators) never travels through a controller
+    server, own, _ = start_controller(settings, placement, lambda address: meet("controller", address)[0],
+                                      secret=parent.secret)
+    ctx = placement.joined(settings=settings, exchange_fn=own.exchange, job_token=own.token, secret=parent.secret)
+    try:
+        engine = ctx.agree("process_set/ring", parent.engine.subgroup, ctx, ranks, hvd_set)
+    except CommError as exc:   # the set goes on without the ring; records say why
+        log.warning("commlib: process set %s has no ring: %s", list(ranks), exc)
+        engine = None
+    return ctx.joined(engine=engine), own, server
 
 
 def start_controller(s, placement, broadcast, secret=None, allgather=None):

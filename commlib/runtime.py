@@ -8,6 +8,7 @@
 import itertools
 import logging
 import os
+import threading
 
 from commlib import bootstrap, differentiable, study
 from commlib.backends import start_all
@@ -16,7 +17,7 @@ from commlib.dispatch import Dispatcher
 from commlib.errors import CommError, ConfigError
 from commlib.executor import HOROVOD_OPS, OPS, Average, Entry, Executor, Sum
 from commlib.handles import Handle
-from commlib.process_sets import ProcessSets
+from commlib.process_sets import ProcessSet, ranks_of
 from commlib.tensors import Staged
 
 log = logging.getLogger("commlib")
@@ -24,7 +25,7 @@ UNNAMED = "allreduce.noname"   # the record of every unnamed call (each travels 
 
 
 class Runtime:
-    """The job's (or, with job= and parent=, a process set's: see commlib.process_sets)."""
+    """The job's (or, with job= and parent=, a process set's: see ProcessSets)."""
 
     def __init__(self, settings, policy, job=None, parent=None):
         self.settings = settings
@@ -155,6 +156,44 @@ class Runtime:
             return step(*args)
         except Exception as exc:   # shutting down: the job's own work is done; say why there is no study
             log.warning("commlib: the study of this job (%s) failed: %s", self.settings.study, exc)
+
+
+class ProcessSets:
+    """The sets a job's Runtime formed on this rank, by their ranks."""
+
+    def __init__(self, parent):
+        self.parent = parent
+        self._runtimes = {}
+        self._lock = threading.Lock()
+
+    def runtime(self, process_set):
+        """The Runtime that reduces over `process_set` (the job's own for None or every rank)."""
+        ranks = ranks_of(process_set, self.parent.ctx.size)
+        if ranks is None:
+            return self.parent
+        rank = self.parent.ctx.rank
+        if rank not in ranks:
+            raise ConfigError(f"rank {rank} reduced a tensor over process set {list(ranks)}, which it is not in: only "
+                              f"the set's ranks may (check process_set.included() first)")
+        if isinstance(process_set, ProcessSet):
+            process_set.context = self.parent.ctx
+        with self._lock:
+            if ranks not in self._runtimes:
+                hvd_set = None if isinstance(process_set, ProcessSet) else process_set
+                parent = self.parent
+                job = bootstrap.join_set(parent.ctx, parent.client, ranks, hvd_set)
+                self._runtimes[ranks] = Runtime(parent.settings, parent.dispatcher.policy, job=job, parent=parent)
+            return self._runtimes[ranks]
+
+    def runtimes(self):
+        with self._lock:
+            return list(self._runtimes.values())
+
+    def shutdown(self, error=None):
+        with self._lock:
+            runtimes, self._runtimes = list(self._runtimes.values()), {}
+        for runtime in reversed(runtimes):
+            runtime.shutdown(error)
 
 
 def _timeline(path, rank):
