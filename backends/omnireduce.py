@@ -22,7 +22,7 @@ Aggregators
                        loopback. Bound: ~2(N-1) / (N D).
 
 Tuning guide
-  omnireduce_block_size     256 elements (1 KiB + a 40-byte header and an 8-byte MAC per packet). Larger blocks cost
+  omnireduce_block_size     256 elements (1 KiB + a 40-byte header and a 24-byte MAC per packet). Larger blocks cost
                             fewer packets but see fewer all-zero blocks.
   omnireduce_window_bytes   bytes in flight per worker: each column moves one block per round trip,
                             so throughput <= window / RTT. 512 KiB (512 columns of 1 KiB) covers
@@ -113,8 +113,8 @@ def block_mask(array, block=256, threshold=0.0):
     nblocks = -(-array.size // block)
     if lib is not None and array.dtype in _DTYPE_CODE:
         mask = np.empty(nblocks, dtype=np.uint8)
-        lib.tp_block_mask(ffi.from_buffer(array), array.size, _DTYPE_CODE[array.dtype], block, threshold,
-                           ffi.from_buffer(mask))
+        lib.cl_block_mask(ffi.from_buffer(array), array.size, _DTYPE_CODE[array.dtype], block, threshold,
+                          ffi.from_buffer(mask))
         return mask
     padded = np.zeros(nblocks * block, dtype=np.float64)
     padded[:array.size] = array

@@ -58,7 +58,7 @@ def test_late_packet_before_the_set_is_reused_gets_the_stored_result(job2):
     assert (c["replays"], c["aggregated"], c["drop_late"]) == (1, 3, 0)
 
 
-# -- the MACs: SipHash-2-4 (omnireduce), ChaCha20-Poly1305 (switchml) -----------------------------
+# -- the MACs: ChaCha20-Poly1305 (switchml, omnireduce) ---------------------------------------------
 M64 = (1 << 64) - 1
 SML_LABEL = b"commlib switchml packets"
 
@@ -141,6 +141,66 @@ def test_the_packet_mac_is_chacha20_poly1305_over_the_full_packet_id():
         if length:
             changed = bytes([raw[0] ^ 1]) + raw[1:]
             assert lib.tp_mac_check(mac, nonce, pid.to_bytes(8, "big"), 8, changed, length, tag) == 0
+
+
+OMR_LABEL = b"commlib omnireduce packets"
+
+
+def omr_mac(job_key, head, payload, counter):
+    """omnireduce.h's packet MAC, with the `cryptography` package: the nonce counter (8 bytes,
+    little-endian), then ChaCha20-Poly1305's tag under HKDF-SHA256(job key, label) with the nonce
+    (type, 0, rank field, counter) over `head` (the header, then a result's stamp) and the block."""
+    key = HKDF(hashes.SHA256(), 32, None, OMR_LABEL).derive(job_key)
+    ctr = counter.to_bytes(8, "little")
+    return ctr + ChaCha20Poly1305(key).encrypt(head[:1] + b"\0" + head[2:4] + ctr, b"", head + payload)
+
+
+@pytest.mark.parametrize("block", [5, 1001])
+def test_omnireduce_macs_are_chacha20_poly1305_with_the_stamp_inside(block):
+    """A C aggregator takes DATA MAC'd by the `cryptography` package (omnireduce.h's construction)
+    and sends a RESULT whose MAC that package verifies, the stamp and the block inside it; each
+    result is MAC'd under a counter of its own, a tampered DATA is dropped."""
+    lib, ffi = sw.lib, sw.ffi
+    key, jkey = bytes(range(40, 56)), 0x5EC12E7
+    agg_sock, *ranks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    for s in (agg_sock, *ranks):
+        s.bind(("127.0.0.1", 0))
+        s.settimeout(2.0)
+    agg = ffi.gc(lib.omr_agg_new(agg_sock.fileno(), 7), lib.omr_agg_free)
+    job = lib.omr_agg_add_job(agg, jkey, 2, 1, 1, 0, block, 0.0, 0.0, key)
+    assert job >= 0
+    for rank, s in enumerate(ranks):
+        assert lib.omr_agg_set_worker(agg, job, rank, b"127.0.0.1", s.getsockname()[1]) == 0
+    hdr = struct.Struct("<BBHIIIIIIIII")
+    values = [np.arange(block, dtype=np.float32) * (rank + 1) for rank in range(2)]
+    counters = set()
+    for seq in range(2):
+        for rank, s in enumerate(ranks):
+            payload = values[rank].tobytes()
+            fields = [lib.OMR_DATA, lib.OMR_F_MAC, rank, job, jkey, seq, 0, 0, 0, lib.OMR_INF, 0, 0]
+            fields[-1] = lib.tp_checksum(hdr.pack(*fields) + payload, hdr.size + len(payload))
+            head = hdr.pack(*fields)
+            mac = omr_mac(key, head, payload, 1000 * seq + rank)
+            if rank == 0 and seq == 0:      # tampered first: dropped, the genuine one is taken
+                s.sendto(head + payload + mac[:-1] + bytes([mac[-1] ^ 1]), agg_sock.getsockname())
+            s.sendto(head + payload + mac, agg_sock.getsockname())
+        assert lib.omr_agg_run(agg, 200) >= 0
+        for s in ranks:
+            raw = s.recv(65536)
+            fields = hdr.unpack(raw[:hdr.size])
+            assert fields[0] == lib.OMR_RESULT and fields[1] & lib.OMR_F_MAC and fields[1] & lib.OMR_F_STAMP, fields
+            body, mac = raw[hdr.size:-lib.OMR_MAC_BYTES], raw[-lib.OMR_MAC_BYTES:]
+            block_bytes, stamp = body[:-lib.OMR_STAMP_BYTES], body[-lib.OMR_STAMP_BYTES:]
+            counter = int.from_bytes(mac[:8], "little")
+            assert mac == omr_mac(key, raw[:hdr.size] + stamp, block_bytes, counter), "the result's MAC"
+            assert np.frombuffer(block_bytes, np.float32).tobytes() == (values[0] + values[1]).tobytes()
+            counters.add(counter)
+    assert len(counters) == 2, f"one MAC per result (sent to every worker), a new counter per result: {counters}"
+    stats = ffi.new("omr_astats *")
+    lib.omr_agg_stats(agg, stats)
+    assert stats.bad_mac == 1 and stats.data_recv == 4, (stats.bad_mac, stats.data_recv)
+    for s in (agg_sock, *ranks):
+        s.close()
 
 
 # -- an authenticated switchml job: packets written by hand ---------------------------------------
@@ -437,7 +497,7 @@ def sml_nack(data):
 def omr_forge(data):
     """Other values in the block, the checksum made right again (it is public)."""
     fields = list(OMR_HDR.unpack(data[:40]))
-    mac = 8 if fields[1] & 16 else 0
+    mac = sw.lib.OMR_MAC_BYTES if fields[1] & sw.lib.OMR_F_MAC else 0
     payload = bytearray(data[40:len(data) - mac])
     if not payload:
         return data

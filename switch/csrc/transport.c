@@ -135,39 +135,6 @@ int tp_mac_check(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, co
     return tp_mac_tag(m, nonce, a, alen, b, blen, want) == 0 && CRYPTO_memcmp(want, tag, TP_TAG_LEN) == 0;
 }
 
-size_t tp_block_mask(const void *x, size_t n, int dtype, size_t block, double threshold, uint8_t *mask) {
-    size_t count = 0;
-    if (block == 0) return 0;
-    for (size_t b = 0, start = 0; start < n; b++, start += block) {
-        size_t end = start + block < n ? start + block : n;
-        uint8_t nz = 0;
-        if (dtype == TP_INT32) {
-            const int32_t *v = (const int32_t *)x;
-            if (threshold < 0.5) {                 /* exact: any non-zero integer */
-                int32_t acc = 0;
-                for (size_t i = start; i < end; i++) acc |= v[i];
-                nz = acc != 0;
-            } else {
-                for (size_t i = start; i < end && !nz; i++) nz = fabs((double)v[i]) > threshold;
-            }
-        } else {
-            const float *v = (const float *)x;
-            float t = (float)threshold;
-            if (t == 0.0f) {                       /* exact: any bit but the sign bit (NaN counts) */
-                const uint32_t *u = (const uint32_t *)x;
-                uint32_t acc = 0;
-                for (size_t i = start; i < end; i++) acc |= u[i] & 0x7fffffffu;
-                nz = acc != 0;
-            } else {
-                for (size_t i = start; i < end && !nz; i++) nz = !(fabsf(v[i]) <= t);   /* NaN is non-zero */
-            }
-        }
-        mask[b] = nz;
-        count += nz;
-    }
-    return count;
-}
-
 /* ---- sends ---------------------------------------------------------------------------------- */
 int tp_txq_init(tp_txq *q, int fd, size_t cap, int flags) {
     memset(q, 0, sizeof *q);

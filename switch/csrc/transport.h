@@ -9,7 +9,6 @@
  *     swapped and truncated words; vectorizes);
  *   - the packet MACs (what an attacker cannot forge; the checksum is public): ChaCha20-Poly1305 from
  *     OpenSSL (SwitchML), SipHash-2-4 (OmniReduce, until it moves to the former);
- *   - one non-zero-block scan (OmniReduce's bitmap, the sparse policy's density);
  *   - clocks and the simulator's random numbers.
  *
  * Python sees the part above TP_PYTHON_API_ONLY (through cffi, switch/csrc/build_native.py); the
@@ -50,9 +49,6 @@ int tp_mac_tag(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, cons
 /* 1 if tag (TP_TAG_LEN bytes) is that MAC (compared in constant time), else 0 */
 int tp_mac_check(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, const void *b, size_t blen,
                  const uint8_t *tag);
-/* which blocks of `block` elements have any |x| > threshold (NaN counts; threshold 0: any bit but
- * the sign bit): mask[b] = 0/1, returns the number of non-zero blocks. dtype: TP_FLOAT32/TP_INT32 */
-size_t tp_block_mask(const void *x, size_t n, int dtype, size_t block, double threshold, uint8_t *mask);
 
 #ifndef TP_PYTHON_API_ONLY
 #include <errno.h>
@@ -225,7 +221,7 @@ static inline void tp_rtt_backoff(tp_rtt *r, uint64_t sent, uint64_t now) {
  * datagram per message). A full socket buffer is waited for (briefly); other failures to send are
  * losses, which the protocols recover from. */
 #define TP_MAX_HDR 64
-#define TP_MAX_TRAILER 24   /* a result's stamp (omnireduce.h: 12 bytes) and its MAC */
+#define TP_MAX_TRAILER 40   /* a result's stamp (omnireduce.h: 12 bytes) and its MAC (OMR_MAC_BYTES: 24) */
 #define TP_GSO_SEGS 64
 #define TP_GSO_BYTES 65000
 #define TP_ARENA (1u << 20)
