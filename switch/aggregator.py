@@ -71,6 +71,14 @@ def make_socket(host, port=0):
                                  f"set COMMLIB_OMNIREDUCE_HOST to an address of this host") from None
 
 
+def path_block(addresses):
+    """Elements per block for the paths to these aggregators ((ip, port) each): the most whose RESULT
+    (header, block, stamp, MAC) fits one datagram of the smallest path MTU unfragmented, within
+    OMR_MAX_BLOCK (loopback: OMR_MAX_BLOCK; a 1500-byte path: 349)."""
+    mtu = min(net.path_mtu_to(address) for address in addresses)
+    return net.path_values(mtu, lib.OMR_HDR_BYTES + lib.OMR_STAMP_BYTES + lib.OMR_MAC_BYTES, lib.OMR_MAX_BLOCK)
+
+
 def resolve_address(text):
     """An aggregator's 'host:port' -> (IPv4 address, port), as the C worker wants it."""
     host, port = parse_address(text, "omnireduce aggregator address (COMMLIB_OMNIREDUCE_AGGREGATORS entry)")
