@@ -107,7 +107,7 @@ define("omnireduce_sim_dup", 0.0, "testing: omnireduce workers and aggregators s
        "probability")
 
 F32, I32 = np.dtype("float32"), np.dtype("int32")
-_DTYPE_CODE = {F32: 0, I32: 1}
+_DTYPE_CODE = {F32: lib.OMR_FLOAT32, I32: lib.OMR_INT32} if lib is not None else {}   # omnireduce.h's
 _MAX_TENSOR_STATS = 4096
 
 
@@ -118,7 +118,7 @@ def block_mask(array, block=256, threshold=0.0):
     nblocks = -(-array.size // block)
     if lib is not None and array.dtype in _DTYPE_CODE:
         mask = np.empty(nblocks, dtype=np.uint8)
-        lib.cl_block_mask(ffi.from_buffer(array), array.size, _DTYPE_CODE[array.dtype], block, threshold,
+        lib.cl_block_mask(ffi.from_buffer(array), array.size, int(array.dtype == I32), block, threshold,
                           ffi.from_buffer(mask))
         return mask
     padded = np.zeros(nblocks * block, dtype=np.float64)
@@ -204,7 +204,7 @@ class OmniReduceBackend(Backend):
         self._tensors, self._last = OrderedDict(), {}
         self._totals = dict.fromkeys(("tensors", "bytes_sent", "bytes_recv", "pkts_sent", "pkts_recv",
                                       "resends", "sim_dropped", "sim_duplicated", "bad_mac", "server_queue_ns",
-                                      "server_proc_ns", "server_packets", "rounds"), 0)
+                                      "server_proc_ns", "server_packets", "rounds", "cpu_ns"), 0)
         self._host = s.omnireduce_host or ("127.0.0.1" if ctx.all_local else primary_ip())
         self._bind = "0.0.0.0" if self._host != "127.0.0.1" else self._host
         self._sock = agg.make_socket(self._bind)   # local work only here: the set-up with the others is start()
@@ -418,6 +418,9 @@ class OmniReduceBackend(Backend):
                                f"disagree on the tensor (size or dtype) or two jobs share a token")
         if rc == lib.OMR_ESYS:
             return PeerFailure(f"{head}: socket error: {os.strerror(st.err_code)}")
+        if rc == lib.OMR_ENOMEM:
+            return CommError(f"{head}: out of memory for the state of {st.ncols or self.columns} columns; free memory "
+                             f"on this host or lower omnireduce_columns / omnireduce_window_bytes")
         return InvalidTensor(f"{head}: invalid arguments (code {rc})")
 
     def _record(self, name, st, seconds):
@@ -431,7 +434,7 @@ class OmniReduceBackend(Backend):
                  "dup_recv": st.dup_recv, "ooo_recv": st.ooo_recv, "bad_mac": st.bad_mac, "srtt_ms": st.srtt_us / 1e3, "rto_ms": st.rto_us / 1e3,
                  "server_queue_ns": st.server_queue_ns, "server_proc_ns": st.server_proc_ns,
                  "server_packets": st.server_packets, "rounds": st.results_recv, "round_ns": st.round_ns,
-                 "seconds": seconds}
+                 "cpu_ns": st.cpu_ns, "seconds": seconds}
         self.last_server_share = server_share(st.server_queue_ns, st.server_proc_ns, st.server_packets,
                                               st.results_recv, st.round_ns)
         with self._lock:
@@ -443,7 +446,8 @@ class OmniReduceBackend(Backend):
             t = self._totals
             t["tensors"] += 1
             for key in ("bytes_sent", "bytes_recv", "pkts_sent", "pkts_recv", "resends", "sim_dropped",
-                        "sim_duplicated", "bad_mac", "server_queue_ns", "server_proc_ns", "server_packets", "rounds"):
+                        "sim_duplicated", "bad_mac", "server_queue_ns", "server_proc_ns", "server_packets", "rounds",
+                        "cpu_ns"):
                 t[key] += entry[key]
 
     def density(self, array):

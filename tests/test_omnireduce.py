@@ -559,6 +559,18 @@ def test_stats_and_invalid_inputs():
                 "tensors", "aggregators", "aggregator"):
         assert key in st, key
     assert st["tensors"]["a"]["density"] == 1.0 and st["bytes_sent"] > 0 and st["tensors"]["a"]["bytes_recv"] > 0
+    # CPU time (the benchmarks' ns per element): the call's, summed; the colocated aggregator's serving thread
+    assert 0 < st["tensors"]["a"]["cpu_ns"] <= st["cpu_ns"] and st["aggregator"]["cpu_ns"] > 0, st
+
+
+def test_out_of_memory_is_reported_as_such():
+    """omr_worker_allreduce's failed allocation (OMR_ENOMEM) reads as what it is, not "invalid arguments"."""
+    backend = om.OmniReduceBackend(LocalGroup(1, settings(omnireduce_columns=64)).contexts[0])
+    try:
+        error = backend._error(lib.OMR_ENOMEM, om.ffi.new("omr_wstats *"), "x")
+    finally:
+        backend.close()
+    assert type(error) is CommError and "out of memory for the state of 64 columns" in str(error), error
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -171,7 +171,7 @@ def test_omnireduce_macs_are_chacha20_poly1305_with_the_stamp_inside(block):
     assert job >= 0
     for rank, s in enumerate(ranks):
         assert lib.omr_agg_set_worker(agg, job, rank, b"127.0.0.1", s.getsockname()[1]) == 0
-    hdr = struct.Struct("<BBHIIIIIIIII")
+    hdr = OMR_HDR
     values = [np.arange(block, dtype=np.float32) * (rank + 1) for rank in range(2)]
     counters = set()
     for seq in range(2):
@@ -488,10 +488,9 @@ def sml_forge(data):
 
 def sml_nack(data):
     """A NACK ("the switch does not know this job") for the worker, sealed like the switch's."""
-    raw = bytearray(data[:20])
+    raw = bytearray(data[:sw.HDR_LEN])
     raw[0], raw[1], raw[11] = 3, 0, 1
-    return sw.pack_header(*struct.unpack("!BBBBIHbBII", bytes(raw))[:7], token=int.from_bytes(raw[12:16], "big"),
-                          code=1)
+    return sw.pack_header(*sw.HEADER.unpack(bytes(raw))[:7], token=int.from_bytes(raw[12:16], "big"), code=1)
 
 
 def omr_forge(data):

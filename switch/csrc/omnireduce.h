@@ -114,6 +114,7 @@
 #define OMR_EPROTO (-3)           /* inconsistent result (err_agg, err_col) */
 #define OMR_ESYS (-4)             /* socket error (err_code = errno) */
 #define OMR_EARG (-5)
+#define OMR_ENOMEM (-6)           /* out of memory for the call's per-column state (nothing was sent) */
 
 typedef struct {
     uint8_t type, flags;
@@ -136,6 +137,7 @@ typedef struct {
     uint32_t cols_left, err_nwaiting;
     double agg_silent_s;                                        /* how long err_agg has been silent */
     double srtt_us, rto_us;                                     /* round-trip estimate, timer */
+    uint64_t cpu_ns;                                            /* the call's CPU time (its thread) */
 } omr_wstats;
 
 typedef struct {
@@ -144,6 +146,7 @@ typedef struct {
     uint64_t dup_recv, stale_recv, bad_recv, bad_mac, refused, ctrl_recv, rounds, sim_dropped, sim_duplicated;
     uint64_t ctrl_dropped, keepalives_recv;   /* control datagrams the C loop dropped; keepalives accepted */
     uint64_t queue_ns, proc_ns;   /* over every packet received: kernel arrival -> handling; handling */
+    uint64_t cpu_ns;              /* CPU time of the thread(s) in omr_agg_run: receives, handling, sends */
 } omr_astats;
 
 /* worker: fd is a bound UDP socket owned by the caller */

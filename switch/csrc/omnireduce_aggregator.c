@@ -495,7 +495,7 @@ static void handle(omr_agg *a, int i, uint64_t now, uint64_t queue_ns, uint64_t 
     if (S->pending) try_publish(a, job_id, j, S, col);
 }
 
-int omr_agg_run(omr_agg *a, int timeout_ms) {
+static int serve(omr_agg *a, int timeout_ms) {
     uint64_t deadline = tp_now_us() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000u;
     for (;;) {
         omr_sendq_flush(&a->sq);
@@ -512,4 +512,11 @@ int omr_agg_run(omr_agg *a, int timeout_ms) {
             a->st.queue_ns += queued;
         }
     }
+}
+
+int omr_agg_run(omr_agg *a, int timeout_ms) {
+    uint64_t cpu0 = tp_cpu_ns();
+    int rc = serve(a, timeout_ms);
+    a->st.cpu_ns += tp_cpu_ns() - cpu0;
+    return rc;
 }

@@ -127,6 +127,7 @@ static void send_header(omr_call *c, int type, uint32_t col, uint32_t ack) {
 
 int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype, int block,
                          const uint8_t *mask, double timeout_s, omr_wstats *st) {
+    uint64_t cpu0 = tp_cpu_ns();
     memset(st, 0, sizeof *st);
     st->err_agg = st->err_rank = st->err_col = -1;
     if (block == 0) block = w->block;
@@ -141,7 +142,7 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
     uint64_t *heard = calloc((size_t)w->naggs, sizeof *heard);
     if (!cols || !heard) {
         free(cols); free(heard);
-        return OMR_EARG;
+        return OMR_ENOMEM;
     }
     omr_call c = {w, seq, (const uint8_t *)in, n, nb, ncols, (size_t)block, dtype, st};
     uint8_t *outb = (uint8_t *)out;
@@ -377,5 +378,6 @@ finish:
     st->sim_duplicated = w->sq.sim_duplicated - dupl0;
     free(cols);
     free(heard);
+    st->cpu_ns = tp_cpu_ns() - cpu0;
     return rc;
 }
