@@ -78,47 +78,6 @@ def sml_result_mac_ok(job_key, raw, packet_id):
     return raw[-16:] == sml_mac(job_key, 2, 0, seq, packet_id, raw[:-16])
 
 
-def siphash24(key, data):
-    """SipHash-2-4 written out from the paper (Aumasson and Bernstein), independent of the C."""
-    def rotl(x, b):
-        return ((x << b) | (x >> (64 - b))) & M64
-
-    def rounds(v, n):
-        v0, v1, v2, v3 = v
-        for _ in range(n):
-            v0 = (v0 + v1) & M64; v1 = rotl(v1, 13) ^ v0; v0 = rotl(v0, 32)
-            v2 = (v2 + v3) & M64; v3 = rotl(v3, 16) ^ v2
-            v0 = (v0 + v3) & M64; v3 = rotl(v3, 21) ^ v0
-            v2 = (v2 + v1) & M64; v1 = rotl(v1, 17) ^ v2; v2 = rotl(v2, 32)
-        return [v0, v1, v2, v3]
-
-    k0, k1 = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:16], "little")
-    v = [k0 ^ 0x736F6D6570736575, k1 ^ 0x646F72616E646F6D, k0 ^ 0x6C7967656E657261, k1 ^ 0x7465646279746573]
-    tail = len(data) % 8
-    words = [int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data) - tail, 8)]
-    words.append((len(data) & 0xFF) << 56 | int.from_bytes(data[len(data) - tail:], "little"))
-    for m in words:
-        v[3] ^= m
-        v = rounds(v, 2)
-        v[0] ^= m
-    v[2] ^= 0xFF
-    v = rounds(v, 4)
-    return v[0] ^ v[1] ^ v[2] ^ v[3]
-
-
-def test_siphash_reference_vectors_and_any_length():
-    lib = sw.lib
-    key = bytes(range(16))
-    # the reference implementation's vectors (key 00..0f, message 00..len-1)
-    for length, want in [(0, 0x726FDB47DD0E0E31), (1, 0x74F839C593DC67FD), (15, 0xA129CA6149BE45E5)]:
-        assert lib.tp_siphash(key, bytes(range(length)), length) == want
-        assert siphash24(key, bytes(range(length))) == want
-    rng = np.random.default_rng(0)
-    for length in [2, 7, 8, 9, 16, 40, 63, 64, 1044, 1308]:
-        k, m = rng.bytes(16), rng.bytes(length)
-        assert lib.tp_siphash(k, m, length) == siphash24(k, m), length
-
-
 def test_the_packet_mac_is_chacha20_poly1305_over_the_full_packet_id():
     """The C MAC (transport.h's tp_mac, OpenSSL) against the `cryptography` package's, for packets
     of every size class, two pieces of associated data as one message, and a check that refuses

@@ -1,8 +1,7 @@
-/* commlib's UDP transport (transport.h): checksum, non-zero-block scan, batched send/receive queues. */
+/* commlib's UDP transport (transport.h): checksum, packet MAC, batched send/receive queues. */
 #define _GNU_SOURCE
 #include "transport.h"
 
-#include <math.h>
 #include <netinet/udp.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -24,63 +23,6 @@ uint32_t tp_checksum(const void *buf, size_t len) {
     tp_ck c = {0, 0, 0, 0};
     tp_ck_update(&c, buf, len);
     return tp_ck_final(&c);
-}
-
-/* ---- SipHash-2-4 (Aumasson and Bernstein; the reference implementation's test vectors hold) ---- */
-#define ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
-#define SIPROUND                                                                                  \
-    do {                                                                                          \
-        v0 += v1; v1 = ROTL(v1, 13); v1 ^= v0; v0 = ROTL(v0, 32);                                 \
-        v2 += v3; v3 = ROTL(v3, 16); v3 ^= v2;                                                    \
-        v0 += v3; v3 = ROTL(v3, 21); v3 ^= v0;                                                    \
-        v2 += v1; v1 = ROTL(v1, 17); v1 ^= v2; v2 = ROTL(v2, 32);                                 \
-    } while (0)
-
-void tp_sip_init(tp_sip *s, const uint8_t *key) {
-    uint64_t k0 = tp_rd64le(key), k1 = tp_rd64le(key + 8);
-    s->v0 = k0 ^ 0x736f6d6570736575ull;
-    s->v1 = k1 ^ 0x646f72616e646f6dull;
-    s->v2 = k0 ^ 0x6c7967656e657261ull;
-    s->v3 = k1 ^ 0x7465646279746573ull;
-    s->tail = 0;
-    s->ntail = 0;
-    s->len = 0;
-}
-
-void tp_sip_update(tp_sip *s, const void *buf, size_t len) {
-    const uint8_t *p = (const uint8_t *)buf, *end = p + len;
-    uint64_t v0 = s->v0, v1 = s->v1, v2 = s->v2, v3 = s->v3, m;
-    s->len += len;
-    while (s->ntail && p < end) {            /* finish the word a previous piece began */
-        s->tail |= (uint64_t)*p++ << (8 * s->ntail);
-        if (++s->ntail == 8) {
-            m = s->tail;
-            v3 ^= m; SIPROUND; SIPROUND; v0 ^= m;
-            s->tail = 0;
-            s->ntail = 0;
-        }
-    }
-    for (; end - p >= 8; p += 8) {
-        memcpy(&m, p, 8);                    /* little-endian hosts (x86-64, aarch64) */
-        v3 ^= m; SIPROUND; SIPROUND; v0 ^= m;
-    }
-    for (; p < end; p++) s->tail |= (uint64_t)*p << (8 * s->ntail++);
-    s->v0 = v0; s->v1 = v1; s->v2 = v2; s->v3 = v3;
-}
-
-uint64_t tp_sip_final(tp_sip *s) {
-    uint64_t v0 = s->v0, v1 = s->v1, v2 = s->v2, v3 = s->v3, b = s->len << 56 | s->tail;
-    v3 ^= b; SIPROUND; SIPROUND; v0 ^= b;
-    v2 ^= 0xff;
-    SIPROUND; SIPROUND; SIPROUND; SIPROUND;
-    return v0 ^ v1 ^ v2 ^ v3;
-}
-
-uint64_t tp_siphash(const uint8_t *key, const void *buf, size_t len) {
-    tp_sip s;
-    tp_sip_init(&s, key);
-    tp_sip_update(&s, buf, len);
-    return tp_sip_final(&s);
 }
 
 /* ---- the packet MAC: ChaCha20-Poly1305 through OpenSSL (transport.h) ------------------------- */
