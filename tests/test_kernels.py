@@ -198,3 +198,16 @@ def test_aggregator_sums_same_bits_scalar_and_vector_and_as_numpy(levels, n):
     scalar, vector = levels(add)
     assert scalar == vector
     assert scalar == ((acc_f + src_f).tobytes(), (acc_i.astype(np.int64) + src_i).astype(np.int32).tobytes())
+
+
+@pytest.mark.parametrize("n", SIZES + [16000 * 4 + 52])
+def test_checksum_same_scalar_and_vector_and_as_written_out(levels, n):
+    """transport.h's checksum (its word loop is cl_checksum_words) over n bytes, a partial word at the
+    end when n is not a multiple of 4: s1 = sum w_i, s2 = sum i * w_i (mod 2^32), s1 ^ rot16(s2) ^ n."""
+    data = np.random.default_rng(n).bytes(n)
+    scalar, vector = levels(lambda: lib.tp_checksum(data, n))
+    assert scalar == vector
+    words = np.frombuffer(data + bytes(-n % 4), "<u4").astype(np.uint64)
+    s1 = int(words.sum()) & 0xFFFFFFFF
+    s2 = int((words * np.arange(1, words.size + 1, dtype=np.uint64) % 2 ** 32).sum()) & 0xFFFFFFFF
+    assert scalar == s1 ^ ((s2 << 16 | s2 >> 16) & 0xFFFFFFFF) ^ n

@@ -113,6 +113,18 @@ BODY void add_i32(int32_t *restrict dst, const uint8_t *restrict src, size_t n) 
     }
 }
 
+BODY void checksum_words(const uint8_t *p, size_t words, uint32_t i, uint32_t *s1, uint32_t *s2) {
+    uint32_t a = 0, b = 0;
+    for (size_t k = 0; k < words; k++) {
+        uint32_t w;
+        memcpy(&w, p + 4 * k, 4);
+        a += w;
+        b += w * (i + (uint32_t)k + 1u);
+    }
+    *s1 += a;
+    *s2 += b;
+}
+
 BODY void quantize_tail(const float *x, size_t from, size_t n, double f, uint8_t *be) {
     for (size_t i = from; i < n; i++) wr32(be + 4 * i, (uint32_t)(int32_t)lrint((double)x[i] * f));
 }
@@ -131,6 +143,9 @@ static int any_above_f32_scalar(const float *x, size_t n, float t) { return any_
 static int any_above_i32_scalar(const int32_t *x, size_t n, double t) { return any_above_i32(x, n, t); }
 static void add_f32_scalar(float *d, const uint8_t *s, size_t n) { add_f32(d, s, n); }
 static void add_i32_scalar(int32_t *d, const uint8_t *s, size_t n) { add_i32(d, s, n); }
+static void checksum_words_scalar(const uint8_t *p, size_t w, uint32_t i, uint32_t *s1, uint32_t *s2) {
+    checksum_words(p, w, i, s1, s2);
+}
 
 #if CL_X86
 AVX2 static uint32_t absmax_avx2(const float *x, size_t n) { return absmax_bits(x, n); }
@@ -142,6 +157,9 @@ AVX2 static int any_above_f32_avx2(const float *x, size_t n, float t) { return a
 AVX2 static int any_above_i32_avx2(const int32_t *x, size_t n, double t) { return any_above_i32(x, n, t); }
 AVX2 static void add_f32_avx2(float *d, const uint8_t *s, size_t n) { add_f32(d, s, n); }
 AVX2 static void add_i32_avx2(int32_t *d, const uint8_t *s, size_t n) { add_i32(d, s, n); }
+AVX2 static void checksum_words_avx2(const uint8_t *p, size_t w, uint32_t i, uint32_t *s1, uint32_t *s2) {
+    checksum_words(p, w, i, s1, s2);
+}
 
 AVX2 static inline __m256i bswap_mask(void) {
     return _mm256_setr_epi8(3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12,
@@ -240,3 +258,7 @@ size_t cl_block_mask(const void *x, size_t n, int int32, size_t block, double th
 
 void cl_add_f32(float *dst, const uint8_t *src, size_t n) { PICK(add_f32, dst, src, n); }
 void cl_add_i32(int32_t *dst, const uint8_t *src, size_t n) { PICK(add_i32, dst, src, n); }
+
+void cl_checksum_words(const uint8_t *p, size_t words, uint32_t i, uint32_t *s1, uint32_t *s2) {
+    PICK(checksum_words, p, words, i, s1, s2);
+}

@@ -1,6 +1,6 @@
 /* The per-element kernels of the data paths: SwitchML's block exponents and quantization, and
  * big-endian int32 lanes (the worker's packets, the switch's aggregation); OmniReduce's non-zero-block
- * scan and its aggregators' sums.
+ * scan and its aggregators' sums; the transport's checksum.
  *
  * Block quantization follows SwitchML: a block of floats with exponent e (max|x| < 2^e) is
  * scaled by f = INT32_MAX / (nworkers * 2^e), so the nworkers-way int32 sum cannot overflow.
@@ -42,6 +42,10 @@ size_t cl_block_mask(const void *x, size_t n, int int32, size_t block, double th
  * alignment); float32 adds in IEEE single precision (the same bits on both paths), int32 wraps. */
 void cl_add_f32(float *dst, const uint8_t *src, size_t n);
 void cl_add_i32(int32_t *dst, const uint8_t *src, size_t n);
+
+/* The transport's checksum (transport.h's tp_ck_update) over whole little-endian 32-bit words: adds
+ * sum w_k to *s1 and sum w_k * (i + k + 1) to *s2 (k = 0..words-1), wrapping. */
+void cl_checksum_words(const uint8_t *p, size_t words, uint32_t i, uint32_t *s1, uint32_t *s2);
 
 /* Which kernels run, for every thread: want 1 = the vector ones where the CPU has AVX2 (the
  * default), 0 = the portable scalar ones (tests compare the two). Returns 1 if the vector ones
