@@ -1,18 +1,26 @@
 """Algorithms behind one interface (base.Backend). Every module here that defines a Backend
-subclass with a `name` registers itself by being imported."""
+subclass with a `name` registers itself by being imported; a backend defined elsewhere registers
+with `@register` too. Each declares the kinds of data it carries and its place among their
+carriers (`Backend.carries`): dispatch and the policies read the order from here, so a new
+algorithm is one module (backends/IMPLEMENTING.md)."""
 import importlib
 import logging
 import pkgutil
 
 from commlib.backends.base import Backend, TensorMeta
-from commlib.errors import CommError
+from commlib.errors import CommError, ConfigError
 
 log = logging.getLogger("commlib")
 _REGISTRY = {}
+_scanned = []   # this package's modules imported once
+KINDS = ("dense", "summable", "sparse", "gather", "rows")   # see Backend.carries
 
 
 def register(cls):
-    """Class decorator: make a Backend selectable by its name."""
+    """Class decorator: make a Backend selectable by its name, and a carrier of what it `carries`."""
+    unknown = set(cls.carries) - set(KINDS)
+    if not cls.name or unknown:
+        raise ConfigError(f"backend {cls.__name__}: needs a name and carries only {KINDS} (got {sorted(unknown)})")
     _REGISTRY[cls.name] = cls
     return cls
 
@@ -20,10 +28,19 @@ def register(cls):
 def registry():
     """Every backend, after importing each module of this package once (a module imported on
     its own before, e.g. by a test, must not hide the others)."""
-    for module in pkgutil.iter_modules(__path__):
-        if module.name != "base" and not module.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{module.name}")
+    if not _scanned:
+        for module in pkgutil.iter_modules(__path__):
+            if module.name != "base" and not module.name.startswith("_"):
+                importlib.import_module(f"{__name__}.{module.name}")
+        _scanned.append(True)
     return dict(_REGISTRY)
+
+
+def carriers(kind):
+    """The algorithms that carry this kind of data, best first (each backend's `carries` place;
+    equal places in name order)."""
+    return tuple(name for _, name in sorted((cls.carries[kind], name) for name, cls in registry().items()
+                                            if kind in cls.carries))
 
 
 def start_all(ctx):
@@ -49,4 +66,4 @@ def start_all(ctx):
     return backends, unavailable
 
 
-__all__ = ["Backend", "TensorMeta", "register", "registry", "start_all"]
+__all__ = ["Backend", "KINDS", "TensorMeta", "carriers", "register", "registry", "start_all"]

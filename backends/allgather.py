@@ -10,6 +10,7 @@ from commlib.backends.ring import RingBackend
 @register
 class AllgatherBackend(RingBackend):
     name = "allgather"
+    carries = {"sparse": 20, "gather": 10}
     ops = ("sum",)
 
     def allgather(self, array, name):

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from commlib import traffic
+
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -32,6 +34,33 @@ class Backend(abc.ABC):
     dtypes = ()          # numpy dtypes reduced natively, e.g. (np.dtype("float32"),)
     ops = ("sum",)       # the reductions it does; the core asks for others with allreduce(..., op=)
     sparse = False       # skips zero blocks: `auto` sends block-sparse tensors to it (see density())
+    # The kinds of data it carries, each with its place among their carriers (lower first; dispatch
+    # takes the first that runs in the job and is enabled for the tensor):
+    #   dense     uncompressed tensors (a `sparse` one is auto's choice for block-sparse tensors)
+    #   summable  compressor payloads that add up (fp16, powersgd's factors)
+    #   sparse    sparsifiers' output (a sparse collective skips the zeros, or gathered)
+    #   gather    payloads decoded one by one (signs, quantized codes): implements allgather
+    #   rows      row-sparse tensors (rows, values): implements allreduce_rows; `auto` weighs every
+    #             row carrier, and the first dense one, by `traffic`
+    carries = {}
+
+    @classmethod
+    def dense_traffic(cls, nbytes, n):
+        """Bytes each way per worker to sum `nbytes` of dense data over n ranks: a ring's by default."""
+        return 2 * nbytes * (n - 1) / n
+
+    @classmethod
+    def traffic(cls, stats):
+        """{"up", "down"} bytes per worker to reduce a row-sparse tensor, from every rank's
+        measurements (commlib.traffic.estimate; `row_stats` adds this backend's own under its
+        name); by default, as the dense table of row slots."""
+        up = cls.dense_traffic(traffic.table_bytes(stats), len(stats))
+        return {"up": up, "down": up}
+
+    def row_stats(self, name, rows, nrows, width):
+        """What `traffic` needs from this rank beyond the common measurements, for a tensor of
+        `nrows` rows of `width` values whose unique touched rows are `rows`; None: nothing."""
+        return None
 
     def __init__(self, ctx):
         """Local set-up only. ctx is a commlib.context.Context: rank, size, local_rank, local_size,

@@ -45,7 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from commlib.backends import Backend, register
+from commlib import traffic
+from commlib.backends import Backend, carriers, register, registry
 from commlib.errors import ConfigError
 from commlib.settings import define
 from commlib.sparse import coalesce, index_dtype, presence_bits, presence_words, reduce_rows, sketch
@@ -81,7 +82,7 @@ class HotColdBackend(Backend):
     name = "hotcold"
     ops = ("sum",)
     dtypes = (F32,)
-    rows = True
+    carries = {"rows": 30}   # last: before its first window of counts it costs what its cold carrier does
 
     @classmethod
     def available(cls, ctx):
@@ -100,9 +101,10 @@ class HotColdBackend(Backend):
         if self.k < 0 or self.max_k < 1 or not 0 < self.share <= 1 or self.every < 1:
             raise ConfigError(f"hotcold: k={self.k} (>= 0), max_k={self.max_k} (>= 1), share={self.share} (in (0, 1]) "
                               f"and every={self.every} (>= 1) are out of range")
-        if self.hot_name not in ("switchml", "ring") or self.cold_name not in ("sparse_allgather", "omnireduce"):
-            raise ConfigError(f"hotcold: hot={self.hot_name!r} must be switchml or ring, cold={self.cold_name!r} "
-                              f"sparse_allgather or omnireduce")
+        cold_carriers = [name for name in carriers("rows") if name != self.name]
+        if self.hot_name not in carriers("dense") or self.cold_name not in cold_carriers:
+            raise ConfigError(f"hotcold: hot={self.hot_name!r} must be one of {list(carriers('dense'))}, "
+                              f"cold={self.cold_name!r} one of {cold_carriers}")
         self._backends = {}
         self._tensors = {}
         # the slab's collective runs beside the cold rows' (another algorithm, its own sockets); the
@@ -137,22 +139,33 @@ class HotColdBackend(Backend):
         is_hot[inside] = hot[at[inside]] == rows[inside]
         return at, is_hot
 
-    def plan_stats(self, name, rows, nrows, cold_stats):
-        """What commlib.traffic needs from this rank to weigh the split for a tensor of unique `rows`
-        now: the agreed hot set's size (0 before the first window ends), the form of the slab, this
+    @classmethod
+    def traffic(cls, stats):
+        """The slab (and presence counts) through its hot carrier, plus the cold rows through theirs."""
+        split = [s[cls.name] for s in stats]
+        mine = split[0]
+        slab, cold = traffic.hot_slab(split, stats[0])
+        hot = registry()[mine["hot"]].dense_traffic(slab, len(stats))
+        carrier = registry()[mine["cold_algorithm"]]
+        cold_stats = [{**s, "rows": rows, carrier.name: part.get(carrier.name)} for s, part, rows in zip(stats, split, cold)]
+        carried = carrier.traffic(cold_stats)
+        return {"up": hot + carried["up"], "down": hot + carried["down"], "hot_k": mine["hot_k"]}
+
+    def row_stats(self, name, rows, nrows, width):
+        """The agreed hot set's size (0 before the first window ends), the form of the slab, this
         rank's hot rows (their count and sketch: with presence counts, whether others touch them
-        too decides slab or cold) and its other rows;
-        `cold_stats(rows)` gives the cold carrier's own stats of the rows outside the hot set when
-        it is omnireduce."""
+        too decides slab or cold), its other rows, and the cold carrier's own stats of those."""
         split = self._tensors.get(name)
         hot = split.hot if split is not None and split.window.size == nrows else np.empty(0, np.int64)
         is_hot = self._is_hot(hot, rows)[1]
+        cold = self._carrier(self.cold_name, "sparse_allgather")
         out = {"hot_k": int(hot.size), "presence": self.presence, "hot": self._carrier(self.hot_name, "ring").name,
-               "cold_algorithm": self._carrier(self.cold_name, "sparse_allgather").name, "cold": int((~is_hot).sum())}
+               "cold_algorithm": cold.name, "cold": int((~is_hot).sum())}
         if self.presence:
             out.update(hot_rows=int(is_hot.sum()), hot_sketch=sketch(rows[is_hot]))
-        if out["cold_algorithm"] == "omnireduce":
-            out["omnireduce"] = cold_stats(rows[~is_hot])
+        own = cold.row_stats(name, rows[~is_hot], nrows, width)
+        if own is not None:
+            out[cold.name] = own
         return out
 
     def allreduce_rows(self, rows, values, nrows, name, counts=None):

@@ -61,6 +61,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from commlib import traffic
 from commlib.net import primary_ip
 from commlib.backends import Backend, keys, register
 from commlib.backends.base import server_share
@@ -147,7 +148,7 @@ class OmniReduceBackend(Backend):
 
     name = "omnireduce"
     sparse = True        # skips zero blocks: auto sends block-sparse tensors here
-    rows = True          # reduces row-sparse tensors in row-aligned blocks (allreduce_rows)
+    carries = {"dense": 30, "sparse": 10, "rows": 20}   # rows: in row-aligned blocks (allreduce_rows)
     dtypes = (F32, I32)
 
     @classmethod
@@ -367,6 +368,14 @@ class OmniReduceBackend(Backend):
         slots = self.row_slots(nrows, values.shape[1])
         flat, mask = slots.scatter(rows, values, values.dtype)
         return slots.gather(self.allreduce(flat, name, mask=mask, block=slots.block))
+
+    @classmethod
+    def traffic(cls, stats):
+        up, down = traffic.omnireduce([s[cls.name] for s in stats], stats[0]["itemsize"])
+        return {"up": up, "down": down}
+
+    def row_stats(self, name, rows, nrows, width):
+        return traffic.omnireduce_stats(self.row_slots(nrows, width), rows, self.columns)
 
     def row_slots(self, nrows, width):
         """The row-aligned layout of a table of `nrows` rows of `width` elements: its own block of

@@ -5,6 +5,7 @@ n (4 + row bytes) per rank (int32 indices where the table allows) and N of those
 wins at low row density and little overlap between ranks; the baseline every sparse claim is measured against (commlib.traffic models it)."""
 import numpy as np
 
+from commlib import traffic
 from commlib.backends import Backend, register
 from commlib.sparse import coalesce, index_dtype, payload_bytes
 
@@ -12,9 +13,9 @@ from commlib.sparse import coalesce, index_dtype, payload_bytes
 @register
 class SparseAllgatherBackend(Backend):
     name = "sparse_allgather"
+    carries = {"rows": 10}
     ops = ("sum",)
     dtypes = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int32", "int64"))
-    rows = True   # reduces row-sparse tensors (allreduce_rows)
 
     @classmethod
     def available(cls, ctx):
@@ -24,6 +25,10 @@ class SparseAllgatherBackend(Backend):
 
     def enabled(self, meta):
         return False   # never picked for dense tensors: it sums by gathering every rank's whole array
+
+    @classmethod
+    def traffic(cls, stats):
+        return traffic.allgather(stats)
 
     def allreduce(self, array, name):
         return np.sum(self.ctx.engine.allgather(np.ascontiguousarray(array).reshape(-1), name), axis=0,

@@ -35,7 +35,8 @@ Numbers
   n-way int32 sum cannot overflow. Per element the error of the sum is at most
       n * 0.5 / f = n^2 * 2^(e-1) / (2^31 - 1)       (plus float32 rounding of the result),
   i.e. about n^2 * 2^-31 relative to the block's largest magnitude. All-zero blocks stay exactly
-  zero. Finite values with |x| >= 2^127 cannot be quantized: every rank raises InvalidTensor.
+  zero. Finite values with |x| >= 2^127 cannot be quantized: every rank sends that tensor through
+  the ring instead (a warning, and stats()["range_fallbacks"]), or raises InvalidTensor without one.
   float16 is widened to float32 (exactly), summed as float32 and rounded back to float16 (the
   core hands bfloat16 over as float32 already); other dtypes are rejected.
 """
@@ -87,6 +88,13 @@ F16, F32, I32 = np.dtype("float16"), np.dtype("float32"), np.dtype("int32")
 @register
 class SwitchMLBackend(Backend):
     name = "switchml"
+    # first for dense tensors; after the ring for compressor payloads, whose error its quantization
+    # would add to
+    carries = {"dense": 10, "summable": 20}
+
+    @classmethod
+    def dense_traffic(cls, nbytes, n):
+        return nbytes   # the switch sums: each worker sends its tensor once and gets the sum once
     dtypes = (F32, F16, I32)
 
     @classmethod
@@ -129,6 +137,7 @@ class SwitchMLBackend(Backend):
         self._sock = None
         self._worker = None
         self._broken = None      # why the stream is out of step with the switch
+        self.range_fallbacks = 0  # tensors sent through the ring: finite values beyond int32 quantization
         self._scope = ctx.scope("switchml")   # this instance's exchange keys
 
     # -- set-up: collective, once, on every rank (the core calls it at commlib.init()) ------------------
@@ -273,13 +282,26 @@ class SwitchMLBackend(Backend):
             self._broken = str(error)
             raise error
         if rc & lib.SML_R_RANGE:
-            raise InvalidTensor(f"switchml: tensor {name!r} holds finite values with |x| >= 2^127 on some rank; "
-                                f"they cannot be quantized to int32: scale the tensor or use algorithm='ring'")
+            return self._beyond_range(array, name)
         if rc & lib.SML_R_NONFINITE and self.ctx.settings.switch_nonfinite == "error":
             raise InvalidTensor(f"switchml: tensor {name!r} holds Inf or NaN on some rank (switch_nonfinite="
                                 f"'error'); every rank raises this. Check the loss / learning rate, or set "
                                 f"COMMLIB_SWITCH_NONFINITE=propagate")
         return out
+
+    def _beyond_range(self, array, name):
+        """Finite values with |x| >= 2^127 on some rank cannot be quantized to int32. Every rank sees
+        the switch's flag for this tensor, so every rank sends it through the ring instead: a run
+        whose gradients diverge for a step and recover keeps going, as under Horovod."""
+        if self.ctx.engine is None:
+            raise InvalidTensor(f"switchml: tensor {name!r} holds finite values with |x| >= 2^127 on some rank; "
+                                f"they cannot be quantized to int32 and this job has no ring engine to send it "
+                                f"through instead: scale the tensor or use algorithm='ring'")
+        self.range_fallbacks += 1
+        if self.range_fallbacks == 1:
+            log.warning("switchml: tensor %r holds finite values with |x| >= 2^127, beyond int32 quantization: "
+                        "it went through the ring instead (counted in stats()['range_fallbacks'])", name)
+        return self.ctx.engine.allreduce(array, name, "sum")
 
     def _error(self, rc, name):
         where = f"switchml: tensor {name!r}, rank {self.rank}, job #{self.job} on switch {self.address}"
@@ -311,7 +333,7 @@ class SwitchMLBackend(Backend):
     def stats(self):
         out = {"switch": self.address, "job": self.job, "embedded": self.server is not None,
                "packet_elems": self.elems, "window": self.window,
-               "authenticated": self._key is not None}
+               "authenticated": self._key is not None, "range_fallbacks": self.range_fallbacks}
         if self._worker is not None:
             c = sw.ffi.new("sml_worker_counters *")
             sw.lib.sml_worker_counters_get(self._worker, c)

@@ -42,7 +42,7 @@ def worker(args):
     import numpy as np
 
     import commlib
-    from commlib import sparse, traffic
+    from commlib import dispatch, sparse
     from commlib.api import runtime
 
     commlib.init(policy="*=ring")
@@ -75,7 +75,7 @@ def worker(args):
                 exact = None
                 for algorithm in ALGORITHMS:
                     backend, name, r = _backend(rt, algorithm), f"{tag}.{algorithm}", runs[algorithm]
-                    r["model"].append(_model(ctx, backend, algorithm, name, rows, vocab, args.dim, traffic, sparse, i))
+                    r["model"].append(_model(ctx, backend, name, rows, vocab, args.dim, dispatch, sparse, i))
                     served = common.daemon_ns({algorithm: backend})   # rank 0: the switch's or aggregators' counters
                     before = common.link_bytes()   # the call and the few bytes of the exchange that times it
                     got, seconds, split = common.slowest_call(ctx, f"bench/{name}/{i}/s", lambda: sparse.reduce_rows(
@@ -121,15 +121,14 @@ def _backend(rt, algorithm):
     return backend
 
 
-def _model(ctx, backend, algorithm, name, rows, vocab, dim, traffic, sparse, step):
+def _model(ctx, backend, name, rows, vocab, dim, dispatch, sparse, step):
     """Every rank's measurements (as dispatch submits them), the traffic model's estimate."""
     stats = {"rows": int(rows.size), "sketch": sparse.sketch(rows), "nrows": vocab, "width": dim, "itemsize": 4}
-    if backend.name == "hotcold":   # the slab (and presence counts) both ways, the allgather of the cold rows
-        stats["hotcold"] = backend.plan_stats(name, rows, vocab, None)
-    if algorithm == "omnireduce":
-        stats["omnireduce"] = traffic.omnireduce_stats(backend.row_slots(vocab, dim), rows, backend.columns)
+    own = backend.row_stats(name, rows, vocab, dim)   # hotcold's split, omnireduce's row blocks
+    if own is not None:
+        stats[backend.name] = own
     everyone = ctx.exchange(f"bench/{name}/{step}/stats", stats)
-    return traffic.estimate(everyone, [backend.name])
+    return dispatch.estimate_traffic(everyone, [backend.name])
 
 
 # -- the launcher -------------------------------------------------------------------------------------

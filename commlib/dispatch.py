@@ -1,7 +1,8 @@
 """Dispatch: which algorithm, and which compressor, carries each tensor. The one place that decides.
 
 In the manner of Horovod's OperationManager: for each kind of data, an ordered list of algorithms
-(CARRIERS, best first); the first one that runs in this job and is enabled for the tensor wins.
+(`carriers(kind)`, best first, from each backend's own `carries`); the first one that runs in this
+job and is enabled for the tensor wins.
 Policy rules only filter and reorder that list (a rule names an algorithm, `auto` keeps the order,
 a compressor turns the data into its payload kind). The result is one `Plan` per tensor, which
 every rank submits and the controller compares and settles (`settle`) before any data moves.
@@ -25,25 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from commlib import compressors, sparse, traffic
-from commlib.backends import TensorMeta, registry
+from commlib.backends import TensorMeta, carriers, registry
 from commlib.errors import BackendUnavailable, ConfigError, InvalidTensor
 
-# The algorithms that can carry each kind of data, best first.
-CARRIERS = {
-    # uncompressed tensors; an algorithm whose backend is `sparse` (skips zero blocks) is auto's
-    # choice for block-sparse ones
-    "dense": ("switchml", "ring", "omnireduce"),
-    # compressor payloads that add up (fp16, powersgd's factors): the ring first, since switchml's
-    # quantization would add its error to the compressor's
-    "summable": ("ring", "switchml"),
-    # sparsifiers' output: a sparse collective skips the zeros, or each rank's payload is gathered
-    "sparse": ("omnireduce", "allgather"),
-    # payloads that must be decoded one by one (signs, quantized codes)
-    "gather": ("allgather",),
-    # row-sparse tensors (rows, values); `auto` weighs them, and the best dense algorithm, by traffic
-    # (hotcold last: before its first window of counts it costs what its cold carrier does)
-    "rows": ("sparse_allgather", "omnireduce", "hotcold"),
-}
 TRAFFIC = "traffic"   # the bound of choices the traffic model settles
 
 
@@ -85,8 +70,13 @@ def _release(name, metas):
     for bound, algorithm in bounded:   # density rules before the model
         if densest is not None and densest < bound:
             return {"name": name, "algorithm": algorithm}
-    estimate = traffic.estimate([meta["rows"] for meta in metas], weighed)
+    estimate = estimate_traffic([meta["rows"] for meta in metas], weighed)
     return {"name": name, "algorithm": estimate["choice"], "estimate": estimate}
+
+
+def estimate_traffic(stats, algorithms):
+    """commlib.traffic.estimate with each algorithm's own model (Backend.traffic)."""
+    return traffic.estimate(stats, {algorithm: registry()[algorithm].traffic for algorithm in algorithms})
 
 
 def settle(choices, densities):
@@ -163,7 +153,7 @@ class Dispatcher:
 
     # -- min, max, product: only algorithms that do that reduction, never a compressor ---------------
     def _reduction(self, meta, op, requested, compression, chosen_by_caller):
-        able = [name for name in CARRIERS["dense"] if self._enabled(name, meta) and op in self.backends[name].ops]
+        able = [name for name in carriers("dense") if self._enabled(name, meta) and op in self.backends[name].ops]
         if chosen_by_caller and (compression is not None or (requested != "auto" and requested not in able)):
             what = f"compression {compression!r}" if compression is not None else f"algorithm {requested!r}"
             raise ConfigError(f"tensor {meta.name!r}: {what} cannot reduce with op={op}; leave it unset "
@@ -180,7 +170,7 @@ class Dispatcher:
     def _dense(self, requested, meta):
         if requested != "auto":
             return ((None, self._explicit(requested, meta)),)
-        enabled = [name for name in CARRIERS["dense"] if self._enabled(name, meta)]
+        enabled = [name for name in carriers("dense") if self._enabled(name, meta)]
         dense = [name for name in enabled if not self.backends[name].sparse]
         sparse = [name for name in enabled if self.backends[name].sparse]
         if not dense:
@@ -192,9 +182,9 @@ class Dispatcher:
 
     def _explicit(self, name, meta):
         backend = self.backend(name)
-        if name not in CARRIERS["dense"]:
+        if name not in carriers("dense"):
             raise ConfigError(f"tensor {meta.name!r}: algorithm {name!r} carries compressed or sparse payloads; "
-                              f"give a compression= or choose one of {list(CARRIERS['dense'])}")
+                              f"give a compression= or choose one of {list(carriers('dense'))}")
         if not backend.enabled(meta):
             kinds = ", ".join(str(d) for d in backend.dtypes)
             raise InvalidTensor(f"tensor {meta.name!r}: algorithm {name!r} does not take {meta.dtype} "
@@ -211,8 +201,8 @@ class Dispatcher:
         choices = tuple((bound, self._row_carrier(alg, meta)) for bound, alg in bounded)   # density rules first
         if requested != "auto":
             return Plan(choices + ((None, self._row_carrier(requested, meta)),), density=density, rows=count)
-        candidates = [a for a in CARRIERS["rows"] if a in self.backends and _carries(self.backends[a], meta)]
-        dense = [a for a in CARRIERS["dense"] if self._enabled(a, meta) and not self.backends[a].sparse]
+        candidates = [a for a in carriers("rows") if a in self.backends and _carries(self.backends[a], meta)]
+        dense = [a for a in carriers("dense") if self._enabled(a, meta) and not self.backends[a].sparse]
         candidates += dense[:1]
         if not candidates:
             raise InvalidTensor(f"tensor {meta.name!r}: no algorithm here reduces sparse {meta.dtype} tensors")
@@ -222,34 +212,30 @@ class Dispatcher:
                     rows=self._row_stats(rows, meta, candidates))
 
     def _row_carrier(self, name, meta):
-        """An algorithm a policy names for a row-sparse tensor: one that reduces rows (those of
-        CARRIERS["rows"]), or a dense one (the rows then
-        travel as a table of slots); `allgather` means Horovod's sparse path."""
+        """An algorithm a policy names for a row-sparse tensor: one that reduces rows (a carrier of
+        "rows"), or a dense one (the rows then travel as a table of slots); `allgather` means
+        Horovod's sparse path."""
         name = "sparse_allgather" if name == "allgather" else name
-        if getattr(self.backend(name), "rows", False):   # sparse_allgather, omnireduce, hotcold
+        if "rows" in self.backend(name).carries:
             return name
         return self._explicit(name, TensorMeta(meta.name, meta.shape, "float32", meta.nbytes))
 
     def _row_stats(self, rows, meta, candidates):
-        """What the traffic model needs from this rank (commlib.traffic.estimate)."""
+        """What the traffic models need from this rank (commlib.traffic.estimate): the common
+        measurements, and each candidate's own under its name (Backend.row_stats)."""
         stats = {"rows": int(rows.rows.size), "sketch": sparse.sketch(rows.rows), "nrows": rows.nrows,
                  "width": rows.width, "itemsize": rows.values.dtype.itemsize}
-        if "omnireduce" in candidates:
-            stats["omnireduce"] = self._omnireduce_stats(rows, rows.rows)
-        if "hotcold" in candidates:
-            stats["hotcold"] = self.backends["hotcold"].plan_stats(meta.name, rows.rows, rows.nrows,
-                                                                   lambda cold: self._omnireduce_stats(rows, cold))
+        for algorithm in candidates:
+            own = self.backends[algorithm].row_stats(meta.name, rows.rows, rows.nrows, rows.width)
+            if own is not None:
+                stats[algorithm] = own
         return stats
-
-    def _omnireduce_stats(self, rows, touched):
-        omnireduce = self.backends["omnireduce"]
-        return traffic.omnireduce_stats(omnireduce.row_slots(rows.nrows, rows.width), touched, omnireduce.columns)
 
     # -- compressed tensors: the payload kind decides ------------------------------------------------
     def _compressed(self, compressor, requested, name):
         allowed = compressor.carriers()
         if requested != "auto":
-            check_carrier(compressor, requested, f"tensor {name!r}")
+            compressor.check_carrier(requested, f"tensor {name!r}")
             self.backend(requested)
             return requested
         for algorithm in allowed:
@@ -264,9 +250,3 @@ def _carries(backend, meta):
     dtype = np.dtype(meta.dtype)
     return dtype in backend.dtypes or (dtype.kind == "f" and dtype.itemsize < 4)
 
-
-def check_carrier(compressor, algorithm, where):
-    """At policy parse time: ConfigError unless `algorithm` can carry the compressor's payload."""
-    if algorithm != "auto" and algorithm not in compressor.carriers():
-        raise ConfigError(f"{where}: compression {compressor.name!r} sends a {compressor.payload} payload, which "
-                          f"algorithm {algorithm!r} cannot carry; use one of {compressor.carriers()}")

@@ -52,10 +52,12 @@ class Entry:
 
 class Channel:
     """The collectives of one algorithm, as a compressor's reduce_bucket sees them: rank, size,
-    algorithm, allreduce(array) and allgather(array), each call named after the bucket."""
+    algorithm, sparse (its allreduce skips zero blocks), allreduce(array) and allgather(array),
+    each call named after the bucket."""
 
     def __init__(self, backend, algorithm, ctx, name, phases):
         self.rank, self.size, self.algorithm = ctx.rank, ctx.size, algorithm
+        self.sparse = backend.sparse   # its allreduce skips zero blocks
         self._backend, self._name, self._phases = backend, name, phases
         self._calls = itertools.count()
 
@@ -256,13 +258,16 @@ class Executor:
         if scale != 1.0:
             out_values = scaled(out_values, scale)
         entry.rows = (int(rows.rows.size), int(out_rows.size))
-        if entry.estimate is not None and "hotcold" in entry.estimate and not hasattr(backend, "row_record"):
-            # auto weighed the split and chose another: its window of counts goes on all the same
-            backend = self.dispatcher.backend("hotcold")
-            backend.observe(rows.rows, rows.nrows, name, rows.width, values.dtype.itemsize)
-        if hasattr(backend, "row_record"):   # hotcold: the hot set's size and share of updates
-            entry.skew = backend.row_record(name)
-            self._trace_counts(entry, backend)
+        counter = backend if hasattr(backend, "row_record") else None   # hotcold: windows of row counts
+        for weighed in (entry.estimate or ()):
+            other = self.dispatcher.backends.get(weighed)
+            if weighed != entry.algorithm and hasattr(other, "observe"):
+                # auto weighed the hot/cold split and chose another: its window of counts goes on all the same
+                other.observe(rows.rows, rows.nrows, name, rows.width, values.dtype.itemsize)
+                counter = other
+        if counter is not None:   # the hot set's size and share of updates
+            entry.skew = counter.row_record(name)
+            self._trace_counts(entry, counter)
         result = entry.staged.restore_rows(out_rows, out_values)
         phases.mark("RESTORE")
         return [result]

@@ -7,7 +7,7 @@ commlib.dispatch turns the first matching rule into a plan.
 
 or as text (COMMLIB_POLICY): ``embedding.*=omnireduce;*.weight[min=1MiB]=topk(ratio=0.01);*=switchml``.
 A rule matches a name by glob (``re:`` prefix for a regular expression), optionally by size and
-dtype. The first matching rule wins; ``auto`` keeps the dispatcher's order (commlib.dispatch.CARRIERS:
+dtype. The first matching rule wins; ``auto`` keeps the dispatcher's order (commlib.backends.carriers:
 block-sparse by measurement -> omnireduce, dense -> switchml, else ring).
 
 A rule may also ask for the measured block density, ``*[density<0.05]=omnireduce;*=ring`` (or
@@ -140,10 +140,10 @@ def _parse_rule(text):
     if not colon and word and word.group() not in algorithms():
         algorithm, compression = "auto", action     # '*.weight=topk(ratio=0.01)'
     if compression.strip():   # an unknown compressor or one the algorithm cannot carry fails here, not mid-training
-        from commlib import compressors, dispatch
+        from commlib import compressors
         compressor = compressors.resolve(compression.strip())
         if compressor is not None:
-            dispatch.check_carrier(compressor, algorithm.strip(), f"policy rule {text.strip()!r}")
+            compressor.check_carrier(algorithm.strip(), f"policy rule {text.strip()!r}")
     return Rule(pattern.strip() or "*", algorithm.strip(), compression.strip() or None, **kwargs)
 
 

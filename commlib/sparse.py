@@ -214,7 +214,7 @@ def reduce_rows(backend, rows, values, nrows, name, counts=None):
     dtype = values.dtype
     if dtype not in backend.dtypes:
         values = values.astype(np.float32)
-    if getattr(backend, "rows", False):
+    if "rows" in backend.carries:
         out_rows, out_values = backend.allreduce_rows(rows, values, nrows, name, counts)
     else:
         slots = RowSlots(nrows, values.shape[1])

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from commlib.backends import registry
 from commlib.context import Context
 from commlib.errors import CommTimeout, Mismatch, PeerFailure
 
@@ -115,11 +116,13 @@ class LocalGroup:
 
 
 class LocalChannel:
-    """What the core hands a compressor (commlib.executor.Channel): rank, size, algorithm,
-    allreduce (sum) and allgather, over a LocalGroup."""
+    """What the core hands a compressor (commlib.executor.Channel): rank, size, algorithm, sparse
+    (the algorithm's allreduce skips zero blocks), allreduce (sum) and allgather, over a LocalGroup."""
 
     def __init__(self, group, rank):
         self.group, self.rank, self.size, self.algorithm = group, rank, group.size, group.algorithm
+        known = registry().get(group.algorithm)
+        self.sparse = known is not None and known.sparse
 
     def allreduce(self, array):
         return self.group.collective(self.rank, "allreduce", array)

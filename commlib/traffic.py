@@ -2,6 +2,7 @@
 algorithm, from what every rank measured (its touched rows, a sketch of them for the union).
 `auto` for sparse tensors takes the algorithm whose busiest direction moves the fewest bytes
 (a full-duplex link: time ~ max(up, down)); commlib.records() shows the estimate and the choice.
+The formulas live here; each backend's `traffic` (backends/base.py) applies its own.
 
 Per worker, N ranks, n_r own rows, U rows in the union, b bytes per row, S bytes of the whole table
 with a presence count per row:
@@ -42,41 +43,38 @@ import numpy as np
 from commlib.sparse import others_union_sizes, payload_bytes, presence_words, sketch, union_size
 
 
-def estimate(stats, algorithms):
+def estimate(stats, models):
     """{algorithm: {"up", "down"} bytes per worker, "union_rows": U, "bound": the fewest bytes any
-    exact algorithm delivers to the busiest worker, "choice": algorithm} for the
-    candidates in `algorithms` (in preference order: the first of equal cost wins). `stats`: every
+    exact algorithm delivers to the busiest worker, "choice": algorithm} for the candidates in
+    `models` ({algorithm: its Backend.traffic}, in preference order: the first of equal cost wins). `stats`: every
     rank's {"rows", "sketch", "nrows", "width", "itemsize", for omnireduce "omnireduce": its row
     blocks (omnireduce_stats), for hotcold "hotcold": {"hot_k", "presence", "hot", "cold_algorithm", "cold",
     with presence "hot_rows" and "hot_sketch",
     and "omnireduce" for a cold omnireduce}}."""
-    n = len(stats)
     first = stats[0]
     rows = [s["rows"] for s in stats]
-    table = first["nrows"] * (first["width"] + 1) * first["itemsize"]
     sketches = [s["sketch"] for s in stats]
     out = {"union_rows": round(union_size(sketches, rows)),
            "bound": int(max(others_union_sizes(sketches, rows)) * first["width"] * first["itemsize"])}
-    for algorithm in algorithms:
-        if algorithm == "sparse_allgather":
-            up = down = allgather(rows, first)
-        elif algorithm == "omnireduce":
-            up, down = omnireduce([s["omnireduce"] for s in stats], first["itemsize"])
-        elif algorithm == "hotcold":
-            up, down = hotcold([s["hotcold"] for s in stats], first)
-            out[algorithm] = {"hot_k": stats[0]["hotcold"]["hot_k"]}
-        elif algorithm == "switchml":
-            up = down = table
-        else:
-            up = down = 2 * table * (n - 1) / n
-        out.setdefault(algorithm, {}).update(up=int(up), down=int(down))
-    out["choice"] = min(algorithms, key=lambda a: max(out[a]["up"], out[a]["down"]))
+    for algorithm, model in models.items():
+        cost = model(stats)
+        out[algorithm] = {key: int(value) for key, value in cost.items()}
+    out["choice"] = min(models, key=lambda a: max(out[a]["up"], out[a]["down"]))
     return out
 
 
-def allgather(rows, first):
-    """Bytes each way per worker of the padded ring allgather of every rank's (rows, values)."""
-    return (len(rows) - 1) * payload_bytes(max(rows), first["width"] * first["itemsize"], first["nrows"])
+def table_bytes(stats):
+    """S: the whole table with a presence count per row."""
+    first = stats[0]
+    return first["nrows"] * (first["width"] + 1) * first["itemsize"]
+
+
+def allgather(stats):
+    """The padded ring allgather of every rank's (rows, values), each way per worker."""
+    first = stats[0]
+    up = (len(stats) - 1) * payload_bytes(max(s["rows"] for s in stats), first["width"] * first["itemsize"],
+                                          first["nrows"])
+    return {"up": up, "down": up}
 
 
 def omnireduce_stats(slots, rows, columns):
@@ -91,12 +89,12 @@ def omnireduce(stats, itemsize):
     """(up, down) bytes per worker of omnireduce's row blocks (colocated aggregators)."""
     from commlib.switch import omnireduce_model as wire   # the C extension's constants: only where omnireduce runs
     n, first = len(stats), stats[0]
-    h, s = wire.HEADER + wire.MAC, wire.STAMP
+    h, stamp = wire.HEADER + wire.MAC, wire.STAMP
     q = first["block"] * itemsize + h
     per, columns = first["group_blocks"], first["columns"]
     own = [s["blocks"] * per for s in stats]
     union = union_size([s["block_sketch"] for s in stats], [s["blocks"] for s in stats]) * per
-    results = union * (q + s) + columns * (h + s)
+    results = union * (q + stamp) + columns * (h + stamp)
 
     def uploads(blocks):   # a worker's data, bootstrap and acknowledgements
         return blocks * q + columns * h + (columns + union - blocks) * h / wire.ACK_EVERY
@@ -105,9 +103,9 @@ def omnireduce(stats, itemsize):
     return (uploads(max(own)) + results) * share, (results + uploads(sum(own) / n)) * share
 
 
-def hotcold(stats, first):
-    """(up, down) bytes per worker of the hot/cold split: the slab (and presence counts) through its
-    hot carrier, plus the cold rows through theirs."""
+def hot_slab(stats, first):
+    """(bytes of the hot/cold split's slab and presence counts, every rank's cold row count): what
+    its hot and its cold carriers then move (backends/hotcold.py)."""
     n, mine = len(stats), stats[0]
     cold = [s["cold"] for s in stats]
     if mine["presence"]:   # the hot rows two or more ranks touch, from every rank's sketch of its hot rows
@@ -119,9 +117,4 @@ def hotcold(stats, first):
         cold = [c + round(x) for c, x in zip(cold, only)]   # a hot row only one rank touched goes cold
     else:
         slab = mine["hot_k"] * (first["width"] + 1) * first["itemsize"]
-    slab = slab if mine["hot"] == "switchml" else 2 * slab * (n - 1) / n
-    if mine["cold_algorithm"] == "omnireduce":   # its stats cover the rows outside the hot set
-        up, down = omnireduce([s["omnireduce"] for s in stats], first["itemsize"])
-    else:
-        up = down = allgather(cold, first)
-    return slab + up, slab + down
+    return slab, cold

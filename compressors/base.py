@@ -15,10 +15,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from commlib.backends import carriers, registry
 from commlib.compressors import packing
 from commlib.errors import ConfigError, InvalidTensor
 
-# GRACE's communicator names, as the algorithms they allow (commlib.dispatch.CARRIERS says which
+# GRACE's communicator names, as the algorithms they allow (commlib.backends.carriers says which
 # algorithms can carry each payload kind at all).
 GRACE_COMMUNICATORS = {"allreduce": ("ring", "switchml"), "allgather": ("allgather",), "broadcast": ("allgather",)}
 PAYLOADS = ("summable", "sparse", "gather")
@@ -120,7 +121,6 @@ class Compressor(Stateful):
     state_attrs = ("steps",)
 
     def __init__(self, memory=None, seed=0, algorithm=None):
-        from commlib.dispatch import CARRIERS
         if self.payload not in PAYLOADS:
             raise ConfigError(f"{type(self).__name__}.payload must be one of {PAYLOADS}")
         self.seed = int(seed)
@@ -130,12 +130,12 @@ class Compressor(Stateful):
         self.comm_rank = 0       # set by reduce(); salts per-rank random streams
         self._memory = memory
         if algorithm is not None:
-            known = set(GRACE_COMMUNICATORS) | {a for algs in CARRIERS.values() for a in algs}
+            known = set(GRACE_COMMUNICATORS) | set(registry())
             if algorithm not in known:
                 raise ConfigError(f"unknown algorithm (GRACE communicator) {algorithm!r}; known: {sorted(known)}")
             if not self.carriers():
                 raise ConfigError(f"{self.name} sends a {self.payload} payload, which {algorithm!r} cannot carry; "
-                                  f"use one of {list(CARRIERS[self.payload])}")
+                                  f"use one of {list(carriers(self.payload))}")
 
     # --- what subclasses implement -------------------------------------------------------------
     def encode(self, x, name):
@@ -172,14 +172,19 @@ class Compressor(Stateful):
         return self.decode(payload, ctx).view(ctx.shape).to(ctx.dtype)
 
     # --- the pipeline the core calls --------------------------------------------------------------
+    def check_carrier(self, algorithm, where):
+        """ConfigError unless `algorithm` can carry this compressor's payload ("auto" can)."""
+        if algorithm != "auto" and algorithm not in self.carriers():
+            raise ConfigError(f"{where}: compression {self.name!r} sends a {self.payload} payload, which "
+                              f"algorithm {algorithm!r} cannot carry; use one of {self.carriers()}")
+
     def accepts(self, algorithm):
         """May `algorithm` carry this compressor's payload (its `algorithm=` restriction allowing)?"""
         return self.algorithm is None or algorithm in GRACE_COMMUNICATORS.get(self.algorithm, (self.algorithm,))
 
     def carriers(self):
-        """The algorithms that can carry the payload, best first (commlib.dispatch.CARRIERS)."""
-        from commlib.dispatch import CARRIERS
-        return [algorithm for algorithm in CARRIERS[self.payload] if self.accepts(algorithm)]
+        """The algorithms that can carry the payload, best first (commlib.backends.carriers)."""
+        return [algorithm for algorithm in carriers(self.payload) if self.accepts(algorithm)]
 
     @property
     def memory(self):
@@ -197,7 +202,7 @@ class Compressor(Stateful):
 
     def reduce_bucket(self, tensors, names, channel, average):
         """Compensate -> compress -> memory update -> ONE collective for the whole bucket -> decode ->
-        average. `channel` is the algorithm's collectives (rank, size, algorithm, allreduce(array),
+        average. `channel` is the algorithm's collectives (rank, size, algorithm, sparse, allreduce(array),
         allgather(array)); returns each tensor reduced, in its own type, device, dtype and shape."""
         channel = self._checked(channel)
         inputs = [as_torch(t, self.name) for t in tensors]
@@ -219,8 +224,7 @@ class Compressor(Stateful):
                     for x, restore in inputs]
 
     def _checked(self, channel):
-        from commlib.dispatch import check_carrier
-        check_carrier(self, channel.algorithm, f"{self.name}.reduce")
+        self.check_carrier(channel.algorithm, f"{self.name}.reduce")
         self.comm_rank = channel.rank
         return self.carrier.wrap(channel) if self.carrier is not None else channel
 
@@ -237,7 +241,7 @@ class Compressor(Stateful):
                 sums.append(self.decompress(tuple(parts[at:at + len(payload)]), ctx).reshape(-1).to(ctx.work))
                 at += len(payload)
             return sums
-        if channel.algorithm == "omnireduce":   # the sparse collective skips the zero blocks of `own`
+        if channel.sparse:   # a sparse collective (omnireduce) skips the zero blocks of `own`
             return allreduce_all(channel, [own.reshape(-1) for _, _, own in encoded])
         blobs = channel.allgather(packing.to_bytes(tuple(part for payload, _, _ in encoded for part in payload)))
         if len(blobs) != channel.size:
@@ -357,7 +361,7 @@ class Wrapped:
 
     def __init__(self, carrier, channel):
         self.carrier, self.channel = carrier, channel
-        self.rank, self.size, self.algorithm = channel.rank, channel.size, channel.algorithm
+        self.rank, self.size, self.algorithm, self.sparse = channel.rank, channel.size, channel.algorithm, channel.sparse
 
     def allreduce(self, array):
         x = torch.from_numpy(np.ascontiguousarray(array))

@@ -7,6 +7,7 @@ from commlib.dispatch import Dispatcher
 from commlib.errors import BackendUnavailable
 from commlib.settings import Settings
 from commlib.tensors import Staged
+from launch import spawn
 
 
 class FakeBackend:
@@ -129,3 +130,15 @@ def test_a_plan_no_measurement_decides_is_remembered_per_tensor_and_the_rest_is_
     for i in range(10):                                            # a program that makes up names: kept bounded
         plan(d, np.zeros(8, np.float32), name=f"made.up.{i}")
     assert len(d._plans) == 3
+
+
+@pytest.mark.multiprocess
+def test_a_backend_registered_from_outside_the_package_is_routed_to():
+    """One module with @register (tests/workers/toy_backend.py) and nothing else: auto, a policy
+    rule and a summable compressor's payload reach it; a dtype it does not take goes elsewhere."""
+    for result in spawn(2, "toy_backend.py", timeout=120).check().results():
+        tensors = result["tensors"]
+        assert {name: t["algorithm"] for name, t in tensors.items()} == \
+            {"auto.dense": "toy", "named.dense": "toy", "auto.fp16": "toy", "auto.int64": "ring"}, tensors
+        assert all(t["exact"] for t in tensors.values()), tensors
+        assert result["toy_calls"] == 3, result

@@ -1,5 +1,8 @@
 """commlib inside real `horovodrun` and `mpirun` jobs (Horovod built from its sdist by `make install`)."""
+import json
 import re
+import subprocess
+import sys
 
 import horovod.torch  # noqa: F401  built by `make install`: without it the suite fails, never skips
 import pytest
@@ -79,3 +82,29 @@ def test_demo_trains_through_the_local_switch_and_loss_decreases():
     losses = [float(v) for v in re.findall(r"Iter #\d+: loss ([\d.]+)", out.stdout)]
     assert len(losses) >= 4 and losses[-1] < 0.7 * losses[0], out.stdout
     assert "Total img/sec on 4 CPU(s)" in out.stdout and "Algorithms used: switchml (none)" in out.stdout, out.stdout
+
+
+BEFORE_INIT = """
+import json, torch, horovod.torch as hvd, commlib.torch as cl
+m = torch.nn.Linear(2, 2)
+out = {}
+for make in (hvd.DistributedOptimizer, cl.DistributedOptimizer):
+    for case, params in (("not initialized", list(m.named_parameters())),
+                         ("duplicate names", [("a", p) for p in m.parameters()])):
+        try:
+            make(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=params)
+            out[make.__module__ + ": " + case] = "no error"
+        except Exception as exc:
+            out[make.__module__ + ": " + case] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def test_optimizer_before_hvd_init_raises_horovods_own_error():
+    """A script written for Horovod that catches its ValueError keeps working with commlib's optimizer."""
+    done = subprocess.run([sys.executable, "-c", BEFORE_INIT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    for case in ("not initialized", "duplicate names"):
+        theirs, ours = got["horovod.torch.optimizer: " + case], got["commlib.torch: " + case]
+        assert ours == theirs and theirs.startswith("ValueError"), (case, ours, theirs)

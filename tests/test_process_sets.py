@@ -50,6 +50,11 @@ def test_single_rank_process_sets_on_2_ranks(algorithm):
     check(horovodrun(2, "process_sets.py", algorithm, timeout=240), 2, algorithm)
 
 
+def test_commlib_init_before_hvd_init_with_process_sets():
+    """commlib.init() first leaves Horovod uninitialized, so hvd.init(process_sets=...) still works."""
+    check(horovodrun(2, "process_sets.py", "ring", "commlib-first", timeout=240), 2, "ring")
+
+
 def test_ring_engine_horovod_reduces_over_horovods_own_process_set():
     out = horovodrun(4, "process_sets.py", "ring", timeout=300, env={"COMMLIB_RING_ENGINE": "horovod"})
     check(out, 4, "ring")

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from commlib import analyze, sparse, timeline, traffic
+from commlib import analyze, dispatch, sparse, timeline, traffic
 from commlib.backends.hotcold import HotColdBackend
 from commlib.backends.omnireduce import block_mask
 from commlib.switch import omnireduce_model as wire
@@ -60,7 +60,7 @@ CANDIDATES = ["sparse_allgather", "omnireduce", "switchml"]
 
 def test_few_scattered_rows_go_to_the_allgather():
     g = np.random.default_rng(0)
-    est = traffic.estimate(stats([g.choice(100_000, 200, replace=False) for _ in range(4)]), CANDIDATES)
+    est = dispatch.estimate_traffic(stats([g.choice(100_000, 200, replace=False) for _ in range(4)]), CANDIDATES)
     assert est["choice"] == "sparse_allgather", est
     assert est["sparse_allgather"]["up"] == 3 * (8 + 200 * (4 + 128))   # (N-1) P_max, int32 indices
     assert 780 <= est["union_rows"] <= 820, est   # 800 disjoint-ish rows, from the sketches
@@ -69,14 +69,14 @@ def test_few_scattered_rows_go_to_the_allgather():
 def test_rows_shared_by_every_rank_in_whole_blocks_go_to_omnireduce():
     """8 ranks touch the same 7000 consecutive rows: the allgather carries them 7 times to each."""
     rows = np.arange(7000)
-    est = traffic.estimate(stats([rows] * 8), CANDIDATES)
+    est = dispatch.estimate_traffic(stats([rows] * 8), CANDIDATES)
     assert est["choice"] == "omnireduce", est
     assert est["omnireduce"]["up"] < est["sparse_allgather"]["up"], est
 
 
 def test_most_rows_touched_go_dense():
     g = np.random.default_rng(1)
-    est = traffic.estimate(stats([g.choice(100_000, 90_000, replace=False) for _ in range(4)]), CANDIDATES)
+    est = dispatch.estimate_traffic(stats([g.choice(100_000, 90_000, replace=False) for _ in range(4)]), CANDIDATES)
     assert est["choice"] == "switchml", est
     assert est["switchml"]["up"] == 100_000 * 33 * 4
 
@@ -89,8 +89,8 @@ def test_one_touched_row_costs_one_row_in_omnireduce():
     quarter of each stays on the host (its own aggregator's)."""
     g = np.random.default_rng(2)
     ranks = [g.choice(100_000, 2000, replace=False) for _ in range(4)]
-    one = traffic.estimate(stats(ranks), ["omnireduce"])["omnireduce"]
-    whole = traffic.estimate(stats(ranks, rows_per_block=0), ["omnireduce"])["omnireduce"]
+    one = dispatch.estimate_traffic(stats(ranks), ["omnireduce"])["omnireduce"]
+    whole = dispatch.estimate_traffic(stats(ranks, rows_per_block=0), ["omnireduce"])["omnireduce"]
     rows = (8000 + 2000) * 3 / 4 * (33 * 4 + wire.HEADER + wire.MAC + wire.STAMP)   # ~disjoint: union 8000
     assert rows < one["down"] < 1.1 * rows, one
     assert whole["down"] > 3 * one["down"], (one, whole)   # 7 rows a block: 8000 rows touch ~5300 blocks
@@ -126,16 +126,16 @@ def test_hot_cold_is_chosen_where_a_few_rows_take_most_updates_only():
     the allgather wins by order."""
     algorithms = ["sparse_allgather", "omnireduce", "hotcold", "switchml"]
     ranks, hot = hot_and_cold("skewed")
-    est = traffic.estimate(stats(ranks, hot=hot), algorithms)
+    est = dispatch.estimate_traffic(stats(ranks, hot=hot), algorithms)
     assert est["choice"] == "hotcold", est
     slab, cold = 1000 * 33 * 4, max(np.setdiff1d(r, hot).size for r in ranks)
     gathered = 3 * (8 + -(-cold * 4 // 8) * 8 + cold * 128)   # int32 indices padded to 8 bytes
     assert est["hotcold"] == {"hot_k": 1000, "up": slab + gathered, "down": slab + gathered}
     ranks, hot = hot_and_cold("uniform")
-    est = traffic.estimate(stats(ranks, hot=hot), algorithms)
+    est = dispatch.estimate_traffic(stats(ranks, hot=hot), algorithms)
     assert est["choice"] == "sparse_allgather", est
     assert est["hotcold"]["up"] > 2 * est["sparse_allgather"]["up"], est
-    est = traffic.estimate(stats(ranks, hot=[]), algorithms)
+    est = dispatch.estimate_traffic(stats(ranks, hot=[]), algorithms)
     assert est["choice"] == "sparse_allgather" and est["hotcold"]["up"] == est["sparse_allgather"]["up"], est
 
 
@@ -148,13 +148,13 @@ def test_presence_counts_bring_hot_cold_to_the_bytes_the_rows_need():
     themselves."""
     algorithms = ["sparse_allgather", "omnireduce", "hotcold", "switchml"]
     ranks, hot = hot_and_cold("skewed")
-    est = traffic.estimate(stats(ranks, hot=hot, presence=True), algorithms)
+    est = dispatch.estimate_traffic(stats(ranks, hot=hot, presence=True), algorithms)
     assert est["choice"] == "hotcold", est
     exact = hot_cold_bytes(ranks, hot)
     assert exact < est["sparse_allgather"]["up"] / 2.5 and exact < 1.01 * est["bound"], (exact, est)
     assert est["hotcold"]["up"] == est["hotcold"]["down"] and abs(est["hotcold"]["up"] - exact) < 0.01 * exact, (exact, est)
     ranks, hot = hot_and_cold("uniform")
-    est = traffic.estimate(stats(ranks, hot=hot, presence=True), algorithms)
+    est = dispatch.estimate_traffic(stats(ranks, hot=hot, presence=True), algorithms)
     assert est["choice"] == "sparse_allgather", est
     exact = hot_cold_bytes(ranks, hot)
     assert est["sparse_allgather"]["up"] < exact < est["sparse_allgather"]["up"] * 1.01, (exact, est)
@@ -177,16 +177,16 @@ def test_the_bound_is_the_rows_the_busiest_worker_cannot_do_without():
     them N - 1 times; every model of a Zipf workload stays above it."""
     g = np.random.default_rng(3)
     disjoint = np.array_split(g.permutation(100_000)[:4000], 4)
-    est = traffic.estimate(stats(disjoint), CANDIDATES)
+    est = dispatch.estimate_traffic(stats(disjoint), CANDIDATES)
     assert abs(est["bound"] - 3000 * 128) < 0.05 * 3000 * 128, est
     assert est["sparse_allgather"]["down"] / est["bound"] < 1.1, est
-    same = traffic.estimate(stats([np.arange(0, 70_000, 10)] * 8), CANDIDATES)
+    same = dispatch.estimate_traffic(stats([np.arange(0, 70_000, 10)] * 8), CANDIDATES)
     assert abs(same["bound"] - 7000 * 128) < 0.05 * 7000 * 128, same
     assert same["sparse_allgather"]["down"] / same["bound"] > 6.5, same
     weights = 1.0 / np.arange(1, 100_001) ** 1.1
     ranks = [np.unique(g.choice(100_000, 4096, p=weights / weights.sum())) for _ in range(8)]
     hot = np.sort(np.argsort(-np.bincount(np.concatenate(ranks), minlength=100_000))[:1500])
-    zipf = traffic.estimate(stats(ranks, hot=hot, presence=True), CANDIDATES + ["hotcold"])
+    zipf = dispatch.estimate_traffic(stats(ranks, hot=hot, presence=True), CANDIDATES + ["hotcold"])
     assert all(zipf[a]["down"] > zipf["bound"] for a in CANDIDATES + ["hotcold"]), zipf
 
 

@@ -276,19 +276,57 @@ def test_nonfinite_error_mode_raises_on_every_rank():
     np.testing.assert_array_equal(results[0], sum(int_data(r, 10) for r in range(3)))
 
 
-def test_out_of_range_values_rejected_on_every_rank():
+def huge(rank):
+    x = np.ones(100, np.float32)
+    x[5] = 3e38 if rank == 0 else 1.0
+    return x
+
+
+def test_out_of_range_values_rejected_on_every_rank_without_a_ring():
     errors = []
 
     def work(rank, backend):
-        x = np.ones(100, np.float32)
-        x[5] = 3e38 if rank == 0 else 1.0
         try:
-            backend.allreduce(x, "huge")
+            backend.allreduce(huge(rank), "huge")
         except InvalidTensor as exc:
             errors.append(str(exc))
 
     run(2, work)
-    assert len(errors) == 2 and all("2^127" in e for e in errors)
+    assert len(errors) == 2 and all("2^127" in e and "ring" in e for e in errors), errors
+
+
+class GroupRing:
+    """A ring engine for LocalGroup ranks: the group's own collectives."""
+    name = "local-group"
+
+    def __init__(self, channel):
+        self.channel = channel
+
+    def allreduce(self, array, name, op="sum"):
+        assert op == "sum", op
+        return self.channel.allreduce(array)
+
+
+def test_out_of_range_tensor_goes_through_the_ring_on_every_rank():
+    """As under Horovod, a diverging step does not stop the run: that tensor takes the ring, the
+    next ones the switch again."""
+    group = LocalGroup(2, settings())
+
+    def main(ctx):
+        ctx.engine = GroupRing(group.channel(ctx.rank))
+        backend = sml.SwitchMLBackend(ctx)
+        backend.start()
+        try:
+            got = backend.allreduce(huge(ctx.rank), "huge")
+            after = backend.allreduce(int_data(ctx.rank, 300), "after")
+            return got, after, backend.stats()["range_fallbacks"]
+        finally:
+            backend.close()
+
+    for got, after, fallbacks in group.run(main, 45.0):
+        np.testing.assert_array_equal(got, huge(0) + huge(1))   # the ring's float32 sum, not a quantized one
+        np.testing.assert_array_equal(after, int_data(0, 300) + int_data(1, 300))
+        assert fallbacks == 1, fallbacks
 
 
 def test_dtypes_converted_or_rejected():

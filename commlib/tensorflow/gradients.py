@@ -109,13 +109,13 @@ class GradientReducer:
         return out
 
     def reduce_arrays(self, names, *arrays):
-        """Submit every array (or RowSparse), then wait for each: commlib sees the whole step at once.
-        Returns the flat outputs: an array per dense input, (values, rows) per RowSparse."""
-        handles = [commlib.allreduce_async(a, name=n, op=self.op, algorithm=self.algorithm,
-                                           compression=self.compression, policy=self.policy,
-                                           prescale_factor=self.prescale, postscale_factor=self.postscale,
-                                           process_set=self.process_set)
-                   for n, a in zip(names, arrays)]
+        """Submit every array (or RowSparse) in one grouped call, then wait for each: commlib sees the
+        whole step at once and negotiates it in one message. Returns the flat outputs: an array per
+        dense input, (values, rows) per RowSparse."""
+        handles = commlib.grouped_allreduce_async(list(arrays), names, op=self.op, algorithm=self.algorithm,
+                                                  compression=self.compression, policy=self.policy,
+                                                  prescale_factor=self.prescale, postscale_factor=self.postscale,
+                                                  process_set=self.process_set)
         flat = []
         for handle, array in zip(handles, arrays):
             out = commlib.synchronize(handle)

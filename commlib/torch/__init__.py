@@ -45,16 +45,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     Other arguments are Horovod's (sparse_as_dense, backward_passes_per_step, ...).
     """
     import horovod.torch as hvd
-    if not hvd.is_initialized():
-        raise commlib.CommError("call hvd.init() before commlib.torch.DistributedOptimizer")
     op = horovod_options.check(hvd, op, horovod_kwargs)
     compression = _commlib_compression(compression, hvd)
     if isinstance(policy, str):
         policy = Policy.parse(policy)
-    commlib.init()
+    # Horovod's constructor first: before hvd.init() or with duplicate names, its own ValueError
     opt = hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
                                    backward_passes_per_step=backward_passes_per_step, op=op,
                                    gradient_predivide_factor=gradient_predivide_factor, **horovod_kwargs)
+    commlib.init()
     # Horovod calls it only when it registered its hooks (several ranks, or an elastic job whose
     # world may grow); commlib reduces over the optimizer's process set, as Horovod would
     opt._allreduce_grad_async = types.MethodType(_reducer(hvd, compression, policy, algorithm), opt)

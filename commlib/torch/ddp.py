@@ -9,12 +9,11 @@
 The hook hands each parameter's slice of the bucket to `commlib.grouped_allreduce_async` (one
 message for the bucket) under the parameter's name, so the policy chooses per parameter, compressors keep their state per parameter
 (robust to DDP rebuilding its buckets after the first step), and commlib's executor fuses the
-slices of one algorithm back into one collective. The Future it returns is completed by a commlib
-thread once the handles resolve, never by the hook, so DDP overlaps communication with backward
+slices of one algorithm back into one collective. The Future it returns is completed on commlib's
+background thread when the bucket's last handle resolves, never by the hook, so DDP overlaps communication with backward
 as with its own hooks, and wrappers such as `fp16_compress_wrapper(ddp_comm_hook)` compose.
 """
 import itertools
-import queue
 import threading
 
 import torch
@@ -67,7 +66,7 @@ class CommlibState:
         # hyperparameters
         "policy", "algorithm", "compression", "prefix",
         # internal state
-        "names", "_completer", "_started",
+        "names", "_started",
         # statistics
         "iteration", "buckets_reduced", "bytes_reduced",
     )
@@ -93,7 +92,6 @@ class CommlibState:
             prefix = f"ddp{built}." if built else ""
         self.names = {key: prefix + name for key, name in names.items()}
         self.prefix = prefix
-        self._completer = _Completer()
         self.iteration = self.buckets_reduced = self.bytes_reduced = 0
         self._started = False
         if placed():   # else (Lightning builds it before it starts the processes) at the first bucket
@@ -140,7 +138,7 @@ def ddp_comm_hook(state, bucket):
     state.bytes_reduced += buffer.numel() * buffer.element_size()
     if bucket.is_last():
         state.iteration += 1
-    state._completer.add(handles, views, buffer, future)
+    _complete_when_done(handles, views, buffer, future)
     return result
 
 
@@ -163,36 +161,30 @@ def _views(buffer, params):
     return [view.view(p.shape) for view, p in zip(buffer.split(sizes), params)]
 
 
-class _Completer:
-    """One thread per state that waits for each bucket's handles in order (commlib's executor
-    resolves them) and completes the bucket's Future, so the hook itself never blocks."""
+def _complete_when_done(handles, views, buffer, future):
+    """Complete the bucket's Future once its last handle resolves, on the thread that resolves it
+    (Handle.add_done_callback), so neither the hook nor a thread of its own waits."""
+    left, lock = [len(handles)], threading.Lock()
 
-    def __init__(self):
-        self._queue = queue.SimpleQueue()
-        self._thread = None
-        self._lock = threading.Lock()
+    def done(_):
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            results = [handle.wait() for handle in handles]   # all resolved: no wait
+            flat = _flat(results, buffer)
+            if flat is None:   # not one piece of memory (several buckets, compressors): into the bucket
+                for view, result in zip(views, results):
+                    view.copy_(result)
+                flat = buffer
+        except Exception as exc:   # Mismatch, CommTimeout, PeerFailure: raised where DDP waits
+            future.set_exception(exc)
+            return
+        future.set_result(flat)   # DDP copies the hook's result into the gradients itself
 
-    def add(self, handles, views, buffer, future):
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="commlib-ddp-futures", daemon=True)
-                self._thread.start()
-        self._queue.put((handles, views, buffer, future))
-
-    def _run(self):
-        while True:
-            handles, views, buffer, future = self._queue.get()
-            try:
-                results = [commlib.synchronize(handle) for handle in handles]   # bounded: Handle.wait's timeout
-                flat = _flat(results, buffer)
-                if flat is None:   # not one piece of memory (several buckets, compressors): into the bucket
-                    for view, result in zip(views, results):
-                        view.copy_(result)
-                    flat = buffer
-            except Exception as exc:   # Mismatch, CommTimeout, PeerFailure: raised where DDP waits
-                future.set_exception(exc)
-                continue
-            future.set_result(flat)   # DDP copies the hook's result into the gradients itself
+    for handle in handles:
+        handle.add_done_callback(done)
 
 
 def _flat(results, buffer):

@@ -36,6 +36,23 @@ def cdef_of(header):
     return "\n".join(lines)
 
 
+def libcrypto_archive():
+    """OpenSSL's static libcrypto.a, where libssl-dev puts it (pkg-config's libdir, then the usual ones)."""
+    import subprocess
+    dirs = []
+    try:
+        dirs.append(subprocess.run(["pkg-config", "--variable=libdir", "libcrypto"], capture_output=True,
+                                   text=True, check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    dirs += ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib64",
+             "/usr/local/lib"]
+    for d in dirs:
+        if d and (Path(d) / "libcrypto.a").is_file():
+            return str(Path(d) / "libcrypto.a")
+    raise SystemExit("commlib's C data path links OpenSSL's libcrypto.a: install it (apt: libssl-dev)")
+
+
 def builder(path=os.path.relpath):
     """setuptools wants relative paths; a build from elsewhere, absolute ones."""
     ffi = FFI()
@@ -47,7 +64,12 @@ def builder(path=os.path.relpath):
         include_dirs=sorted({path(h.parent) for h in HEADERS}),
         depends=[path(h) for h in HEADERS] + [path(here / n) for n in ("switchml_common.h", "omnireduce_internal.h")],
         extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno", "-Wall", "-Wno-unused-function"],
-        libraries=["m", "pthread", "crypto"],   # crypto: OpenSSL's libcrypto (the packet MAC; apt: libssl-dev)
+        libraries=["m", "pthread"],
+        # OpenSSL's libcrypto (the packet MAC; apt: libssl-dev) linked in with its symbols hidden: a
+        # process that loaded TensorFlow's BoringSSL with RTLD_GLOBAL (horovod.tensorflow does) would
+        # otherwise bind our EVP_* calls to BoringSSL's, which has no EVP_chacha20_poly1305
+        extra_objects=[libcrypto_archive()],
+        extra_link_args=["-Wl,--exclude-libs,ALL"],
     )
     return ffi
 

@@ -157,7 +157,7 @@ omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs,
 int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint32_t job, uint32_t key,
                        const uint8_t *mac_key);
 /* out must be zeroed; block: this tensor's elements per block, 1..the job's block (0: the job's),
- * the same on every rank; mask from tp_block_mask (transport.h) with that block. One call per
+ * the same on every rank; mask from cl_block_mask (kernels.h) with that block. One call per
  * tensor, GIL released. */
 int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype, int block,
                          const uint8_t *mask, double timeout_s, omr_wstats *st);

@@ -1,6 +1,7 @@
 """commlib's process sets against Horovod's own, in one horovodrun job (2 or 4 ranks).
 
-argv: algorithm (ring, switchml, omnireduce). The job registers Horovod process sets ({0} and {1}
+argv: algorithm (ring, switchml, omnireduce), then optionally "commlib-first" (commlib.init() before
+hvd.init(process_sets=...)). The job registers Horovod process sets ({0} and {1}
 on 2 ranks; {0,1}, {2,3} and {1,2,3} on 4); every rank reduces, over each set it is in, the same
 tensors through commlib and through Horovod, all sets' (and the whole job's) tensors in flight at
 once, then trains through commlib.torch.DistributedOptimizer(process_set=) beside Horovod's. It
@@ -59,8 +60,12 @@ algorithm = sys.argv[1]
 size = int(os.environ["HOROVOD_SIZE"])
 LAYOUT = {2: [[0], [1]], 4: [[0, 1], [2, 3], [1, 2, 3]]}[size]
 sets = [hvd.ProcessSet(ranks) for ranks in LAYOUT]
+commlib_first = "commlib-first" in sys.argv[2:]   # commlib.init() must leave Horovod's init to the user
+if commlib_first:
+    commlib.init(policy=f"*={algorithm}", timeout_s=60.0)
 hvd.init(process_sets=sets)
-commlib.init(policy=f"*={algorithm}", timeout_s=60.0)
+if not commlib_first:
+    commlib.init(policy=f"*={algorithm}", timeout_s=60.0)
 torch.set_num_threads(1)
 rank = hvd.rank()
 mine = [ps for ps in sets if ps.included()]
