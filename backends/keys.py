@@ -1,7 +1,7 @@
 """The keys of the job's data plane (switchml and omnireduce packets), seen from a rank.
 
-Every data packet and every result of a job carries a MAC under the job key (SipHash-2-4 in
-switch/csrc), derived from the daemon key of the switch or aggregator and the job's public nonce
+Every data packet and every result of a job carries a MAC under the job key (ChaCha20-Poly1305
+in switch/csrc), derived from the daemon key of the switch or aggregator and the job's public nonce
 (switch/auth.py). The daemon key never crosses the network in clear:
 
 - daemons a rank starts (the embedded switch, colocated or spawned aggregators) take the job's
@@ -15,7 +15,7 @@ from commlib.settings import define
 from commlib.switch import auth
 
 define("authenticate", True, "MAC every switchml/omnireduce data packet and result under a per-job key "
-       "(SipHash-2-4); off only on a trusted fabric (saves the MAC's cost, see benchmarks/RESULTS.md)")
+       "(ChaCha20-Poly1305); off only on a trusted fabric (saves the MAC's cost, see benchmarks/RESULTS.md)")
 
 
 def daemon_key(ctx, embedded, key_file="", setting="", daemon="daemon"):

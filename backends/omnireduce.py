@@ -22,8 +22,12 @@ Aggregators
                        loopback. Bound: ~2(N-1) / (N D).
 
 Tuning guide
-  omnireduce_block_size     256 elements (1 KiB + a 40-byte header and an 8-byte MAC per packet). Larger blocks cost
-                            fewer packets but see fewer all-zero blocks.
+  omnireduce_block_size     256 elements (1 KiB + a 40-byte header and a 24-byte MAC per packet). Larger blocks cost
+                            fewer packets but see fewer all-zero blocks: a block is the unit of sparsity,
+                            so the default stays the paper's. 0 sizes blocks by the path (agreed at
+                            start: the most whose result fits one datagram of the smallest path MTU to
+                            the aggregators, over all ranks; loopback 16000, 1500-byte paths 349):
+                            the fewest packets, for dense tensors.
   omnireduce_window_bytes   bytes in flight per worker: each column moves one block per round trip,
                             so throughput <= window / RTT. 512 KiB (512 columns of 1 KiB) covers
                             10 Gbps x 400 us or 40 Gbps x 100 us, and is the best of 256..1024
@@ -79,7 +83,8 @@ log = logging.getLogger("commlib.omnireduce")
 
 define("omnireduce_mode", "colocated", "omnireduce aggregators: 'colocated' (a 1/N share in every worker) or "
        "'dedicated' (commlib-aggregator processes)")
-define("omnireduce_block_size", 256, "omnireduce block: elements per block (and per packet)")
+define("omnireduce_block_size", 256, "omnireduce block: elements per block (and per packet); 0 = the most one "
+       "datagram of the path's MTU holds")
 define("omnireduce_rows_per_block", 1, "omnireduce, row-sparse tensors: whole rows per block (0 = as many as fit "
        "in omnireduce_block_size); a touched row costs its block")
 define("omnireduce_threshold", 0.0, "omnireduce: a block is zero when every |x| <= this (0 = exact)")
@@ -103,7 +108,7 @@ define("omnireduce_sim_dup", 0.0, "testing: omnireduce workers and aggregators s
        "probability")
 
 F32, I32 = np.dtype("float32"), np.dtype("int32")
-_DTYPE_CODE = {F32: 0, I32: 1}
+_DTYPE_CODE = {F32: lib.OMR_FLOAT32, I32: lib.OMR_INT32} if lib is not None else {}   # omnireduce.h's
 _MAX_TENSOR_STATS = 4096
 
 
@@ -114,8 +119,8 @@ def block_mask(array, block=256, threshold=0.0):
     nblocks = -(-array.size // block)
     if lib is not None and array.dtype in _DTYPE_CODE:
         mask = np.empty(nblocks, dtype=np.uint8)
-        lib.tp_block_mask(ffi.from_buffer(array), array.size, _DTYPE_CODE[array.dtype], block, threshold,
-                           ffi.from_buffer(mask))
+        lib.cl_block_mask(ffi.from_buffer(array), array.size, int(array.dtype == I32), block, threshold,
+                          ffi.from_buffer(mask))
         return mask
     padded = np.zeros(nblocks * block, dtype=np.float64)
     padded[:array.size] = array
@@ -169,10 +174,11 @@ class OmniReduceBackend(Backend):
         self.rows_per_block = int(s.omnireduce_rows_per_block)
         if self.rows_per_block < 0:
             raise ConfigError(f"omnireduce_rows_per_block={self.rows_per_block}: use 0 (as many as fit) or >= 1")
-        if not 1 <= self.block <= lib.OMR_MAX_BLOCK:
+        if not 0 <= self.block <= lib.OMR_MAX_BLOCK:
             raise ConfigError(f"omnireduce_block_size={self.block}: use 1..{lib.OMR_MAX_BLOCK} elements "
-                              f"(a block and its header must fit one UDP datagram)")
-        self.columns = int(s.omnireduce_columns) or max(1, int(s.omnireduce_window_bytes) // (4 * self.block))
+                              f"(a block and its header must fit one UDP datagram), or 0 (sized by the path)")
+        self._window = int(s.omnireduce_window_bytes)
+        self.columns = int(s.omnireduce_columns) or max(1, self._window // (4 * (self.block or lib.OMR_MAX_BLOCK)))
         self.mode = s.omnireduce_mode
         self.retransmit_ms = float(s.omnireduce_retransmit_ms)
         self.timeout_s = float(s.timeout_s)
@@ -199,7 +205,7 @@ class OmniReduceBackend(Backend):
         self._tensors, self._last = OrderedDict(), {}
         self._totals = dict.fromkeys(("tensors", "bytes_sent", "bytes_recv", "pkts_sent", "pkts_recv",
                                       "resends", "sim_dropped", "sim_duplicated", "bad_mac", "server_queue_ns",
-                                      "server_proc_ns", "server_packets", "rounds"), 0)
+                                      "server_proc_ns", "server_packets", "rounds", "cpu_ns"), 0)
         self._host = s.omnireduce_host or ("127.0.0.1" if ctx.all_local else primary_ip())
         self._bind = "0.0.0.0" if self._host != "127.0.0.1" else self._host
         self._sock = agg.make_socket(self._bind)   # local work only here: the set-up with the others is start()
@@ -248,6 +254,9 @@ class OmniReduceBackend(Backend):
                          else everyone[0]["spawned"])
             self._agg_desc = [f"{a} (commlib-aggregator)" for a in addresses]
         self._aggregators = [agg.resolve_address(a) for a in addresses]
+        if self.block == 0:   # sized by the path: the smallest over every rank's paths
+            self.block = min(ctx.exchange(f"{self._prefix}/path", agg.path_block(self._aggregators), setup_s))
+            self.columns = int(s.omnireduce_columns) or max(1, self._window // (4 * self.block))
         self._step("register", self._register, setup_s)
 
     def _start_aggregators(self):
@@ -418,6 +427,9 @@ class OmniReduceBackend(Backend):
                                f"disagree on the tensor (size or dtype) or two jobs share a token")
         if rc == lib.OMR_ESYS:
             return PeerFailure(f"{head}: socket error: {os.strerror(st.err_code)}")
+        if rc == lib.OMR_ENOMEM:
+            return CommError(f"{head}: out of memory for the state of {st.ncols or self.columns} columns; free memory "
+                             f"on this host or lower omnireduce_columns / omnireduce_window_bytes")
         return InvalidTensor(f"{head}: invalid arguments (code {rc})")
 
     def _record(self, name, st, seconds):
@@ -431,7 +443,7 @@ class OmniReduceBackend(Backend):
                  "dup_recv": st.dup_recv, "ooo_recv": st.ooo_recv, "bad_mac": st.bad_mac, "srtt_ms": st.srtt_us / 1e3, "rto_ms": st.rto_us / 1e3,
                  "server_queue_ns": st.server_queue_ns, "server_proc_ns": st.server_proc_ns,
                  "server_packets": st.server_packets, "rounds": st.results_recv, "round_ns": st.round_ns,
-                 "seconds": seconds}
+                 "cpu_ns": st.cpu_ns, "seconds": seconds}
         self.last_server_share = server_share(st.server_queue_ns, st.server_proc_ns, st.server_packets,
                                               st.results_recv, st.round_ns)
         with self._lock:
@@ -443,7 +455,8 @@ class OmniReduceBackend(Backend):
             t = self._totals
             t["tensors"] += 1
             for key in ("bytes_sent", "bytes_recv", "pkts_sent", "pkts_recv", "resends", "sim_dropped",
-                        "sim_duplicated", "bad_mac", "server_queue_ns", "server_proc_ns", "server_packets", "rounds"):
+                        "sim_duplicated", "bad_mac", "server_queue_ns", "server_proc_ns", "server_packets", "rounds",
+                        "cpu_ns"):
                 t[key] += entry[key]
 
     def density(self, array):

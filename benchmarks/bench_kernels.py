@@ -2,8 +2,8 @@
 
 For a packet's worth of values (--elems, in cache) and for a large tensor (--large, from memory),
 the CPU ns per element of each kernel of commlib/csrc/kernels.h (the worker's exponents,
-quantization and dequantization, the switch's big-endian lanes), of the transport's checksum and
-non-zero-block scan, and of switchml's packet MAC (ChaCha20-Poly1305 through OpenSSL, per int32),
+quantization and dequantization, the switch's big-endian lanes, omnireduce's non-zero-block scan and
+aggregation), of the transport's checksum, and of the packet MAC (ChaCha20-Poly1305 through OpenSSL, per int32),
 with the portable scalar kernels and with the vector (AVX2) ones, and memcpy of 4 bytes per element
 (the floor: a kernel at memcpy's cost runs at memory speed). CPU time, median of --repeats.
 
@@ -59,8 +59,10 @@ def kernels(n):
         "switch: add (int32 aggregation)": lambda: lib.cl_be_add(accp, bep, n),
         "switch: store (result)": lambda: lib.cl_be_store(bep, accp, n),
         "checksum": lambda: lib.tp_checksum(bep, 4 * n),
-        "non-zero-block scan": lambda: lib.tp_block_mask(xp, n, lib.TP_FLOAT32, 256, 0.0,
-                                                         ffi.cast("uint8_t *", ffi.from_buffer(mask))),
+        "omnireduce: non-zero-block scan": lambda: lib.cl_block_mask(xp, n, 0, 256, 0.0,
+                                                                     ffi.cast("uint8_t *", ffi.from_buffer(mask))),
+        "omnireduce: add float32 (aggregation)": lambda: lib.cl_add_f32(outp, bep, n),
+        "omnireduce: add int32 (aggregation)": lambda: lib.cl_add_i32(accp, bep, n),
         "packet MAC (ChaCha20-Poly1305)": lambda: lib.tp_mac_tag(mac, nonce, prefix, 8, bep, 4 * n, tag),
     }
 

@@ -8,7 +8,16 @@ horovodrun when Horovod is built, else torch.distributed's Gloo), the MEASURED b
 (own and union), and the bytes each worker sent and received against the traffic models:
 OMNIREDUCE.md's (own blocks + 4 B up, the union down), commlib's exact wire model, and the ring's
 2(N-1)/N * S each way. At the densest density it also times omnireduce without the packet MACs
-(COMMLIB_AUTHENTICATE=0, a trusted fabric): the MAC's cost.
+(COMMLIB_AUTHENTICATE=0, a trusted fabric): the MAC's cost, and with blocks sized by the path
+(omnireduce_block_size=0: on loopback OMR_MAX_BLOCK values per packet).
+
+The fast-network view (issue 25): each role's CPU ns per element, beside a memcpy of the same tensor
+on this machine (a worker: its calling thread's CPU time in the C call; the aggregators: their
+serving threads' CPU time, all of them, per element and per contribution), the loopback goodput
+(elements x 32 bits / time) of omnireduce and of the ring in the same processes, and what those CPU
+costs mean on a fast network: the link rate one core of each role feeds and the cores per role for
+10, 25 and 100 Gbit/s per worker (bench_switchml.line_rate). On a loaded host the goodputs are
+noisy; the CPU times much less so.
 
     python benchmarks/bench_omnireduce.py [--quick] [--workers 4] [--mib 64] [--densities 0.01,0.1,1]
                                           [--modes colocated,dedicated] [--runs 5]
@@ -24,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
+from bench_switchml import line_rate  # noqa: E402
 
 BLOCK = 256
 
@@ -68,6 +78,18 @@ def worker(args):
             splits[tag].append(split)
         return samples, out
 
+    def costed(backend, x, tag):
+        """timed(), and the CPU ns per element of a worker (the ranks' mean) and of all aggregators
+        (rank 0's reading; None elsewhere) over the timed calls and the warm-up."""
+        agg_before, cpu_before = aggregator_cpu_ns(backend), backend.stats()["cpu_ns"]
+        samples, out = timed(backend, x, tag)
+        agg_after, cpu_after = aggregator_cpu_ns(backend), backend.stats()["cpu_ns"]
+        calls = (args.runs + 1) * x.size
+        workers = ctx.exchange(f"bench/cpu/{tag}", (cpu_after - cpu_before) / calls)
+        cpu = {"worker_cpu_ns_per_element": sum(workers) / len(workers),
+               "aggregator_cpu_ns_per_element": None if agg_before is None else (agg_after - agg_before) / calls}
+        return samples, out, cpu
+
     results = {}
     for density in args.densities:
         masks = [masks_of(r, nblocks, density) for r in range(n)]
@@ -75,7 +97,7 @@ def worker(args):
         x.reshape(nblocks, BLOCK)[masks[rank] > 0] = rank + 1           # closed-form sum, checked below
         x = x[:elements]
         served = common.daemon_ns({"omnireduce": omni})   # rank 0: the aggregators' queue_ns + proc_ns
-        omni_s, out = timed(omni, x, f"omni{density}")
+        omni_s, out, cpu = costed(omni, x, f"omni{density}")
         server_s = common.server_seconds(served, common.daemon_ns({"omnireduce": omni}), args.runs + 1)
         expected = (np.stack(masks) * np.arange(1, n + 1)[:, None]).sum(axis=0).astype(np.float32)
         assert np.array_equal(out.reshape(-1)[: (elements // BLOCK) * BLOCK].reshape(-1, BLOCK)[:, 0],
@@ -97,35 +119,65 @@ def worker(args):
                 "resends": [p[2] for p in per_rank],
                 "measured_density": [p[3] for p in per_rank], "measured_union_density": per_rank[0][4],
                 "paper_model": paper, "wire_model": wire,
-                "ring_model_bytes": 2 * (n - 1) / n * elements * 4,
+                "ring_model_bytes": 2 * (n - 1) / n * elements * 4, "cpu": cpu,
             }
         if density == max(args.densities):
-            no_mac_s = timed_without_macs(ctx, timed, x, f"nomac{density}")
+            no_mac_s = timed_with(ctx, costed, x, f"nomac{density}", authenticate=False)[0]
+            path_s, _, path_cpu = timed_with(ctx, costed, x, f"path{density}", omnireduce_block_size=0)
             if rank == 0:
-                results[str(density)]["no_mac_s"] = no_mac_s
+                results[str(density)].update(no_mac_s=no_mac_s, path_s=path_s, path_cpu=path_cpu)
     if rank == 0:
         common.emit({"engine": engine, "size": n, "columns": omni.columns, "mode": omni.mode,
                      "elements": elements, "results": results})
     commlib.shutdown()
 
 
-def timed_without_macs(ctx, timed, x, tag):
-    """timed() through an omnireduce backend of its own (same mode) whose packets carry no MACs."""
+def timed_with(ctx, costed, x, tag, **settings):
+    """costed() through an omnireduce backend of its own (same mode) with other settings: packets
+    without MACs (authenticate=False), blocks sized by the path (omnireduce_block_size=0)."""
     from commlib.backends.omnireduce import OmniReduceBackend
     from commlib.settings import Settings
-    backend = OmniReduceBackend(ctx.joined(settings=Settings(dict(ctx.settings.as_dict(), authenticate=False),
-                                                             environ={})))
+    backend = OmniReduceBackend(ctx.joined(settings=Settings(dict(ctx.settings.as_dict(), **settings), environ={})))
     backend.start()
     try:
-        return timed(backend, x, tag)[0]
+        return costed(backend, x, tag)
     finally:
         backend.close()
+
+
+def aggregator_cpu_ns(backend):
+    """The CPU time of every aggregator of the backend's job so far (their counters; rank 0 alone asks,
+    the others get None)."""
+    counters = backend.daemon_counters()
+    return sum(fn()["cpu_ns"] for fn in counters.values()) if counters else None
+
+
+def memcpy_ns(elements, repeats=5):
+    """CPU ns per float32 element of copying a tensor of `elements` (the floor of a pass over it)."""
+    import time
+    import numpy as np
+    src, dst = np.ones(elements, np.float32), np.empty(elements, np.float32)
+    samples = []
+    for _ in range(repeats):
+        start = time.process_time_ns()
+        np.copyto(dst, src)
+        samples.append((time.process_time_ns() - start) / elements)
+    return statistics.median(samples)
 
 
 # -- the launcher ------------------------------------------------------------------------------------
 def _run_workers(n, args, env):
     forwarded = ["--worker", "--mib", args.mib, "--runs", args.runs, "--densities", ",".join(map(str, args.densities))]
     return common.launch(n, Path(__file__), *forwarded, env=env, timeout=args.timeout)[0]
+
+
+def fast_view(elements, seconds, ring_seconds, cpu, floor, n):
+    """Goodputs (Gbit/s), the CPU ns per element of each role and what they mean on fast networks."""
+    worker_ns, aggregator_ns = cpu["worker_cpu_ns_per_element"], cpu["aggregator_cpu_ns_per_element"]
+    gbps, ring = elements * 32 / seconds / 1e9, ring_seconds and elements * 32 / ring_seconds / 1e9
+    # an aggregator core serves every worker's contributions: per contribution, aggregator_ns / n
+    return dict(line_rate(worker_ns, aggregator_ns / n, n), gbps=gbps, ring_gbps=ring, ratio=ring and gbps / ring,
+                worker_ns=worker_ns, aggregator_ns=aggregator_ns, memcpy_ns=floor)
 
 
 def _mib(b):
@@ -150,8 +202,10 @@ def main(argv=None):
         return worker(args)
     modes = (args.modes or ("colocated" if args.quick else "colocated,dedicated")).split(",")
 
-    n, results, rows, mac_rows = args.workers, {}, [], []
+    n, results, rows, mac_rows, fast_rows = args.workers, {}, [], [], []
     load_before = os.getloadavg()
+    floor = memcpy_ns(args.mib * (1 << 20) // 4)
+    print(f"memcpy of the tensor: {floor:.3f} CPU ns per element", flush=True)
     for mode in modes:
         print(f"== omnireduce {mode}, {n} workers, {args.mib} MiB float32, block {BLOCK}", flush=True)
         payload = _run_workers(n, args, {"COMMLIB_OMNIREDUCE_MODE": mode, "COMMLIB_TIMEOUT_S": "120",
@@ -184,6 +238,26 @@ def main(argv=None):
                       f"the MACs cost {r['mac_cost']:.1%} of the time", flush=True)
                 mac_rows.append(f"| {mode} | {float(density):.0%} | {omni * 1e3:.1f} | {no_mac * 1e3:.1f} | "
                                 f"{r['mac_cost']:.1%} |")
+            cases = [(f"{float(density):.0%}, {BLOCK}-value blocks", r["omnireduce_s"], r["cpu"])]
+            if "path_s" in r:
+                cases.append((f"{float(density):.0%}, path-sized blocks", r["path_s"], r["path_cpu"]))
+            for label, samples, cpu in cases:
+                fast = fast_view(payload["elements"], statistics.median(samples), ring, cpu, floor, n)
+                r.setdefault("fast", {})[label] = fast
+                print(f"  {label}: goodput omnireduce {fast['gbps']:.2f} Gbit/s, {engine} "
+                      f"{fast['ring_gbps'] or float('nan'):.2f} ({fast['ratio'] or float('nan'):.2f}x) | CPU ns/element "
+                      f"(memcpy {floor:.2f}): worker {fast['worker_ns']:.2f} ({fast['worker_ns'] / floor:.1f}x), "
+                      f"aggregators {fast['aggregator_ns']:.2f} | one core feeds: a worker "
+                      f"{fast['worker_core_gbps']:.1f} Gbit/s, aggregators {fast['switch_core_gbps_per_worker']:.1f} "
+                      f"Gbit/s per worker | cores for " + ", ".join(
+                          f"{k} Gbit/s per worker: worker {c['worker']:.1f}, aggregators {c['switch']:.1f}"
+                          for k, c in fast["cores"].items()), flush=True)
+                fast_rows.append(f"| {mode} | {label} | {fast['gbps']:.2f} | {fast['ring_gbps'] or float('nan'):.2f} | "
+                                 f"{fast['ratio'] or float('nan'):.2f}x | {fast['worker_ns']:.2f} "
+                                 f"({fast['worker_ns'] / floor:.1f}x) | {fast['aggregator_ns']:.2f} | "
+                                 f"{fast['worker_core_gbps']:.1f} / {fast['switch_core_gbps_per_worker']:.1f} | "
+                                 + " | ".join(f"{c['worker']:.1f} / {c['switch']:.1f}" for c in fast["cores"].values())
+                                 + " |")
             r["bottleneck"] = common.bottleneck(omni, r["breakdowns"], "n/a: loopback", "aggregators")
             rows.append(f"| {mode} | {float(density):.0%} | {own:.4f} / {r['measured_union_density']:.4f} | "
                         f"{omni * 1e3:.1f} | {ring * 1e3 if ring else float('nan'):.1f} | "
@@ -203,12 +277,22 @@ def main(argv=None):
                 "| aggregators | nominal density | measured own / union | omnireduce ms | ring ms | ring/omni | "
                 "sent / model MiB | recv / model MiB | ring MiB each way | bottleneck (omnireduce) |\n"
                 "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
-                "\nThe packet MACs' cost (SipHash-2-4 over every packet and result, switch/csrc; the rows above "
+                "\nThe packet MACs' cost (ChaCha20-Poly1305 over every packet and result, switch/csrc; the rows above "
                 "are with MACs, the default): the same allreduce with COMMLIB_AUTHENTICATE=0.\n\n"
                 "| aggregators | density | with MACs ms | without ms | share of the time |\n|---|---|---|---|---|\n"
-                + "\n".join(mac_rows) + "\n")
+                + "\n".join(mac_rows) + "\n"
+                f"\nThe fast-network view (issue 25): loopback goodput (elements x 32 bits / median time) against "
+                f"the ring in the same processes; CPU ns per element of a worker (its calling thread in the C call, "
+                f"mean over ranks; x the memcpy of the tensor, {floor:.2f} ns here) and of all aggregators together "
+                f"(their serving threads); from those, the link rate one core of each role feeds (Gbit/s of float32 "
+                f"gradients per worker) and the cores per role for 10, 25 and 100 Gbit/s per worker (worker / "
+                f"aggregators). The host was loaded (load average {load_before[0]:.1f} on {os.cpu_count()} CPUs): "
+                f"goodputs are noisy, CPU times less so.\n\n"
+                "| aggregators | case | omnireduce Gbit/s | ring Gbit/s | ratio | worker ns/element | aggregators "
+                "ns/element | one core feeds, worker / aggregators (Gbit/s) | cores at 10 Gbit/s | at 25 | at 100 |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(fast_rows) + "\n")
     settings = {"workers": n, "mib": args.mib, "runs": args.runs, "densities": args.densities, "modes": modes,
-                "block": BLOCK, "quick": args.quick, "loadavg": load_before}
+                "block": BLOCK, "quick": args.quick, "loadavg": load_before, "memcpy_ns": floor}
     common.save("omnireduce", settings, results, markdown)
     print(markdown)
     return 0

@@ -14,6 +14,7 @@ run's, with what the relay did and what
 the daemons and workers counted (retransmissions, late packets refused).
 
     python benchmarks/faults.py [--quick] [--ranks 4] [--elements 1048576] [--repeat 3] [--packet-elems 0]
+                                [--omnireduce-block 256]
 Results: benchmarks/results/faults.json (and RESULTS.md). Exits 1 when a result differs.
 The relay is Python on the same cores as the job: its own latency is part of every time, the
 fault-free one included, so the times compare faults with each other, not with a real fabric.
@@ -49,7 +50,7 @@ PROFILES = [
 ALGORITHMS = {
     "switchml": (sml.SwitchMLBackend, dict(switch_window=64, switch_retransmit_ms=10.0, switch_retransmit_max_ms=100.0)),
     "omnireduce": (om.OmniReduceBackend, dict(omnireduce_mode="dedicated", omnireduce_num_aggregators=1,
-                                              omnireduce_block_size=256, omnireduce_columns=64,
+                                              omnireduce_columns=64,
                                               omnireduce_retransmit_ms=10.0)),
 }
 
@@ -71,11 +72,13 @@ def inputs(algorithm, ranks, elements):
     return out
 
 
-def run(algorithm, faults, ranks, tensors, seed, packet_elems=0):
+def run(algorithm, faults, ranks, tensors, seed, packet_elems=0, omnireduce_block=256):
     """(seconds of the slowest rank, results by rank, relay counters, backend counters of rank 0)."""
     base, settings = ALGORITHMS[algorithm]
     if algorithm == "switchml":
         settings = dict(settings, switch_packet_elems=packet_elems)
+    else:
+        settings = dict(settings, omnireduce_block_size=omnireduce_block)
     backend_cls, relays = relayed(base, faults, seed)
     group = LocalGroup(ranks, Settings({"timeout_s": 60.0, **settings}))
     stats = {}
@@ -123,6 +126,8 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=3, help="jobs per fault (the median time is shown)")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 64 Ki elements, one job per fault")
     parser.add_argument("--packet-elems", type=int, default=0, help="switchml's values per packet (0: the path's)")
+    parser.add_argument("--omnireduce-block", type=int, default=256, help="omnireduce's values per block and packet "
+                        "(0: the path's)")
     args = parser.parse_args(argv)
     if args.quick:
         args.ranks, args.elements, args.repeat = 2, 1 << 16, 1
@@ -136,7 +141,8 @@ def main(argv=None):
             times, same = [], True
             for k in range(args.repeat):
                 seconds, results, relay, stats = run(algorithm, faults, args.ranks, tensors, seed=100 * k + i + 1,
-                                                     packet_elems=args.packet_elems)
+                                                     packet_elems=args.packet_elems,
+                                                     omnireduce_block=args.omnireduce_block)
                 if reference is None:
                     reference = results[0]
                 same &= all(got.tobytes() == want.tobytes() for rank in results for got, want in zip(rank, reference))
@@ -160,7 +166,8 @@ def main(argv=None):
                 "| algorithm | fault | seconds | x none | identical | relay made | job counted |\n"
                 "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
     common.save("faults", {"ranks": args.ranks, "elements": args.elements, "repeat": args.repeat,
-                             "quick": args.quick, "packet_elems": args.packet_elems}, rows, markdown)
+                             "quick": args.quick, "packet_elems": args.packet_elems,
+                             "omnireduce_block": args.omnireduce_block}, rows, markdown)
     return 0 if identical else 1
 
 

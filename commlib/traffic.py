@@ -9,16 +9,18 @@ with a presence count per row:
   sparse_allgather  commlib's ring allgather pads every rank's payload to the largest one, P_max =
                     8 + n_max (4 + b) (int32 indices, where the table allows): up = down = (N - 1) P_max
   omnireduce        row blocks (omnireduce_rows_per_block whole rows each, one by default); a
-                    packet of a block costs q = block bytes + h, a header-only one h = 48 (header,
+                    packet of a block costs q = block bytes + h, a header-only one h (header and
                     MAC: an authenticated job, the default; the IP/UDP headers come once per GSO
-                    batch and a result's 12-byte server stamp, about 1%: not counted); o_r own blocks, V
+                    batch), a result s more (its server stamp); the constants are
+                    commlib.switch.omnireduce_model's, from omnireduce.h; o_r own blocks, V
                     union blocks, C columns. Every worker bootstraps every column (C packets,
-                    header-only when zero), gets C + V results and acknowledges every 4th round it
+                    header-only when zero), gets C + V results and acknowledges every A-th round it
                     is silent in; its colocated aggregator serves C/N columns: it gets the others'
                     packets for them and sends them their results. What a worker and its own
                     aggregator exchange stays on the host, so every term crosses the link (N-1)/N:
-                    up = ((o_me q + C h + (C + V - o_me) h / 4) + (V q + C h)) (N-1)/N,
-                    down = ((V q + C h) + (mean(o) q + C h + (C + V - mean(o)) h / 4)) (N-1)/N
+                    R = V (q + s) + C (h + s) (results),
+                    up = ((o_me q + C h + (C + V - o_me) h / A) + R) (N-1)/N,
+                    down = (R + (mean(o) q + C h + (C + V - mean(o)) h / A)) (N-1)/N
   hotcold           once the ranks agreed on K hot rows (a window of counts: before the first one
                     K = 0 and it costs what its cold carrier costs, so auto never prefers it):
                     the slab of K (w + 1) values through switchml (up = down = slab; ring: 2 slab
@@ -39,9 +41,6 @@ with a presence count per row:
 import numpy as np
 
 from commlib.sparse import others_union_sizes, payload_bytes, presence_words, sketch, union_size
-
-HEADER = 40 + 8   # omnireduce's per-packet header and MAC (switch/csrc/omnireduce.h)
-ACK_EVERY = 4     # a silent omnireduce worker acknowledges every OMR_SETS / 2 rounds
 
 
 def estimate(stats, models):
@@ -88,16 +87,17 @@ def omnireduce_stats(slots, rows, columns):
 
 def omnireduce(stats, itemsize):
     """(up, down) bytes per worker of omnireduce's row blocks (colocated aggregators)."""
+    from commlib.switch import omnireduce_model as wire   # the C extension's constants: only where omnireduce runs
     n, first = len(stats), stats[0]
-    h = HEADER
+    h, stamp = wire.HEADER + wire.MAC, wire.STAMP
     q = first["block"] * itemsize + h
     per, columns = first["group_blocks"], first["columns"]
     own = [s["blocks"] * per for s in stats]
     union = union_size([s["block_sketch"] for s in stats], [s["blocks"] for s in stats]) * per
-    results = union * q + columns * h
+    results = union * (q + stamp) + columns * (h + stamp)
 
     def uploads(blocks):   # a worker's data, bootstrap and acknowledgements
-        return blocks * q + columns * h + (columns + union - blocks) * h / ACK_EVERY
+        return blocks * q + columns * h + (columns + union - blocks) * h / wire.ACK_EVERY
 
     share = (n - 1) / n
     return (uploads(max(own)) + results) * share, (results + uploads(sum(own) / n)) * share

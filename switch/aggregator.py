@@ -53,7 +53,6 @@ log = logging.getLogger("commlib.omnireduce")
 
 SOCKET_BUFFER = 4 << 20                  # bytes: a window of blocks
 _PARAMS = ("size", "columns", "aggregators", "index", "block")
-_OMR_SETS = 8                            # switch/csrc/omnireduce_internal.h: shadow sets per slot
 REGISTER_BYTES = 1024                    # a register's padded size: room for its answer or refusal
 QUERY_BYTES = 4000                       # a counters request's padded size (OMR_CTRL_MAX is 4096)
 
@@ -70,6 +69,14 @@ def make_socket(host, port=0):
     except OSError as exc:
         raise BackendUnavailable(f"omnireduce: cannot bind UDP {host}:{port}: {exc}; "
                                  f"set COMMLIB_OMNIREDUCE_HOST to an address of this host") from None
+
+
+def path_block(addresses):
+    """Elements per block for the paths to these aggregators ((ip, port) each): the most whose RESULT
+    (header, block, stamp, MAC) fits one datagram of the smallest path MTU unfragmented, within
+    OMR_MAX_BLOCK (loopback: OMR_MAX_BLOCK; a 1500-byte path: 349)."""
+    mtu = min(net.path_mtu_to(address) for address in addresses)
+    return net.path_values(mtu, lib.OMR_HDR_BYTES + lib.OMR_STAMP_BYTES + lib.OMR_MAC_BYTES, lib.OMR_MAX_BLOCK)
 
 
 def resolve_address(text):
@@ -96,7 +103,7 @@ def job_bytes(params):
     few bytes per worker."""
     size, columns, aggregators, index, block = (params[name] for name in _PARAMS)
     slots = 2 * max(0, math.ceil((columns - index) / aggregators))
-    return slots * (size * 9 + block * 4 * (1 + _OMR_SETS) + 64) + size * 32
+    return slots * (size * 9 + block * 4 * (1 + lib.OMR_SETS) + 64) + size * 32
 
 
 def _check_params(params):
@@ -408,9 +415,11 @@ def keepalive(sock, aggregators, jobs, rank, mac_key=None):
     """Best effort: this rank of the job lives though it may send no data (its aggregators keep its
     state). jobs: (job, key) at each aggregator, as `register` answered; mac_key: the job key of its
     packets (None: no MACs)."""
-    buf = ffi.new("uint8_t[]", 64)
+    buf = ffi.new("uint8_t[]", lib.OMR_HDR_BYTES + lib.OMR_MAC_BYTES)
     for address, (job, key) in zip(aggregators, jobs):
         n = lib.omr_keepalive_packet(buf, job, key, rank, ffi.NULL if mac_key is None else mac_key)
+        if n < 0:   # no MAC (OpenSSL failed): the job's idle timer will say the rest
+            continue
         try:
             sock.sendto(bytes(ffi.buffer(buf, n)), address)
         except OSError:

@@ -33,3 +33,19 @@ def path_mtu(sock, default=1500):
         return sock.getsockopt(socket.IPPROTO_IP, getattr(socket, "IP_MTU", 14))
     except OSError:
         return default
+
+
+def path_mtu_to(address, default=1500):
+    """The MTU of the path to (ip, port): path_mtu of a UDP socket connected there (nothing is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(address)
+        except OSError:
+            return default
+        return path_mtu(sock, default)
+
+
+def path_values(mtu, overhead, most):
+    """The most 4-byte values whose datagram (plus `overhead` bytes: headers, stamp, MAC) fits one
+    IPv4 packet of this MTU unfragmented, within 1..most."""
+    return max(1, min(most, (mtu - 28 - overhead) // 4))   # 28: IPv4 and UDP headers

@@ -2,18 +2,21 @@
 
 `paper_model`: the OmniReduce paper's (Fei et al., SIGCOMM'21): a worker uploads its own non-zero blocks plus 4 bytes
 of metadata per block and downloads every block of the union.
-`wire_model`: what commlib's UDP protocol puts on the wire without loss, to the byte: one 40-byte
-header per packet (the paper's 4 bytes of `next` included) and, on an authenticated job, its
-8-byte MAC, header-only packets for all-zero bootstrap blocks and results, each result's 12-byte
-stamp (the aggregator's share of the round, for the latency breakdown), and the silent workers' ACK
-every OMR_SETS/2 rounds.
+`wire_model`: what commlib's UDP protocol puts on the wire without loss, to the byte: one header
+per packet (the paper's 4 bytes of `next` included) and, on an authenticated job, its MAC,
+header-only packets for all-zero bootstrap blocks and results, each result's stamp (the
+aggregator's share of the round, for the latency breakdown), and the silent workers' ACK every
+ACK_EVERY rounds. commlib.traffic's omnireduce model counts with the same constants.
 """
 import numpy as np
 
-HEADER = 40
-MAC = 8                  # the packet MAC of an authenticated job (switch/csrc/omnireduce.h)
-STAMP = 12               # OMR_STAMP_BYTES: on every result
-ACK_EVERY = 4            # OMR_SETS / 2
+from commlib._native import lib
+
+# switch/csrc/omnireduce.h's
+HEADER = lib.OMR_HDR_BYTES
+MAC = lib.OMR_MAC_BYTES          # the packet MAC of an authenticated job: its nonce counter and tag
+STAMP = lib.OMR_STAMP_BYTES      # on every result
+ACK_EVERY = lib.OMR_ACK_EVERY    # a silent worker acknowledges every this many rounds
 
 
 def paper_model(own_blocks, union_blocks, block_bytes):

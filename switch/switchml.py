@@ -91,8 +91,7 @@ def path_elems(mtu):
     """Values per packet for a path of this MTU: the most whose DATA packet and RESULT (stamp and MAC
     included) fit one IPv4 datagram unfragmented, within MAX_ELEMS (a block holding Inf/NaN adds its
     flag region and may fragment: rare, and still correct)."""
-    room = mtu - 28 - HDR_LEN - lib.SML_STAMP_LEN - lib.SML_SEQ_LEN - lib.SML_MAC_LEN   # 28: IPv4 and UDP headers
-    return max(1, min(MAX_ELEMS, room // 4))
+    return net.path_values(mtu, HDR_LEN + lib.SML_STAMP_LEN + lib.SML_SEQ_LEN + lib.SML_MAC_LEN, MAX_ELEMS)
 
 
 def token32(job_token):

@@ -123,9 +123,10 @@ def omnireduce_inputs(n, block=32):
     return out
 
 
-def run_omnireduce(n, faults, seed=2):
-    """omnireduce_inputs through one spawned (dedicated) aggregator behind a relay."""
-    inputs = omnireduce_inputs(n)
+def run_omnireduce(n, faults, seed=2, block=32):
+    """omnireduce_inputs through one spawned (dedicated) aggregator behind a relay; block 0: sized by
+    the path (the inputs' blocks of 1001)."""
+    inputs = omnireduce_inputs(n, block or 1001)
     backend_cls, relays = relayed(om.OmniReduceBackend, faults, seed)
 
     def work(rank, backend):
@@ -133,17 +134,17 @@ def run_omnireduce(n, faults, seed=2):
 
     try:
         results = run_ranks(n, backend_cls, work, omnireduce_mode="dedicated", omnireduce_num_aggregators=1,
-                            omnireduce_block_size=32, omnireduce_columns=24, omnireduce_retransmit_ms=3.0)
+                            omnireduce_block_size=block, omnireduce_columns=24, omnireduce_retransmit_ms=3.0)
     finally:
         for relay in relays:
             relay.stop()
     return results, relays[0].counters
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_omnireduce_bit_identical_under_reordering_jitter_loss_duplication(n):
-    inputs = omnireduce_inputs(n)
-    faulty, relayed = run_omnireduce(n, NASTY)
+@pytest.mark.parametrize("n, block", [(2, 32), (4, 32), (2, 1001), (2, 0)])   # 1001: not a multiple of the vectors
+def test_omnireduce_bit_identical_under_reordering_jitter_loss_duplication(n, block):
+    inputs = omnireduce_inputs(n, block or 1001)
+    faulty, relayed = run_omnireduce(n, NASTY, block=block)
     for rank in range(n):
         for i, x in enumerate(inputs):   # integer-valued: exact in any order of addition
             assert faulty[rank][i].tobytes() == x.sum(axis=0, dtype=x.dtype).tobytes(), f"tensor {i} rank {rank}"

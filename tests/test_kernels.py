@@ -1,8 +1,8 @@
 """SwitchML's block exponents (commlib.kernels) against numpy, and every kernel of
 commlib/csrc/kernels.h the same bits with the portable scalar code and the AVX2 code (and as numpy
 computes them). The quantization is also checked through the real path, a switch and its workers (test_switchml_backend.py: the bound,
-zero blocks, full-scale blocks that must not overflow, int32 wrapping); the block scan through
-omnireduce's block_mask (test_omnireduce.py)."""
+zero blocks, full-scale blocks that must not overflow, int32 wrapping); omnireduce's block scan and
+sums also through its backend (test_omnireduce.py)."""
 import numpy as np
 import pytest
 
@@ -126,3 +126,88 @@ def test_block_exponents_same_scalar_and_vector(levels, n, block):
         x[-1] = np.float32(2.0 ** 127)                       # finite but out of range
     scalar, vector = levels(lambda: (lambda e, bad: (e.tobytes(), bad))(*kernels.block_exponents(x, block)))
     assert scalar == vector
+
+
+# -- omnireduce: the non-zero-block scan and the aggregators' sums -----------------------------------
+OMR_BLOCKS = [1, 7, 8, 9, 256, 1001, 16000]   # around the 8-lane vectors, the default, and path-sized blocks
+
+
+def _sparse(n, block, int32, seed):
+    """Blocks that are all zero, zero but for a -0.0 (float) or one element at either end, tiny, NaN, Inf."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 1000).astype(np.float32)
+    nb = -(-n // block)
+    for b in range(nb):
+        lo, hi = b * block, min(n, (b + 1) * block)
+        kind = rng.integers(0, 7)
+        if kind < 5:
+            x[lo:hi] = 0
+        if kind == 1:
+            x[lo] = -0.0                          # float: still a zero block at threshold 0
+        elif kind == 2:
+            x[hi - 1] = 3.0                       # one element, in the tail lanes
+        elif kind == 3:
+            x[lo] = 1e-3                          # under the threshold below
+        elif kind == 4:
+            x[(lo + hi) // 2] = np.nan if not int32 else 5.0
+    return x.astype(np.int32) if int32 else x
+
+
+@pytest.mark.parametrize("block", OMR_BLOCKS)
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+@pytest.mark.parametrize("threshold", [0.0, 0.01, 2.5])
+def test_block_mask_same_scalar_and_vector_and_as_numpy(levels, block, dtype, threshold):
+    int32 = dtype == "int32"
+    n = 3 * block + block // 2 + 1                       # a tensor not a multiple of the block
+    x = _sparse(n, block, int32, block)
+    nb = -(-n // block)
+
+    def scan():
+        mask = np.full(nb, 7, np.uint8)
+        count = lib.cl_block_mask(ffi.from_buffer(x), n, int(int32), block, threshold, _ptr(mask, "uint8_t *"))
+        return mask.tobytes(), count
+
+    scalar, vector = levels(scan)
+    assert scalar == vector, (scalar, vector)
+    padded = np.zeros(nb * block, np.float64)
+    padded[:n] = x
+    if threshold == 0.0 and not int32:
+        want = (np.frombuffer(np.pad(x, (0, nb * block - n)).tobytes(), np.uint32).reshape(nb, block)
+                & 0x7FFFFFFF).any(axis=1)
+    else:
+        t = threshold if not int32 or threshold >= 0.5 else 0.0
+        want = (~(np.abs(padded.reshape(nb, block)) <= t)).any(axis=1)
+    assert scalar == (want.astype(np.uint8).tobytes(), int(want.sum())), (scalar, want)
+
+
+@pytest.mark.parametrize("n", SIZES + [16000])
+def test_aggregator_sums_same_bits_scalar_and_vector_and_as_numpy(levels, n):
+    rng = np.random.default_rng(n)
+    acc_f, src_f = _floats(n, n), _floats(n, n + 1)
+    acc_i = rng.integers(-2 ** 31, 2 ** 31, n, dtype=np.int32)
+    src_i = rng.integers(-2 ** 31, 2 ** 31, n, dtype=np.int32)
+    src_i[:2] = [2 ** 31 - 1, -2 ** 31][:n]                  # the wrap at both ends
+    packet_f, packet_i = b"\0" + src_f.tobytes(), b"\0" + src_i.tobytes()   # a packet's block: any alignment
+
+    def add():
+        f, i = acc_f.copy(), acc_i.copy()
+        lib.cl_add_f32(_ptr(f, "float *"), ffi.from_buffer(packet_f) + 1, n)
+        lib.cl_add_i32(_ptr(i, "int32_t *"), ffi.from_buffer(packet_i) + 1, n)
+        return f.tobytes(), i.tobytes()
+
+    scalar, vector = levels(add)
+    assert scalar == vector
+    assert scalar == ((acc_f + src_f).tobytes(), (acc_i.astype(np.int64) + src_i).astype(np.int32).tobytes())
+
+
+@pytest.mark.parametrize("n", SIZES + [16000 * 4 + 52])
+def test_checksum_same_scalar_and_vector_and_as_written_out(levels, n):
+    """transport.h's checksum (its word loop is cl_checksum_words) over n bytes, a partial word at the
+    end when n is not a multiple of 4: s1 = sum w_i, s2 = sum i * w_i (mod 2^32), s1 ^ rot16(s2) ^ n."""
+    data = np.random.default_rng(n).bytes(n)
+    scalar, vector = levels(lambda: lib.tp_checksum(data, n))
+    assert scalar == vector
+    words = np.frombuffer(data + bytes(-n % 4), "<u4").astype(np.uint64)
+    s1 = int(words.sum()) & 0xFFFFFFFF
+    s2 = int((words * np.arange(1, words.size + 1, dtype=np.uint64) % 2 ** 32).sum()) & 0xFFFFFFFF
+    assert scalar == s1 ^ ((s2 << 16 | s2 >> 16) & 0xFFFFFFFF) ^ n

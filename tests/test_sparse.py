@@ -8,6 +8,7 @@ import pytest
 from commlib import analyze, dispatch, sparse, timeline, traffic
 from commlib.backends.hotcold import HotColdBackend
 from commlib.backends.omnireduce import block_mask
+from commlib.switch import omnireduce_model as wire
 from launch import spawn
 
 # switchml quantizes (its bound, relative to the largest value); the others sum in float32
@@ -81,7 +82,8 @@ def test_most_rows_touched_go_dense():
 
 
 def test_one_touched_row_costs_one_row_in_omnireduce():
-    """Scattered rows of 32 values: omnireduce's row blocks move a row and a header per touched row
+    """Scattered rows of 32 values: omnireduce's row blocks move a row and a header (MAC and, in a
+    result, stamp) per touched row
     (the job's 256-element blocks moved 7 rows per touched row). A worker receives the union's
     rows and, for the quarter of columns its colocated aggregator serves, the others' rows; a
     quarter of each stays on the host (its own aggregator's)."""
@@ -89,7 +91,7 @@ def test_one_touched_row_costs_one_row_in_omnireduce():
     ranks = [g.choice(100_000, 2000, replace=False) for _ in range(4)]
     one = dispatch.estimate_traffic(stats(ranks), ["omnireduce"])["omnireduce"]
     whole = dispatch.estimate_traffic(stats(ranks, rows_per_block=0), ["omnireduce"])["omnireduce"]
-    rows = (8000 + 2000) * 3 / 4 * (33 * 4 + traffic.HEADER)   # ~disjoint: union 8000
+    rows = (8000 + 2000) * 3 / 4 * (33 * 4 + wire.HEADER + wire.MAC + wire.STAMP)   # ~disjoint: union 8000
     assert rows < one["down"] < 1.1 * rows, one
     assert whole["down"] > 3 * one["down"], (one, whole)   # 7 rows a block: 8000 rows touch ~5300 blocks
 

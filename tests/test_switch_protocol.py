@@ -53,7 +53,7 @@ def data(job, rank, pkt, slot, set, values=None, exp=0, token=TOKEN, nf=None):
 
 
 def parse(packet):
-    fields = struct.unpack("!BBBBIHbBII", packet[:20])
+    fields = sw.HEADER.unpack(packet[:sw.HDR_LEN])
     names = ("type", "flags", "job", "rank", "pkt", "pool", "exp", "code", "token", "checksum")
     out = dict(zip(names, fields))
     n = {0: 0, 1: 64, 2: 256}[out["flags"] & 3]

@@ -58,7 +58,7 @@ def test_late_packet_before_the_set_is_reused_gets_the_stored_result(job2):
     assert (c["replays"], c["aggregated"], c["drop_late"]) == (1, 3, 0)
 
 
-# -- the MACs: SipHash-2-4 (omnireduce), ChaCha20-Poly1305 (switchml) -----------------------------
+# -- the MACs: ChaCha20-Poly1305 (switchml, omnireduce) ---------------------------------------------
 M64 = (1 << 64) - 1
 SML_LABEL = b"commlib switchml packets"
 
@@ -76,47 +76,6 @@ def sml_result_mac_ok(job_key, raw, packet_id):
     """Whether a RESULT's MAC (after its seq) is the MAC of its bytes for round `packet_id`."""
     seq = int.from_bytes(raw[-24:-16], "big")
     return raw[-16:] == sml_mac(job_key, 2, 0, seq, packet_id, raw[:-16])
-
-
-def siphash24(key, data):
-    """SipHash-2-4 written out from the paper (Aumasson and Bernstein), independent of the C."""
-    def rotl(x, b):
-        return ((x << b) | (x >> (64 - b))) & M64
-
-    def rounds(v, n):
-        v0, v1, v2, v3 = v
-        for _ in range(n):
-            v0 = (v0 + v1) & M64; v1 = rotl(v1, 13) ^ v0; v0 = rotl(v0, 32)
-            v2 = (v2 + v3) & M64; v3 = rotl(v3, 16) ^ v2
-            v0 = (v0 + v3) & M64; v3 = rotl(v3, 21) ^ v0
-            v2 = (v2 + v1) & M64; v1 = rotl(v1, 17) ^ v2; v2 = rotl(v2, 32)
-        return [v0, v1, v2, v3]
-
-    k0, k1 = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:16], "little")
-    v = [k0 ^ 0x736F6D6570736575, k1 ^ 0x646F72616E646F6D, k0 ^ 0x6C7967656E657261, k1 ^ 0x7465646279746573]
-    tail = len(data) % 8
-    words = [int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data) - tail, 8)]
-    words.append((len(data) & 0xFF) << 56 | int.from_bytes(data[len(data) - tail:], "little"))
-    for m in words:
-        v[3] ^= m
-        v = rounds(v, 2)
-        v[0] ^= m
-    v[2] ^= 0xFF
-    v = rounds(v, 4)
-    return v[0] ^ v[1] ^ v[2] ^ v[3]
-
-
-def test_siphash_reference_vectors_and_any_length():
-    lib = sw.lib
-    key = bytes(range(16))
-    # the reference implementation's vectors (key 00..0f, message 00..len-1)
-    for length, want in [(0, 0x726FDB47DD0E0E31), (1, 0x74F839C593DC67FD), (15, 0xA129CA6149BE45E5)]:
-        assert lib.tp_siphash(key, bytes(range(length)), length) == want
-        assert siphash24(key, bytes(range(length))) == want
-    rng = np.random.default_rng(0)
-    for length in [2, 7, 8, 9, 16, 40, 63, 64, 1044, 1308]:
-        k, m = rng.bytes(16), rng.bytes(length)
-        assert lib.tp_siphash(k, m, length) == siphash24(k, m), length
 
 
 def test_the_packet_mac_is_chacha20_poly1305_over_the_full_packet_id():
@@ -141,6 +100,66 @@ def test_the_packet_mac_is_chacha20_poly1305_over_the_full_packet_id():
         if length:
             changed = bytes([raw[0] ^ 1]) + raw[1:]
             assert lib.tp_mac_check(mac, nonce, pid.to_bytes(8, "big"), 8, changed, length, tag) == 0
+
+
+OMR_LABEL = b"commlib omnireduce packets"
+
+
+def omr_mac(job_key, head, payload, counter):
+    """omnireduce.h's packet MAC, with the `cryptography` package: the nonce counter (8 bytes,
+    little-endian), then ChaCha20-Poly1305's tag under HKDF-SHA256(job key, label) with the nonce
+    (type, 0, rank field, counter) over `head` (the header, then a result's stamp) and the block."""
+    key = HKDF(hashes.SHA256(), 32, None, OMR_LABEL).derive(job_key)
+    ctr = counter.to_bytes(8, "little")
+    return ctr + ChaCha20Poly1305(key).encrypt(head[:1] + b"\0" + head[2:4] + ctr, b"", head + payload)
+
+
+@pytest.mark.parametrize("block", [5, 1001])
+def test_omnireduce_macs_are_chacha20_poly1305_with_the_stamp_inside(block):
+    """A C aggregator takes DATA MAC'd by the `cryptography` package (omnireduce.h's construction)
+    and sends a RESULT whose MAC that package verifies, the stamp and the block inside it; each
+    result is MAC'd under a counter of its own, a tampered DATA is dropped."""
+    lib, ffi = sw.lib, sw.ffi
+    key, jkey = bytes(range(40, 56)), 0x5EC12E7
+    agg_sock, *ranks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    for s in (agg_sock, *ranks):
+        s.bind(("127.0.0.1", 0))
+        s.settimeout(2.0)
+    agg = ffi.gc(lib.omr_agg_new(agg_sock.fileno(), 7), lib.omr_agg_free)
+    job = lib.omr_agg_add_job(agg, jkey, 2, 1, 1, 0, block, 0.0, 0.0, key)
+    assert job >= 0
+    for rank, s in enumerate(ranks):
+        assert lib.omr_agg_set_worker(agg, job, rank, b"127.0.0.1", s.getsockname()[1]) == 0
+    hdr = OMR_HDR
+    values = [np.arange(block, dtype=np.float32) * (rank + 1) for rank in range(2)]
+    counters = set()
+    for seq in range(2):
+        for rank, s in enumerate(ranks):
+            payload = values[rank].tobytes()
+            fields = [lib.OMR_DATA, lib.OMR_F_MAC, rank, job, jkey, seq, 0, 0, 0, lib.OMR_INF, 0, 0]
+            fields[-1] = lib.tp_checksum(hdr.pack(*fields) + payload, hdr.size + len(payload))
+            head = hdr.pack(*fields)
+            mac = omr_mac(key, head, payload, 1000 * seq + rank)
+            if rank == 0 and seq == 0:      # tampered first: dropped, the genuine one is taken
+                s.sendto(head + payload + mac[:-1] + bytes([mac[-1] ^ 1]), agg_sock.getsockname())
+            s.sendto(head + payload + mac, agg_sock.getsockname())
+        assert lib.omr_agg_run(agg, 200) >= 0
+        for s in ranks:
+            raw = s.recv(65536)
+            fields = hdr.unpack(raw[:hdr.size])
+            assert fields[0] == lib.OMR_RESULT and fields[1] & lib.OMR_F_MAC and fields[1] & lib.OMR_F_STAMP, fields
+            body, mac = raw[hdr.size:-lib.OMR_MAC_BYTES], raw[-lib.OMR_MAC_BYTES:]
+            block_bytes, stamp = body[:-lib.OMR_STAMP_BYTES], body[-lib.OMR_STAMP_BYTES:]
+            counter = int.from_bytes(mac[:8], "little")
+            assert mac == omr_mac(key, raw[:hdr.size] + stamp, block_bytes, counter), "the result's MAC"
+            assert np.frombuffer(block_bytes, np.float32).tobytes() == (values[0] + values[1]).tobytes()
+            counters.add(counter)
+    assert len(counters) == 2, f"one MAC per result (sent to every worker), a new counter per result: {counters}"
+    stats = ffi.new("omr_astats *")
+    lib.omr_agg_stats(agg, stats)
+    assert stats.bad_mac == 1 and stats.data_recv == 4, (stats.bad_mac, stats.data_recv)
+    for s in (agg_sock, *ranks):
+        s.close()
 
 
 # -- an authenticated switchml job: packets written by hand ---------------------------------------
@@ -428,16 +447,15 @@ def sml_forge(data):
 
 def sml_nack(data):
     """A NACK ("the switch does not know this job") for the worker, sealed like the switch's."""
-    raw = bytearray(data[:20])
+    raw = bytearray(data[:sw.HDR_LEN])
     raw[0], raw[1], raw[11] = 3, 0, 1
-    return sw.pack_header(*struct.unpack("!BBBBIHbBII", bytes(raw))[:7], token=int.from_bytes(raw[12:16], "big"),
-                          code=1)
+    return sw.pack_header(*sw.HEADER.unpack(bytes(raw))[:7], token=int.from_bytes(raw[12:16], "big"), code=1)
 
 
 def omr_forge(data):
     """Other values in the block, the checksum made right again (it is public)."""
     fields = list(OMR_HDR.unpack(data[:40]))
-    mac = 8 if fields[1] & 16 else 0
+    mac = sw.lib.OMR_MAC_BYTES if fields[1] & sw.lib.OMR_F_MAC else 0
     payload = bytearray(data[40:len(data) - mac])
     if not payload:
         return data

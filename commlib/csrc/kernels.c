@@ -73,6 +73,58 @@ BODY void be_store(uint8_t *restrict dst, const int32_t *restrict src, size_t n)
     for (size_t i = 0; i < n; i++) wr32(dst + 4 * i, (uint32_t)src[i]);
 }
 
+/* OmniReduce's scan, per block: whether any element is non-zero (bits & keep: 0x7fffffff ignores a
+ * float's sign) or, with a threshold, above it; no early exit, so the loops vectorize */
+BODY int any_bits(const uint8_t *x, size_t n, uint32_t keep) {
+    uint32_t acc = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + 4 * i, 4);
+        acc |= u & keep;
+    }
+    return acc != 0;
+}
+
+BODY int any_above_f32(const float *x, size_t n, float t) {
+    int acc = 0;
+    for (size_t i = 0; i < n; i++) acc |= !(fabsf(x[i]) <= t);   /* NaN is above */
+    return acc;
+}
+
+BODY int any_above_i32(const int32_t *x, size_t n, double t) {
+    int acc = 0;
+    for (size_t i = 0; i < n; i++) acc |= fabs((double)x[i]) > t;
+    return acc;
+}
+
+BODY void add_f32(float *restrict dst, const uint8_t *restrict src, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        float v;
+        memcpy(&v, src + 4 * i, 4);
+        dst[i] += v;
+    }
+}
+
+BODY void add_i32(int32_t *restrict dst, const uint8_t *restrict src, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        uint32_t v;
+        memcpy(&v, src + 4 * i, 4);
+        dst[i] = (int32_t)((uint32_t)dst[i] + v);
+    }
+}
+
+BODY void checksum_words(const uint8_t *p, size_t words, uint32_t i, uint32_t *s1, uint32_t *s2) {
+    uint32_t a = 0, b = 0;
+    for (size_t k = 0; k < words; k++) {
+        uint32_t w;
+        memcpy(&w, p + 4 * k, 4);
+        a += w;
+        b += w * (i + (uint32_t)k + 1u);
+    }
+    *s1 += a;
+    *s2 += b;
+}
+
 BODY void quantize_tail(const float *x, size_t from, size_t n, double f, uint8_t *be) {
     for (size_t i = from; i < n; i++) wr32(be + 4 * i, (uint32_t)(int32_t)lrint((double)x[i] * f));
 }
@@ -86,12 +138,28 @@ static uint32_t absmax_scalar(const float *x, size_t n) { return absmax_bits(x, 
 static void be_load_scalar(int32_t *d, const uint8_t *s, size_t n) { be_load(d, s, n); }
 static void be_add_scalar(int32_t *d, const uint8_t *s, size_t n) { be_add(d, s, n); }
 static void be_store_scalar(uint8_t *d, const int32_t *s, size_t n) { be_store(d, s, n); }
+static int any_bits_scalar(const uint8_t *x, size_t n, uint32_t keep) { return any_bits(x, n, keep); }
+static int any_above_f32_scalar(const float *x, size_t n, float t) { return any_above_f32(x, n, t); }
+static int any_above_i32_scalar(const int32_t *x, size_t n, double t) { return any_above_i32(x, n, t); }
+static void add_f32_scalar(float *d, const uint8_t *s, size_t n) { add_f32(d, s, n); }
+static void add_i32_scalar(int32_t *d, const uint8_t *s, size_t n) { add_i32(d, s, n); }
+static void checksum_words_scalar(const uint8_t *p, size_t w, uint32_t i, uint32_t *s1, uint32_t *s2) {
+    checksum_words(p, w, i, s1, s2);
+}
 
 #if CL_X86
 AVX2 static uint32_t absmax_avx2(const float *x, size_t n) { return absmax_bits(x, n); }
 AVX2 static void be_load_avx2(int32_t *d, const uint8_t *s, size_t n) { be_load(d, s, n); }
 AVX2 static void be_add_avx2(int32_t *d, const uint8_t *s, size_t n) { be_add(d, s, n); }
 AVX2 static void be_store_avx2(uint8_t *d, const int32_t *s, size_t n) { be_store(d, s, n); }
+AVX2 static int any_bits_avx2(const uint8_t *x, size_t n, uint32_t keep) { return any_bits(x, n, keep); }
+AVX2 static int any_above_f32_avx2(const float *x, size_t n, float t) { return any_above_f32(x, n, t); }
+AVX2 static int any_above_i32_avx2(const int32_t *x, size_t n, double t) { return any_above_i32(x, n, t); }
+AVX2 static void add_f32_avx2(float *d, const uint8_t *s, size_t n) { add_f32(d, s, n); }
+AVX2 static void add_i32_avx2(int32_t *d, const uint8_t *s, size_t n) { add_i32(d, s, n); }
+AVX2 static void checksum_words_avx2(const uint8_t *p, size_t w, uint32_t i, uint32_t *s1, uint32_t *s2) {
+    checksum_words(p, w, i, s1, s2);
+}
 
 AVX2 static inline __m256i bswap_mask(void) {
     return _mm256_setr_epi8(3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12,
@@ -168,3 +236,29 @@ void cl_dequantize_be(const uint8_t *be, size_t n, int8_t exp, int nworkers, flo
 void cl_be_load(int32_t *dst, const uint8_t *src, size_t n) { PICK(be_load, dst, src, n); }
 void cl_be_add(int32_t *dst, const uint8_t *src, size_t n) { PICK(be_add, dst, src, n); }
 void cl_be_store(uint8_t *dst, const int32_t *src, size_t n) { PICK(be_store, dst, src, n); }
+
+size_t cl_block_mask(const void *x, size_t n, int int32, size_t block, double threshold, uint8_t *mask) {
+    size_t count = 0;
+    if (block == 0) return 0;
+    const uint8_t *bytes = (const uint8_t *)x;
+    for (size_t b = 0, start = 0; start < n; b++, start += block) {
+        size_t cnt = n - start < block ? n - start : block;
+        int nz;
+        if (int32)
+            nz = threshold < 0.5 ? PICK(any_bits, bytes + 4 * start, cnt, 0xffffffffu)   /* exact: any non-zero */
+                                 : PICK(any_above_i32, (const int32_t *)x + start, cnt, threshold);
+        else
+            nz = (float)threshold == 0.0f ? PICK(any_bits, bytes + 4 * start, cnt, 0x7fffffffu)
+                                          : PICK(any_above_f32, (const float *)x + start, cnt, (float)threshold);
+        mask[b] = (uint8_t)nz;
+        count += (size_t)nz;
+    }
+    return count;
+}
+
+void cl_add_f32(float *dst, const uint8_t *src, size_t n) { PICK(add_f32, dst, src, n); }
+void cl_add_i32(int32_t *dst, const uint8_t *src, size_t n) { PICK(add_i32, dst, src, n); }
+
+void cl_checksum_words(const uint8_t *p, size_t words, uint32_t i, uint32_t *s1, uint32_t *s2) {
+    PICK(checksum_words, p, words, i, s1, s2);
+}

@@ -1,5 +1,6 @@
 /* The per-element kernels of the data paths: SwitchML's block exponents and quantization, and
- * big-endian int32 lanes (the worker's packets, the switch's aggregation).
+ * big-endian int32 lanes (the worker's packets, the switch's aggregation); OmniReduce's non-zero-block
+ * scan and its aggregators' sums; the transport's checksum.
  *
  * Block quantization follows SwitchML: a block of floats with exponent e (max|x| < 2^e) is
  * scaled by f = INT32_MAX / (nworkers * 2^e), so the nworkers-way int32 sum cannot overflow.
@@ -31,6 +32,20 @@ void cl_dequantize_be(const uint8_t *be, size_t n, int8_t exp, int nworkers, flo
 void cl_be_load(int32_t *dst, const uint8_t *src, size_t n);    /* dst[i] = be32(src + 4i) */
 void cl_be_add(int32_t *dst, const uint8_t *src, size_t n);     /* dst[i] += be32(src + 4i), wrapping */
 void cl_be_store(uint8_t *dst, const int32_t *src, size_t n);   /* be32(dst + 4i) = src[i] */
+
+/* OmniReduce: which blocks of `block` elements (the last one may be partial) have any |x| > threshold
+ * (NaN counts; threshold 0: any bit but a float's sign bit, so -0.0 is zero): mask[b] = 0/1; returns
+ * the number of non-zero blocks. int32: the elements are int32, else float32. */
+size_t cl_block_mask(const void *x, size_t n, int int32, size_t block, double threshold, uint8_t *mask);
+
+/* OmniReduce's aggregators: dst[i] += the i-th little-endian element at src (a packet's block, any
+ * alignment); float32 adds in IEEE single precision (the same bits on both paths), int32 wraps. */
+void cl_add_f32(float *dst, const uint8_t *src, size_t n);
+void cl_add_i32(int32_t *dst, const uint8_t *src, size_t n);
+
+/* The transport's checksum (transport.h's tp_ck_update) over whole little-endian 32-bit words: adds
+ * sum w_k to *s1 and sum w_k * (i + k + 1) to *s2 (k = 0..words-1), wrapping. */
+void cl_checksum_words(const uint8_t *p, size_t words, uint32_t i, uint32_t *s1, uint32_t *s2);
 
 /* Which kernels run, for every thread: want 1 = the vector ones where the CPU has AVX2 (the
  * default), 0 = the portable scalar ones (tests compare the two). Returns 1 if the vector ones

@@ -33,12 +33,27 @@
  * payload and stamp.
  *
  * Authentication (a job registered with a job key, the default): every packet of the job, both
- * ways, has OMR_F_MAC set and ends with 8 bytes of SipHash-2-4 (transport.h) under the job key
- * over the header (csum included), the payload and the stamp; (seq, col, round) are inside, so a replayed
- * packet is one the protocol already treats as a duplicate. Packets without a valid MAC are
- * dropped and counted (bad_mac). ERRORs about a job the aggregator does not know carry no MAC
- * (it has no key for it): an authenticated worker reports one only if no progress follows before
- * its timeout, so a forged ERROR cannot end a job. */
+ * ways, has OMR_F_MAC set and ends with OMR_MAC_BYTES: an 8-byte nonce counter (little-endian),
+ * then the 16-byte tag of tp_mac (transport.h: ChaCha20-Poly1305 from OpenSSL as a nonce-based MAC,
+ * under HKDF-SHA256(job key, "commlib omnireduce packets"), as switchml.h's) over the header as sent
+ * (csum included), then a result's stamp, then the block (the stamp first: it and the header are
+ * one small piece, the block the other). Nonce (12 bytes): the packet's type, a zero byte, its
+ * `rank` field (little-endian 16 bits: the sender's rank for DATA/ACK/PULL/KEEPALIVE, the
+ * aggregator's index for RESULT/STATUS/ERROR), the counter. Why a (key, nonce) pair MACs one
+ * message only:
+ *   - job keys are per registration (a fresh job nonce), so nonces never meet another job's;
+ *   - the types of the two directions differ, and so do the senders of one direction (ranks;
+ *     aggregator indexes);
+ *   - a worker counts every packet it MACs (one counter per worker, across its aggregators), an
+ *     aggregator every packet of a job it MACs (one result sent to every worker is one MAC), each
+ *     from a random 64-bit start (RAND_bytes): a resent packet is MAC'd again under the next
+ *     counter, never the same counter over other bytes;
+ *   - a keepalive (made without the worker's state) takes a random counter.
+ * The receiver does not track counters: replays are the protocol's business, and (seq, col, round)
+ * are inside the MAC, so a replayed packet is one the protocol already treats as a duplicate.
+ * Packets without a valid MAC are dropped and counted (bad_mac). ERRORs about a job the aggregator
+ * does not know carry no MAC (it has no key for it): an authenticated worker reports one only if
+ * no progress follows before its timeout, so a forged ERROR cannot end a job. */
 #ifndef COMMLIB_OMNIREDUCE_H
 #define COMMLIB_OMNIREDUCE_H
 #include <stddef.h>
@@ -46,7 +61,10 @@
 
 #define OMR_INF 0xFFFFFFFFu       /* `next` of a column with nothing left */
 #define OMR_SETS 8                /* finished results kept per slot (even): bounds how far a slot runs ahead of a silent worker */
+#define OMR_ACK_EVERY (OMR_SETS / 2)   /* a silent worker acknowledges every this many rounds */
 #define OMR_HDR_BYTES 40
+#define OMR_NONCE_BYTES 8         /* a MAC'd packet's nonce counter */
+#define OMR_MAC_BYTES 24          /* what the MAC adds to a packet: the nonce counter and the 16-byte tag */
 #define OMR_MAX_BLOCK 16000       /* elements: a block and its header fit in one datagram */
 #define OMR_MAX_WORKERS 4096
 #define OMR_MAX_JOBS 256          /* per aggregator */
@@ -77,7 +95,7 @@
 #define OMR_F_INT32 2             /* payload is int32 (else float32) */
 #define OMR_F_ACKWAIT 4           /* STATUS: waiting for acknowledgements, not for blocks */
 #define OMR_F_RESEND 8            /* DATA sent again by the timer: answer with a replay or a STATUS */
-#define OMR_F_MAC 16              /* the packet ends with its MAC (TP_MAC_LEN bytes) */
+#define OMR_F_MAC 16              /* the packet ends with its MAC (OMR_MAC_BYTES) */
 #define OMR_F_STAMP 32            /* RESULT: the stamp (OMR_STAMP_BYTES) follows the block */
 #define OMR_STAMP_BYTES 12
 #define OMR_KEY_LEN 16
@@ -96,6 +114,7 @@
 #define OMR_EPROTO (-3)           /* inconsistent result (err_agg, err_col) */
 #define OMR_ESYS (-4)             /* socket error (err_code = errno) */
 #define OMR_EARG (-5)
+#define OMR_ENOMEM (-6)           /* out of memory for the call's per-column state (nothing was sent) */
 
 typedef struct {
     uint8_t type, flags;
@@ -118,6 +137,7 @@ typedef struct {
     uint32_t cols_left, err_nwaiting;
     double agg_silent_s;                                        /* how long err_agg has been silent */
     double srtt_us, rto_us;                                     /* round-trip estimate, timer */
+    uint64_t cpu_ns;                                            /* the call's CPU time (its thread) */
 } omr_wstats;
 
 typedef struct {
@@ -126,6 +146,7 @@ typedef struct {
     uint64_t dup_recv, stale_recv, bad_recv, bad_mac, refused, ctrl_recv, rounds, sim_dropped, sim_duplicated;
     uint64_t ctrl_dropped, keepalives_recv;   /* control datagrams the C loop dropped; keepalives accepted */
     uint64_t queue_ns, proc_ns;   /* over every packet received: kernel arrival -> handling; handling */
+    uint64_t cpu_ns;              /* CPU time of the thread(s) in omr_agg_run: receives, handling, sends */
 } omr_astats;
 
 /* worker: fd is a bound UDP socket owned by the caller */
@@ -136,7 +157,7 @@ omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs,
 int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint32_t job, uint32_t key,
                        const uint8_t *mac_key);
 /* out must be zeroed; block: this tensor's elements per block, 1..the job's block (0: the job's),
- * the same on every rank; mask from tp_block_mask (transport.h) with that block. One call per
+ * the same on every rank; mask from cl_block_mask (kernels.h) with that block. One call per
  * tensor, GIL released. */
 int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype, int block,
                          const uint8_t *mask, double timeout_s, omr_wstats *st);

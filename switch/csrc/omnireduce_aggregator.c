@@ -7,6 +7,8 @@
  * held there; duplicates of published rounds are answered by replaying the missing results. */
 #include "omnireduce_internal.h"
 
+#include "kernels.h"
+
 #include <stdio.h>
 
 typedef struct {
@@ -27,9 +29,10 @@ typedef struct {
 } omr_state;
 
 typedef struct {
-    int used, auth;
+    int used;
     uint32_t key;
-    uint8_t mac_key[OMR_KEY_LEN];         /* the job key of the packets' MACs (auth) */
+    tp_mac *mac;                          /* the packets' MAC under the job key; NULL: none (a trusted fabric) */
+    uint64_t counter;                     /* the next MAC's nonce counter (omnireduce.h) */
     int nworkers, ncols, naggs, index, block, nslots;
     size_t bbytes;
     double loss, dup;
@@ -85,6 +88,7 @@ omr_agg *omr_agg_new(int fd, uint64_t seed) {
 }
 
 static void free_job(omr_job *j) {
+    tp_mac_free(j->mac);
     free(j->addr); free(j->has_addr); free(j->states);
     free(j->nexts); free(j->acks); free(j->seens); free(j->accs); free(j->datas); free(j->alive);
     memset(j, 0, sizeof *j);
@@ -111,8 +115,10 @@ int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs
     omr_job *j = &a->jobs[id];
     memset(j, 0, sizeof *j);
     j->key = key; j->nworkers = nworkers; j->ncols = ncols; j->naggs = naggs; j->index = agg_index;
-    j->auth = mac_key != NULL;
-    if (mac_key) memcpy(j->mac_key, mac_key, OMR_KEY_LEN);
+    if (mac_key && (!(j->mac = tp_mac_new(mac_key, OMR_MAC_LABEL)) || omr_random64(&j->counter))) {
+        free_job(j);
+        return -1;
+    }
     j->block = block; j->bbytes = (size_t)block * 4; j->loss = loss; j->dup = dup;
     j->nslots = agg_index < ncols ? (ncols - agg_index + naggs - 1) / naggs : 0;
     size_t nst = (size_t)j->nslots * 2, nw = (size_t)nworkers;
@@ -212,7 +218,7 @@ static void send_to(omr_agg *a, omr_job *j, int rank, const omr_hdr *h, const vo
     omr_sendq_push_ready(&a->sq, &j->addr[rank], h, payload, len, trailer, tlen);
 }
 
-#define RESULT_TRAILER (OMR_STAMP_BYTES + TP_MAC_LEN)
+#define RESULT_TRAILER (OMR_STAMP_BYTES + OMR_MAC_BYTES)
 _Static_assert(RESULT_TRAILER <= TP_MAX_TRAILER, "a result's stamp and MAC fit a send queue's trailer");
 
 /* A finished round's header, checksummed; its stamp and (with a key) MAC in trailer, *tlen long. */
@@ -220,12 +226,12 @@ static omr_hdr result_hdr(int job_id, omr_job *j, omr_state *S, uint32_t col, ui
                           uint32_t *tlen) {
     omr_set *set = &S->sets[r % OMR_SETS];
     const uint8_t *data = S->data + (size_t)(r % OMR_SETS) * j->bbytes;
-    omr_hdr h = {OMR_RESULT, (uint8_t)(set->flags | OMR_F_STAMP | (j->auth ? OMR_F_MAC : 0)), (uint16_t)j->index,
+    omr_hdr h = {OMR_RESULT, (uint8_t)(set->flags | OMR_F_STAMP | (j->mac ? OMR_F_MAC : 0)), (uint16_t)j->index,
                  (uint32_t)job_id, j->key, S->seq, col, r, set->block, set->next, 0, 0};
     for (int k = 0; k < 3; k++) memcpy(trailer + 4 * k, &set->stamp[k], 4);   /* little-endian hosts */
     h.csum = omr_csum2(&h, data, set->len, trailer, OMR_STAMP_BYTES);
-    if (j->auth) omr_mac2(j->mac_key, &h, data, set->len, trailer, OMR_STAMP_BYTES, trailer + OMR_STAMP_BYTES);
-    *tlen = OMR_STAMP_BYTES + (j->auth ? TP_MAC_LEN : 0);
+    if (j->mac) omr_sign(j->mac, j->counter++, &h, data, set->len, trailer, OMR_STAMP_BYTES, trailer + OMR_STAMP_BYTES);
+    *tlen = OMR_STAMP_BYTES + (j->mac ? OMR_MAC_BYTES : 0);
     return h;
 }
 
@@ -258,12 +264,12 @@ static void send_status(omr_agg *a, int job_id, omr_job *j, omr_state *S, uint32
             if (expected && !S->seen[w]) { if (first == OMR_INF) first = (uint32_t)w; count++; }
         }
     }
-    omr_hdr h = {OMR_STATUS, (uint8_t)(flags | (j->auth ? OMR_F_MAC : 0)), (uint16_t)j->index, (uint32_t)job_id,
+    omr_hdr h = {OMR_STATUS, (uint8_t)(flags | (j->mac ? OMR_F_MAC : 0)), (uint16_t)j->index, (uint32_t)job_id,
                  j->key, S->seq, col, S->round, S->block, count, first, 0};
-    uint8_t mac[TP_MAC_LEN];
+    uint8_t mac[OMR_MAC_BYTES];
     h.csum = omr_hdr_csum(&h, NULL, 0);
-    if (j->auth) omr_mac(j->mac_key, &h, NULL, 0, mac);
-    send_to(a, j, rank, &h, NULL, 0, mac, j->auth ? TP_MAC_LEN : 0);
+    if (j->mac) omr_sign(j->mac, j->counter++, &h, NULL, 0, NULL, 0, mac);
+    send_to(a, j, rank, &h, NULL, 0, mac, j->mac ? OMR_MAC_BYTES : 0);
     a->st.status_sent++;
 }
 
@@ -317,30 +323,16 @@ static void accumulate(omr_state *S, const uint8_t *payload, size_t len, int int
         S->acc_len = (uint32_t)len;
         return;
     }
-    size_t n = len / 4;
-    if (int32) {
-        uint32_t *d = (uint32_t *)S->acc;
-        const uint8_t *p = payload;
-        for (size_t i = 0; i < n; i++) {
-            uint32_t v;
-            memcpy(&v, p + 4 * i, 4);
-            d[i] += v;                    /* wraps like the switch's int32 adders */
-        }
-    } else {
-        float *d = (float *)S->acc;
-        for (size_t i = 0; i < n; i++) {
-            float v;
-            memcpy(&v, payload + 4 * i, 4);
-            d[i] += v;
-        }
-    }
+    if (int32) cl_add_i32((int32_t *)S->acc, payload, len / 4);   /* wraps like the switch's int32 adders */
+    else cl_add_f32((float *)S->acc, payload, len / 4);
 }
 
-/* key: the job's key when the job is known and keyed (the ERROR is then authenticated), else NULL */
-static void refuse(omr_agg *a, const struct sockaddr_in *to, const omr_hdr *in, uint32_t code, const uint8_t *key) {
-    omr_hdr h = {OMR_ERROR, 0, 0, in->job, in->key, in->seq, in->col, in->round, in->block, code, 0, 0};
+/* j: the job when it is known (the ERROR is then MAC'd if the job is keyed), else NULL */
+static void refuse(omr_agg *a, const struct sockaddr_in *to, const omr_hdr *in, uint32_t code, omr_job *j) {
+    omr_hdr h = {OMR_ERROR, 0, (uint16_t)(j ? j->index : 0), in->job, in->key, in->seq, in->col, in->round, in->block,
+                 code, 0, 0};
     a->sq.loss = a->sq.dup = 0;
-    omr_sendq_push(&a->sq, to, &h, NULL, 0, key);
+    omr_sendq_push(&a->sq, to, &h, NULL, 0, j ? j->mac : NULL, j ? &j->counter : NULL);
     a->st.refused++;
 }
 
@@ -383,7 +375,7 @@ static void keepalive(omr_agg *a, const omr_hdr *h, const uint8_t *payload, size
         a->st.bad_recv++;
         return;
     }
-    if (j->auth && !omr_signed(j->mac_key, h, payload, plen)) {
+    if (j->mac && !omr_signed(j->mac, h, payload, plen)) {
         a->st.bad_mac++;
         return;
     }
@@ -428,16 +420,15 @@ static void handle(omr_agg *a, int i, uint64_t now, uint64_t queue_ns, uint64_t 
     int job_id = (int)h->job;
     omr_job *j = &a->jobs[job_id];
     /* first the MAC: nothing of an unauthenticated packet is believed, and it gets no answer */
-    if (j->auth && !omr_signed(j->mac_key, h, payload, plen)) {
+    if (j->mac && !omr_signed(j->mac, h, payload, plen)) {
         a->st.bad_mac++;
         return;
     }
-    const uint8_t *key = j->auth ? j->mac_key : NULL;
-    if (h->key != j->key) return refuse(a, from, h, OMR_ERR_KEY, key);
+    if (h->key != j->key) return refuse(a, from, h, OMR_ERR_KEY, j);
     uint32_t col = h->col, slot = col / (uint32_t)j->naggs;
     int w = h->rank;
     if (w >= j->nworkers || col % (uint32_t)j->naggs != (uint32_t)j->index || slot >= (uint32_t)j->nslots)
-        return refuse(a, from, h, OMR_ERR_SLOT, key);
+        return refuse(a, from, h, OMR_ERR_SLOT, j);
     j->alive[w] = now;
     omr_state *S = &j->states[slot * 2 + (h->seq & 1)];
     if (!S->used || S->seq != h->seq) {
@@ -504,7 +495,7 @@ static void handle(omr_agg *a, int i, uint64_t now, uint64_t queue_ns, uint64_t 
     if (S->pending) try_publish(a, job_id, j, S, col);
 }
 
-int omr_agg_run(omr_agg *a, int timeout_ms) {
+static int serve(omr_agg *a, int timeout_ms) {
     uint64_t deadline = tp_now_us() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000u;
     for (;;) {
         omr_sendq_flush(&a->sq);
@@ -521,4 +512,11 @@ int omr_agg_run(omr_agg *a, int timeout_ms) {
             a->st.queue_ns += queued;
         }
     }
+}
+
+int omr_agg_run(omr_agg *a, int timeout_ms) {
+    uint64_t cpu0 = tp_cpu_ns();
+    int rc = serve(a, timeout_ms);
+    a->st.cpu_ns += tp_cpu_ns() - cpu0;
+    return rc;
 }

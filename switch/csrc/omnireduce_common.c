@@ -2,6 +2,8 @@
  * does the batching). */
 #include "omnireduce_internal.h"
 
+#include <openssl/rand.h>
+
 int omr_parse_addr(const char *ip, int port, struct sockaddr_in *out) {
     memset(out, 0, sizeof *out);
     out->sin_family = AF_INET;
@@ -35,14 +37,16 @@ void omr_sendq_push_ready(omr_sendq *q, const struct sockaddr_in *to, const omr_
 }
 
 void omr_sendq_push(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h, const void *payload, size_t len,
-                    const uint8_t *key) {
+                    tp_mac *mac, uint64_t *counter) {
     omr_hdr copy = *h;
-    uint8_t mac[TP_MAC_LEN];
-    if (key) copy.flags |= OMR_F_MAC;
+    uint8_t trailer[OMR_MAC_BYTES];
+    if (mac) copy.flags |= OMR_F_MAC;
     copy.csum = omr_hdr_csum(&copy, payload, len);
-    if (key) omr_mac(key, &copy, payload, len, mac);
-    omr_sendq_push_ready(q, to, &copy, payload, len, mac, key ? TP_MAC_LEN : 0);
+    if (mac) omr_sign(mac, (*counter)++, &copy, payload, len, NULL, 0, trailer);
+    omr_sendq_push_ready(q, to, &copy, payload, len, trailer, mac ? OMR_MAC_BYTES : 0);
 }
+
+int omr_random64(uint64_t *out) { return RAND_bytes((unsigned char *)out, sizeof *out) == 1 ? 0 : -1; }
 
 int omr_keepalive_packet(uint8_t *buf, uint32_t job, uint32_t key, int rank, const uint8_t *mac_key) {
     omr_hdr h = {OMR_KEEPALIVE, (uint8_t)(mac_key ? OMR_F_MAC : 0), (uint16_t)rank, job, key,
@@ -50,6 +54,13 @@ int omr_keepalive_packet(uint8_t *buf, uint32_t job, uint32_t key, int rank, con
     h.csum = omr_hdr_csum(&h, NULL, 0);
     memcpy(buf, &h, sizeof h);
     if (!mac_key) return (int)sizeof h;
-    omr_mac(mac_key, &h, NULL, 0, buf + sizeof h);
-    return (int)sizeof h + TP_MAC_LEN;
+    tp_mac *m = tp_mac_new(mac_key, OMR_MAC_LABEL);
+    uint64_t counter;
+    if (!m || omr_random64(&counter)) {   /* no MAC: the aggregator drops it, the job's idle timer says why */
+        tp_mac_free(m);
+        return -1;
+    }
+    omr_sign(m, counter, &h, NULL, 0, NULL, 0, buf + sizeof h);
+    tp_mac_free(m);
+    return (int)sizeof h + OMR_MAC_BYTES;
 }

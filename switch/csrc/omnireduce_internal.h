@@ -31,28 +31,44 @@ static inline uint32_t omr_hdr_csum(const omr_hdr *h, const void *payload, size_
     return omr_csum2(h, payload, len, NULL, 0);
 }
 
-/* The MAC of a packet (header as sent, payload, then `extra`: a result's stamp): SipHash-2-4
- * under the job key, little-endian. */
-static inline void omr_mac2(const uint8_t *key, const omr_hdr *h, const void *payload, size_t len, const void *extra,
-                            size_t elen, uint8_t *out) {
-    tp_sip s;
-    tp_sip_init(&s, key);
-    tp_sip_update(&s, h, sizeof *h);
-    if (len) tp_sip_update(&s, payload, len);
-    if (elen) tp_sip_update(&s, extra, elen);
-    tp_wr64le(out, tp_sip_final(&s));
-}
-static inline void omr_mac(const uint8_t *key, const omr_hdr *h, const void *payload, size_t len, uint8_t *out) {
-    omr_mac2(key, h, payload, len, NULL, 0, out);
+/* The packets' MAC (omnireduce.h): tp_mac under the job key's subkey, over header || stamp || payload,
+ * the nonce (type, 0, rank field, counter) */
+#define OMR_MAC_LABEL "commlib omnireduce packets"
+_Static_assert(OMR_MAC_BYTES == OMR_NONCE_BYTES + TP_TAG_LEN, "a MAC is its nonce counter and its tag");
+
+static inline void omr_nonce(uint8_t *nonce, const omr_hdr *h, const uint8_t *counter) {
+    nonce[0] = h->type;
+    nonce[1] = 0;
+    nonce[2] = (uint8_t)h->rank;
+    nonce[3] = (uint8_t)(h->rank >> 8);
+    memcpy(nonce + 4, counter, OMR_NONCE_BYTES);
 }
 
-/* Whether a received packet (payload as omr_recvq_get gives it) carries a valid MAC under key. */
-static inline int omr_signed(const uint8_t *key, const omr_hdr *h, const uint8_t *payload, size_t len) {
-    if (!(h->flags & OMR_F_MAC)) return 0;
-    uint8_t mac[TP_MAC_LEN];
-    omr_mac(key, h, payload, len, mac);
-    return memcmp(mac, payload + len, TP_MAC_LEN) == 0;
+/* out (OMR_MAC_BYTES) = counter, then the tag of h (as sent), stamp[0:slen], payload[0:len] */
+static inline void omr_sign(tp_mac *m, uint64_t counter, const omr_hdr *h, const void *payload, size_t len,
+                            const void *stamp, size_t slen, uint8_t *out) {
+    uint8_t head[OMR_HDR_BYTES + OMR_STAMP_BYTES], nonce[TP_NONCE_LEN];
+    memcpy(head, h, OMR_HDR_BYTES);
+    if (slen) memcpy(head + OMR_HDR_BYTES, stamp, slen);
+    tp_wr64le(out, counter);
+    omr_nonce(nonce, h, out);
+    tp_mac_tag(m, nonce, head, OMR_HDR_BYTES + slen, payload, len, out + OMR_NONCE_BYTES);
 }
+
+/* Whether a received packet (payload as omr_recvq_get gives it: a result's stamp at its end, the
+ * MAC right after) carries a valid MAC under m. */
+static inline int omr_signed(tp_mac *m, const omr_hdr *h, const uint8_t *payload, size_t len) {
+    if (!(h->flags & OMR_F_MAC)) return 0;
+    size_t slen = (h->flags & OMR_F_STAMP) && len >= OMR_STAMP_BYTES ? OMR_STAMP_BYTES : 0;
+    uint8_t head[OMR_HDR_BYTES + OMR_STAMP_BYTES], nonce[TP_NONCE_LEN];
+    memcpy(head, h, OMR_HDR_BYTES);
+    memcpy(head + OMR_HDR_BYTES, payload + len - slen, slen);
+    omr_nonce(nonce, h, payload + len);
+    return tp_mac_check(m, nonce, head, OMR_HDR_BYTES + slen, payload, len - slen, payload + len + OMR_NONCE_BYTES);
+}
+
+/* A fresh random 64-bit start for a sender's nonce counter (omnireduce.h); 0 or -1. */
+int omr_random64(uint64_t *out);
 
 /* Sends: transport.h's queue (per-destination UDP GSO batches, one sendmmsg), behind the loss and
  * duplication simulator. Payloads are referenced (worker: the input tensor) or copied (aggregator). */
@@ -67,10 +83,10 @@ typedef struct {
 
 int omr_sendq_init(omr_sendq *q, int fd, int copy, uint64_t *rng);
 void omr_sendq_free(omr_sendq *q);
-/* queue one packet (header csum and, with a key, OMR_F_MAC and the MAC are filled in here);
- * applies the loss/duplication simulation */
+/* queue one packet (header csum and, with a MAC, OMR_F_MAC and the MAC under nonce counter
+ * (*counter)++ are filled in here); applies the loss/duplication simulation */
 void omr_sendq_push(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h, const void *payload, size_t len,
-                    const uint8_t *key);
+                    tp_mac *mac, uint64_t *counter);
 /* same, with the checksum already in h and the trailer made: the MAC, or a result's stamp and MAC
  * (tlen bytes, at most TP_MAX_TRAILER; one result sent to many workers) */
 void omr_sendq_push_ready(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h, const void *payload, size_t len,
@@ -98,8 +114,8 @@ static inline const omr_hdr *omr_recvq_get(tp_rxq *q, int i, omr_hdr *out, const
     *payload = buf + sizeof(omr_hdr);
     *payload_len = len - sizeof(omr_hdr);
     if (out->flags & OMR_F_MAC) {          /* the MAC trails the payload; the receiver checks it */
-        if (*payload_len < TP_MAC_LEN) return NULL;
-        *payload_len -= TP_MAC_LEN;
+        if (*payload_len < OMR_MAC_BYTES) return NULL;
+        *payload_len -= OMR_MAC_BYTES;
     }
     if (omr_hdr_csum(out, *payload, *payload_len) != out->csum) return NULL;
     return out;

@@ -17,8 +17,8 @@ struct omr_worker {
     struct sockaddr_in *agg_addr;
     uint32_t *job, *key;
     uint8_t *agg_set;
-    uint8_t *mac_key;                     /* naggs * OMR_KEY_LEN: each job key (auth[a]) */
-    uint8_t *auth;
+    tp_mac **mac;                         /* per aggregator: the MAC under its job key, or NULL (no MACs) */
+    uint64_t counter;                     /* the next MAC's nonce counter (omnireduce.h) */
     omr_sendq sq;
     tp_rxq rq;
 };
@@ -49,10 +49,9 @@ omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs,
     w->job = calloc((size_t)naggs, sizeof *w->job);
     w->key = calloc((size_t)naggs, sizeof *w->key);
     w->agg_set = calloc((size_t)naggs, 1);
-    w->mac_key = calloc((size_t)naggs, OMR_KEY_LEN);
-    w->auth = calloc((size_t)naggs, 1);
-    if (!w->agg_addr || !w->job || !w->key || !w->agg_set || !w->mac_key || !w->auth || omr_sendq_init(&w->sq, fd, 0, &w->rng) ||
-        omr_recvq_init(&w->rq, fd)) {
+    w->mac = calloc((size_t)naggs, sizeof *w->mac);
+    if (!w->agg_addr || !w->job || !w->key || !w->agg_set || !w->mac || omr_random64(&w->counter) ||
+        omr_sendq_init(&w->sq, fd, 0, &w->rng) || omr_recvq_init(&w->rq, fd)) {
         omr_worker_free(w);
         return NULL;
     }
@@ -64,10 +63,12 @@ omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs,
 int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint32_t job, uint32_t key,
                        const uint8_t *mac_key) {
     if (index < 0 || index >= w->naggs || omr_parse_addr(ip, port, &w->agg_addr[index])) return -1;
+    tp_mac *mac = mac_key ? tp_mac_new(mac_key, OMR_MAC_LABEL) : NULL;
+    if (mac_key && !mac) return -1;
+    tp_mac_free(w->mac[index]);
+    w->mac[index] = mac;
     w->job[index] = job;
     w->key[index] = key;
-    w->auth[index] = mac_key != NULL;
-    if (mac_key) memcpy(w->mac_key + (size_t)index * OMR_KEY_LEN, mac_key, OMR_KEY_LEN);
     w->agg_set[index] = 1;
     return 0;
 }
@@ -76,7 +77,8 @@ void omr_worker_free(omr_worker *w) {
     if (!w) return;
     omr_sendq_free(&w->sq);
     tp_rxq_free(&w->rq);
-    free(w->agg_addr); free(w->job); free(w->key); free(w->agg_set); free(w->mac_key); free(w->auth);
+    for (int a = 0; w->mac && a < w->naggs; a++) tp_mac_free(w->mac[a]);
+    free(w->agg_addr); free(w->job); free(w->key); free(w->agg_set); free(w->mac);
     free(w);
 }
 
@@ -85,10 +87,6 @@ static inline uint32_t next_nonzero(const uint8_t *mask, size_t nb, size_t b, si
     for (b += ncols; b < nb; b += ncols)
         if (mask[b]) return (uint32_t)b;
     return OMR_INF;
-}
-
-static inline const uint8_t *agg_key(const omr_worker *w, int a) {
-    return w->auth[a] ? w->mac_key + (size_t)a * OMR_KEY_LEN : NULL;
 }
 
 typedef struct {
@@ -114,7 +112,7 @@ static void send_data(omr_call *c, uint32_t col, uint32_t round, uint32_t block,
     omr_hdr h = {OMR_DATA, (uint8_t)((c->dtype == OMR_INT32 ? OMR_F_INT32 : 0) | (zero ? OMR_F_ZERO : 0) |
                                      (resend ? OMR_F_RESEND : 0)),
                  (uint16_t)w->rank, w->job[a], w->key[a], c->seq, col, round, block, next, round, 0};
-    omr_sendq_push(&w->sq, &w->agg_addr[a], &h, c->in + start * 4, len, agg_key(w, a));
+    omr_sendq_push(&w->sq, &w->agg_addr[a], &h, c->in + start * 4, len, w->mac[a], &w->counter);
     c->st->data_sent++;
 }
 
@@ -122,13 +120,14 @@ static void send_header(omr_call *c, int type, uint32_t col, uint32_t ack) {
     omr_worker *w = c->w;
     int a = (int)(col % (uint32_t)w->naggs);
     omr_hdr h = {(uint8_t)type, 0, (uint16_t)w->rank, w->job[a], w->key[a], c->seq, col, ack, 0, 0, ack, 0};
-    omr_sendq_push(&w->sq, &w->agg_addr[a], &h, NULL, 0, agg_key(w, a));
+    omr_sendq_push(&w->sq, &w->agg_addr[a], &h, NULL, 0, w->mac[a], &w->counter);
     if (type == OMR_ACK) c->st->acks_sent++;
     else c->st->pulls_sent++;
 }
 
 int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out, size_t n, int dtype, int block,
                          const uint8_t *mask, double timeout_s, omr_wstats *st) {
+    uint64_t cpu0 = tp_cpu_ns();
     memset(st, 0, sizeof *st);
     st->err_agg = st->err_rank = st->err_col = -1;
     if (block == 0) block = w->block;
@@ -143,7 +142,7 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
     uint64_t *heard = calloc((size_t)w->naggs, sizeof *heard);
     if (!cols || !heard) {
         free(cols); free(heard);
-        return OMR_EARG;
+        return OMR_ENOMEM;
     }
     omr_call c = {w, seq, (const uint8_t *)in, n, nb, ncols, (size_t)block, dtype, st};
     uint8_t *outb = (uint8_t *)out;
@@ -200,7 +199,7 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
                 st->extra_recv_bytes += w->rq.seg_len[i];
                 continue;
             }
-            if (w->auth[a] && !omr_signed(agg_key(w, a), h, payload, plen)) {
+            if (w->mac[a] && !omr_signed(w->mac[a], h, payload, plen)) {
                 st->bad_mac++;
                 st->extra_recv_bytes += w->rq.seg_len[i];
                 if (h->type == OMR_ERROR && h->seq == seq && h->col < ncols) {
@@ -379,5 +378,6 @@ finish:
     st->sim_duplicated = w->sq.sim_duplicated - dupl0;
     free(cols);
     free(heard);
+    st->cpu_ns = tp_cpu_ns() - cpu0;
     return rc;
 }

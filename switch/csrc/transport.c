@@ -1,8 +1,7 @@
-/* commlib's UDP transport (transport.h): checksum, non-zero-block scan, batched send/receive queues. */
+/* commlib's UDP transport (transport.h): checksum, packet MAC, batched send/receive queues. */
 #define _GNU_SOURCE
 #include "transport.h"
 
-#include <math.h>
 #include <netinet/udp.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -24,63 +23,6 @@ uint32_t tp_checksum(const void *buf, size_t len) {
     tp_ck c = {0, 0, 0, 0};
     tp_ck_update(&c, buf, len);
     return tp_ck_final(&c);
-}
-
-/* ---- SipHash-2-4 (Aumasson and Bernstein; the reference implementation's test vectors hold) ---- */
-#define ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
-#define SIPROUND                                                                                  \
-    do {                                                                                          \
-        v0 += v1; v1 = ROTL(v1, 13); v1 ^= v0; v0 = ROTL(v0, 32);                                 \
-        v2 += v3; v3 = ROTL(v3, 16); v3 ^= v2;                                                    \
-        v0 += v3; v3 = ROTL(v3, 21); v3 ^= v0;                                                    \
-        v2 += v1; v1 = ROTL(v1, 17); v1 ^= v2; v2 = ROTL(v2, 32);                                 \
-    } while (0)
-
-void tp_sip_init(tp_sip *s, const uint8_t *key) {
-    uint64_t k0 = tp_rd64le(key), k1 = tp_rd64le(key + 8);
-    s->v0 = k0 ^ 0x736f6d6570736575ull;
-    s->v1 = k1 ^ 0x646f72616e646f6dull;
-    s->v2 = k0 ^ 0x6c7967656e657261ull;
-    s->v3 = k1 ^ 0x7465646279746573ull;
-    s->tail = 0;
-    s->ntail = 0;
-    s->len = 0;
-}
-
-void tp_sip_update(tp_sip *s, const void *buf, size_t len) {
-    const uint8_t *p = (const uint8_t *)buf, *end = p + len;
-    uint64_t v0 = s->v0, v1 = s->v1, v2 = s->v2, v3 = s->v3, m;
-    s->len += len;
-    while (s->ntail && p < end) {            /* finish the word a previous piece began */
-        s->tail |= (uint64_t)*p++ << (8 * s->ntail);
-        if (++s->ntail == 8) {
-            m = s->tail;
-            v3 ^= m; SIPROUND; SIPROUND; v0 ^= m;
-            s->tail = 0;
-            s->ntail = 0;
-        }
-    }
-    for (; end - p >= 8; p += 8) {
-        memcpy(&m, p, 8);                    /* little-endian hosts (x86-64, aarch64) */
-        v3 ^= m; SIPROUND; SIPROUND; v0 ^= m;
-    }
-    for (; p < end; p++) s->tail |= (uint64_t)*p << (8 * s->ntail++);
-    s->v0 = v0; s->v1 = v1; s->v2 = v2; s->v3 = v3;
-}
-
-uint64_t tp_sip_final(tp_sip *s) {
-    uint64_t v0 = s->v0, v1 = s->v1, v2 = s->v2, v3 = s->v3, b = s->len << 56 | s->tail;
-    v3 ^= b; SIPROUND; SIPROUND; v0 ^= b;
-    v2 ^= 0xff;
-    SIPROUND; SIPROUND; SIPROUND; SIPROUND;
-    return v0 ^ v1 ^ v2 ^ v3;
-}
-
-uint64_t tp_siphash(const uint8_t *key, const void *buf, size_t len) {
-    tp_sip s;
-    tp_sip_init(&s, key);
-    tp_sip_update(&s, buf, len);
-    return tp_sip_final(&s);
 }
 
 /* ---- the packet MAC: ChaCha20-Poly1305 through OpenSSL (transport.h) ------------------------- */
@@ -133,39 +75,6 @@ int tp_mac_check(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, co
                  const uint8_t *tag) {
     uint8_t want[TP_TAG_LEN];
     return tp_mac_tag(m, nonce, a, alen, b, blen, want) == 0 && CRYPTO_memcmp(want, tag, TP_TAG_LEN) == 0;
-}
-
-size_t tp_block_mask(const void *x, size_t n, int dtype, size_t block, double threshold, uint8_t *mask) {
-    size_t count = 0;
-    if (block == 0) return 0;
-    for (size_t b = 0, start = 0; start < n; b++, start += block) {
-        size_t end = start + block < n ? start + block : n;
-        uint8_t nz = 0;
-        if (dtype == TP_INT32) {
-            const int32_t *v = (const int32_t *)x;
-            if (threshold < 0.5) {                 /* exact: any non-zero integer */
-                int32_t acc = 0;
-                for (size_t i = start; i < end; i++) acc |= v[i];
-                nz = acc != 0;
-            } else {
-                for (size_t i = start; i < end && !nz; i++) nz = fabs((double)v[i]) > threshold;
-            }
-        } else {
-            const float *v = (const float *)x;
-            float t = (float)threshold;
-            if (t == 0.0f) {                       /* exact: any bit but the sign bit (NaN counts) */
-                const uint32_t *u = (const uint32_t *)x;
-                uint32_t acc = 0;
-                for (size_t i = start; i < end; i++) acc |= u[i] & 0x7fffffffu;
-                nz = acc != 0;
-            } else {
-                for (size_t i = start; i < end && !nz; i++) nz = !(fabsf(v[i]) <= t);   /* NaN is non-zero */
-            }
-        }
-        mask[b] = nz;
-        count += nz;
-    }
-    return count;
 }
 
 /* ---- sends ---------------------------------------------------------------------------------- */

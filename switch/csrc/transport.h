@@ -7,9 +7,8 @@
  *   - one retransmission timer: the RFC 6298 round-trip estimator (srtt + max(4 rttvar, srtt / 2), clamped; tp_rtt_answer takes samples from spurious resends);
  *   - one checksum: the word sum and the index-weighted word sum of the bytes (catches corrupted,
  *     swapped and truncated words; vectorizes);
- *   - the packet MACs (what an attacker cannot forge; the checksum is public): ChaCha20-Poly1305 from
- *     OpenSSL (SwitchML), SipHash-2-4 (OmniReduce, until it moves to the former);
- *   - one non-zero-block scan (OmniReduce's bitmap, the sparse policy's density);
+ *   - the packet MAC (what an attacker cannot forge; the checksum is public): ChaCha20-Poly1305 from
+ *     OpenSSL (SwitchML and OmniReduce);
  *   - clocks and the simulator's random numbers.
  *
  * Python sees the part above TP_PYTHON_API_ONLY (through cffi, switch/csrc/build_native.py); the
@@ -24,22 +23,19 @@
 
 /* checksum of buf[0:len] (callers zero their checksum field first) */
 uint32_t tp_checksum(const void *buf, size_t len);
-/* SipHash-2-4 of buf[0:len] under a 16-byte key: OmniReduce's packet MAC (its 8 bytes travel
- * little-endian, as the reference implementation writes them) */
-#define TP_KEY_LEN 16
-#define TP_MAC_LEN 8
-uint64_t tp_siphash(const uint8_t *key, const void *buf, size_t len);
+#define TP_KEY_LEN 16   /* a job key */
 
 /* A packet MAC at memory speed from a maintained library: ChaCha20-Poly1305 (RFC 8439) through
  * OpenSSL's libcrypto, used as a nonce-based MAC: the message is the AEAD's associated data, the
  * plaintext is empty, the 16-byte tag is the MAC (Poly1305 runs at about 0.1 ns per byte here,
- * SipHash at about 0.4). Its 32-byte key is HKDF-SHA256 (RFC 5869) of a 16-byte job key with
- * `label` as the info string, so the packets' key is never the key of another use of the job key
- * (its control requests). The one rule: a (key, nonce) pair MACs one message only, the caller's
- * protocol says what makes its nonces unique (switchml.h). Even where that rule were broken,
- * ChaCha20 makes a fresh one-time Poly1305 key per nonce: two messages under one nonce would expose
- * that nonce's one-time key (forgeries under that nonce), never the job key or other nonces' keys.
- * A tp_mac is used by one thread at a time. */
+ * SipHash at about 0.4; but each call costs about 450 ns through EVP, so a 1 KiB packet's MAC costs
+ * more than SipHash's did, one of 4 KiB or more less). Its 32-byte key is HKDF-SHA256 (RFC 5869) of
+ * a 16-byte job key with `label` as the info string, so the packets' key is never the key of another
+ * use of the job key (its control requests). The one rule: a (key, nonce) pair MACs one message
+ * only, the caller's protocol says what makes its nonces unique (switchml.h, omnireduce.h). Even
+ * where that rule were broken, ChaCha20 makes a fresh one-time Poly1305 key per nonce: two messages
+ * under one nonce would expose that nonce's one-time key (forgeries under that nonce), never the job
+ * key or other nonces' keys. A tp_mac is used by one thread at a time. */
 #define TP_TAG_LEN 16
 #define TP_NONCE_LEN 12
 typedef struct tp_mac tp_mac;
@@ -50,9 +46,6 @@ int tp_mac_tag(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, cons
 /* 1 if tag (TP_TAG_LEN bytes) is that MAC (compared in constant time), else 0 */
 int tp_mac_check(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, const void *b, size_t blen,
                  const uint8_t *tag);
-/* which blocks of `block` elements have any |x| > threshold (NaN counts; threshold 0: any bit but
- * the sign bit): mask[b] = 0/1, returns the number of non-zero blocks. dtype: TP_FLOAT32/TP_INT32 */
-size_t tp_block_mask(const void *x, size_t n, int dtype, size_t block, double threshold, uint8_t *mask);
 
 #ifndef TP_PYTHON_API_ONLY
 #include <errno.h>
@@ -60,6 +53,8 @@ size_t tp_block_mask(const void *x, size_t n, int dtype, size_t block, double th
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
+
+#include "kernels.h"
 
 /* ---- clocks, byte order, random numbers ---------------------------------------------------- */
 static inline uint64_t tp_now_ns(void) {
@@ -117,12 +112,7 @@ static inline void tp_ck_update(tp_ck *c, const void *p, size_t len) {
     const uint8_t *b = (const uint8_t *)p;
     uint32_t s1 = c->s1, s2 = c->s2, i = c->i;
     size_t words = len / 4;
-    for (size_t k = 0; k < words; k++) {
-        uint32_t w;
-        memcpy(&w, b + 4 * k, 4);
-        s1 += w;
-        s2 += w * (i + (uint32_t)k + 1u);
-    }
+    cl_checksum_words(b, words, i, &s1, &s2);   /* kernels.h: vectorized where the CPU can */
     i += (uint32_t)words;
     if (len % 4) {
         uint32_t w = 0;
@@ -138,17 +128,8 @@ static inline void tp_ck_update(tp_ck *c, const void *p, size_t len) {
 
 static inline uint32_t tp_ck_final(const tp_ck *c) { return c->s1 ^ ((c->s2 << 16) | (c->s2 >> 16)) ^ c->len; }
 
-/* ---- SipHash-2-4, incrementally (a header and a payload that live apart) --------------------- */
-typedef struct { uint64_t v0, v1, v2, v3, tail; uint32_t ntail; uint64_t len; } tp_sip;
-void tp_sip_init(tp_sip *s, const uint8_t *key);
-void tp_sip_update(tp_sip *s, const void *buf, size_t len);
-uint64_t tp_sip_final(tp_sip *s);
+/* ---- little-endian 64-bit words (OmniReduce's nonce counters) ------------------------------- */
 static inline void tp_wr64le(uint8_t *p, uint64_t v) { for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i)); }
-static inline uint64_t tp_rd64le(const uint8_t *p) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-    return v;
-}
 
 /* ---- retransmission timer (RFC 6298) --------------------------------------------------------
  * Samples in any unit (the caller's clock); only from packets sent once (Karn), or from a resent
@@ -225,7 +206,7 @@ static inline void tp_rtt_backoff(tp_rtt *r, uint64_t sent, uint64_t now) {
  * datagram per message). A full socket buffer is waited for (briefly); other failures to send are
  * losses, which the protocols recover from. */
 #define TP_MAX_HDR 64
-#define TP_MAX_TRAILER 24   /* a result's stamp (omnireduce.h: 12 bytes) and its MAC */
+#define TP_MAX_TRAILER 40   /* a result's stamp (omnireduce.h: 12 bytes) and its MAC (OMR_MAC_BYTES: 24) */
 #define TP_GSO_SEGS 64
 #define TP_GSO_BYTES 65000
 #define TP_ARENA (1u << 20)

@@ -194,8 +194,13 @@ def _sml_mac(rank, packet_id, data):
     return bytes(tag)
 
 
-def _mac(data):   # omnireduce's: SipHash under the job key
-    return lib.tp_siphash(JOB_KEY, data, len(data)).to_bytes(8, "little")
+def _omr_mac(rig, header, payload):
+    """omnireduce.h's MAC of a worker's packet (no stamp): the next nonce counter, then the tag."""
+    rig.counter += 1
+    counter = rig.counter.to_bytes(lib.OMR_NONCE_BYTES, "little")
+    tag = ffi.new("uint8_t[16]")
+    lib.tp_mac_tag(rig.mac, header[:1] + b"\0" + header[2:4] + counter, header, len(header), payload, len(payload), tag)
+    return counter + bytes(tag)
 
 
 def switch_packets(data):
@@ -215,13 +220,16 @@ def switch_packets(data):
 
 
 class _AggregatorRig:
-    """A C aggregator on a loopback socket with one job (2 ranks: our two sender sockets)."""
+    """A C aggregator on a loopback socket with one job (2 ranks: our two sender sockets) of
+    BLOCK-element blocks (not a multiple of the 8-lane vectors)."""
     KEY = 0x5EC12E7
+    BLOCK = 1001
 
     def __init__(self):
         self.sock, *self.ranks = _loopback(3)
         self.agg = lib.omr_agg_new(self.sock.fileno(), 12345)
-        self.job = lib.omr_agg_add_job(self.agg, self.KEY, 2, 8, 1, 0, 16, 0.0, 0.0, JOB_KEY)
+        self.job = lib.omr_agg_add_job(self.agg, self.KEY, 2, 8, 1, 0, self.BLOCK, 0.0, 0.0, JOB_KEY)
+        self.mac, self.counter = lib.tp_mac_new(JOB_KEY, b"commlib omnireduce packets"), 0
         assert self.job >= 0
         for rank, s in enumerate(self.ranks):
             assert lib.omr_agg_set_worker(self.agg, self.job, rank, b"127.0.0.1", s.getsockname()[1]) == 0
@@ -247,12 +255,12 @@ def _aggregator_packet(fdp, rig, rank):
         flags |= lib.OMR_F_MAC
     pack = lambda csum: struct.pack("<BBHIIIIIIIII", kind, flags, rank_field, rig.job, rig.KEY, *fields, csum)
     rank_field = rank if fdp.ConsumeIntInRange(0, 7) else small(70) & 0xFFFF
-    length = 0 if flags & lib.OMR_F_ZERO else 16 * 4
+    length = 0 if flags & lib.OMR_F_ZERO else rig.BLOCK * 4
     if fdp.ConsumeIntInRange(0, 7) == 0:
-        length = fdp.ConsumeIntInRange(0, 200)
+        length = fdp.ConsumeIntInRange(0, rig.BLOCK * 4 + 8)
     payload = fdp.ConsumeBytes(length)
     header = pack(lib.tp_checksum(pack(0) + payload, lib.OMR_HDR_BYTES + len(payload)))
-    mac = _mac(header + payload) if flags & lib.OMR_F_MAC and fdp.ConsumeIntInRange(0, 7) else b""
+    mac = _omr_mac(rig, header, payload) if flags & lib.OMR_F_MAC and fdp.ConsumeIntInRange(0, 7) else b""
     return header + payload + mac
 
 

@@ -3,6 +3,7 @@
 sums <mode>: block-sparse float32/int32 tensors at densities 0..1 (independent and overlapping
              placement), an nn.Embedding(sparse=True) gradient; every rank compares with the dense
              sum (it can rebuild every rank's input from the seeds) and reports what differed.
+path <mode>: blocks sized by the path (omnireduce_block_size=0): an int32 sum and the block size agreed.
 dead <mode>: rank 1 dies (os._exit) while a large tensor is on the wire; the others report the
              error they raised and how long it took (a clear CommError naming rank 1 is expected).
 Reports go through commlib.testing.report; tests/test_omnireduce_multiprocess.py checks them.
@@ -20,8 +21,8 @@ from commlib.testing import report
 
 mode, agg_mode = sys.argv[1], sys.argv[2]
 TIMEOUT = 4.0 if mode == "dead" else 30.0
-commlib.init(policy="*=omnireduce", timeout_s=TIMEOUT, omnireduce_mode=agg_mode, omnireduce_block_size=64,
-             fusion_threshold=0)
+commlib.init(policy="*=omnireduce", timeout_s=TIMEOUT, omnireduce_mode=agg_mode,
+             omnireduce_block_size=0 if mode == "path" else 64, fusion_threshold=0)
 r, n = commlib.rank(), commlib.size()
 
 
@@ -64,6 +65,13 @@ if mode == "sums":
     report(rank=r, wrong=wrong, embedding_error=embedding_error, bytes_sent=st["bytes_sent"],
            authenticated=st["authenticated"],
            densities={name: round(v["density"], 4) for name, v in st["tensors"].items()})
+elif mode == "path":   # blocks sized by the path: int32, not a multiple of the block
+    x = np.arange(10_007, dtype=np.int32) * (r + 1)
+    out = commlib.allreduce(x, name="path", op=commlib.Sum)
+    st = commlib.backend_stats()["omnireduce"]
+    commlib.shutdown()
+    report(rank=r, exact=bool(np.array_equal(out, np.arange(10_007, dtype=np.int32) * (n * (n + 1) // 2))),
+           block_size=st["block_size"], authenticated=st["authenticated"])
 elif mode == "dead":
     commlib.allreduce(np.ones(1000, np.float32), name="warmup", op=commlib.Sum)
     big = np.ones(8 << 20, dtype=np.float32)            # 32 MiB, dense: on the wire for a while
