@@ -261,8 +261,8 @@ def relayed(backend_cls, faults, seed=0):
             address = super()._switch_address()
             return relay_for(address) if self.rank == 0 else address
 
-        def _open_socket(self):                        # switchml, every rank
-            path = super()._open_socket()
+        def _open_socket(self, stream):                # switchml, every rank (one stream: the relay's)
+            path = super()._open_socket(stream)
             return dict(path, addr=list(relays[0].link(tuple(path["addr"]))))
 
         def _spawn_aggregators(self, count):           # omnireduce dedicated, rank 0
