@@ -27,9 +27,12 @@ Tuning guide
                          the kernel's per-datagram cost is paid per thousands of values. 256 or 64:
                          Tofino's sizes (a hardware switch's registers bound them).
   switch_streams         streams per switch (at most its `--threads`): more streams feed more of the
-                         switch's cores and of this host's; each takes a share of the window. 0 (the
-                         default): this host's cores over its ranks (two thirds of them beside an
-                         embedded switch).
+                         switch's cores and of this host's; each takes a share of the window. 1 (the
+                         default): on a slow link streams sharing it see each other's queue in their
+                         round trips and their timers fire spuriously (20 Mbit/s, 2 streams: about
+                         half the packets resent, 11% without GSO; one stream: under 5%), so more
+                         streams are for fast links, where a core bounds a rank. 0: this host's cores
+                         over its ranks (two thirds of them beside an embedded switch).
   switch_retransmit_ms   floor of the per-packet timer; the timer follows the measured round trip,
                          which includes waiting for the slowest rank (srtt + max(4 rttvar, srtt / 2):
                          RFC 6298 with a margin, switch/csrc/transport.h), and doubles per resend
@@ -74,8 +77,9 @@ log = logging.getLogger("commlib.switchml")
 define("switch_addr", "", "host:port of a commlib-switch (UDP data + TCP control on one port), or several "
        "separated by commas (a:9099,b:9099: the job's slots and tensors are split over them); empty: "
        "rank 0 starts a switch on loopback when every rank is on this machine")
-define("switch_streams", 0, "SwitchML worker streams per switch (each a socket and a thread towards one of "
-       "the switch's data-plane threads, with its share of the window); 0: from this host's cores")
+define("switch_streams", 1, "SwitchML worker streams per switch (each a socket and a thread towards one of "
+       "the switch's data-plane threads, with its share of the window): more where a rank's CPU bounds it (fast "
+       "links); 0: from this host's cores")
 define("switch_key_file", "", "the daemon key of a commlib-switch started with --key-file (COMMLIB_SWITCH_ADDR), "
        "read by every rank; the embedded switch uses the job's secret", per_rank=True)
 define("switch_window", 0, "SwitchML window: packets in flight per rank = slots the job takes on the switch; "
