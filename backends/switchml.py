@@ -295,11 +295,12 @@ class SwitchMLBackend(Backend):
                 key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
                 authenticate = keys.job_key(self.ctx, self._daemon_key, nonce) is not None
                 client = sw.SwitchClient(switch.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0)
-                reply = client.register(self.token, streams[0], slots, self.elems, nonce=nonce, authenticate=authenticate,
-                                        streams=streams)
+                reply = client.register(self.token, streams[0], slots, self.elems, nonce=nonce,
+                                        authenticate=authenticate, streams=streams)
                 done.append((client, reply["job"]))
                 if authenticate and reply.get("authenticated") is False:   # the key file names a key the switch lacks
-                    raise ConfigError(auth.unauthenticated(f"commlib-switch at {switch.address}", "the switch has no key"))
+                    raise ConfigError(auth.unauthenticated(f"commlib-switch at {switch.address}",
+                                                           "the switch has no key"))
                 endpoints = reply.get("endpoints") or [{"slots": slots}]   # a switch of one thread
                 if len(endpoints) != len(streams):
                     raise ConfigError(f"commlib-switch at {switch.address} took {len(endpoints)} of the job's "

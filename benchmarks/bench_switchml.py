@@ -299,7 +299,8 @@ def main(argv=None):
             run = _scaling(n, threads, args, env)
             run["ratio"] = run["contributions_per_s"] / next(iter(scaling.values()), run)["contributions_per_s"]
             scaling[str(threads)] = run
-            print(f"  switch of {threads} threads, {run['streams']} streams per rank: {run['contributions_per_s']:,.0f} "
+            print(f"  switch of {threads} threads, {run['streams']} streams per rank: "
+                  f"{run['contributions_per_s']:,.0f} "
                   f"contributions/s ({run['elements_per_s'] / 1e9:.2f} Gvalues/s, {run['ratio']:.2f}x the first), "
                   f"switch {run['switch_cpu_ns_per_contribution']:.0f} CPU ns/contribution, worker "
                   f"{run['worker_cpu_ns_per_element']:.2f} CPU ns/element")

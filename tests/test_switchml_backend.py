@@ -521,6 +521,12 @@ def test_stream_counts_and_addresses_validated():
         assert all(isinstance(e, CommError) and "names a switch twice" in str(e) for e in errors), errors
         with pytest.raises(ConfigError, match="1..2 threads"):
             server.register(1, [[["127.0.0.1", 1000]]] * 3, 8, 256, streams=True)
+        with sw.SwitchServer("127.0.0.1", 0, slots=4) as small:   # the second switch refuses the job's share:
+            errors = LocalGroup(2, settings(switch_addr=f"{server.address},{small.address}", switch_window=16,
+                                            authenticate=False)).run(set_up, 20)
+            assert all(isinstance(e, CommError) and small.address in str(e) and "free slots" in str(e)
+                       for e in errors), errors
+        assert server.status()["jobs"] == {} and server.status()["free_slots"] == 64   # the first one's is undone
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
