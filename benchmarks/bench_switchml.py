@@ -16,9 +16,10 @@ time of the timed runs; well below 1 means the switch is not the bottleneck).
 
 The switch's scaling over cores: for each of --switch-threads (1,2), a `commlib-switch --threads T`
 process and the workers with COMMLIB_SWITCH_STREAMS=T (each rank streams one share of every tensor to
-each data-plane thread); the switch's aggregation rate in contributions (packets added into a slot) per
-second of the timed runs' wall time, its CPU time per contribution (its own process's data-plane
-threads), and the workers' CPU time per element apart (rank 0's C workers, every stream summed).
+each data-plane thread), in two rounds of opposite order; the switch's aggregation rate, the median
+over the runs of contributions (packets added into a slot) per second, its CPU time per contribution
+(its own process's data-plane threads), and the workers' CPU time per element apart (rank 0's C
+workers, every stream summed).
 
     python benchmarks/bench_switchml.py [--quick] [--workers 2,4] [--elements 16777216] [--runs 10]
                                         [--switch-threads 1,2]
@@ -87,7 +88,7 @@ def worker(args):
     if args.scaling:   # the switch's aggregation rate only (rank 0 reports)
         if rank == 0:
             job_after = switchml.switch_counters()["counters"]
-            common.emit({"switchml_ns": sml_ns, "wall_ns": wall, "streams": w_after["streams"],
+            common.emit({"switchml_ns": sml_ns, "streams": w_after["streams"],
                          "aggregated": job_after["aggregated"] - job_before["aggregated"],
                          "switch_cpu_ns": after["cpu_ns"] - before["cpu_ns"],
                          "worker_cpu_ns": w_after["cpu_ns"] - w_before["cpu_ns"],
@@ -195,13 +196,39 @@ def _scaling(n, threads, args, env):
         proc.kill()
         proc.wait()
     goodput = _report(f"switchml, switch of {threads} threads", payload["switchml_ns"], args.elements)
-    seconds = payload["wall_ns"] / 1e9
-    run = {"streams": payload["streams"], "contributions_per_s": payload["aggregated"] / seconds,
-           "elements_per_s": payload["elements"] * n / seconds,
-           "switch_cpu_ns_per_contribution": payload["switch_cpu_ns"] / max(1, payload["aggregated"]),
-           "worker_cpu_ns_per_element": payload["worker_cpu_ns"] / payload["elements"],
-           "median_gbps": statistics.median(goodput)}
-    return run
+    per_run = payload["aggregated"] / (args.runs + 1)   # every run (and the warm-up) the same tensor
+    return {"streams": payload["streams"], "contributions_per_s": [per_run * 1e9 / ns for ns in payload["switchml_ns"]],
+            "values_per_contribution": payload["elements"] * n / max(1, payload["aggregated"]),
+            "switch_cpu_ns_per_contribution": payload["switch_cpu_ns"] / max(1, payload["aggregated"]),
+            "worker_cpu_ns_per_element": payload["worker_cpu_ns"] / payload["elements"], "gbps": goodput}
+
+
+def _scalings(n, args, env):
+    """_scaling for each of --switch-threads, in two rounds of opposite order (a busy host's drift then
+    weighs on each alike), the runs of both rounds pooled: per thread count the median contributions/s
+    (per run: the tensor's contributions over its duration), against the first thread count's."""
+    counts = [int(v) for v in args.switch_threads.split(",") if v]
+    pooled = {}
+    for order in (counts, counts[::-1]):
+        for threads in order:
+            run = _scaling(n, threads, args, env)
+            into = pooled.setdefault(str(threads), dict(run, contributions_per_s=[], gbps=[], cpu=[], worker=[]))
+            into["contributions_per_s"] += run["contributions_per_s"]
+            into["gbps"] += run["gbps"]
+            into["cpu"].append(run["switch_cpu_ns_per_contribution"])
+            into["worker"].append(run["worker_cpu_ns_per_element"])
+    out = {}
+    for threads, run in pooled.items():
+        out[threads] = {"streams": run["streams"], "contributions_per_s": run["contributions_per_s"],
+                        "median_contributions_per_s": statistics.median(run["contributions_per_s"]),
+                        "values_per_contribution": run["values_per_contribution"],
+                        "switch_cpu_ns_per_contribution": statistics.median(run["cpu"]),
+                        "worker_cpu_ns_per_element": statistics.median(run["worker"]),
+                        "median_gbps": statistics.median(run["gbps"])}
+    first = out[str(counts[0])]["median_contributions_per_s"] if counts else 1.0
+    for run in out.values():
+        run["ratio"] = run["median_contributions_per_s"] / first
+    return out
 
 
 def _start_switch(extra):
@@ -294,18 +321,15 @@ def main(argv=None):
                            "embedded_no_mac_gbps": common.summarize(no_mac), "mac_cost": mac_cost,
                            "mac_cpu": on, "no_mac_cpu": off, "breakdowns": payload["breakdowns"],
                            "bottleneck": verdict}
-        scaling = {}
-        for threads in [int(v) for v in args.switch_threads.split(",") if v]:
-            run = _scaling(n, threads, args, env)
-            run["ratio"] = run["contributions_per_s"] / next(iter(scaling.values()), run)["contributions_per_s"]
-            scaling[str(threads)] = run
-            print(f"  switch of {threads} threads, {run['streams']} streams per rank: "
-                  f"{run['contributions_per_s']:,.0f} "
-                  f"contributions/s ({run['elements_per_s'] / 1e9:.2f} Gvalues/s, {run['ratio']:.2f}x the first), "
+        scaling = _scalings(n, args, env)
+        for threads, run in scaling.items():
+            rate = run["median_contributions_per_s"]
+            print(f"  switch of {threads} threads, {run['streams']} streams per rank: median {rate:,.0f} "
+                  f"contributions/s of {run['values_per_contribution']:.0f} values ({run['ratio']:.2f}x the first), "
                   f"switch {run['switch_cpu_ns_per_contribution']:.0f} CPU ns/contribution, worker "
                   f"{run['worker_cpu_ns_per_element']:.2f} CPU ns/element")
-            scale_rows.append(f"| {n} | {threads} | {run['streams']} | {run['contributions_per_s']:,.0f} | "
-                              f"{run['elements_per_s'] / 1e9:.2f} | {run['ratio']:.2f}x | "
+            scale_rows.append(f"| {n} | {threads} | {run['streams']} | {rate:,.0f} | "
+                              f"{rate * run['values_per_contribution'] / 1e9:.2f} | {run['ratio']:.2f}x | "
                               f"{run['switch_cpu_ns_per_contribution']:.0f} | {run['worker_cpu_ns_per_element']:.2f} | "
                               f"{run['median_gbps']:.3f} |")
         results[str(n)]["switch_threads"] = scaling
@@ -343,9 +367,10 @@ def main(argv=None):
                 "worker core Gbit/s | switch core Gbit/s per worker | cores at 10 Gbit/s | at 25 | at 100 |\n"
                 "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(fast_rows) + "\n"
                 "\nThe switch over cores: a standalone `commlib-switch --threads T` (no MACs), each rank streaming to "
-                "each of its T threads (COMMLIB_SWITCH_STREAMS=T); its aggregation rate = contributions (packets "
-                "added into a slot, each of the job's values per packet) per second of the timed runs' wall time, "
-                "also in aggregated values per second, against 1 thread in the same invocation; its CPU per "
+                "each of its T threads (COMMLIB_SWITCH_STREAMS=T), in two rounds of opposite order; its aggregation "
+                "rate = the median over both rounds' runs of contributions (packets added into a slot, each of the "
+                "job's values per packet) per second of the run, also in values per second, against the first "
+                "thread count in the same invocation; its CPU per "
                 "contribution (its data-plane threads); the workers' CPU per element apart (rank 0's C workers, "
                 "every stream summed). On a host with fewer free cores than workers + threads, the threads share "
                 "cores with the workers and the ratio says so.\n\n"
