@@ -28,13 +28,13 @@ Tuning guide
                          Tofino's sizes (a hardware switch's registers bound them).
   switch_streams         streams per switch (at most its `--threads`): more streams feed more of the
                          switch's cores and of this host's; each takes a share of the window. 1 (the
-                         default): streams sharing a slow link burst into its queue together, and
-                         what overflows it and the timers that then fire early are resent (netns,
-                         20 Mbit/s, a 50 ms tbf queue, window 128 of 256 values: 2 streams resent
-                         about half their packets, a third of those duplicates; 11% without GSO;
-                         one stream under 5%), so more streams are for fast links, where a core
-                         bounds a rank. 0: this host's cores over its ranks (two thirds of them
-                         beside an embedded switch).
+                         default): streams sharing a slow link resend a lot, not yet understood
+                         (netns, 20 Mbit/s, window 128 of 256 values, a loaded 2-core host: 2
+                         streams resent from none to half of their packets from run to run, with
+                         srtt about twice the queue's 53 ms and the link's queue dropping only
+                         9-31 packets, so mostly timers firing early; one stream under 5%), so
+                         more streams are for fast links, where a core bounds a rank. 0: this
+                         host's cores over its ranks (two thirds of them beside an embedded switch).
   switch_retransmit_ms   floor of the per-packet timer; the timer follows the measured round trip,
                          which includes waiting for the slowest rank (srtt + max(4 rttvar, srtt / 2):
                          RFC 6298 with a margin, switch/csrc/transport.h), and doubles per resend
