@@ -14,7 +14,15 @@ with MACs (the default) and without (COMMLIB_AUTHENTICATE=0, a trusted fabric). 
 own counters give the profile: its CPU time per element and its busy fraction (CPU time / wall
 time of the timed runs; well below 1 means the switch is not the bottleneck).
 
+The switch's scaling over cores: for each of --switch-threads (1,2), a `commlib-switch --threads T`
+process and the workers with COMMLIB_SWITCH_STREAMS=T (each rank streams one share of every tensor to
+each data-plane thread), in two rounds of opposite order; the switch's aggregation rate, the median
+over the runs of contributions (packets added into a slot) per second, its CPU time per contribution
+(its own process's data-plane threads), and the workers' CPU time per element apart (rank 0's C
+workers, every stream summed).
+
     python benchmarks/bench_switchml.py [--quick] [--workers 2,4] [--elements 16777216] [--runs 10]
+                                        [--switch-threads 1,2]
 Results: benchmarks/results/switchml.json (and RESULTS.md).
 """
 import argparse
@@ -70,12 +78,23 @@ def worker(args):
     switchml = rt.backend("switchml")
     switchml.allreduce(x[:1], "setup")   # registration happens on the first call
     before, w_before = switch_counters(switchml, rank), switchml.stats()
+    job_before = switchml.switch_counters()["counters"] if rank == 0 else None
     served = common.daemon_ns({"switchml": switchml})   # rank 0: the job's queue_ns + proc_ns on the switch
     wall = time.perf_counter_ns()
     sml_ns = timed(switchml, "switchml")
     wall = time.perf_counter_ns() - wall
     server_s = common.server_seconds(served, common.daemon_ns({"switchml": switchml}), args.runs + 1)
     after, w_after = switch_counters(switchml, rank), switchml.stats()
+    if args.scaling:   # the switch's aggregation rate only (rank 0 reports)
+        if rank == 0:
+            job_after = switchml.switch_counters()["counters"]
+            common.emit({"switchml_ns": sml_ns, "streams": w_after["streams"],
+                         "aggregated": job_after["aggregated"] - job_before["aggregated"],
+                         "switch_cpu_ns": after["cpu_ns"] - before["cpu_ns"],
+                         "worker_cpu_ns": w_after["cpu_ns"] - w_before["cpu_ns"],
+                         "elements": args.elements * (args.runs + 1)})
+        commlib.shutdown()
+        return
     try:
         ring = rt.backend("ring")
         ring_ns, engine = timed(ring, "ring"), ring.stats().get("engine")
@@ -167,6 +186,51 @@ def line_rate(worker_ns, switch_ns, n, rates=(10, 25, 100)):
 
 
 # -- the launcher ------------------------------------------------------------------------------------
+def _scaling(n, threads, args, env):
+    """The switch's aggregation rate with `threads` data-plane threads, each rank streaming to each."""
+    proc, address = _start_switch(["--threads", str(threads)] + (["--no-offload"] if args.no_offload else []))
+    try:
+        payload = _run_workers(n, args, dict(env, COMMLIB_SWITCH_ADDR=address, COMMLIB_AUTHENTICATE="0",
+                                             COMMLIB_SWITCH_STREAMS=str(threads)), "--scaling")
+    finally:
+        proc.kill()
+        proc.wait()
+    goodput = _report(f"switchml, switch of {threads} threads", payload["switchml_ns"], args.elements)
+    per_run = payload["aggregated"] / (args.runs + 1)   # every run (and the warm-up) the same tensor
+    return {"streams": payload["streams"], "contributions_per_s": [per_run * 1e9 / ns for ns in payload["switchml_ns"]],
+            "values_per_contribution": payload["elements"] * n / max(1, payload["aggregated"]),
+            "switch_cpu_ns_per_contribution": payload["switch_cpu_ns"] / max(1, payload["aggregated"]),
+            "worker_cpu_ns_per_element": payload["worker_cpu_ns"] / payload["elements"], "gbps": goodput}
+
+
+def _scalings(n, args, env):
+    """_scaling for each of --switch-threads, in two rounds of opposite order (a busy host's drift then
+    weighs on each alike), the runs of both rounds pooled: per thread count the median contributions/s
+    (per run: the tensor's contributions over its duration), against the first thread count's."""
+    counts = [int(v) for v in args.switch_threads.split(",") if v]
+    pooled = {}
+    for order in (counts, counts[::-1]):
+        for threads in order:
+            run = _scaling(n, threads, args, env)
+            into = pooled.setdefault(str(threads), dict(run, contributions_per_s=[], gbps=[], cpu=[], worker=[]))
+            into["contributions_per_s"] += run["contributions_per_s"]
+            into["gbps"] += run["gbps"]
+            into["cpu"].append(run["switch_cpu_ns_per_contribution"])
+            into["worker"].append(run["worker_cpu_ns_per_element"])
+    out = {}
+    for threads, run in pooled.items():
+        out[threads] = {"streams": run["streams"], "contributions_per_s": run["contributions_per_s"],
+                        "median_contributions_per_s": statistics.median(run["contributions_per_s"]),
+                        "values_per_contribution": run["values_per_contribution"],
+                        "switch_cpu_ns_per_contribution": statistics.median(run["cpu"]),
+                        "worker_cpu_ns_per_element": statistics.median(run["worker"]),
+                        "median_gbps": statistics.median(run["gbps"])}
+    first = out[str(counts[0])]["median_contributions_per_s"] if counts else 1.0
+    for run in out.values():
+        run["ratio"] = run["median_contributions_per_s"] / first
+    return out
+
+
 def _start_switch(extra):
     port_file = Path(tempfile.mkdtemp()) / "port"
     proc = subprocess.Popen([sys.executable, "-m", "commlib.switch", "--port", "0", "--port-file", str(port_file),
@@ -179,8 +243,8 @@ def _start_switch(extra):
     return proc, port_file.read_text()
 
 
-def _run_workers(n, args, env):
-    forwarded = ["--worker", "--elements", args.elements, "--runs", args.runs]
+def _run_workers(n, args, env, *extra):
+    forwarded = ["--worker", "--elements", args.elements, "--runs", args.runs, *extra]
     return common.launch(n, Path(__file__), *forwarded, env=env, timeout=args.timeout)[0]
 
 
@@ -193,8 +257,11 @@ def main(argv=None):
     parser.add_argument("--window", type=int, default=0, help="packets in flight per rank (0: the backend's default)")
     parser.add_argument("--packet-elems", type=int, default=0, help="values per packet (0: sized by the path)")
     parser.add_argument("--no-offload", action="store_true", help="one datagram per system call (no GSO/GRO)")
+    parser.add_argument("--switch-threads", default="1,2", help="data-plane threads of the switch to compare "
+                        "(its aggregation rate); empty: skip")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--scaling", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.elements = args.elements or (1 << 20 if args.quick else 1 << 24)
     args.runs = args.runs or (5 if args.quick else 10)
@@ -204,7 +271,7 @@ def main(argv=None):
     env = {"COMMLIB_SWITCH_WINDOW": str(args.window), "COMMLIB_SWITCH_PACKET_ELEMS": str(args.packet_elems),
            "COMMLIB_SWITCH_OFFLOAD": "0" if args.no_offload else "1",
            "COMMLIB_TIMEOUT_S": "60"}
-    results, rows, fast_rows = {}, [], []
+    results, rows, fast_rows, scale_rows = {}, [], [], []
     for n in [int(v) for v in args.workers.split(",")]:
         proc, address = _start_switch(["--no-offload"] if args.no_offload else [])
         try:
@@ -254,6 +321,18 @@ def main(argv=None):
                            "embedded_no_mac_gbps": common.summarize(no_mac), "mac_cost": mac_cost,
                            "mac_cpu": on, "no_mac_cpu": off, "breakdowns": payload["breakdowns"],
                            "bottleneck": verdict}
+        scaling = _scalings(n, args, env)
+        for threads, run in scaling.items():
+            rate = run["median_contributions_per_s"]
+            print(f"  switch of {threads} threads, {run['streams']} streams per rank: median {rate:,.0f} "
+                  f"contributions/s of {run['values_per_contribution']:.0f} values ({run['ratio']:.2f}x the first), "
+                  f"switch {run['switch_cpu_ns_per_contribution']:.0f} CPU ns/contribution, worker "
+                  f"{run['worker_cpu_ns_per_element']:.2f} CPU ns/element")
+            scale_rows.append(f"| {n} | {threads} | {run['streams']} | {rate:,.0f} | "
+                              f"{rate * run['values_per_contribution'] / 1e9:.2f} | {run['ratio']:.2f}x | "
+                              f"{run['switch_cpu_ns_per_contribution']:.0f} | {run['worker_cpu_ns_per_element']:.2f} | "
+                              f"{run['median_gbps']:.3f} |")
+        results[str(n)]["switch_threads"] = scaling
         rows.append(f"| {n} | {statistics.median(sml):.3f} | "
                     + (f"{statistics.median(ring):.3f} | {results[str(n)]['ratio_median']:.2f}x" if ring else "- | -")
                     + f" | {prof['switch_busy_fraction']:.0%} | {prof['switch_cpu_ns_per_element']:.2f} | "
@@ -286,7 +365,18 @@ def main(argv=None):
                 "switch), with the default set-up's goodput against the ring in the same processes.\n\n"
                 "| workers | default set-up Gbps | / ring | worker CPU ns/elem | switch CPU ns/elem/contribution | "
                 "worker core Gbit/s | switch core Gbit/s per worker | cores at 10 Gbit/s | at 25 | at 100 |\n"
-                "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(fast_rows) + "\n")
+                "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(fast_rows) + "\n"
+                "\nThe switch over cores: a standalone `commlib-switch --threads T` (no MACs), each rank streaming to "
+                "each of its T threads (COMMLIB_SWITCH_STREAMS=T), in two rounds of opposite order; its aggregation "
+                "rate = the median over both rounds' runs of contributions (packets added into a slot, each of the "
+                "job's values per packet) per second of the run, also in values per second, against the first "
+                "thread count in the same invocation; its CPU per "
+                "contribution (its data-plane threads); the workers' CPU per element apart (rank 0's C workers, "
+                "every stream summed). On a host with fewer free cores than workers + threads, the threads share "
+                "cores with the workers and the ratio says so.\n\n"
+                "| workers | switch threads | streams per rank | contributions/s | Gvalues/s | / 1 thread | switch CPU "
+                "ns/contribution | worker CPU ns/elem | goodput Gbps |\n"
+                "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(scale_rows) + "\n")
     settings = {"elements": args.elements, "runs": args.runs, "window": args.window, "quick": args.quick,
                 "offload": not args.no_offload, "packet_elems": args.packet_elems}
     common.save("switchml", settings, results, markdown)

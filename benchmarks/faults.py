@@ -13,15 +13,20 @@ median of --repeat jobs) and whether every result of every job is bit-identical 
 run's, with what the relay did and what
 the daemons and workers counted (retransmissions, late packets refused).
 
+With --switches N, switchml's job streams to N commlib-switch servers of this process (keyed, the
+ranks given the key file), each behind its own relay, each holding a share of every tensor.
+
     python benchmarks/faults.py [--quick] [--ranks 4] [--elements 1048576] [--repeat 3] [--packet-elems 0]
-                                [--omnireduce-block 256]
+                                [--omnireduce-block 256] [--switches 1]
 Results: benchmarks/results/faults.json (and RESULTS.md). Exits 1 when a result differs.
 The relay is Python on the same cores as the job: its own latency is part of every time, the
 fault-free one included, so the times compare faults with each other, not with a real fabric.
 """
 import argparse
+import contextlib
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +35,7 @@ import numpy as np
 import commlib.backends.omnireduce as om
 import commlib.backends.switchml as sml
 from commlib.settings import Settings
+from commlib.switch import auth
 from commlib.switch.relay import Faults, relayed
 from commlib.testing import LocalGroup
 
@@ -72,11 +78,33 @@ def inputs(algorithm, ranks, elements):
     return out
 
 
-def run(algorithm, faults, ranks, tensors, seed, packet_elems=0, omnireduce_block=256):
-    """(seconds of the slowest rank, results by rank, relay counters, backend counters of rank 0)."""
+@contextlib.contextmanager
+def switches(count):
+    """Settings for switchml through `count` keyed switches of this process (none for 1: the embedded one)."""
+    if count <= 1:
+        yield {}
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        key_file = f"{folder}/daemon.key"
+        key = auth.write_key(key_file)
+        servers = [sml.sw.SwitchServer("127.0.0.1", 0, slots=1024, key=key).start() for _ in range(count)]
+        try:
+            yield {"switch_addr": ",".join(server.address for server in servers), "switch_key_file": key_file}
+        finally:
+            for server in servers:
+                server.stop()
+
+
+def run(algorithm, faults, ranks, tensors, seed, packet_elems=0, omnireduce_block=256, nswitches=1):
+    """(seconds of the slowest rank, results by rank, relay counters (summed), backend counters of rank 0)."""
+    with switches(nswitches if algorithm == "switchml" else 1) as extra:
+        return _run(algorithm, faults, ranks, tensors, seed, packet_elems, omnireduce_block, extra)
+
+
+def _run(algorithm, faults, ranks, tensors, seed, packet_elems, omnireduce_block, extra):
     base, settings = ALGORITHMS[algorithm]
     if algorithm == "switchml":
-        settings = dict(settings, switch_packet_elems=packet_elems)
+        settings = dict(settings, switch_packet_elems=packet_elems, **extra)
     else:
         settings = dict(settings, omnireduce_block_size=omnireduce_block)
     backend_cls, relays = relayed(base, faults, seed)
@@ -104,7 +132,9 @@ def run(algorithm, faults, ranks, tensors, seed, packet_elems=0, omnireduce_bloc
     finally:
         for relay in relays:
             relay.stop()
-    return done[0][0], [out for _, out in done], relays[0].counters, stats
+    counters = {d: {k: sum(relay.counters[d][k] for relay in relays) for k in relays[0].counters[d]}
+                for d in relays[0].counters}
+    return done[0][0], [out for _, out in done], counters, stats
 
 
 def counted(algorithm, relay, stats):
@@ -128,11 +158,14 @@ def main(argv=None):
     parser.add_argument("--packet-elems", type=int, default=0, help="switchml's values per packet (0: the path's)")
     parser.add_argument("--omnireduce-block", type=int, default=256, help="omnireduce's values per block and packet "
                         "(0: the path's)")
+    parser.add_argument("--switches", type=int, default=1, help="switchml through this many switches (1: the "
+                        "embedded one)")
     args = parser.parse_args(argv)
     if args.quick:
         args.ranks, args.elements, args.repeat = 2, 1 << 16, 1
     rows, lines, identical = [], [], True
-    print(f"{args.ranks} ranks, {args.elements} elements per tensor; faults on both directions of every link")
+    print(f"{args.ranks} ranks, {args.elements} elements per tensor, switchml through {args.switches} switch(es); "
+          f"faults on both directions of every link")
     print(f"{'algorithm':<11} {'fault':<24} {'seconds':>8} {'x none':>7}  {'identical':<9}  relay / job counters")
     for algorithm in ALGORITHMS:
         tensors = inputs(algorithm, args.ranks, args.elements)
@@ -142,7 +175,7 @@ def main(argv=None):
             for k in range(args.repeat):
                 seconds, results, relay, stats = run(algorithm, faults, args.ranks, tensors, seed=100 * k + i + 1,
                                                      packet_elems=args.packet_elems,
-                                                     omnireduce_block=args.omnireduce_block)
+                                                     omnireduce_block=args.omnireduce_block, nswitches=args.switches)
                 if reference is None:
                     reference = results[0]
                 same &= all(got.tobytes() == want.tobytes() for rank in results for got, want in zip(rank, reference))
@@ -158,7 +191,8 @@ def main(argv=None):
                          "identical": same, "relay": relay, "job": seen})
             lines.append(f"| {algorithm} | {name} | {seconds:.3f} | {seconds / base:.1f} | {'yes' if same else 'NO'} | "
                          f"{made} | {seen} |")
-    markdown = (f"{args.ranks} ranks (threads), {args.elements:,} elements per tensor, the daemons behind the "
+    markdown = (f"{args.ranks} ranks (threads), {args.elements:,} elements per tensor, switchml through "
+                f"{args.switches} switch(es), the daemons behind the "
                 f"user-space fault relay (faults on both directions of every link; `make faults`). Time: the "
                 f"allreduces, slowest rank, median of {args.repeat} jobs (the relay is Python on the same 2 CPUs: "
                 f"its own delay is in every time); identical: every result of every job bit-identical to the "
@@ -167,7 +201,7 @@ def main(argv=None):
                 "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
     common.save("faults", {"ranks": args.ranks, "elements": args.elements, "repeat": args.repeat,
                              "quick": args.quick, "packet_elems": args.packet_elems,
-                             "omnireduce_block": args.omnireduce_block}, rows, markdown)
+                             "omnireduce_block": args.omnireduce_block, "switches": args.switches}, rows, markdown)
     return 0 if identical else 1
 
 

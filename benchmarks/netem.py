@@ -100,11 +100,11 @@ class Cluster:
                     pass
                 proc.wait()
 
-    def start_switch(self, host, cwd=None, seconds=30):
-        """A commlib-switch serving on `host`'s address: (its process, 'address:port')."""
+    def start_switch(self, host, cwd=None, seconds=30, extra=()):
+        """A commlib-switch serving on `host`'s address, with `extra` options: (its process, 'address:port')."""
         port_file = Path(tempfile.mkdtemp()) / "port"
         proc = self.popen(host, [sys.executable, "-m", "commlib.switch", "--host", self.address(host), "--port", "0",
-                                 "--port-file", str(port_file)], stdout=subprocess.DEVNULL,
+                                 "--port-file", str(port_file), *extra], stdout=subprocess.DEVNULL,
                           stderr=subprocess.STDOUT, cwd=cwd)
         deadline = time.monotonic() + seconds
         while not port_file.exists():

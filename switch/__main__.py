@@ -15,6 +15,7 @@ every job on the switch, so only a switch started with --testing accepts it.
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -28,6 +29,9 @@ def _serve(argv):
     parser.add_argument("--port", type=int, default=9099, help="UDP data and TCP control port (0: any free)")
     parser.add_argument("--slots", type=int, default=8192, help="pool size shared by all jobs (a job takes "
                         "its window of slots, each with two sets)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="data-plane threads, "
+                        "each with its own UDP port (the first is --port; `status` lists them) and a share of every "
+                        "job's slots (default: this host's cores)")
     parser.add_argument("--slot-group", type=int, default=64, help="slots per counter group")
     parser.add_argument("--drop-ingress", type=float, default=0.0, help="drop simulator: P(drop a packet "
                         "on arrival)")
@@ -66,12 +70,14 @@ def _serve(argv):
         key = auth.read_key(args.key_file) if args.key_file else None
         server = SwitchServer(args.host, args.port, args.slots, args.slot_group, args.drop_ingress,
                               args.drop_egress, args.duplicate, args.seed, offload=not args.no_offload,
-                              testing=args.testing, key=key, limits=limits, job_expiry_s=args.job_expiry_s).start()
+                              testing=args.testing, key=key, limits=limits, job_expiry_s=args.job_expiry_s,
+                              threads=args.threads).start()
     except CommError as exc:
         print(f"commlib-switch: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: server._stopping.set())
-    logging.info("serving on %s (UDP data, TCP control), %d slots", server.address, args.slots)
+    logging.info("serving on %s (UDP data, TCP control), %d slots, %d data-plane threads (UDP ports %s)",
+                 server.address, args.slots, args.threads, ",".join(map(str, server.ports)))
     control.announce_ready([server.address], args.port_file)
     try:
         server.serve_forever()

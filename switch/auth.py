@@ -71,6 +71,15 @@ def job_key(daemon_key, nonce):
     return hashlib.blake2b(b"commlib job " + nonce.encode(), key=daemon_key, digest_size=JOB_KEY_BYTES).digest()
 
 
+def stream_key(job_key, stream):
+    """The data-plane key of a job's stream `stream` on one switch (one shard, switchml.py): the job key
+    for stream 0, a keyed BLAKE2b of the stream's number for the others, so that streams whose packet ids
+    and ranks coincide never MAC under one key with one nonce."""
+    if stream == 0:
+        return job_key
+    return hashlib.blake2b(b"commlib stream %d" % stream, key=job_key, digest_size=JOB_KEY_BYTES).digest()
+
+
 def _mac(key, fields):
     body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(body, key=key, digest_size=MAC_BYTES).hexdigest()

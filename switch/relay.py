@@ -244,26 +244,31 @@ def _pipe(src, dst):
 
 
 def relayed(backend_cls, faults, seed=0):
-    """A subclass of the switchml or omnireduce backend whose embedded daemons (rank 0's switch,
-    rank 0's spawned aggregators) sit behind fault relays with `faults` both ways: every rank
-    talks to the relay and registers the address the daemon sees for it (the relay's socket for
-    this worker). Returns (class, the list its relays are added to; stop them when done)."""
-    relays = []
+    """A subclass of the switchml or omnireduce backend whose daemons (rank 0's embedded switch or the
+    configured switches, rank 0's spawned aggregators) sit behind fault relays with `faults` both ways,
+    one relay per daemon: every rank talks to the relays and registers the address the daemon sees for
+    it (the relay's socket for this worker). Returns (class, the list its relays are added to; stop them
+    when done). The ranks are threads of one process (they share the relays)."""
+    relays, by_address = [], {}
 
     def relay_for(address):
         host, port = address.rsplit(":", 1)
         relay = FaultRelay((host, int(port)), up=faults, down=faults, seed=seed + len(relays)).start()
         relays.append(relay)
+        by_address[f"{host}:{relay.address[1]}"] = relay
         return f"{host}:{relay.address[1]}"
 
     class Relayed(backend_cls):
-        def _switch_address(self):                     # switchml, rank 0 starts the switch
+        def _switch_address(self):                     # switchml, rank 0: each switch behind its relay
             address = super()._switch_address()
-            return relay_for(address) if self.rank == 0 else address
+            return ",".join(relay_for(a) for a in address.split(",")) if self.rank == 0 else address
 
-        def _open_socket(self):                        # switchml, every rank
-            path = super()._open_socket()
-            return dict(path, addr=list(relays[0].link(tuple(path["addr"]))))
+        def _streams_per_switch(self):                 # switchml: a relay forwards to a switch's first port
+            return 1
+
+        def _open_socket(self, stream):                # switchml, every rank
+            path = super()._open_socket(stream)
+            return dict(path, addr=list(by_address[stream.switch.address].link(tuple(path["addr"]))))
 
         def _spawn_aggregators(self, count):           # omnireduce dedicated, rank 0
             return [relay_for(address) for address in super()._spawn_aggregators(count)]

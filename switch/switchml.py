@@ -3,19 +3,29 @@
 One `SwitchServer` listens on host:port twice: UDP for the data plane (SwitchML packets, see
 `HEADER` and switch/csrc/switchml.h) and TCP on the same port number for the control plane, the
 job of SwitchML's controller, in the control format of both daemons (switch/control.py: one JSON
-object per line, answered by {"ok": true, ...} or {"ok": false, "error": ...}):
+object per line, answered by {"ok": true, ...} or {"ok": false, "error": ...}).
+
+A switch of K `threads` is K shards: K C switches (switchml.h's sml_switch), each with its own UDP
+socket (shard 0 on the port, the others on free ports of the host, listed by `status`) and its own
+data-plane thread, sharing nothing, so no lock is contended on the packet path (each shard's own
+mutex is taken by its thread per batch and by a control call for a copy). A job streams each shard
+a share of its slots from its own socket (a worker stream, backends/switchml.py); a shard's MACs
+are under its own stream key (auth.stream_key), so two streams never share a nonce under one key.
 
     {"op": "register", "nonce": N, "token": T, "workers": [[ip, port], ...], "slots": W, "elems": E,
-     "authenticate": true}     (E values per packet: 1..MAX_ELEMS, slots * E <= MAX_POOL_VALUES)
-        -> {"ok": true, "job": n, "epoch": "...", "slots": W, "expiry_s": s}   (job 0..255, W slots x 2 sets;
-        on a switch with a daemon key, the job's packets carry MACs under auth.job_key(key, N) unless
-        "authenticate" is false)
+     "authenticate": true, "streams": [[[ip, port], ...], ...]}
+        (E values per packet: 1..MAX_ELEMS, slots * E <= MAX_POOL_VALUES; streams, optional: the ranks'
+        addresses for each of up to K streams, replacing workers, which is the one-stream case)
+        -> {"ok": true, "job": n, "epoch": "...", "slots": W, "expiry_s": s,
+            "endpoints": [{"port": p, "slots": w}, ...]}   (job 0..255; stream i goes to shard i's port with
+        w of the W slots x 2 sets; on a switch with a daemon key, the job's packets carry MACs under
+        auth.stream_key(auth.job_key(key, N), i) unless "authenticate" is false)
     {"op": "keepalive", "job": n, "rank": r}        rank r of the job lives (every rank, every expiry_s / 4)
     {"op": "unregister", "job": n, "rank": r}       frees the job's slots (any rank that ends)
     {"op": "counters", "job": n}                    per-job and per-slot-group counters
     {"op": "counters"}                              switch-wide counters, control drops, every job
     {"op": "simulate", "ingress": p, "egress": p, "duplicate": p, "seed": s}   drop simulator
-    {"op": "status"}                                pool, free slots, jobs (nothing secret)
+    {"op": "status"}                                pool, free slots, jobs, threads, ports (nothing secret)
 
 Admission (a switch with a daemon key, switch/auth.py; `commlib-switch --key-file`): a register
 carries `seq` and `mac` under the job key (auth.job_key(daemon key, nonce)), which only a holder of
@@ -61,6 +71,7 @@ except ImportError as exc:   # not built: say how to build it where it is used
 # The constants and counters are switch/csrc/switchml.h's, read through cffi.
 HEADER = struct.Struct("!BBBBIHbBII")
 HDR_LEN = HEADER.size
+MAX_THREADS = 64   # data-plane threads (shards) of one switch
 
 
 def _fields(struct_name):
@@ -107,11 +118,26 @@ def _counters_dict(c):
     return out
 
 
+def split(total, parts):
+    """`total` in `parts` shares as equal as may be, the larger first (slots over streams)."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def summed(dicts):
+    """Counters (flat dicts of numbers) of several shards, added key by key."""
+    out = {}
+    for d in dicts:
+        for name, value in d.items():
+            out[name] = out.get(name, 0) + value
+    return out
+
+
 class _Job:
-    def __init__(self, number, token, workers, slots, elems, nonce=None, key=None, source=None):
+    def __init__(self, number, token, workers, slots, elems, nonce=None, key=None, source=None, streams=1):
         self.number, self.token, self.workers, self.slots, self.elems = number, token, workers, slots, elems
+        self.streams = streams   # shards 0..streams-1 hold its slots
         self.nonce, self.key, self.source = nonce, key, source   # key: the job key (bytes) on a keyed switch
-        self.alive = dict.fromkeys(range(len(workers)), time.monotonic())   # rank -> its last keepalive
+        self.alive = dict.fromkeys(range(len(workers[0])), time.monotonic())   # rank -> its last keepalive
 
 
 class Limits:
@@ -137,11 +163,14 @@ class SwitchServer:
 
     def __init__(self, host="127.0.0.1", port=0, slots=8192, slot_group=64, ingress=0.0, egress=0.0,
                  duplicate=0.0, seed=0, run_ms=50, offload=True, testing=False, key=None, limits=None,
-                 job_expiry_s=60.0):
+                 job_expiry_s=60.0, threads=1):
         if lib is None:
             raise BackendUnavailable(IMPORT_ERROR)
         if not 1 <= slots <= MAX_SLOTS * MAX_JOBS:
             raise ConfigError(f"slots={slots}: the switch pool holds 1..{MAX_SLOTS * MAX_JOBS} slots")
+        if not 1 <= threads <= MAX_THREADS:
+            raise ConfigError(f"threads={threads}: a switch runs 1..{MAX_THREADS} data-plane threads")
+        self.threads = int(threads)
         self.host, self.port, self.slots, self.slot_group = host, port, slots, max(1, slot_group)
         self.sim = (ingress, egress, duplicate, seed)
         self.run_ms = run_ms
@@ -157,21 +186,32 @@ class SwitchServer:
         self._next_job = random.randrange(MAX_JOBS)
         self._lock = threading.RLock()   # control operations against stop()
         self._stopping = threading.Event()
-        self._sw = None
-        self._udp = self._tcp = None
+        self._shards = []   # (UDP socket, C switch) per data-plane thread; empty: not started
+        self._tcp = None
         self._threads = []
         self.error = None
 
     # -- life cycle -------------------------------------------------------------------------------
     def start(self):
-        self._udp, self._tcp = self._bind()
-        self.port = self._udp.getsockname()[1]
-        self._sw = lib.sml_switch_new(self._udp.fileno(), self.slots, self.slot_group, int(self.offload))
-        if self._sw == ffi.NULL:
-            raise MemoryError("could not allocate the switch")
+        udp, self._tcp = self._bind()
+        self.port = udp.getsockname()[1]
+        socks = [udp]
+        try:
+            socks += [net.udp_socket(self.host, 0, 8 << 20) for _ in range(self.threads - 1)]
+        except OSError as exc:
+            for sock in socks:
+                sock.close()
+            self._tcp.close()
+            raise PeerFailure(f"commlib-switch cannot bind {self.threads} UDP ports on {self.host} ({exc})") from None
+        for sock in socks:   # every shard may hold the whole pool: register() counts the slots over shards
+            sw = lib.sml_switch_new(sock.fileno(), self.slots, self.slot_group, int(self.offload))
+            if sw == ffi.NULL:
+                raise MemoryError("could not allocate the switch")
+            self._shards.append((sock, sw))
         self.simulate(*self.sim)
-        self._threads = [threading.Thread(target=self._data_loop, name="commlib-switch-data", daemon=True),
-                         threading.Thread(target=self._control_loop, name="commlib-switch-control", daemon=True)]
+        self._threads = [threading.Thread(target=self._data_loop, args=(sw,), name=f"commlib-switch-data{i}",
+                                          daemon=True) for i, (_, sw) in enumerate(self._shards)]
+        self._threads.append(threading.Thread(target=self._control_loop, name="commlib-switch-control", daemon=True))
         for thread in self._threads:
             thread.start()
         return self
@@ -200,8 +240,13 @@ class SwitchServer:
     def address(self):
         return f"{self.host}:{self.port}"
 
+    @property
+    def ports(self):
+        """The UDP port of each shard (data-plane thread); the first is the switch's port."""
+        return [sock.getsockname()[1] for sock, _ in self._shards]
+
     def stop(self):
-        if self._sw is None:
+        if not self._shards:
             return
         self._stopping.set()
         try:
@@ -212,9 +257,10 @@ class SwitchServer:
         for thread in self._threads:
             thread.join(5.0)
         with self._lock:
-            lib.sml_switch_free(self._sw)
-            self._sw = None
-        self._udp.close()
+            shards, self._shards = self._shards, []
+            for sock, sw in shards:
+                lib.sml_switch_free(sw)
+                sock.close()
 
     def serve_forever(self):
         """Block until stop() (or the data plane fails)."""
@@ -222,14 +268,14 @@ class SwitchServer:
             pass
 
     def __enter__(self):
-        return self.start() if self._sw is None else self
+        return self if self._shards else self.start()
 
     def __exit__(self, *exc):
         self.stop()
 
-    def _data_loop(self):
+    def _data_loop(self, sw):
         while not self._stopping.is_set():
-            rc = lib.sml_switch_run(self._sw, self.run_ms)
+            rc = lib.sml_switch_run(sw, self.run_ms)   # cffi releases the GIL: the shards run in parallel
             if rc < 0 and not self._stopping.is_set():
                 self.error = f"data plane socket error: {os.strerror(-rc)}"
                 log.error("commlib-switch %s: %s", self.address, self.error)
@@ -242,7 +288,7 @@ class SwitchServer:
     def handle(self, request, source=None):
         """The fields of the answer to one control request from `source` (an IP address)."""
         with self._lock:
-            if self._sw is None:
+            if not self._shards:
                 raise ValueError("the switch is shutting down")
             return self._handle(request, source)
 
@@ -254,9 +300,10 @@ class SwitchServer:
             if self.key is not None:
                 key = auth.job_key(self.key, nonce)
                 self._authenticate(request, key, ("register", nonce), "register")
-            return self.register(int(request["token"]), request["workers"], int(request.get("slots", 128)),
-                                 int(request.get("elems", 256)), nonce, key, source,
-                                 authenticate=request.get("authenticate", True) is not False)
+            return self.register(int(request["token"]), request.get("streams") or request["workers"],
+                                 int(request.get("slots", 128)), int(request.get("elems", 256)), nonce, key, source,
+                                 authenticate=request.get("authenticate", True) is not False,
+                                 streams="streams" in request)
         if op in ("unregister", "keepalive") or (op == "counters" and request.get("job") is not None):
             job = self._job(request)
             if op == "unregister":
@@ -311,45 +358,62 @@ class SwitchServer:
         self._replays.check(sender, request["seq"], request.get("op"))
         return job
 
-    def register(self, token, workers, slots, elems, nonce=None, key=None, source=None, authenticate=True):
-        """Add a job; returns its job number. workers[rank] = [ipv4, port]; key: the job key that signs
-        its control requests and, with `authenticate`, MACs its packets (None: a keyless switch)."""
+    def register(self, token, workers, slots, elems, nonce=None, key=None, source=None, authenticate=True,
+                 streams=False):
+        """Add a job; returns its job number and endpoints. workers[rank] = [ipv4, port], or with `streams`
+        workers[stream][rank] (up to `threads` streams, each on its own shard with a share of the slots);
+        key: the job key that signs its control requests and, with `authenticate`, MACs its packets
+        (None: a keyless switch)."""
         if not 0 <= token < 2 ** 32:
             raise ConfigError(f"token {token} is not a 32-bit unsigned integer (see token32())")
-        if not isinstance(workers, list) or not 1 <= len(workers) <= MAX_WORKERS:
-            raise ConfigError(f"a job has 1..{MAX_WORKERS} workers, a list of [ip, port]")
+        lists = workers if streams else [workers]
+        if not isinstance(lists, list) or not 1 <= len(lists) <= min(self.threads, slots):
+            raise ConfigError(f"a job streams to 1..{self.threads} threads of this switch, at most one per slot; "
+                              f"it asked for {len(lists) if isinstance(lists, list) else lists!r} streams")
+        for w in lists:
+            if not isinstance(w, list) or not 1 <= len(w) <= MAX_WORKERS or len(w) != len(lists[0]):
+                raise ConfigError(f"a job has 1..{MAX_WORKERS} workers, a list of [ip, port] (the same number in "
+                                  f"every stream)")
         if not 1 <= slots <= MAX_SLOTS or not 1 <= elems <= MAX_ELEMS or slots * elems > MAX_POOL_VALUES:
             raise ConfigError(f"slots={slots} (1..{MAX_SLOTS}) and elems={elems} (values per packet, 1..{MAX_ELEMS}) "
                               f"are not valid, or together pass the {MAX_POOL_VALUES} values a job may hold")
-        addrs = [_ipv4_port(worker) for worker in workers]
+        addrs = [[_ipv4_port(worker) for worker in w] for w in lists]
+        shares = split(slots, len(lists))
         with self._lock:
             self._admit(slots, nonce, source)
+            if self._free() < slots:
+                raise control.Refused("limit", f"the switch has {self._free()} free slots, the job asks for {slots}: "
+                                               f"lower COMMLIB_SWITCH_WINDOW or start the switch with more --slots")
             free = [n for n in ((self._next_job + i) % MAX_JOBS for i in range(MAX_JOBS)) if n not in self._jobs]
             if not free:
                 raise control.Refused("limit", f"the switch already serves {MAX_JOBS} jobs; end one first")
             number = free[0]
-            rc = lib.sml_switch_add_job(self._sw, number, token, len(workers), slots, elems,
-                                        key if key is not None and authenticate else ffi.NULL)
-            if rc == lib.SML_ADD_NO_SLOTS:
-                raise control.Refused("limit", f"the switch has {lib.sml_switch_free_slots(self._sw)} free slots, "
-                                               f"the job asks for {slots}: lower COMMLIB_SWITCH_WINDOW or start the "
-                                               f"switch with more --slots")
-            if rc != 0:
-                why = {lib.SML_ADD_IN_USE: "its job number is in use", lib.SML_ADD_ARG: "invalid parameters",
-                       lib.SML_ADD_NOMEM: "out of memory"}.get(rc, f"code {rc}")
-                raise ConfigError(f"the switch could not add the job: {why}")
-            for rank, (ip, port) in enumerate(addrs):
-                lib.sml_switch_set_addr(self._sw, number, rank, ip, port)
-            self._jobs[number] = _Job(number, token, [list(w) for w in workers], slots, elems, nonce, key, source)
+            for i, (share, ranks) in enumerate(zip(shares, addrs)):
+                sw = self._shards[i][1]
+                stream_key = auth.stream_key(key, i) if key is not None and authenticate else ffi.NULL
+                rc = lib.sml_switch_add_job(sw, number, token, len(ranks), share, elems, stream_key)
+                if rc != 0:
+                    for _, done in self._shards[:i]:
+                        lib.sml_switch_remove_job(done, number)
+                    why = {lib.SML_ADD_IN_USE: "its job number is in use", lib.SML_ADD_ARG: "invalid parameters",
+                           lib.SML_ADD_NOMEM: "out of memory"}.get(rc, f"code {rc}")
+                    raise ConfigError(f"the switch could not add the job: {why}")
+                for rank, (ip, port) in enumerate(ranks):
+                    lib.sml_switch_set_addr(sw, number, rank, ip, port)
+            self._jobs[number] = _Job(number, token, lists, slots, elems, nonce, key, source, len(lists))
             if nonce is not None:
                 self._nonces[nonce] = number
                 while len(self._nonces) > 65536:
                     self._nonces.popitem(last=False)
             self._next_job = (number + 1) % MAX_JOBS   # a just-ended number is not reused at once
-        log.info("commlib-switch %s: job #%d registered (%d workers, %d slots)", self.address, number,
-                 len(workers), slots)
+        log.info("commlib-switch %s: job #%d registered (%d workers, %d slots, %d streams)", self.address, number,
+                 len(lists[0]), slots, len(lists))
         return {"job": number, "epoch": self.epoch, "slots": slots, "expiry_s": self.job_expiry_s,
-                "authenticated": key is not None and authenticate}
+                "authenticated": key is not None and authenticate,
+                "endpoints": [{"port": port, "slots": share} for port, share in zip(self.ports, shares)]}
+
+    def _free(self):
+        return self.slots - sum(job.slots for job in self._jobs.values())
 
     def _admit(self, slots, nonce, source):
         """Refuse a registration beyond the limits, or of a nonce seen before (a replayed register)."""
@@ -387,7 +451,8 @@ class SwitchServer:
         return {}
 
     def _remove(self, job):
-        lib.sml_switch_remove_job(self._sw, job.number)
+        for _, sw in self._shards[:job.streams]:
+            lib.sml_switch_remove_job(sw, job.number)
         del self._jobs[job.number]
         self._replays.forget((job.number, job.nonce))
 
@@ -395,7 +460,7 @@ class SwitchServer:
         """Remove the jobs one of whose ranks sent no keepalive for job_expiry_s (it died or hangs)."""
         now = time.monotonic()
         with self._lock:
-            if self._sw is None:
+            if not self._shards:
                 return
             for job in [j for j in self._jobs.values() if now - min(j.alive.values()) > self.job_expiry_s]:
                 rank = min(job.alive, key=job.alive.get)
@@ -406,47 +471,58 @@ class SwitchServer:
 
     def counters(self, number=None, token=None):
         """Counters of one job (with `token`: only if the job is still the one holding that token),
-        or the switch-wide ones, the control plane's drops and every job's totals."""
+        or the switch-wide ones, the control plane's drops and every job's totals; summed over the
+        shards, each shard's own under "shards"."""
         c = ffi.new("sml_counters *")
         if number is not None:
             number = int(number)
             with self._lock:
                 job = self._jobs.get(number)
-                if job is None or (token is not None and job.token != int(token)) or \
-                        lib.sml_switch_job_counters(self._sw, number, c) != 0:
+                if job is None or (token is not None and job.token != int(token)):
                     raise ConfigError(f"job #{number}{' with that token' if token is not None else ''} is not "
                                       f"registered on this switch")
-                total = _counters_dict(c)
-                groups = []
-                for g in range(lib.sml_switch_groups(self._sw, number)):
-                    lib.sml_switch_group_counters(self._sw, number, g, c)
-                    groups.append(_counters_dict(c))
-            return {"job": number, "counters": total, "slot_group": self.slot_group, "groups": groups}
+                shards, groups = [], []   # groups: shard 0's, then shard 1's, ...
+                for _, sw in self._shards[:job.streams]:
+                    lib.sml_switch_job_counters(sw, number, c)
+                    shards.append(_counters_dict(c))
+                    for g in range(lib.sml_switch_groups(sw, number)):
+                        lib.sml_switch_group_counters(sw, number, g, c)
+                        groups.append(_counters_dict(c))
+            return {"job": number, "counters": summed(shards), "slot_group": self.slot_group, "groups": groups,
+                    "shards": shards}
         g = ffi.new("sml_global *")
         with self._lock:
-            lib.sml_switch_global_counters(self._sw, g)
+            shards = []
+            for _, sw in self._shards:
+                lib.sml_switch_global_counters(sw, g)
+                shards.append({name: int(getattr(g, name)) for name in GLOBAL_COUNTERS})
             jobs = {}
-            for n in self._jobs:
-                lib.sml_switch_job_counters(self._sw, n, c)
-                jobs[str(n)] = _counters_dict(c)
-        return {"switch": {name: int(getattr(g, name)) for name in GLOBAL_COUNTERS}, "jobs": jobs,
-                "control": self.drops.snapshot()}
+            for n, job in self._jobs.items():
+                totals = []
+                for _, sw in self._shards[:job.streams]:
+                    lib.sml_switch_job_counters(sw, n, c)
+                    totals.append(_counters_dict(c))
+                jobs[str(n)] = summed(totals)
+        return {"switch": summed(shards), "shards": shards, "jobs": jobs, "control": self.drops.snapshot()}
 
     def simulate(self, ingress=0.0, egress=0.0, duplicate=0.0, seed=0):
         for p in (ingress, egress, duplicate):
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"drop simulator probability {p} is not in [0, 1)")
         with self._lock:
-            lib.sml_switch_set_sim(self._sw, ingress, egress, duplicate, seed or random.getrandbits(63) | 1)
+            first = seed or random.getrandbits(62) | 1
+            for i, (_, sw) in enumerate(self._shards):   # each shard its own stream of draws
+                lib.sml_switch_set_sim(sw, ingress, egress, duplicate, first + 2 * i)
             self.sim = (ingress, egress, duplicate, seed)
         return {}
 
     def status(self):
         with self._lock:
-            jobs = {str(n): {"workers": len(j.workers), "slots": j.slots, "elems": j.elems}
+            jobs = {str(n): {"workers": len(j.alive), "slots": j.slots, "elems": j.elems, "streams": j.streams}
                     for n, j in self._jobs.items()}
-            free = int(lib.sml_switch_free_slots(self._sw))
+            free = self._free()
         return {"address": self.address, "epoch": self.epoch, "slots": self.slots, "free_slots": free, "jobs": jobs,
+                "threads": self.threads, "ports": self.ports,
                 "authenticated": self.key is not None, "simulate": dict(zip(("ingress", "egress", "duplicate", "seed"), self.sim))}
 
 
@@ -499,8 +575,11 @@ class SwitchClient:
             raise PeerFailure(f"the switch at {self.address} closed the connection during {op!r}")
         return control.result(control.decode(line), f"switch {self.address}: {op}")
 
-    def register(self, token, workers, slots, elems, nonce=None, authenticate=None):
+    def register(self, token, workers, slots, elems, nonce=None, authenticate=None, streams=None):
+        """streams: the ranks' addresses per stream (several streams; workers is the first's)."""
         fields = {} if nonce is None else {"nonce": nonce}
+        if streams is not None and len(streams) > 1:
+            fields["streams"] = streams
         if authenticate is not None:
             fields["authenticate"] = authenticate
         return self.request("register", token=token, workers=workers, slots=slots, elems=elems, **fields)

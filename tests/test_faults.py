@@ -51,11 +51,12 @@ def switchml_inputs(n):
     return out
 
 
-def run_switchml(n, faults, seed=1, elems=0):
+def run_switchml(n, faults, seed=1, elems=0, **extra):
     """Every tensor of switchml_inputs through the embedded switch behind a relay with `faults`
     both ways: (results by rank, relay counters, the job's switch counters). elems: values per
     packet (0: the path's, on loopback the largest; then a window of 2, so that slots are reused
-    within these tensors as with Tofino's 256 and a window of 32)."""
+    within these tensors as with Tofino's 256 and a window of 32). extra: more settings (switch_addr:
+    switches of their own, each behind its relay); the relay counters are summed over the relays."""
     inputs = switchml_inputs(n)
     backend_cls, relays = relayed(sml.SwitchMLBackend, faults, seed)
     seen = {}
@@ -68,11 +69,13 @@ def run_switchml(n, faults, seed=1, elems=0):
 
     try:
         results = run_ranks(n, backend_cls, work, switch_window=32 if elems == 256 else 2, switch_packet_elems=elems,
-                            switch_retransmit_ms=2.0, switch_retransmit_max_ms=40.0)
+                            switch_retransmit_ms=2.0, switch_retransmit_max_ms=40.0, **extra)
     finally:
         for relay in relays:
             relay.stop()
-    return results, relays[0].counters, seen
+    counters = {d: {k: sum(relay.counters[d][k] for relay in relays) for k in relays[0].counters[d]}
+                for d in relays[0].counters}
+    return results, counters, seen
 
 
 def assert_identical(results, reference, n):
@@ -106,6 +109,26 @@ def test_switchml_reordering_alone(elems):
     assert_identical(faulty, clean, 2)
     assert relayed["up"]["reordered"] > 0
     assert switch["drop_late"] > 0, switch   # the late copies reached reused slots and were refused
+
+
+def test_switchml_through_two_switches_bit_identical_under_faults(tmp_path):
+    """A job over two keyed switches, each behind its own faulty relay, gives the bits of the fault-free
+    job through one switch: loss recovery and timers work per switch."""
+    from commlib.switch import auth
+    key_file = tmp_path / "daemon.key"
+    key = auth.write_key(str(key_file))
+    clean, _, _ = run_switchml(2, NONE)
+    servers = [sw.SwitchServer("127.0.0.1", 0, slots=64, key=key).start() for _ in range(2)]
+    try:
+        faulty, relayed, switch = run_switchml(2, NASTY, seed=3, switch_addr=",".join(s.address for s in servers),
+                                               switch_key_file=str(key_file))
+        assert all(server.counters()["switch"]["pkts_recv"] > 0 for server in servers)   # both carried a share
+    finally:
+        for server in servers:
+            server.stop()
+    assert_identical(faulty, clean, 2)
+    assert relayed["up"]["lost"] > 0 and relayed["down"]["reordered"] > 0, relayed
+    assert switch["replays"] + switch["drop_incomplete"] > 0, switch
 
 
 # -- omnireduce: a dedicated aggregator behind the relay ------------------------------------------

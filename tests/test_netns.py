@@ -65,6 +65,29 @@ def test_switchml_through_a_switch_on_its_own_host():
     assert seen["jobs"] == {}, seen   # the job ended at shutdown and gave its slots back
 
 
+def test_switchml_across_two_switch_hosts_of_two_threads_each():
+    """COMMLIB_SWITCH_ADDR names two switches, each on its own host with 2 data-plane threads: every rank
+    streams to the 4 threads over real interfaces; the sums hold and each switch aggregated its share."""
+    hosts = ["w0", "w1", "w2"]
+    with netem.Cluster(hosts + ["s0", "s1"], rate="1gbit", unshaped={"s0", "s1"}) as cluster:
+        switches = [cluster.start_switch(host, cwd=ROOT, extra=["--threads", "2"]) for host in ("s0", "s1")]
+        address = ",".join(a for _, a in switches)
+        try:
+            outs = _run(cluster, hosts, "switchml_worker.py", "external", env={
+                "COMMLIB_SWITCH_ADDR": address, "COMMLIB_AUTHENTICATE": "0", "COMMLIB_SWITCH_STREAMS": "2"})
+            counters = [json.loads(subprocess.run(
+                ["ip", "netns", "exec", cluster.namespace("w0"), sys.executable, "-m", "commlib.switch", "counters",
+                 a], capture_output=True, text=True, cwd=ROOT, timeout=30, check=True).stdout) for _, a in switches]
+        finally:
+            cluster.kill([proc for proc, _ in switches])
+    ranks = results("\n".join(outs), 3)
+    check_switchml(ranks, "external", address, packet_elems=355)
+    assert all(r["streams"] == 4 for r in ranks), [r["streams"] for r in ranks]
+    for seen in counters:
+        assert len(seen["shards"]) == 2 and all(s["pkts_recv"] > 0 for s in seen["shards"]), seen["shards"]
+        assert seen["switch"]["pkts_recv"] == sum(s["pkts_recv"] for s in seen["shards"]) and seen["jobs"] == {}
+
+
 def test_switchml_timers_do_not_fire_under_its_own_window_on_a_slow_link():
     """20 Mbit links: a window of 128 packets takes 55 ms to drain, a tensor of 300 values answers
     in about 1 ms. The first answers of a window come back before the queue it builds; were the

@@ -494,3 +494,107 @@ def test_cli_counters_and_simulate():
         assert out.returncode == 1 and "not registered" in out.stderr
     finally:
         proc.kill()
+
+
+# -- streams: several data-plane threads of one switch, several switches ------------------------------
+def _streamed_work(rank, backend):
+    out = []
+    for i, size in enumerate([33333, 1, 5000, 70001]):   # none a multiple of the packet (333)
+        out.append(backend.allreduce(float_data(rank, size, i), f"f{i}"))
+        out.append(backend.allreduce(int_data(rank, size, i), f"i{i}"))
+    return out, backend.stats()["streams"], backend.switch_counters() if rank == 0 else None
+
+
+@pytest.mark.parametrize("threads, switches", [(2, 1), (1, 2), (2, 2)])
+def test_streams_over_switch_threads_and_switches_are_bit_identical(tmp_path, threads, switches):
+    """A job through 2 threads of one switch, through 2 switches, and through 2 x 2, authenticated
+    (each stream MACs under its own key), gives the same bits as through one switch of one thread;
+    every thread aggregates its share and the job's counters are the threads' summed."""
+    from commlib.switch import auth
+    key_file = tmp_path / "daemon.key"
+    key = auth.write_key(str(key_file))
+    common = dict(switch_key_file=str(key_file), switch_packet_elems=333, switch_window=8)
+    servers = [sw.SwitchServer("127.0.0.1", 0, slots=64, key=key, threads=threads).start()
+               for _ in range(switches + 1)]
+    try:
+        reference = run(3, _streamed_work, switch_addr=servers[0].address, switch_streams=1, **common)
+        address = ",".join(server.address for server in servers[1:])
+        streamed = run(3, _streamed_work, switch_addr=address, switch_streams=2, **common)
+        assert reference[0][1] == 1 and streamed[0][1] == threads * switches, streamed[0][1]
+        for rank in range(3):
+            for i, (a, b) in enumerate(zip(reference[rank][0], streamed[rank][0])):
+                assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), \
+                    f"rank {rank}, tensor {i}: {np.count_nonzero(a != b)} values differ from one switch's"
+        counters = streamed[0][2]
+        per_switch = counters["switches"].values() if switches > 1 else [counters]
+        for c in per_switch:
+            shards = c["shards"]
+            assert len(shards) == threads and all(s["aggregated"] > 0 for s in shards), shards
+            assert c["counters"]["aggregated"] == sum(s["aggregated"] for s in shards)
+        assert counters["counters"]["aggregated"] == reference[0][2]["counters"]["aggregated"]
+        for server in servers[1:]:
+            wide = server.counters()
+            assert wide["switch"]["pkts_recv"] == sum(s["pkts_recv"] for s in wide["shards"]) > 0
+            assert server.status()["jobs"] == {}   # the job ended on every switch
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_stream_counts_and_addresses_validated():
+    with pytest.raises(ConfigError, match="switch_streams"):
+        sml.SwitchMLBackend(LocalGroup(1, settings(switch_streams=99)).contexts[0])
+    with sw.SwitchServer("127.0.0.1", 0, slots=64, threads=2) as server:
+        def set_up(ctx):
+            backend = sml.SwitchMLBackend(ctx)
+            try:
+                backend.start()
+            except CommError as exc:
+                return exc
+            finally:
+                backend.close()
+
+        errors = LocalGroup(2, settings(switch_addr=f"{server.address},{server.address}", authenticate=False)).run(
+            set_up, 20)
+        assert all(isinstance(e, CommError) and "names a switch twice" in str(e) for e in errors), errors
+        with pytest.raises(ConfigError, match="1..2 threads"):
+            server.register(1, [[["127.0.0.1", 1000]]] * 3, 8, 256, streams=True)
+        with sw.SwitchServer("127.0.0.1", 0, slots=4) as small:   # the second switch refuses the job's share:
+            errors = LocalGroup(2, settings(switch_addr=f"{server.address},{small.address}", switch_window=16,
+                                            authenticate=False)).run(set_up, 20)
+            assert all(isinstance(e, CommError) and small.address in str(e) and "free slots" in str(e)
+                       for e in errors), errors
+        assert server.status()["jobs"] == {} and server.status()["free_slots"] == 64   # the first one's is undone
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_one_of_two_switches_dying_fails_every_rank_naming_it(how):
+    """Killed (its port closes: refused at once) or stopped (silent: the timeout), the second switch of a
+    job fails every rank with an error that names it, within the timeout."""
+    procs = [_switch_process(extra=["--threads", "2"]) for _ in range(2)]
+    (_, first), (victim, second) = procs
+    try:
+        def work(rank, backend):
+            np.testing.assert_array_equal(backend.allreduce(np.arange(30000, dtype=np.int32), "warm"),
+                                          2 * np.arange(30000))
+            barrier.wait(10)
+            if rank == 0:
+                victim.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            barrier.wait(10)
+            start = time.monotonic()
+            with pytest.raises(CommError) as error:   # a window per stream and more: every stream takes a share
+                backend.allreduce(np.ones(1 << 20, np.float32), "x")
+            return str(error.value), time.monotonic() - start, backend.stats()["streams"]
+
+        barrier = threading.Barrier(2)
+        results = run(2, work, switch_addr=f"{first},{second}", switch_streams=2, authenticate=False, timeout_s=2.0)
+        for message, took, streams in results:
+            assert streams == 4
+            assert f"on switch {second}" in message and first not in message, message
+            assert took < 6.0, f"{took:.1f}s to fail with a timeout of 2s (and 2s to ask the control port why)"
+            assert ("not running" if how == "kill" else "no result for 2.0s") in message, message
+    finally:
+        for proc, _ in procs:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait(10)

@@ -227,6 +227,51 @@ def test_results_carry_a_valid_mac_and_unsigned_data_is_dropped(keyed):
     assert int.from_bytes(replay[-24:-16], "big") == int.from_bytes(raw[-24:-16], "big") + 1   # ... is a new build
 
 
+def test_each_thread_of_a_switch_takes_only_its_own_streams_key():
+    """A job streams to two threads of a keyed switch: the streams' packet ids and ranks coincide, so
+    each thread has its own key (auth.stream_key) and no nonce MACs two messages under one key. A
+    valid packet of stream 0, replayed into thread 1 from stream 1's own address, is refused; one
+    under stream 1's key is aggregated, and its result carries a MAC under that key."""
+    server = sw.SwitchServer("127.0.0.1", 0, slots=64, key=DAEMON_KEY, threads=2).start()
+    socks = [[socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)] for _ in range(2)]  # [stream][rank]
+    try:
+        for stream in socks:
+            for s in stream:
+                s.bind(("127.0.0.1", 0))
+                s.settimeout(1.0)
+        nonce = auth.new_nonce()
+        key = auth.job_key(DAEMON_KEY, nonce)
+        client = sw.SwitchClient(server.address, key=key, rank=0)
+        addrs = [[list(s.getsockname()) for s in stream] for stream in socks]
+        reply = client.register(TOKEN, addrs[0], 8, E, nonce=nonce, authenticate=True, streams=addrs)
+        job, ports = reply["job"], [e["port"] for e in reply["endpoints"]]
+        assert len(ports) == 2 and ports[0] == server.port and [e["slots"] for e in reply["endpoints"]] == [4, 4]
+
+        def packet(rank, pkt, values, mac_key):
+            raw = header(1, 1 | 8, job, rank, pkt, 0, 0) + struct.pack(f"!{E}i", *values)
+            return raw + sml_mac(mac_key, 1, rank, pkt, pkt, raw)
+
+        one = auth.stream_key(key, 1)
+        assert one != key
+        socks[1][0].sendto(packet(0, 1, vals(1), key), ("127.0.0.1", ports[1]))   # stream 0's MAC on thread 1
+        with pytest.raises(socket.timeout):
+            socks[1][0].recv(4096)
+        shards = server.counters(job)["shards"]
+        assert shards[1]["drop_bad_mac"] == 1 and shards[1]["aggregated"] == 0, shards
+        for rank, seed in ((0, 1), (1, 2)):
+            socks[1][rank].sendto(packet(rank, 1, vals(seed), one), ("127.0.0.1", ports[1]))
+        raw = socks[1][0].recv(4096)
+        assert sml_result_mac_ok(one, raw, 1) and not sml_result_mac_ok(key, raw, 1)
+        assert parse(raw)["values"] == [a + b for a, b in zip(vals(1), vals(2))]
+        counters = server.counters(job)
+        assert counters["counters"]["aggregated"] == 2 and counters["shards"][0]["aggregated"] == 0
+    finally:
+        for stream in socks:
+            for s in stream:
+                s.close()
+        server.stop()
+
+
 def test_spoofed_data_into_a_cleared_set_is_refused(keyed):
     """Issue 13's first attack: a DATA packet with a sniffed header (job, token, rank) from the
     worker's own address (a spoofed source: here the worker's socket), into a set the last round

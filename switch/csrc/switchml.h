@@ -49,6 +49,8 @@
  * DATA the sender's rank, two zero bytes and id64; for a RESULT three zero bytes and its seq.
  * Why every nonce MACs one message only:
  *   - job keys are per registration (the job nonce is fresh), so nonces never meet another job's;
+ *     a job's streams (one per data-plane thread of a switch, switch/switchml.py) each have their own
+ *     key (switch/auth.py's stream_key of the job key), their ids and ranks coinciding;
  *   - DATA: a rank builds each packet id once (ids grow by a tensor's packets after every call,
  *     a failed one included, and never wrap in 64 bits); a retransmission resends the same bytes
  *     (same nonce, same message, same MAC: nothing new to an observer); ranks and types differ;
@@ -156,10 +158,14 @@ typedef struct sml_global {
     uint64_t run_ns;            /* wall time spent in sml_switch_run */
 } sml_global;
 
+/* One sml_switch is one data-plane thread's: its socket, its jobs' slots, its counters. A switch of
+ * K threads is K of them sharing nothing (each job registered on each with its share of the slots,
+ * switch/switchml.py), so no lock is shared on the packet path. */
 typedef struct sml_switch sml_switch;
 
 /* fd: a bound UDP socket (IPv4). offload: use UDP GSO/GRO where the kernel has them (several
- * datagrams per system call; each is still its own packet on the wire). Thread-safe calls. */
+ * datagrams per system call; each is still its own packet on the wire). Thread-safe calls; a
+ * control call holds the switch's lock only to copy (it allocates and frees outside it). */
 sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int offload);
 void sml_switch_free(sml_switch *sw);
 /* Register job `job` (0..255) with nworkers ranks and a pool of nslots slots of elems values per

@@ -3,7 +3,10 @@
  * simulator) come from other threads and take the same mutex. The data-plane thread holds it
  * while it processes a received batch and sends the batch's results (sendmmsg in
  * tp_txq_flush, which can wait for room in the socket's send buffer), so a control call may
- * wait for one batch; it never holds it while waiting for packets (poll, recvmmsg). */
+ * wait for one batch; it never holds it while waiting for packets (poll, recvmmsg). A control
+ * call holds it only to copy: a job's memory is allocated before and freed after, so the data
+ * plane never waits for an allocator. A switch of several threads is several sml_switch, one
+ * per thread and socket, sharing nothing (switch/switchml.py): no lock is shared between them. */
 #define _GNU_SOURCE
 #include "switchml.h"
 #include "switchml_common.h"
@@ -116,35 +119,39 @@ int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, ui
     if (job < 0 || job >= SML_MAX_JOBS || nworkers < 1 || nworkers > SML_MAX_WORKERS || nslots < 1 ||
         nslots > SML_MAX_SLOTS || elems < 1 || elems > SML_MAX_ELEMS || (uint64_t)nslots * elems > SML_MAX_POOL_VALUES)
         return SML_ADD_ARG;
+    job_t *j = calloc(1, sizeof *j);   /* built outside the lock, installed by a copy under it */
+    if (!j) return SML_ADD_NOMEM;
+    j->ngroups = (nslots + sw->group_slots - 1) / sw->group_slots;
+    j->sets = calloc((size_t)nslots * 2, sizeof *j->sets);
+    j->values = calloc((size_t)nslots * 2 * elems, sizeof *j->values);
+    j->nfreg = calloc((size_t)nslots * 2 * elems, 1);
+    j->groups = calloc(j->ngroups, sizeof *j->groups);
+    if (key) j->mac = tp_mac_new(key, SML_MAC_LABEL);
+    if (!j->sets || !j->values || !j->nfreg || !j->groups || (key && !j->mac) ||
+        RAND_bytes((unsigned char *)&j->seq, sizeof j->seq) != 1) {
+        job_release(j);
+        free(j);
+        return SML_ADD_NOMEM;
+    }
+    j->token = token;
+    j->nworkers = nworkers;
+    j->nslots = nslots;
+    j->elems = elems;
+    j->active = 1;
     int rc = 0;
     pthread_mutex_lock(&sw->mu);
-    job_t *j = &sw->jobs[job];
-    if (j->active) {
+    if (sw->jobs[job].active) {
         rc = SML_ADD_IN_USE;
     } else if (sw->used_slots + nslots > sw->max_slots) {
         rc = SML_ADD_NO_SLOTS;
     } else {
-        memset(j, 0, sizeof *j);
-        j->ngroups = (nslots + sw->group_slots - 1) / sw->group_slots;
-        j->sets = calloc((size_t)nslots * 2, sizeof *j->sets);
-        j->values = calloc((size_t)nslots * 2 * elems, sizeof *j->values);
-        j->nfreg = calloc((size_t)nslots * 2 * elems, 1);
-        j->groups = calloc(j->ngroups, sizeof *j->groups);
-        if (key) j->mac = tp_mac_new(key, SML_MAC_LABEL);
-        if (!j->sets || !j->values || !j->nfreg || !j->groups || (key && !j->mac) ||
-            RAND_bytes((unsigned char *)&j->seq, sizeof j->seq) != 1) {
-            job_release(j);
-            rc = SML_ADD_NOMEM;
-        } else {
-            j->token = token;
-            j->nworkers = nworkers;
-            j->nslots = nslots;
-            j->elems = elems;
-            j->active = 1;
-            sw->used_slots += nslots;
-        }
+        sw->jobs[job] = *j;
+        sw->used_slots += nslots;
+        memset(j, 0, sizeof *j);   /* the switch owns its buffers now */
     }
     pthread_mutex_unlock(&sw->mu);
+    job_release(j);
+    free(j);
     return rc;
 }
 
@@ -165,14 +172,20 @@ int sml_switch_set_addr(sml_switch *sw, int job, int rank, uint32_t ipv4, uint16
 }
 
 int sml_switch_remove_job(sml_switch *sw, int job) {
+    if (job < 0 || job >= SML_MAX_JOBS) return -1;
+    job_t *j = malloc(sizeof *j);   /* taken out under the lock, freed outside it */
+    if (!j) return -1;
     int rc = -1;
     pthread_mutex_lock(&sw->mu);
-    if (job >= 0 && job < SML_MAX_JOBS && sw->jobs[job].active) {
+    if (sw->jobs[job].active) {
         sw->used_slots -= sw->jobs[job].nslots;
-        job_release(&sw->jobs[job]);
+        *j = sw->jobs[job];
+        memset(&sw->jobs[job], 0, sizeof sw->jobs[job]);
         rc = 0;
     }
     pthread_mutex_unlock(&sw->mu);
+    if (rc == 0) job_release(j);
+    free(j);
     return rc;
 }
 
@@ -509,9 +522,7 @@ static long serve(sml_switch *sw, int max_ms) {
         sw->g.pkts_sent = sw->tx.pkts_sent;
         sw->g.send_errors = sw->tx.errors;
         sw->g.gso_messages = sw->tx.gso_messages;
-        pthread_mutex_unlock(&sw->mu);
         uint64_t t1 = tp_now_ns();
-        pthread_mutex_lock(&sw->mu);
         sw->g.busy_ns += t1 - t0;
         pthread_mutex_unlock(&sw->mu);
         if (t1 >= deadline) return handled;

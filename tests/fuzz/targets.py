@@ -34,7 +34,7 @@ if os.environ.get("COMMLIB_FUZZ_PLANTED_BUG"):   # tests/test_fuzz.py: the harne
     sw.SwitchServer._handle = _buggy
 
 OPS = ["register", "unregister", "keepalive", "counters", "simulate", "status", "nope"]
-FIELDS = ["op", "token", "workers", "slots", "elems", "nonce", "job", "rank", "seq", "mac", "epoch", "size",
+FIELDS = ["op", "token", "workers", "streams", "slots", "elems", "nonce", "job", "rank", "seq", "mac", "epoch", "size",
           "columns", "aggregators", "index", "block", "loss", "dup", "ingress", "egress", "duplicate", "seed"]
 KEY = bytes(range(32))
 TOKEN = 0x1234ABCD
@@ -62,6 +62,9 @@ def _value(fdp, depth=0):
         return {fdp.ConsumeUnicodeNoSurrogates(8): _value(fdp, depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 3))}
     if kind == 8:
         return [["127.0.0.1", fdp.ConsumeIntInRange(0, 70000)] for _ in range(fdp.ConsumeIntInRange(0, 70))]
+    if kind == 9 and depth < 1 and fdp.ConsumeBool():   # a register's streams: worker lists
+        return [_value(fdp, 3) if fdp.ConsumeBool() else [["127.0.0.1", fdp.ConsumeIntInRange(0, 70000)]] * 3
+                for _ in range(fdp.ConsumeIntInRange(0, 3))]
     return auth.new_nonce()
 
 
@@ -94,7 +97,8 @@ _switches = None
 def switch_control(data):
     global _switches
     if _switches is None:
-        _switches = [sw.SwitchServer("127.0.0.1", 0, slots=1024, testing=True, limits=sw.Limits.for_pool(1024)),
+        _switches = [sw.SwitchServer("127.0.0.1", 0, slots=1024, testing=True, limits=sw.Limits.for_pool(1024),
+                                     threads=2),
                      sw.SwitchServer("127.0.0.1", 0, slots=1024, key=KEY)]
         for server in _switches:
             server.start()
@@ -103,8 +107,9 @@ def switch_control(data):
     reply = control.answer(lambda r: server.handle(r, "10.0.0.1"), _request(fdp), server.drops)
     _check_answer(reply, server.drops)
     with server._lock:
-        held = sum(job.slots for job in server._jobs.values())
-        assert lib.sml_switch_free_slots(server._sw) + held == server.slots, "slots leaked"
+        for i, (_, shard) in enumerate(server._shards):      # each thread's pool against the jobs' shares on it
+            held = sum(sw.split(job.slots, job.streams)[i] for job in server._jobs.values() if i < job.streams)
+            assert lib.sml_switch_free_slots(shard) + held == server.slots, "slots leaked"
         for job in list(server._jobs.values()):             # the next input starts with an empty switch
             server._remove(job)
 

@@ -40,7 +40,7 @@ t = torch.full((5,), 0.5 * (r + 1), dtype=torch.float16)
 torch_half = commlib.allreduce(t, name="torch.half", op=commlib.Sum, algorithm="switchml")
 stats = commlib.backend_stats()["switchml"]
 used = sorted({rec["algorithm"] for rec in commlib.records().values()})
-host, port = stats["switch"].rsplit(":", 1)
+host, port = stats["switch"].split(",")[0].rsplit(":", 1)   # the first switch (COMMLIB_SWITCH_ADDR may name several)
 socket.create_connection((host, int(port)), timeout=5).close()   # its control port answers while it runs
 commlib.shutdown()
 try:   # shutdown stopped the embedded switch
@@ -54,4 +54,4 @@ report(rank=r, size=n, mode=mode, job_at_init=at_init["job"] is not None, embedd
        half_avg={"dtype": str(big.dtype), "values": sorted(set(big.tolist()))},
        torch_half={"dtype": str(torch_half.dtype), "values": sorted(set(torch_half.tolist()))},
        received=stats["received"], authenticated=stats["authenticated"], algorithms=used, switch=stats["switch"], answers_after_shutdown=answers_after,
-       packet_elems=stats["packet_elems"])
+       packet_elems=stats["packet_elems"], streams=stats["streams"])
