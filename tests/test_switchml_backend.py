@@ -53,6 +53,17 @@ def run(n, work, join_timeout=45.0, **kw):
     return group.run(main, join_timeout)
 
 
+def start_error(ctx):
+    """The error a rank's backend raised starting (None if it started), the backend closed."""
+    backend = sml.SwitchMLBackend(ctx)
+    try:
+        backend.start()
+    except CommError as exc:
+        return exc
+    finally:
+        backend.close()
+
+
 def float_data(rank, size, seed=0):
     """Values over many magnitudes, whole zero blocks, tiny and negative values."""
     rng = np.random.default_rng(1000 * seed + rank)
@@ -433,17 +444,8 @@ def test_switch_daemon_restart_and_death_are_clear_errors():
         restarted.kill()
         restarted.wait(10)
 
-        def set_up(ctx):
-            backend = sml.SwitchMLBackend(ctx)
-            try:
-                backend.start()
-            except CommError as exc:
-                return exc
-            finally:
-                backend.close()
-
         start = time.monotonic()
-        errors = LocalGroup(2, settings(switch_addr=address, authenticate=False)).run(set_up, 20)
+        errors = LocalGroup(2, settings(switch_addr=address, authenticate=False)).run(start_error, 20)
         assert time.monotonic() - start < 8
         for e in errors:                                   # every rank raises rank 0's error
             assert e is not None and "failed on rank 0" in str(e) and address in str(e), e
@@ -545,23 +547,14 @@ def test_stream_counts_and_addresses_validated():
     with pytest.raises(ConfigError, match="switch_streams"):
         sml.SwitchMLBackend(LocalGroup(1, settings(switch_streams=99)).contexts[0])
     with sw.SwitchServer("127.0.0.1", 0, slots=64, threads=2) as server:
-        def set_up(ctx):
-            backend = sml.SwitchMLBackend(ctx)
-            try:
-                backend.start()
-            except CommError as exc:
-                return exc
-            finally:
-                backend.close()
-
         errors = LocalGroup(2, settings(switch_addr=f"{server.address},{server.address}", authenticate=False)).run(
-            set_up, 20)
+            start_error, 20)
         assert all(isinstance(e, CommError) and "names a switch twice" in str(e) for e in errors), errors
         with pytest.raises(ConfigError, match="1..2 threads"):
             server.register(1, [[["127.0.0.1", 1000]]] * 3, 8, 256, streams=True)
         with sw.SwitchServer("127.0.0.1", 0, slots=4) as small:   # the second switch refuses the job's share:
             errors = LocalGroup(2, settings(switch_addr=f"{server.address},{small.address}", switch_window=16,
-                                            authenticate=False)).run(set_up, 20)
+                                            authenticate=False)).run(start_error, 20)
             assert all(isinstance(e, CommError) and small.address in str(e) and "free slots" in str(e)
                        for e in errors), errors
         assert server.status()["jobs"] == {} and server.status()["free_slots"] == 64   # the first one's is undone
