@@ -208,7 +208,7 @@ def test_a_dead_rank_ends_its_switchml_job(tmp_path):
         group.run(lambda ctx: backends[ctx.rank].start(), 30)
         out = group.run(lambda ctx: backends[ctx.rank].allreduce(np.arange(1000, dtype=np.int32), "x"), 30)
         np.testing.assert_array_equal(out[0], 2 * np.arange(1000, dtype=np.int32))
-        assert len(server.status()["jobs"]) == 1 and backends[0]._control_key is not None
+        assert len(server.status()["jobs"]) == 1 and backends[0]._switches[0].control_key is not None
         backends[0]._stopping.set()               # rank 0 dies: its keepalives stop, it unregisters nothing
         backends[0]._keepalive.join(10)
         deadline = time.monotonic() + 10
