@@ -107,3 +107,105 @@ def test_a_rank_leaving_without_a_tensor_fails_it_on_the_others(job):
     got = events(clients[1], 3.0)
     assert [e[:2] for e in got] == [("error", "PeerFailure")], got
     assert "'x' was submitted by rank 1, but rank 0 shut commlib down without it" in got[0][2], got
+
+
+# The response cache: a tensor agreed once travels as a bit; what changed is negotiated anew.
+
+def step(clients, metas_of_rank, seconds=1.0):
+    """Every rank submits its metas; what each received (events)."""
+    for rank, client in enumerate(clients):
+        client.submit([dict(meta) for meta in metas_of_rank(rank)])
+    return [events(client, seconds) for client in clients]
+
+
+def meta(name, shape=(4,), choices=((None, "ring"),)):
+    return {"name": name, "shape": list(shape), "dtype": "float32", "op": "sum", "choices": list(map(list, choices))}
+
+
+def counting(server):
+    """The full submissions rank 0 handles, counted."""
+    calls, submit_one = [], server._submit
+    server._submit = lambda rank, m: (calls.append((rank, m["name"])), submit_one(rank, m))
+    return calls
+
+
+def test_a_tensor_agreed_once_travels_as_a_bit_and_rank_0_handles_no_metadata(job):
+    server, clients = job
+    names = [f"t{i}" for i in range(50)]
+    first = step(clients, lambda rank: [meta(n) for n in names])
+    assert all(released(got) == sorted(names) for got in first), first
+    calls = counting(server)
+    for _ in range(3):
+        got = step(clients, lambda rank: [meta(n) for n in names])
+        assert all(released(g) == sorted(names) for g in got), got
+    assert calls == [], f"rank 0 negotiated cached tensors in full: {calls[:5]}"
+
+
+def test_a_tensor_every_other_step_and_one_every_step_are_released_from_the_cache(job):
+    server, clients = job
+    step(clients, lambda rank: [meta("a"), meta("b")])
+    calls = counting(server)
+    for i in range(4):
+        names = ["a", "b"] if i % 2 else ["a"]
+        got = step(clients, lambda rank: [meta(n) for n in names], 1.0)
+        assert all(released(g) == names for g in got), f"step {i}: {got}"
+    assert calls == [], calls
+
+
+def test_a_shape_change_on_every_rank_is_negotiated_anew_then_cached_again(job):
+    server, clients = job
+    step(clients, lambda rank: [meta("a"), meta("b")])
+    calls = counting(server)
+    got = step(clients, lambda rank: [meta("a", shape=(8,)), meta("b")])
+    assert all(released(g) == ["a", "b"] for g in got), got
+    assert sorted(calls) == [(0, "a"), (1, "a")], f"only the changed tensor is negotiated: {calls}"
+    calls.clear()
+    got = step(clients, lambda rank: [meta("a", shape=(8,)), meta("b")])
+    assert all(released(g) == ["a", "b"] for g in got) and calls == [], (got, calls)
+
+
+def test_a_shape_change_on_one_rank_after_caching_is_a_mismatch_naming_tensor_field_and_ranks(job):
+    _, clients = job
+    step(clients, lambda rank: [meta("layer.weight")])
+    got = step(clients, lambda rank: [meta("layer.weight", shape=(8,) if rank else (4,))])
+    for rank, g in enumerate(got):
+        assert [e[:2] for e in g] == [("error", "Mismatch")], f"rank {rank} got {g}"
+        assert "tensor 'layer.weight': ranks disagree on shape: rank 0 gave [4]; rank 1 gave [8]" in g[0][2], g
+
+
+def test_a_policy_change_on_one_rank_after_caching_is_a_mismatch(job):
+    _, clients = job
+    step(clients, lambda rank: [meta("w")])
+    got = step(clients, lambda rank: [meta("w", choices=((None, "switchml"),) if rank == 1 else ((None, "ring"),))])
+    for rank, g in enumerate(got):
+        assert [e[:2] for e in g] == [("error", "Mismatch")], f"rank {rank} got {g}"
+        assert "ranks disagree on choices" in g[0][2] and "rank 1 gave [[null, \"switchml\"]]" in g[0][2], g
+
+
+def test_measured_choices_and_unnamed_calls_are_never_cached(job):
+    server, clients = job
+    density = meta("d", choices=((0.1, "omnireduce"), (None, "ring")))
+    step(clients, lambda rank: [density, dict(meta("allreduce.noname.1"), once=True)])
+    assert server._cache == [], server._cache
+    calls = counting(server)
+    step(clients, lambda rank: [density])
+    assert calls == [(0, "d"), (1, "d")] or sorted(calls) == [(0, "d"), (1, "d")], calls
+
+
+def test_cached_names_that_never_pair_up_are_still_a_mismatch(job):
+    _, clients = job
+    step(clients, lambda rank: [meta("head"), meta("tail")])
+    got = step(clients, lambda rank: [meta("head" if rank == 0 else "tail")], 6.0)
+    for rank, g in enumerate(got):
+        assert [e[:2] for e in g] == [("error", "Mismatch")], f"rank {rank} got {g}"
+        assert "rank 0 submitted 'head' (not rank 1); rank 1 submitted 'tail' (not rank 0)" in g[0][2], g
+
+
+def test_a_rank_leaving_fails_a_cached_tensor_the_others_wait_for(job):
+    _, clients = job
+    step(clients, lambda rank: [meta("x")])
+    clients[1].submit([meta("x")])
+    clients[0].leave()
+    got = events(clients[1], 3.0)
+    assert [e[:2] for e in got] == [("error", "PeerFailure")], got
+    assert "'x' was submitted by rank 1, but rank 0 shut commlib down without it" in got[0][2], got
