@@ -14,6 +14,13 @@ from commlib.controller import ControllerClient, ControllerServer
 def job():
     """(server, clients) of a 2-rank job; PAIRING_GRACE_S is 1 s."""
     grace, controller.PAIRING_GRACE_S = controller.PAIRING_GRACE_S, 1.0
+    server, clients = start_job()
+    yield server, clients
+    controller.PAIRING_GRACE_S = grace
+    stop_job(server, clients)
+
+
+def start_job():
     server = ControllerServer(2, "127.0.0.1", 0, timeout_s=20.0, cycle_time_ms=1.0, negotiation_timeout_s=60.0)
     clients = [None, None]
 
@@ -25,8 +32,10 @@ def job():
         thread.start()
     for thread in threads:
         thread.join(30)
-    yield server, clients
-    controller.PAIRING_GRACE_S = grace
+    return server, clients
+
+
+def stop_job(server, clients):
     for client in clients:
         client.close()
     server.join(5)
@@ -209,3 +218,20 @@ def test_a_rank_leaving_fails_a_cached_tensor_the_others_wait_for(job):
     got = events(clients[1], 3.0)
     assert [e[:2] for e in got] == [("error", "PeerFailure")], got
     assert "'x' was submitted by rank 1, but rank 0 shut commlib down without it" in got[0][2], got
+
+
+def test_a_job_formed_anew_or_a_process_set_starts_with_no_cached_tensor(job):
+    """An elastic reset forms a new job and a process set a job of its own: their controllers, and
+    caches, are new, so a name cached in the old job is negotiated (and checked) in full there."""
+    _, clients = job
+    step(clients, lambda rank: [meta("w")])
+    server, fresh = start_job()
+    try:
+        calls = counting(server)
+        got = step(fresh, lambda rank: [meta("w", shape=(4,) if rank == 0 else (8,))])
+        assert sorted(calls) == [(0, "w"), (1, "w")], f"the new job took a cached bit: {calls}"
+        assert all([e[:2] for e in g] == [("error", "Mismatch")] for g in got), got
+        got = step(clients, lambda rank: [meta("w")])   # the old job's cache is its own
+        assert all(released(g) == ["w"] for g in got), got
+    finally:
+        stop_job(server, fresh)
