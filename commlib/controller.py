@@ -24,6 +24,7 @@ The same channel carries `exchange` (an allgather of small JSON values) for back
 Messages are length-prefixed JSON: the channel never unpickles what a peer sends.
 """
 import collections
+import dataclasses
 import json
 import logging
 import queue
@@ -34,9 +35,8 @@ import struct
 import threading
 import time
 
-from commlib.dispatch import settle_release
-from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, Mismatch,
-                            PeerFailure)
+from commlib.errors import KINDS, CommTimeout, Mismatch, PeerFailure, error_from
+from commlib.release import Release
 
 log = logging.getLogger("commlib")
 _HEADER = struct.Struct("!I")
@@ -103,8 +103,11 @@ def check_agreement(name, metas):
 class ControllerServer:
     """Rank 0's coordinator. Single thread: accept all ranks, then a select loop per cycle."""
 
-    def __init__(self, size, host, port, timeout_s, cycle_time_ms, negotiation_timeout_s=None, stall_warning_s=None):
+    def __init__(self, size, host, port, settle, timeout_s, cycle_time_ms, negotiation_timeout_s=None,
+                 stall_warning_s=None):
+        """settle(name, metas in rank order) -> the Release of a tensor every rank agreed on."""
         self.size = size
+        self._settle = settle
         self.timeout_s = timeout_s
         self.negotiation_timeout_s = negotiation_timeout_s or timeout_s
         self.stall_warning_s = stall_warning_s or self.negotiation_timeout_s
@@ -115,7 +118,7 @@ class ControllerServer:
         self._clients = {}        # rank -> socket
         self._pending = {}        # tensor name -> its rounds, oldest first: {"metas": {rank: meta}, "since": t, "warned": bool}
         self._gathers = {}        # key -> {"values": {rank: value}, "since": t}
-        self._ready = []          # [{"name", "algorithm"}] released at the next cycle
+        self._ready = []          # [Release] released at the next cycle
         self._done = set()        # ranks that said bye
         self._left = set()        # ranks shutting down (they said leave): they submit nothing more
         self._last_submit = time.monotonic()
@@ -293,7 +296,7 @@ class ControllerServer:
         failed = sorted((rank, meta["error"]) for rank, meta in metas.items() if "error" in meta)
         if failed:   # a rank refused the tensor before any data moved: every rank raises its error
             rank, error = failed[0]
-            kind = error.get("kind") if error.get("kind") in _ERRORS else "CommError"
+            kind = error.get("kind") if error.get("kind") in KINDS else "CommError"
             # refused_by: those ranks raised already and track nothing of this round; an entry of
             # theirs under this name is a later submission, which this error must not fail
             self._broadcast({"t": "error", "kind": kind, "names": [name], "refused_by": [r for r, _ in failed],
@@ -303,9 +306,10 @@ class ControllerServer:
         if problem:
             self._broadcast({"t": "error", "kind": "Mismatch", "names": [name], "message": problem})
         else:
-            release = settle_release(name, [metas[r] for r in sorted(metas)])
+            release = self._settle(name, [metas[r] for r in sorted(metas)])
             if self._cacheable(release, metas):
-                bit = release["bit"] = len(self._cache)
+                bit = len(self._cache)
+                release = dataclasses.replace(release, bit=bit)
                 self._cache.append({"name": name, "release": release, "metas": metas})
                 self._bit_of[name] = bit
                 self._live |= 1 << bit
@@ -313,14 +317,14 @@ class ControllerServer:
 
     def _cacheable(self, release, metas):
         """Only a release that no rank's own measurement decides (density bounds, row counts)."""
-        return len(self._cache) < CACHE_CAPACITY and "counts" not in release and all(
+        return len(self._cache) < CACHE_CAPACITY and release.counts is None and all(
             len(meta.get("choices") or ()) == 1 and not meta.get("rows") and not meta.get("once")
             for meta in metas.values())
 
     def _release(self):
         if self._ready or self._ready_bits or self._evicted:
             # the clients expand the hits before they drop the evicted bits
-            self._broadcast({"t": "go", "batch": self._ready, "hits": format(self._ready_bits, "x"),
+            self._broadcast({"t": "go", "batch": [release.wire() for release in self._ready], "hits": format(self._ready_bits, "x"),
                              "evict": self._evicted})
             self._ready, self._ready_bits, self._evicted = [], 0, []
 
@@ -396,20 +400,12 @@ class ControllerServer:
                     pass  # that rank's loss is reported when its socket reads EOF
 
 
-_ERRORS = {cls.__name__: cls for cls in (CommError, Mismatch, CommTimeout, PeerFailure, ConfigError, InvalidTensor,
-                                          BackendUnavailable)}
-
-
 def _bits(mask):
     """The set bits of an int, lowest first."""
     while mask:
         low = mask & -mask
         yield low.bit_length() - 1
         mask ^= low
-
-
-def error_from(msg):
-    return _ERRORS[msg["kind"]](msg["message"])
 
 
 class ControllerClient:
@@ -492,18 +488,19 @@ class ControllerClient:
             send_msg(self._sock, msg)
 
     def _expand(self, msg):
-        """A go with the cached releases of its hits in its batch (bit order, the same on every rank)."""
+        """A go's Releases: its batch, then the cached releases of its hits (bit order, the same on every rank)."""
+        batch = [Release(**wire) for wire in msg["batch"]]
         with self._cache_lock:
-            for release in msg["batch"]:
-                meta = self._asked.pop(release["name"], None)
-                if "bit" in release and meta is not None:
-                    self._cache[release["name"]] = (release["bit"], meta)
-                    self._by_bit[release["bit"]] = release
-            batch = msg["batch"] + [self._by_bit[bit] for bit in _bits(int(msg.get("hits") or "0", 16))]
+            for release in batch:
+                meta = self._asked.pop(release.name, None)
+                if release.bit is not None and meta is not None:
+                    self._cache[release.name] = (release.bit, meta)
+                    self._by_bit[release.bit] = release
+            batch += [self._by_bit[bit] for bit in _bits(int(msg.get("hits") or "0", 16))]
             for bit in msg.get("evict", ()):
                 release = self._by_bit.pop(bit, None)
-                if release is not None and self._cache.get(release["name"], (None,))[0] == bit:
-                    del self._cache[release["name"]]
+                if release is not None and self._cache.get(release.name, (None,))[0] == bit:
+                    del self._cache[release.name]
         return {"t": "go", "batch": batch}
 
     def submit(self, metas):

@@ -8,6 +8,7 @@ import pytest
 
 from commlib import controller
 from commlib.controller import ControllerClient, ControllerServer
+from commlib.dispatch import settle_release
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def job():
 
 
 def start_job():
-    server = ControllerServer(2, "127.0.0.1", 0, timeout_s=20.0, cycle_time_ms=1.0, negotiation_timeout_s=60.0)
+    server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=20.0, cycle_time_ms=1.0, negotiation_timeout_s=60.0)
     clients = [None, None]
 
     def connect(rank):
@@ -54,7 +55,7 @@ def events(client, seconds):
             msg = client.events.get(timeout=max(0.0, deadline - time.monotonic()))
         except Exception:   # queue.Empty: nothing more
             break
-        got.append(("go", sorted(item["name"] for item in msg["batch"])) if msg["t"] == "go"
+        got.append(("go", sorted(release.name for release in msg["batch"])) if msg["t"] == "go"
                    else (msg["t"], msg.get("kind"), msg.get("message")))
         if msg["t"] == "error":
             break
@@ -235,3 +236,15 @@ def test_a_job_formed_anew_or_a_process_set_starts_with_no_cached_tensor(job):
         assert all(released(g) == ["w"] for g in got), got
     finally:
         stop_job(server, fresh)
+
+
+def test_every_rank_gets_typed_releases_settled_by_what_the_wiring_handed_the_controller(job):
+    from commlib import executor
+    from commlib.release import Release
+    _, clients = job
+    for _ in range(2):   # negotiated in full, then from the cache
+        for client in clients:
+            client.submit([meta("w")])
+        got = [client.events.get(timeout=5.0) for client in clients]
+        assert all(msg["batch"] == [Release("w", "ring", bit=0)] for msg in got), got
+    assert not hasattr(executor, "controller"), "the executor reads releases, it needs no controller"
