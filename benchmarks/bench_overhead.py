@@ -51,7 +51,8 @@ def worker(args):
                 hvd.synchronize(h)
 
         def ours():
-            for h in [commlib.allreduce_async(t, name=f"c{count}.{i}") for i, t in enumerate(tensors)]:
+            for h in [commlib.allreduce_async(t, name=f"c{count}.{i}", algorithm=args.algorithm)
+                      for i, t in enumerate(tensors)]:
                 commlib.synchronize(h)
 
         def ddp():
@@ -81,6 +82,7 @@ def main(argv=None):
     parser.add_argument("--tensors", type=int, nargs="+", default=[100, 400], help="tensors per step")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 30; quick 5)")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--algorithm", default=None, help="commlib's algorithm (default: its policy's choice)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.steps = args.steps or (5 if args.quick else 30)
@@ -92,7 +94,8 @@ def main(argv=None):
     rows, results = [], {}
     for ranks in args.ranks:
         payload = common.launch(ranks, HERE / "bench_overhead.py", "--worker", f"--steps={args.steps}",
-                                f"--warmup={args.warmup}", "--tensors", *map(str, args.tensors))[0]
+                                f"--warmup={args.warmup}", *([f"--algorithm={args.algorithm}"] if args.algorithm else []),
+                                "--tensors", *map(str, args.tensors))[0]
         results[ranks] = payload["results"]
         for count, runs in payload["results"].items():
             m = {label: statistics.median(runs[label]) for label in CONFIGS}
@@ -105,7 +108,7 @@ def main(argv=None):
                 "those tensors as parameters.\n\n"
                 "| ranks | tensors | horovod ms | commlib ms | ddp default ms | commlib vs horovod | "
                 "commlib vs ddp | commlib's algorithm |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
-    settings = {k: getattr(args, k) for k in ("quick", "ranks", "tensors", "steps", "warmup")}
+    settings = {k: getattr(args, k) for k in ("quick", "ranks", "tensors", "steps", "warmup", "algorithm")}
     common.save("overhead", settings, results, markdown)
     print(markdown)
     return 0
