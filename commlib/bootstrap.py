@@ -13,8 +13,8 @@ import secrets
 import threading
 
 from commlib import controller, engine as engines, keyshare
-from commlib.dispatch import settle_release
 from commlib.context import detect
+from commlib.dispatch import settle_release
 from commlib.errors import CommTimeout, Mismatch
 from commlib.net import parse_address, primary_ip
 from commlib.settings import define, defined
