@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 
-from commlib.errors import KINDS, CommTimeout, Mismatch, PeerFailure, error_from
+from commlib.errors import KINDS, CommError, CommTimeout, PeerFailure, error_from
 from commlib.release import Release
 
 log = logging.getLogger("commlib")
