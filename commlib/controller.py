@@ -10,9 +10,21 @@ warning), a rank that vanishes or leaves after an error is a `PeerFailure`: all 
 rank. An error that arrives while a collective is running takes effect when that collective
 returns or hits its own timeout (the backends' `timeout_s`).
 
+Steady state (Horovod's response cache): a release whose algorithm no rank's measurement decides
+gets a bit, the same on every rank. A rank that submits that name again with the very metadata it
+submitted then sends only the bit ("hits"); rank 0 ANDs the ranks' bits and releases the cached
+releases whose bit every rank sent, with no per-tensor work. A rank whose metadata changed (shape,
+dtype, op, policy result, ...) submits in full: that evicts the bit on every rank and the others'
+hits turn back into their full metadata, so the round is negotiated, and checked, as without a
+cache. Hits left waiting for HIT_WAIT_S turn back the same way, so the stall warnings, timeouts
+and the name-pairing Mismatch see every tensor. A process set and a job formed anew (an elastic
+reset) have controllers, and caches, of their own.
+
 The same channel carries `exchange` (an allgather of small JSON values) for backends' set-up.
 Messages are length-prefixed JSON: the channel never unpickles what a peer sends.
 """
+import collections
+import dataclasses
 import json
 import logging
 import queue
@@ -23,9 +35,8 @@ import struct
 import threading
 import time
 
-from commlib.dispatch import settle_release
-from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, Mismatch,
-                            PeerFailure)
+from commlib.errors import KINDS, CommError, CommTimeout, PeerFailure, error_from
+from commlib.release import Release
 
 log = logging.getLogger("commlib")
 _HEADER = struct.Struct("!I")
@@ -34,6 +45,10 @@ AGREED_FIELDS = ("shape", "dtype", "op", "choices", "compression", "prescale", "
 # Every rank waiting for tensors no other rank submitted, with no submission for this long: the
 # ranks' names differ (a Mismatch) rather than a rank being slow.
 PAIRING_GRACE_S = 5.0
+# Hits that wait this long for the other ranks' turn back into full negotiation (bounded by the
+# negotiation timeout); bits assigned at most, evicted ones included (Horovod: HOROVOD_CACHE_CAPACITY).
+HIT_WAIT_S = 1.0
+CACHE_CAPACITY = 4096
 
 
 def send_msg(sock, msg):
@@ -88,8 +103,11 @@ def check_agreement(name, metas):
 class ControllerServer:
     """Rank 0's coordinator. Single thread: accept all ranks, then a select loop per cycle."""
 
-    def __init__(self, size, host, port, timeout_s, cycle_time_ms, negotiation_timeout_s=None, stall_warning_s=None):
+    def __init__(self, size, host, port, settle, timeout_s, cycle_time_ms, negotiation_timeout_s=None,
+                 stall_warning_s=None):
+        """settle(name, metas in rank order) -> the Release of a tensor every rank agreed on."""
         self.size = size
+        self._settle = settle
         self.timeout_s = timeout_s
         self.negotiation_timeout_s = negotiation_timeout_s or timeout_s
         self.stall_warning_s = stall_warning_s or self.negotiation_timeout_s
@@ -100,11 +118,18 @@ class ControllerServer:
         self._clients = {}        # rank -> socket
         self._pending = {}        # tensor name -> its rounds, oldest first: {"metas": {rank: meta}, "since": t, "warned": bool}
         self._gathers = {}        # key -> {"values": {rank: value}, "since": t}
-        self._ready = []          # [{"name", "algorithm"}] released at the next cycle
+        self._ready = []          # [Release] released at the next cycle
         self._done = set()        # ranks that said bye
         self._left = set()        # ranks shutting down (they said leave): they submit nothing more
         self._last_submit = time.monotonic()
         self._failed = False
+        self._cache = []          # bit -> {"name", "release", "metas": {rank: meta}}, evicted ones kept
+        self._bit_of = {}         # tensor name -> its live bit
+        self._live = 0            # the live bits
+        self._hits = [0] * size   # per rank: the bits it sent, not yet released
+        self._hit_times = collections.deque()   # (when, rank, bits) per message with hits, oldest first
+        self._ready_bits = 0      # released at the next cycle
+        self._evicted = []        # bits evicted since the last cycle
         self._thread = threading.Thread(target=self._serve, name="commlib-controller", daemon=True)
         self._thread.start()
 
@@ -176,19 +201,12 @@ class ControllerServer:
         if kind == "submit":
             self._last_submit = time.monotonic()
             for meta in msg["metas"]:
-                name = meta["name"]
-                rounds = self._pending.setdefault(name, [])
-                # a rank may submit a name again before the others' metas of its refused round arrived:
-                # its submissions fill the rounds in order
-                entry = next((e for e in rounds if rank not in e["metas"]), None)
-                if entry is None:
-                    entry = {"metas": {}, "since": time.monotonic(), "warned": False}
-                    rounds.append(entry)
-                entry["metas"][rank] = meta
-                if len(rounds[0]["metas"]) == self.size:
-                    self._complete(name, rounds.pop(0)["metas"])
-                    if not rounds:
-                        del self._pending[name]
+                bit = self._bit_of.get(meta["name"])
+                if bit is not None:   # this rank's metadata changed: every rank negotiates it anew
+                    self._evict(bit)
+                self._submit(rank, meta)
+            if msg.get("hits"):
+                self._hit(rank, int(msg["hits"], 16))
         elif kind == "gather":   # among every rank, or among msg["ranks"] only (a process set forming)
             among = msg.get("ranks") or list(range(self.size))
             entry = self._gathers.setdefault(msg["key"], {"values": {}, "since": time.monotonic(), "among": among})
@@ -205,7 +223,61 @@ class ControllerServer:
         elif kind == "bye":
             self._done.add(rank)
         if self._left:
+            self._expire_hits(time.monotonic(), everything=True)
             self._fail_abandoned()
+
+    def _submit(self, rank, meta):
+        name = meta["name"]
+        rounds = self._pending.setdefault(name, [])
+        # a rank may submit a name again before the others' metas of its refused round arrived:
+        # its submissions fill the rounds in order
+        entry = next((e for e in rounds if rank not in e["metas"]), None)
+        if entry is None:
+            entry = {"metas": {}, "since": time.monotonic(), "warned": False}
+            rounds.append(entry)
+        entry["metas"][rank] = meta
+        if len(rounds[0]["metas"]) == self.size:
+            self._complete(name, rounds.pop(0)["metas"])
+            if not rounds:
+                del self._pending[name]
+
+    def _hit(self, rank, bits):
+        """A rank submitted the tensors of these bits with the metadata they were cached with."""
+        for bit in _bits(bits & ~self._live):   # evicted meanwhile: negotiated in full
+            self._submit(rank, self._cache[bit]["metas"][rank])
+        bits &= self._live
+        self._hits[rank] |= bits
+        self._hit_times.append((time.monotonic(), rank, bits))
+        ready = self._hits[0]
+        for pending in self._hits[1:]:
+            ready &= pending
+        if ready:
+            self._ready_bits |= ready
+            self._hits = [pending & ~ready for pending in self._hits]
+
+    def _evict(self, bit):
+        """Drop a cached release on every rank; the hits waiting for it turn into full submissions."""
+        cached = self._cache[bit]
+        del self._bit_of[cached["name"]]
+        self._live &= ~(1 << bit)
+        self._evicted.append(bit)
+        for rank, pending in enumerate(self._hits):
+            if pending >> bit & 1:
+                self._hits[rank] &= ~(1 << bit)
+                self._submit(rank, cached["metas"][rank])
+
+    def _expire_hits(self, now, everything=False):
+        """Hits that waited HIT_WAIT_S (or all, when a rank left): negotiated in full."""
+        wait = min(HIT_WAIT_S, self.negotiation_timeout_s / 4)
+        while self._hit_times:
+            when, rank, bits = self._hit_times[0]
+            waiting = bits & self._hits[rank]
+            if waiting and not everything and now - when < wait:
+                return
+            self._hit_times.popleft()
+            for bit in _bits(waiting):
+                if self._live >> bit & 1:
+                    self._evict(bit)
 
     def _fail_abandoned(self):
         """Rounds that wait for a rank that shut down can never complete: fail them at once."""
@@ -224,7 +296,7 @@ class ControllerServer:
         failed = sorted((rank, meta["error"]) for rank, meta in metas.items() if "error" in meta)
         if failed:   # a rank refused the tensor before any data moved: every rank raises its error
             rank, error = failed[0]
-            kind = error.get("kind") if error.get("kind") in _ERRORS else "CommError"
+            kind = error.get("kind") if error.get("kind") in KINDS else "CommError"
             # refused_by: those ranks raised already and track nothing of this round; an entry of
             # theirs under this name is a later submission, which this error must not fail
             self._broadcast({"t": "error", "kind": kind, "names": [name], "refused_by": [r for r, _ in failed],
@@ -234,15 +306,31 @@ class ControllerServer:
         if problem:
             self._broadcast({"t": "error", "kind": "Mismatch", "names": [name], "message": problem})
         else:
-            self._ready.append(settle_release(name, [metas[r] for r in sorted(metas)]))
+            release = self._settle(name, [metas[r] for r in sorted(metas)])
+            if self._cacheable(release, metas):
+                bit = len(self._cache)
+                release = dataclasses.replace(release, bit=bit)
+                self._cache.append({"name": name, "release": release, "metas": metas})
+                self._bit_of[name] = bit
+                self._live |= 1 << bit
+            self._ready.append(release)
+
+    def _cacheable(self, release, metas):
+        """Only a release that no rank's own measurement decides (density bounds, row counts)."""
+        return len(self._cache) < CACHE_CAPACITY and release.counts is None and all(
+            len(meta.get("choices") or ()) == 1 and not meta.get("rows") and not meta.get("once")
+            for meta in metas.values())
 
     def _release(self):
-        if self._ready:
-            self._broadcast({"t": "go", "batch": self._ready})
-            self._ready = []
+        if self._ready or self._ready_bits or self._evicted:
+            # the clients expand the hits before they drop the evicted bits
+            self._broadcast({"t": "go", "batch": [release.wire() for release in self._ready], "hits": format(self._ready_bits, "x"),
+                             "evict": self._evicted})
+            self._ready, self._ready_bits, self._evicted = [], 0, []
 
     def _expire(self):
         now = time.monotonic()
+        self._expire_hits(now)
         for name, rounds in list(self._pending.items()):
             entry = rounds[0]   # the oldest round of this name
             waited = now - entry["since"]
@@ -312,12 +400,12 @@ class ControllerServer:
                     pass  # that rank's loss is reported when its socket reads EOF
 
 
-_ERRORS = {cls.__name__: cls for cls in (CommError, Mismatch, CommTimeout, PeerFailure, ConfigError, InvalidTensor,
-                                          BackendUnavailable)}
-
-
-def error_from(msg):
-    return _ERRORS[msg["kind"]](msg["message"])
+def _bits(mask):
+    """The set bits of an int, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
 class ControllerClient:
@@ -332,6 +420,10 @@ class ControllerClient:
         self._closed = False
         self._lost = None
         self._send_lock = threading.Lock()
+        self._cache = {}      # the response cache: name -> (bit, the meta it was agreed with)
+        self._by_bit = {}     # bit -> its release
+        self._asked = {}      # name -> the meta submitted in full, until released
+        self._cache_lock = threading.Lock()
         self._sock = self._connect(tuple(address), timeout_s)
         send_msg(self._sock, {"t": "hello", "rank": rank})
         self._sock.settimeout(timeout_s + 5)
@@ -376,6 +468,8 @@ class ControllerClient:
                 with self._cond:
                     self._cond.notify_all()
                 return
+            if msg["t"] == "go":
+                msg = self._expand(msg)
             if msg["t"] == "gathered":
                 with self._cond:
                     self._gathered[msg["key"]] = msg
@@ -393,8 +487,35 @@ class ControllerClient:
         with self._send_lock:
             send_msg(self._sock, msg)
 
+    def _expand(self, msg):
+        """A go's Releases: its batch, then the cached releases of its hits (bit order, the same on every rank)."""
+        batch = [Release(**wire) for wire in msg["batch"]]
+        with self._cache_lock:
+            for release in batch:
+                meta = self._asked.pop(release.name, None)
+                if release.bit is not None and meta is not None:
+                    self._cache[release.name] = (release.bit, meta)
+                    self._by_bit[release.bit] = release
+            batch += [self._by_bit[bit] for bit in _bits(int(msg.get("hits") or "0", 16))]
+            for bit in msg.get("evict", ()):
+                release = self._by_bit.pop(bit, None)
+                if release is not None and self._cache.get(release.name, (None,))[0] == bit:
+                    del self._cache[release.name]
+        return {"t": "go", "batch": batch}
+
     def submit(self, metas):
-        self._send({"t": "submit", "metas": metas})
+        """Metas agreed before with the same contents travel as a bit each, the rest in full."""
+        full, hits = [], 0
+        with self._cache_lock:
+            for meta in metas:
+                cached = self._cache.get(meta["name"])
+                if cached is not None and cached[1] == meta:
+                    hits |= 1 << cached[0]
+                else:
+                    full.append(meta)
+                    if "error" not in meta and not meta.get("once"):
+                        self._asked[meta["name"]] = meta
+        self._send({"t": "submit", "metas": full, **({"hits": format(hits, "x")} if hits else {})})
 
     def exchange(self, key, value, timeout, ranks=None):
         """Every rank's value (index = rank), or with `ranks` (this rank among them) only theirs,

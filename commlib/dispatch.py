@@ -28,6 +28,7 @@ import numpy as np
 from commlib import compressors, sparse, traffic
 from commlib.backends import TensorMeta, carriers, registry
 from commlib.errors import BackendUnavailable, ConfigError, InvalidTensor
+from commlib.release import Release
 
 TRAFFIC = "traffic"   # the bound of choices the traffic model settles
 
@@ -53,25 +54,24 @@ class Plan:
 def settle_release(name, metas):
     """The controller's release of a tensor every rank submitted (metas in rank order): its name,
     the algorithm, and for traffic choices the model's estimate."""
-    release = _release(name, metas)
-    if all(meta.get("rows") for meta in metas):   # row-sparse: every rank's row count, for the allgather
-        release["counts"] = [meta["rows"]["rows"] for meta in metas]
-    return release
+    algorithm, estimate = _settle_metas(metas)
+    rows = all(meta.get("rows") for meta in metas)   # row-sparse: every rank's row count, for the allgather
+    return Release(name, algorithm, estimate, [meta["rows"]["rows"] for meta in metas] if rows else None)
 
 
-def _release(name, metas):
+def _settle_metas(metas):
     choices = metas[0]["choices"]
     densities = [meta.get("density") for meta in metas]
     bounded = [(bound, algorithm) for bound, algorithm in choices if bound != TRAFFIC]
     weighed = [algorithm for bound, algorithm in choices if bound == TRAFFIC]
     if not weighed:
-        return {"name": name, "algorithm": settle(choices, densities)}
+        return settle(choices, densities), None
     densest = None if None in densities else max(densities, default=None)
     for bound, algorithm in bounded:   # density rules before the model
         if densest is not None and densest < bound:
-            return {"name": name, "algorithm": algorithm}
+            return algorithm, None
     estimate = estimate_traffic([meta["rows"] for meta in metas], weighed)
-    return {"name": name, "algorithm": estimate["choice"], "estimate": estimate}
+    return estimate["choice"], estimate
 
 
 def estimate_traffic(stats, algorithms):

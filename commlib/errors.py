@@ -36,3 +36,13 @@ class InvalidTensor(CommError, ValueError):
 
 class PeerFailure(CommError, _CollectiveFailure):
     """Another rank, the controller, a switch or an aggregator went away."""
+
+
+# the errors a controller message may name, by their class name
+KINDS = {cls.__name__: cls for cls in (CommError, Mismatch, CommTimeout, PeerFailure, ConfigError, InvalidTensor,
+                                       BackendUnavailable)}
+
+
+def error_from(msg):
+    """The error of a controller message {"kind", "message"}."""
+    return KINDS[msg["kind"]](msg["message"])

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from commlib import controller, sparse
-from commlib.errors import CommError, ConfigError
+from commlib import sparse
+from commlib.errors import CommError, ConfigError, error_from
 
 log = logging.getLogger("commlib")
 
@@ -170,9 +170,9 @@ class Executor:
                 return
             try:
                 if msg["t"] == "go":
-                    self._execute(msg["batch"])
+                    self._execute(msg["batch"])   # [Release]
                 elif msg["t"] == "error" and self.ctx.rank not in msg.get("refused_by", ()):
-                    self.fail(msg["names"], controller.error_from(msg))
+                    self.fail(msg["names"], error_from(msg))
                 elif msg["t"] == "stall":
                     log.warning("commlib: %s", msg["message"])
             except Exception as exc:   # never leave callers waiting on a dead thread
@@ -183,12 +183,11 @@ class Executor:
         now = time.monotonic()
         entries = []
         with self._lock:
-            for item in batch:
-                entry = self._entries.pop(item["name"], None)
+            for release in batch:
+                entry = self._entries.pop(release.name, None)
                 if entry is not None:   # None: failed by a fatal error (or shutdown) that raced this batch
-                    entry.algorithm, entry.times["go"] = item["algorithm"], now
-                    entry.estimate = item.get("estimate")
-                    entry.counts = item.get("counts")
+                    entry.algorithm, entry.times["go"] = release.algorithm, now
+                    entry.estimate, entry.counts = release.estimate, release.counts
                     entries.append(entry)
         for bucket in fuse(entries, self.ctx.settings.fusion_threshold):
             try:

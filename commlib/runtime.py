@@ -89,7 +89,9 @@ class Runtime:
                                  None if named else UNNAMED))
             metas.append({"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op_name,
                           "choices": plan.choices, "compression": plan.compression, "density": plan.density,
-                          "prescale": prescale, "postscale": postscale, "rows": plan.rows})
+                          "prescale": prescale, "postscale": postscale, "rows": plan.rows,
+                          # an unnamed call's name is never submitted again: not worth a cache bit
+                          **({} if named else {"once": True})})
         self.executor.track(entries)
         try:
             self.client.submit(metas)

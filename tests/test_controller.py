@@ -8,13 +8,21 @@ import pytest
 
 from commlib import controller
 from commlib.controller import ControllerClient, ControllerServer
+from commlib.dispatch import settle_release
 
 
 @pytest.fixture
 def job():
     """(server, clients) of a 2-rank job; PAIRING_GRACE_S is 1 s."""
     grace, controller.PAIRING_GRACE_S = controller.PAIRING_GRACE_S, 1.0
-    server = ControllerServer(2, "127.0.0.1", 0, timeout_s=20.0, cycle_time_ms=1.0, negotiation_timeout_s=60.0)
+    server, clients = start_job()
+    yield server, clients
+    controller.PAIRING_GRACE_S = grace
+    stop_job(server, clients)
+
+
+def start_job():
+    server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=20.0, cycle_time_ms=1.0, negotiation_timeout_s=60.0)
     clients = [None, None]
 
     def connect(rank):
@@ -25,8 +33,10 @@ def job():
         thread.start()
     for thread in threads:
         thread.join(30)
-    yield server, clients
-    controller.PAIRING_GRACE_S = grace
+    return server, clients
+
+
+def stop_job(server, clients):
     for client in clients:
         client.close()
     server.join(5)
@@ -45,7 +55,7 @@ def events(client, seconds):
             msg = client.events.get(timeout=max(0.0, deadline - time.monotonic()))
         except Exception:   # queue.Empty: nothing more
             break
-        got.append(("go", sorted(item["name"] for item in msg["batch"])) if msg["t"] == "go"
+        got.append(("go", sorted(release.name for release in msg["batch"])) if msg["t"] == "go"
                    else (msg["t"], msg.get("kind"), msg.get("message")))
         if msg["t"] == "error":
             break
@@ -107,3 +117,134 @@ def test_a_rank_leaving_without_a_tensor_fails_it_on_the_others(job):
     got = events(clients[1], 3.0)
     assert [e[:2] for e in got] == [("error", "PeerFailure")], got
     assert "'x' was submitted by rank 1, but rank 0 shut commlib down without it" in got[0][2], got
+
+
+# The response cache: a tensor agreed once travels as a bit; what changed is negotiated anew.
+
+def step(clients, metas_of_rank, seconds=1.0):
+    """Every rank submits its metas; what each received (events)."""
+    for rank, client in enumerate(clients):
+        client.submit([dict(meta) for meta in metas_of_rank(rank)])
+    return [events(client, seconds) for client in clients]
+
+
+def meta(name, shape=(4,), choices=((None, "ring"),)):
+    return {"name": name, "shape": list(shape), "dtype": "float32", "op": "sum", "choices": list(map(list, choices))}
+
+
+def counting(server):
+    """The full submissions rank 0 handles, counted."""
+    calls, submit_one = [], server._submit
+    server._submit = lambda rank, m: (calls.append((rank, m["name"])), submit_one(rank, m))
+    return calls
+
+
+def test_a_tensor_agreed_once_travels_as_a_bit_and_rank_0_handles_no_metadata(job):
+    server, clients = job
+    names = [f"t{i}" for i in range(50)]
+    first = step(clients, lambda rank: [meta(n) for n in names])
+    assert all(released(got) == sorted(names) for got in first), first
+    calls = counting(server)
+    for _ in range(3):
+        got = step(clients, lambda rank: [meta(n) for n in names])
+        assert all(released(g) == sorted(names) for g in got), got
+    assert calls == [], f"rank 0 negotiated cached tensors in full: {calls[:5]}"
+
+
+def test_a_tensor_every_other_step_and_one_every_step_are_released_from_the_cache(job):
+    server, clients = job
+    step(clients, lambda rank: [meta("a"), meta("b")])
+    calls = counting(server)
+    for i in range(4):
+        names = ["a", "b"] if i % 2 else ["a"]
+        got = step(clients, lambda rank: [meta(n) for n in names], 1.0)
+        assert all(released(g) == names for g in got), f"step {i}: {got}"
+    assert calls == [], calls
+
+
+def test_a_shape_change_on_every_rank_is_negotiated_anew_then_cached_again(job):
+    server, clients = job
+    step(clients, lambda rank: [meta("a"), meta("b")])
+    calls = counting(server)
+    got = step(clients, lambda rank: [meta("a", shape=(8,)), meta("b")])
+    assert all(released(g) == ["a", "b"] for g in got), got
+    assert sorted(calls) == [(0, "a"), (1, "a")], f"only the changed tensor is negotiated: {calls}"
+    calls.clear()
+    got = step(clients, lambda rank: [meta("a", shape=(8,)), meta("b")])
+    assert all(released(g) == ["a", "b"] for g in got) and calls == [], (got, calls)
+
+
+def test_a_shape_change_on_one_rank_after_caching_is_a_mismatch_naming_tensor_field_and_ranks(job):
+    _, clients = job
+    step(clients, lambda rank: [meta("layer.weight")])
+    got = step(clients, lambda rank: [meta("layer.weight", shape=(8,) if rank else (4,))])
+    for rank, g in enumerate(got):
+        assert [e[:2] for e in g] == [("error", "Mismatch")], f"rank {rank} got {g}"
+        assert "tensor 'layer.weight': ranks disagree on shape: rank 0 gave [4]; rank 1 gave [8]" in g[0][2], g
+
+
+def test_a_policy_change_on_one_rank_after_caching_is_a_mismatch(job):
+    _, clients = job
+    step(clients, lambda rank: [meta("w")])
+    got = step(clients, lambda rank: [meta("w", choices=((None, "switchml"),) if rank == 1 else ((None, "ring"),))])
+    for rank, g in enumerate(got):
+        assert [e[:2] for e in g] == [("error", "Mismatch")], f"rank {rank} got {g}"
+        assert "ranks disagree on choices" in g[0][2] and "rank 1 gave [[null, \"switchml\"]]" in g[0][2], g
+
+
+def test_measured_choices_and_unnamed_calls_are_never_cached(job):
+    server, clients = job
+    density = meta("d", choices=((0.1, "omnireduce"), (None, "ring")))
+    step(clients, lambda rank: [density, dict(meta("allreduce.noname.1"), once=True)])
+    assert server._cache == [], server._cache
+    calls = counting(server)
+    step(clients, lambda rank: [density])
+    assert calls == [(0, "d"), (1, "d")] or sorted(calls) == [(0, "d"), (1, "d")], calls
+
+
+def test_cached_names_that_never_pair_up_are_still_a_mismatch(job):
+    _, clients = job
+    step(clients, lambda rank: [meta("head"), meta("tail")])
+    got = step(clients, lambda rank: [meta("head" if rank == 0 else "tail")], 6.0)
+    for rank, g in enumerate(got):
+        assert [e[:2] for e in g] == [("error", "Mismatch")], f"rank {rank} got {g}"
+        assert "rank 0 submitted 'head' (not rank 1); rank 1 submitted 'tail' (not rank 0)" in g[0][2], g
+
+
+def test_a_rank_leaving_fails_a_cached_tensor_the_others_wait_for(job):
+    _, clients = job
+    step(clients, lambda rank: [meta("x")])
+    clients[1].submit([meta("x")])
+    clients[0].leave()
+    got = events(clients[1], 3.0)
+    assert [e[:2] for e in got] == [("error", "PeerFailure")], got
+    assert "'x' was submitted by rank 1, but rank 0 shut commlib down without it" in got[0][2], got
+
+
+def test_a_job_formed_anew_or_a_process_set_starts_with_no_cached_tensor(job):
+    """An elastic reset forms a new job and a process set a job of its own: their controllers, and
+    caches, are new, so a name cached in the old job is negotiated (and checked) in full there."""
+    _, clients = job
+    step(clients, lambda rank: [meta("w")])
+    server, fresh = start_job()
+    try:
+        calls = counting(server)
+        got = step(fresh, lambda rank: [meta("w", shape=(4,) if rank == 0 else (8,))])
+        assert sorted(calls) == [(0, "w"), (1, "w")], f"the new job took a cached bit: {calls}"
+        assert all([e[:2] for e in g] == [("error", "Mismatch")] for g in got), got
+        got = step(clients, lambda rank: [meta("w")])   # the old job's cache is its own
+        assert all(released(g) == ["w"] for g in got), got
+    finally:
+        stop_job(server, fresh)
+
+
+def test_every_rank_gets_typed_releases_settled_by_what_the_wiring_handed_the_controller(job):
+    from commlib import executor
+    from commlib.release import Release
+    _, clients = job
+    for _ in range(2):   # negotiated in full, then from the cache
+        for client in clients:
+            client.submit([meta("w")])
+        got = [client.events.get(timeout=5.0) for client in clients]
+        assert all(msg["batch"] == [Release("w", "ring", bit=0)] for msg in got), got
+    assert not hasattr(executor, "controller"), "the executor reads releases, it needs no controller"
