@@ -59,9 +59,10 @@ def bucket_hook(state, bucket):
     import torch
 
     import commlib
+    from commlib.torch import ddp
     handle = commlib.allreduce_async(bucket.buffer(), name=f"ddp.bucket.{bucket.index()}", algorithm=state.algorithm)
     future = torch.futures.Future()
-    state._completer.add([handle], [bucket.buffer()], bucket.buffer(), future)
+    ddp._complete_when_done([handle], [bucket.buffer()], bucket.buffer(), future)
     return future.then(lambda f: f.value())
 
 

@@ -7,7 +7,7 @@ aggregation), of the transport's checksum, and of the packet MAC (ChaCha20-Poly1
 with the portable scalar kernels and with the vector (AVX2) ones, and memcpy of 4 bytes per element
 (the floor: a kernel at memcpy's cost runs at memory speed). CPU time, median of --repeats.
 
-    python benchmarks/bench_kernels.py [--elems 8192] [--large 4194304] [--repeats 7]
+    python benchmarks/bench_kernels.py [--quick] [--elems 8192] [--large 4194304] [--repeats 7]
 Results: benchmarks/results/kernels.json (and RESULTS.md).
 """
 import argparse
@@ -72,7 +72,10 @@ def main(argv=None):
     parser.add_argument("--elems", type=int, default=8192, help="a packet's values (in cache)")
     parser.add_argument("--large", type=int, default=1 << 22, help="a large tensor's values (from memory)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="a 1 Mi-value large tensor, 3 repeats (CI's smoke run)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.large, args.repeats = 1 << 20, 3
     vector = bool(lib.cl_simd(1))
     results, rows = {}, []
     for n in (args.elems, args.large):
