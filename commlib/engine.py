@@ -20,7 +20,7 @@ import urllib.request
 
 import numpy as np
 
-from commlib.errors import BackendUnavailable, CommTimeout, ConfigError
+from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFailure
 from commlib.net import primary_ip
 
 
@@ -311,8 +311,11 @@ class RendezvousEngine(Engine):
 
     def _put(self, key, data):
         request = urllib.request.Request(self._url + key, data=data, method="PUT")
-        with urllib.request.urlopen(request, timeout=self._timeout_s):
-            pass
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout_s):
+                pass
+        except OSError as exc:   # URLError, HTTPError, timeouts
+            raise self._unreachable(exc) from exc
 
     def _get(self, key):
         deadline, pause = time.monotonic() + self._timeout_s, 0.005
@@ -322,12 +325,19 @@ class RendezvousEngine(Engine):
                     return answer.read()
             except urllib.error.HTTPError as exc:
                 if exc.code != 404:
-                    raise
+                    raise self._unreachable(exc) from exc
+            except OSError as exc:
+                raise self._unreachable(exc) from exc
             if time.monotonic() > deadline:
                 raise CommTimeout(f"horovodrun's rendezvous: rank {key.rpartition('.')[2]} did not call commlib.init() "
                                   f"within {self._timeout_s:.0f}s (or hvd.init()); every rank must")
             time.sleep(pause)
             pause = min(2 * pause, 0.1)
+
+    def _unreachable(self, exc):
+        return PeerFailure(f"horovodrun's rendezvous store at {self._url} failed during commlib.init() ({exc}); "
+                           f"horovodrun itself has probably stopped: check its output, or call hvd.init() before "
+                           f"commlib.init() to set up through Horovod instead")
 
 
 ENGINES = {"horovod": HorovodEngine, "horovod_rendezvous": RendezvousEngine, "horovod_tensorflow": HorovodTensorFlowEngine, "mpi": MPIEngine,
