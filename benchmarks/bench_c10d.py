@@ -22,7 +22,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
-import netem  # noqa: E402
 
 CONFIGS = ["DDP on gloo", "DDP on commlib backend", "DDP on gloo + commlib hook", "FSDP2 on gloo",
            "FSDP2 on commlib backend", "FSDP2 on commlib backend, int8"]
@@ -113,11 +112,7 @@ def main(argv=None):
     args = common.parse_training_arguments(common.training_arguments(__doc__, steps=20), argv)
     if args.worker:
         return worker(args)
-    ok, why = netem.available()
-    if not ok:
-        raise SystemExit(f"bench_c10d: {why}")
-    print(f"== {args.workers} emulated hosts, links {args.rate} each way, {len(CONFIGS)} configurations", flush=True)
-    payload = common.switch_job(args, Path(__file__))
+    payload = common.switch_job(args, Path(__file__), len(CONFIGS))
     n, results = payload["size"], payload["results"]
     algorithms = results.pop("algorithms")
     rows = []

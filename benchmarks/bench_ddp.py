@@ -22,7 +22,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
-import netem  # noqa: E402
 
 POWERSGD_RANK, POWERSGD_START = 4, 2
 CONFIGS = ["ddp default", "commlib switchml", "commlib auto", "commlib switchml, one buffer per bucket",
@@ -144,12 +143,7 @@ def main(argv=None):
     args = common.parse_training_arguments(parser, argv)
     if args.worker:
         return worker(args)
-    ok, why = netem.available()
-    if not ok:
-        raise SystemExit(f"bench_ddp: {why}")
-
-    print(f"== {args.workers} emulated hosts, links {args.rate} each way, {len(CONFIGS)} configurations", flush=True)
-    payload = common.switch_job(args, Path(__file__))
+    payload = common.switch_job(args, Path(__file__), len(CONFIGS))
     n, results = payload["size"], payload["results"]
     baseline = statistics.fmean(results[CONFIGS[0]]["rates"]) * n
     rows = []

@@ -359,10 +359,15 @@ def cluster_result(ranks, echo=False):
     return found[0]
 
 
-def switch_job(args, script, forwarded=("steps", "warmup", "batch", "hidden", "features")):
+def switch_job(args, script, configs, forwarded=("steps", "warmup", "batch", "hidden", "features")):
     """A torchrun-like job of `script --worker` (with the `forwarded` options) on args.workers emulated
-    hosts, links shaped to args.rate, a commlib-switch on an unshaped host; rank 0's payload."""
+    hosts, links shaped to args.rate, a commlib-switch on an unshaped host; rank 0's payload. Exits
+    saying why where this host cannot emulate the network; prints what it runs (`configs` of them)."""
     import netem
+    ok, why = netem.available()
+    if not ok:
+        raise SystemExit(f"{Path(script).stem}: {why}")
+    print(f"== {args.workers} emulated hosts, links {args.rate} each way, {configs} configurations", flush=True)
     hosts = [f"w{r}" for r in range(args.workers)]
     with netem.Cluster(hosts + ["switch"], rate=args.rate, unshaped={"switch"}) as cluster:
         switch, address = cluster.start_switch("switch", cwd=ROOT)
