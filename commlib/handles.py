@@ -4,6 +4,22 @@ import threading
 from commlib.errors import CommTimeout
 
 
+def when_all(handles, fn):
+    """fn() once every handle has its result or error, on the thread that resolves the last one
+    (Handle.add_done_callback): a caller's Future completes without a thread of its own waiting."""
+    left, lock = [len(handles)], threading.Lock()
+
+    def one_done(_):
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        fn()
+
+    for handle in handles:
+        handle.add_done_callback(one_done)
+
+
 class Handle:
     """The result of an asynchronous allreduce: `synchronize(handle)` or `poll(handle)`."""
 

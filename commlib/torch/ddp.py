@@ -14,7 +14,6 @@ background thread when the bucket's last handle resolves, never by the hook, so 
 as with its own hooks, and wrappers such as `fp16_compress_wrapper(ddp_comm_hook)` compose.
 """
 import itertools
-import threading
 
 import torch
 
@@ -22,6 +21,7 @@ import commlib
 from commlib.context import placed
 from commlib.errors import ConfigError
 from commlib.executor import fused
+from commlib.handles import when_all
 
 
 class CommlibState:
@@ -163,14 +163,8 @@ def _views(buffer, params):
 
 def _complete_when_done(handles, views, buffer, future):
     """Complete the bucket's Future once its last handle resolves, on the thread that resolves it
-    (Handle.add_done_callback), so neither the hook nor a thread of its own waits."""
-    left, lock = [len(handles)], threading.Lock()
-
-    def done(_):
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
+    (handles.when_all), so neither the hook nor a thread of its own waits."""
+    def done():
         try:
             results = [handle.wait() for handle in handles]   # all resolved: no wait
             flat = _flat(results, buffer)
@@ -183,8 +177,7 @@ def _complete_when_done(handles, views, buffer, future):
             return
         future.set_result(flat)   # DDP copies the hook's result into the gradients itself
 
-    for handle in handles:
-        handle.add_done_callback(done)
+    when_all(handles, done)
 
 
 def _flat(results, buffer):

@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import socket
-import threading
 
 import numpy as np
 import torch
@@ -29,6 +28,7 @@ import commlib
 from commlib import api, bootstrap
 from commlib.context import Context
 from commlib.engine import GlooEngine
+from commlib.handles import when_all
 from commlib.errors import ConfigError
 from commlib.settings import define
 from commlib.torch import int8_collectives
@@ -233,13 +233,7 @@ def _job_of(group, rank, size):
 def _complete(handles, tensors, future):
     """Complete `future` with `tensors` once every handle resolved, each result copied into its tensor
     (all_reduce is in place), or with the first error; on commlib's thread, as the handles resolve."""
-    left, lock = [len(handles)], threading.Lock()
-
-    def one_done(_):
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
+    def done():
         try:
             for handle, tensor in zip(handles, tensors):
                 result = handle.wait()   # resolved: returns at once, or raises its error
@@ -249,8 +243,8 @@ def _complete(handles, tensors, future):
             future.set_exception(exc)
             return
         future.set_result(tensors)
-    for handle in handles:
-        handle.add_done_callback(one_done)
+
+    when_all(handles, done)
 
 
 def _create(store, rank, size, timeout):
