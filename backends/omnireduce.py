@@ -130,7 +130,7 @@ def block_mask(array, block=256, threshold=0.0):
 def block_density(array, block=256, threshold=0.0):
     """Fraction of blocks that omnireduce would send (OmniReduceBackend.density, for `auto`)."""
     mask = block_mask(array, block, threshold)
-    return float(mask.mean()) if mask.size else 0.0
+    return np.count_nonzero(mask) / mask.size if mask.size else 0.0   # not mask.mean(): 15x its cost on small tensors
 
 
 def densify(values, indices, numel, dtype=None):

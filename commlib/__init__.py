@@ -8,7 +8,7 @@ block allreduce, a GRACE-style compressor, or a ring allreduce through Horovod/M
 """
 from commlib.api import (Average, Handle, Max, Min, Product, ProcessSet, Sum, add_process_set, allreduce, allreduce_async, backend_stats,
                           grouped_allreduce, grouped_allreduce_async, init,
-                          is_initialized, local_rank, local_size, poll, rank, records, shutdown, size,
+                          is_initialized, join, local_rank, local_size, poll, rank, records, shutdown, size,
                           start_timeline, stop_timeline, synchronize)
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, Mismatch,
                             PeerFailure)
@@ -16,7 +16,7 @@ from commlib.policy import Policy, Rule
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async", "synchronize", "poll", "Handle", "Sum", "Average", "Min", "Max", "Product", "Policy", "Rule",
+    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async", "synchronize", "poll", "join", "Handle", "Sum", "Average", "Min", "Max", "Product", "Policy", "Rule",
     "records", "backend_stats", "start_timeline", "stop_timeline", "ProcessSet", "add_process_set",
     "CommError", "CommTimeout", "Mismatch", "BackendUnavailable", "ConfigError", "InvalidTensor", "PeerFailure",
 ]

@@ -20,7 +20,7 @@ _runtime = None
 _init_lock = threading.Lock()
 
 __all__ = ["Average", "Sum", "Min", "Max", "Product", "Handle", "init", "shutdown", "is_initialized", "runtime",
-           "rank", "size", "local_rank", "local_size", "ProcessSet", "add_process_set", "allreduce_async",
+           "rank", "size", "local_rank", "local_size", "ProcessSet", "add_process_set", "allreduce_async", "join",
            "grouped_allreduce_async", "grouped_allreduce", "synchronize", "poll", "allreduce", "records",
            "backend_stats", "start_timeline", "stop_timeline"]
 
@@ -177,6 +177,14 @@ def allreduce(tensor, name=None, op=Average, algorithm=None, compression=None,
     given) and return the result."""
     return synchronize(allreduce_async(tensor, name, op, algorithm, compression, prescale_factor,
                                        postscale_factor, policy, process_set))
+
+
+def join():
+    """Horovod's hvd.join: this rank is out of data. Until every rank has joined, the others'
+    allreduces go on without it (it contributes zeros, or for min, max and product the op's identity,
+    so Average still divides by the job's size, as Horovod's). Blocks until every rank joined;
+    returns the rank that joined last. Row-sparse tensors cannot be reduced while a rank is joined."""
+    return runtime().join()
 
 
 def records():

@@ -102,7 +102,7 @@ def start_controller(s, placement, broadcast, secret=None, allgather=None):
         secret, shared = keyshare.share(placement.rank, allgather, broadcast, mine, address, anchor)
     else:
         shared = broadcast(address)
-    client = controller.ControllerClient(shared, placement.rank, s.timeout_s)
+    client = controller.ControllerClient(shared, placement.rank, s.timeout_s, s.cycle_time_ms)
     opened = client.exchange("init/secret", secret is not None, s.timeout_s) if drawn else [True]
     if not all(opened):   # every rank fails, not only those whose copy was altered
         client.close()

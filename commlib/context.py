@@ -194,6 +194,15 @@ def placed(environ=None):
     return initialized_horovod() is not None or _group_world() is not None or _launched(environ) is not None
 
 
+def world_group():
+    """torch.distributed's default process group object, or None: the same object, the same world
+    (cheaper to compare on every call than asking the group its rank and size)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.group.WORLD
+
+
 def check_world(ctx):
     """A ConfigError when torch.distributed's process group is up with another world than the job
     commlib formed (commlib.init() ran before the process group did): such a job would reduce

@@ -20,6 +20,11 @@ cache. Hits left waiting for HIT_WAIT_S turn back the same way, so the stall war
 and the name-pairing Mismatch see every tensor. A process set and a job formed anew (an elastic
 reset) have controllers, and caches, of their own.
 
+Join (Horovod's hvd.join): a rank out of data joins; until every rank has, the others' tensors
+are released without it, and it runs each with a stand-in (zeros, or the op's identity) built from
+the release's metadata. Releases are not cached while a rank is joined (the joined rank sends no
+hits). Once every rank joined, a `joined` event names the last one.
+
 The same channel carries `exchange` (an allgather of small JSON values) for backends' set-up.
 Messages are length-prefixed JSON: the channel never unpickles what a peer sends.
 """
@@ -130,6 +135,7 @@ class ControllerServer:
         self._hit_times = collections.deque()   # (when, rank, bits) per message with hits, oldest first
         self._ready_bits = 0      # released at the next cycle
         self._evicted = []        # bits evicted since the last cycle
+        self._joined = []         # ranks that called join, in order; reset once every rank has
         self._thread = threading.Thread(target=self._serve, name="commlib-controller", daemon=True)
         self._thread.start()
 
@@ -220,6 +226,8 @@ class ControllerServer:
             if msg.get("error"):   # it failed: the others get its error now, not a timeout naming someone else
                 self._broadcast_error("PeerFailure", f"rank {rank} failed and left the job: {msg['error']}")
                 return
+        elif kind == "join":
+            self._join(rank)
         elif kind == "bye":
             self._done.add(rank)
         if self._left:
@@ -236,16 +244,35 @@ class ControllerServer:
             entry = {"metas": {}, "since": time.monotonic(), "warned": False}
             rounds.append(entry)
         entry["metas"][rank] = meta
-        if len(rounds[0]["metas"]) == self.size:
+        self._complete_ready(name)
+
+    def _complete_ready(self, name):
+        """Release the oldest round of `name` if every rank submitted it or joined."""
+        rounds = self._pending[name]
+        if len(rounds[0]["metas"]) + len(set(self._joined) - set(rounds[0]["metas"])) == self.size:
             self._complete(name, rounds.pop(0)["metas"])
             if not rounds:
                 del self._pending[name]
 
+    def _join(self, rank):
+        """A rank out of data: the rounds that waited only for it are released now, and the ranks'
+        hits turn into full submissions until every rank joined (the joined rank sends no bits)."""
+        if rank not in self._joined:
+            self._joined.append(rank)
+        for other, pending in enumerate(self._hits):   # hits that waited for its bit: in full
+            self._hits[other] = 0
+            for bit in _bits(pending):
+                self._submit(other, self._cache[bit]["metas"][other])
+        for name in list(self._pending):
+            if name in self._pending:
+                self._complete_ready(name)
+
     def _hit(self, rank, bits):
         """A rank submitted the tensors of these bits with the metadata they were cached with."""
-        for bit in _bits(bits & ~self._live):   # evicted meanwhile: negotiated in full
+        # evicted meanwhile, or a rank joined (it sends no bits): negotiated in full, the bits kept
+        for bit in _bits(bits if self._joined else bits & ~self._live):
             self._submit(rank, self._cache[bit]["metas"][rank])
-        bits &= self._live
+        bits = 0 if self._joined else bits & self._live
         self._hits[rank] |= bits
         self._hit_times.append((time.monotonic(), rank, bits))
         ready = self._hits[0]
@@ -303,11 +330,20 @@ class ControllerServer:
                              "message": f"tensor {name!r} failed on rank {rank}: {error.get('message')}"})
             return
         problem = check_agreement(name, metas)
+        joined = sorted(set(range(self.size)) - set(metas))
+        if joined and any(meta.get("rows") for meta in metas.values()):
+            problem = (f"tensor {name!r} is row-sparse, and {_ranks_text(joined)} joined (commlib.join): sparse "
+                       f"tensors cannot be reduced with a joined rank, as in Horovod; reduce it dense, or join later")
         if problem:
             self._broadcast({"t": "error", "kind": "Mismatch", "names": [name], "message": problem})
         else:
             release = self._settle(name, [metas[r] for r in sorted(metas)])
-            if self._cacheable(release, metas):
+            if joined:
+                agreed = next(iter(metas.values()))
+                release = dataclasses.replace(release, joined={"ranks": joined, **{
+                    field: agreed.get(field) for field in ("shape", "dtype", "op", "compression", "prescale",
+                                                           "postscale")}})
+            elif self._cacheable(release, metas):
                 bit = len(self._cache)
                 release = dataclasses.replace(release, bit=bit)
                 self._cache.append({"name": name, "release": release, "metas": metas})
@@ -327,6 +363,9 @@ class ControllerServer:
             self._broadcast({"t": "go", "batch": [release.wire() for release in self._ready], "hits": format(self._ready_bits, "x"),
                              "evict": self._evicted})
             self._ready, self._ready_bits, self._evicted = [], 0, []
+        if len(self._joined) == self.size:   # after the last go: every joined rank ran its stand-ins
+            self._broadcast({"t": "joined", "last": self._joined[-1]})
+            self._joined = []
 
     def _expire(self):
         now = time.monotonic()
@@ -334,7 +373,7 @@ class ControllerServer:
         for name, rounds in list(self._pending.items()):
             entry = rounds[0]   # the oldest round of this name
             waited = now - entry["since"]
-            missing = sorted(set(range(self.size)) - set(entry["metas"]))
+            missing = sorted(set(range(self.size)) - set(entry["metas"]) - set(self._joined))
             if waited > self.negotiation_timeout_s:
                 rounds.pop(0)
                 if not rounds:
@@ -370,7 +409,7 @@ class ControllerServer:
         for name, rounds in self._pending.items():
             by_ranks.setdefault(tuple(sorted(rounds[0]["metas"])), []).append(name)
         waiting = {rank for ranks in by_ranks for rank in ranks}
-        if not set(range(self.size)) - self._left <= waiting:
+        if not set(range(self.size)) - self._left - set(self._joined) <= waiting:
             return   # a rank with nothing pending is still on its way
         sides = "; ".join(f"{_ranks_text(list(ranks))} submitted {_names_text(names)} "
                           f"(not {_ranks_text(sorted(set(range(self.size)) - set(ranks)))})"
@@ -411,9 +450,10 @@ def _bits(mask):
 class ControllerClient:
     """A rank's end: submit metadata, receive go/error events, exchange small values."""
 
-    def __init__(self, address, rank, timeout_s):
+    def __init__(self, address, rank, timeout_s, cycle_time_ms=1.0):
         self.rank = rank
         self.timeout_s = timeout_s
+        self.cycle_s = cycle_time_ms / 1000.0
         self.events = queue.Queue()       # "go" and "error" messages, in server order
         self._gathered = {}
         self._cond = threading.Condition()
@@ -424,6 +464,10 @@ class ControllerClient:
         self._by_bit = {}     # bit -> its release
         self._asked = {}      # name -> the meta submitted in full, until released
         self._cache_lock = threading.Lock()
+        # submissions within a cycle travel as one message (Horovod: one request list per cycle)
+        self._outbox = {"metas": [], "hits": 0}
+        self._outbox_cond = threading.Condition(self._send_lock)
+        self._last_send = 0.0
         self._sock = self._connect(tuple(address), timeout_s)
         send_msg(self._sock, {"t": "hello", "rank": rank})
         self._sock.settimeout(timeout_s + 5)
@@ -439,6 +483,8 @@ class ControllerClient:
         self.token = welcome["token"]
         self._reader = threading.Thread(target=self._read, name="commlib-controller-client", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_batches, name="commlib-controller-sender", daemon=True)
+        self._sender.start()
 
     @staticmethod
     def _connect(address, timeout_s):
@@ -485,7 +531,31 @@ class ControllerClient:
         if self._lost:
             raise error_from(self._lost)
         with self._send_lock:
+            self._flush()   # what this rank submitted reaches the controller before what it says next
             send_msg(self._sock, msg)
+
+    def _flush(self):
+        """Send the submissions waiting in the outbox (the send lock held)."""
+        box = self._outbox
+        if box["metas"] or box["hits"]:
+            self._outbox = {"metas": [], "hits": 0}
+            hits = {"hits": format(box["hits"], "x")} if box["hits"] else {}
+            send_msg(self._sock, {"t": "submit", "metas": box["metas"], **hits})
+        self._last_send = time.monotonic()
+
+    def _send_batches(self):
+        """Sends the outbox at most once per cycle while submissions keep coming."""
+        with self._outbox_cond:
+            while not self._closed:
+                self._outbox_cond.wait_for(lambda: self._outbox["metas"] or self._outbox["hits"] or self._closed)
+                delay = self._last_send + self.cycle_s - time.monotonic()
+                if delay > 0:   # sent within this cycle: gather what else comes until it ends
+                    self._outbox_cond.wait(delay)
+                    continue
+                try:
+                    self._flush()
+                except OSError:   # the reader sees the lost connection and fails what is in flight
+                    self._outbox = {"metas": [], "hits": 0}
 
     def _expand(self, msg):
         """A go's Releases: its batch, then the cached releases of its hits (bit order, the same on every rank)."""
@@ -515,7 +585,15 @@ class ControllerClient:
                     full.append(meta)
                     if "error" not in meta and not meta.get("once"):
                         self._asked[meta["name"]] = meta
-        self._send({"t": "submit", "metas": full, **({"hits": format(hits, "x")} if hits else {})})
+        if self._lost:
+            raise error_from(self._lost)
+        with self._outbox_cond:
+            self._outbox["metas"] += full
+            self._outbox["hits"] |= hits
+            if time.monotonic() - self._last_send >= self.cycle_s:
+                self._flush()   # the first submission of a cycle goes at once: no added latency
+            else:
+                self._outbox_cond.notify()
 
     def exchange(self, key, value, timeout, ranks=None):
         """Every rank's value (index = rank), or with `ranks` (this rank among them) only theirs,
@@ -531,6 +609,11 @@ class ControllerClient:
             raise CommTimeout(answer["error"])
         return answer["values"]
 
+    def join(self):
+        """This rank is out of data (commlib.join): the others' tensors go on without it; a `joined`
+        event follows once every rank joined."""
+        self._send({"t": "join"})
+
     def leave(self, error=None):
         """Tell the controller this rank is shutting down, with the error it fails with (a
         string), if any: the others then fail what waits for this rank at once, naming it."""
@@ -544,7 +627,9 @@ class ControllerClient:
             return
         self._closed = True
         try:
-            with self._send_lock:
+            with self._outbox_cond:
+                self._outbox_cond.notify()
+                self._flush()
                 send_msg(self._sock, {"t": "bye"})
         except OSError:
             pass

@@ -14,8 +14,11 @@ import time
 
 import numpy as np
 
-from commlib import sparse
+from commlib import compressors, sparse
+from commlib.dispatch import Plan
 from commlib.errors import CommError, ConfigError, error_from
+from commlib.handles import Handle
+from commlib.tensors import Staged
 
 log = logging.getLogger("commlib")
 
@@ -132,6 +135,8 @@ class Executor:
         self._traced_windows = {}   # tensor name -> the hot/cold agreement whose counts are in the timeline
         self.broken = None       # the first fatal error: every later call raises it
         self._entries = {}
+        self.joining = None      # this rank's commlib.join: its handle, resolved when every rank joined
+        self.last_go = time.monotonic()   # when a batch last came (a joined rank waits while the others run)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="commlib-background", daemon=True)
         self._thread.start()
@@ -145,6 +150,16 @@ class Executor:
                     raise ConfigError(f"tensor {entry.name!r} is already in flight; give each tensor of a step a unique name")
                 batch[entry.name] = entry
             self._entries.update(batch)
+
+    def start_join(self):
+        """The handle of this rank's commlib.join: resolved with the last rank to join."""
+        with self._lock:
+            if self.broken:
+                raise self.broken
+            if self.joining is not None:
+                raise ConfigError("commlib.join() is already waiting on this rank (another thread called it)")
+            self.joining = Handle("join", None)
+            return self.joining
 
     def stop(self, timeout):
         """Fail what is waiting, end the thread; False if a collective is still running."""
@@ -160,8 +175,11 @@ class Executor:
                 self.broken = self.broken or error   # the first fatal error is the cause
                 names = list(self._entries)
             entries = [self._entries.pop(n) for n in names if n in self._entries]
+            joining, self.joining = (self.joining, None) if self.broken else (None, self.joining)
         for entry in entries:
             entry.handle.set(error=error)
+        if joining is not None:
+            joining.set(error=error)
 
     def _loop(self):
         while True:
@@ -170,7 +188,13 @@ class Executor:
                 return
             try:
                 if msg["t"] == "go":
+                    self.last_go = time.monotonic()
                     self._execute(msg["batch"])   # [Release]
+                elif msg["t"] == "joined":
+                    with self._lock:
+                        joining, self.joining = self.joining, None
+                    if joining is not None:
+                        joining.set(result=msg["last"])
                 elif msg["t"] == "error" and self.ctx.rank not in msg.get("refused_by", ()):
                     self.fail(msg["names"], error_from(msg))
                 elif msg["t"] == "stall":
@@ -185,6 +209,8 @@ class Executor:
         with self._lock:
             for release in batch:
                 entry = self._entries.pop(release.name, None)
+                if entry is None and release.joined and self.ctx.rank in release.joined["ranks"]:
+                    entry = stand_in(release)
                 if entry is not None:   # None: failed by a fatal error (or shutdown) that raced this batch
                     entry.algorithm, entry.times["go"] = release.algorithm, now
                     entry.estimate, entry.counts = release.estimate, release.counts
@@ -305,6 +331,21 @@ class Executor:
             self.records[entry.record].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate,
                                             skew=entry.skew)
         self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, fused - 1)
+
+
+def stand_in(release):
+    """What a rank that joined (commlib.join) contributes to a tensor the others reduce: zeros, or
+    for min, max and product the op's identity, so that the result is the others' reduction."""
+    meta = release.joined
+    dtype = np.dtype("float32" if meta["dtype"] == "bfloat16" else meta["dtype"])
+    identity = {Min: "max", Max: "min", Product: 1}.get(meta["op"], 0)
+    if isinstance(identity, str):
+        limits = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
+        identity = getattr(limits, identity) if dtype.kind != "f" else (np.inf if identity == "max" else -np.inf)
+    staged = Staged(np.full(meta["shape"], identity, dtype=dtype))
+    plan = Plan(((None, release.algorithm),), meta["compression"])
+    return Entry(staged, release.name, meta["op"], plan, compressors.resolve(meta["compression"]), meta["prescale"],
+                 meta["postscale"], Handle(release.name, None))
 
 
 def collective(backend):

@@ -52,8 +52,9 @@ class Handle:
         """Apply fn to the result once, when the caller first waits for it."""
         self._then = fn
 
-    def done(self):
-        return self._event.is_set()
+    def done(self, wait_s=0.0):
+        """True when the result or error is in (waiting up to wait_s for it)."""
+        return self._event.wait(wait_s) if wait_s else self._event.is_set()
 
     def wait(self):
         if not self._event.wait(self._timeout):

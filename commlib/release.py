@@ -10,6 +10,7 @@ class Release:
     estimate: dict = None   # the traffic model's, when it settled the algorithm
     counts: list = None     # row-sparse: every rank's row count, for the allgather
     bit: int = None         # its bit in the controller's response cache, when cached
+    joined: dict = None     # ranks that joined (commlib.join) and run a stand-in: {"ranks", "shape", "dtype", ...}
 
     def wire(self):
         """Its JSON form on the controller's channel (Release(**wire) reads it back)."""

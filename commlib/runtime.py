@@ -9,12 +9,13 @@ import itertools
 import logging
 import os
 import threading
+import time
 
 from commlib import bootstrap, differentiable, study
 from commlib.backends import start_all
-from commlib.context import check_world, initialized_horovod
+from commlib.context import check_world, initialized_horovod, world_group
 from commlib.dispatch import Dispatcher
-from commlib.errors import CommError, ConfigError
+from commlib.errors import CommError, CommTimeout, ConfigError
 from commlib.executor import HOROVOD_OPS, OPS, Average, Entry, Executor, Sum
 from commlib.handles import Handle
 from commlib.process_sets import ProcessSet, ranks_of
@@ -43,6 +44,7 @@ class Runtime:
         if not self._is_set:
             self._watch_daemons()
         self._names = itertools.count()
+        self._checked_group = False   # the process group check_world last passed for (None: none)
 
     def backend(self, name):
         return self.dispatcher.backend(name)
@@ -102,13 +104,32 @@ class Runtime:
             raise refused
         return [entry.handle for entry in entries]
 
+    def join(self):
+        """commlib.join: wait, running the others' tensors with stand-ins, until every rank joined.
+        The others may run for long (uneven data): this fails only when no tensor came for
+        the negotiation timeout (a rank that neither reduces nor joins)."""
+        handle = self.executor.start_join()
+        self.client.join()
+        limit = self.settings.negotiation_timeout_s
+        while not handle.done():
+            idle = time.monotonic() - self.executor.last_go
+            if idle > limit:
+                raise CommTimeout(f"commlib.join: no tensor was released for {limit:.0f}s and not every rank joined; "
+                                  f"every rank must call commlib.join() once out of data "
+                                  f"(raise COMMLIB_NEGOTIATION_TIMEOUT_S if a rank is just slow)")
+            handle.done(wait_s=min(1.0, limit - idle))
+        return handle.wait()
+
     def _check_world(self):
         """A process group formed after commlib's job (Lightning's, around a CommlibState built
         early) must not leave commlib reducing over another world. An elastic reset gives Horovod a
         new world: a job formed for the old one would fail (or hang) on every call, and
         hvd.elastic.run would reset again and again."""
         if not self._is_set and not self._elastic:
-            check_world(self.ctx)
+            group = world_group()
+            if group is not self._checked_group:   # checked once per process group
+                check_world(self.ctx)
+                self._checked_group = group
         if not self._elastic:
             return
         hvd = initialized_horovod()

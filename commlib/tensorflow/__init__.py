@@ -44,6 +44,11 @@ def __getattr__(name):
     raise AttributeError(f"module 'commlib.tensorflow' has no attribute {name!r}")
 
 
+def join():
+    """Horovod's hvd.join for gradients commlib reduces (see commlib.join): returns the rank that joined last."""
+    return commlib.join()
+
+
 @do_not_convert
 def DistributedGradientTape(gradtape, compression=None, op=None, gradient_predivide_factor=1.0,
                             sparse_as_dense=False, policy=None, algorithm=None, **horovod_kwargs):

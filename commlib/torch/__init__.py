@@ -31,6 +31,13 @@ except ImportError:   # horovod is optional for commlib.allreduce; only this fro
         raise AttributeError(name)
 
 
+def join(device=-1):
+    """Horovod's hvd.join for gradients commlib reduces: this rank is out of data; it contributes
+    zeros to the others' allreduces until every rank joined. Returns the rank that joined last.
+    (`device` is Horovod's, where its zero tensors live; commlib's stand-ins live on the host.)"""
+    return commlib.join()
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step=1,
                          op=None, gradient_predivide_factor=1.0, policy=None, algorithm=None, **horovod_kwargs):
     """Horovod's `hvd.DistributedOptimizer`, with each gradient reduced by commlib.
