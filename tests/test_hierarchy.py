@@ -167,6 +167,8 @@ def test_96_ranks_through_two_leaves_and_a_spine_are_exact():
         for leaf in leaves:
             (c,) = leaf.counters()["jobs"].values()
             assert c["up_sent"] >= c["up_results"] > 0 and c["up_results"] * 48 == c["aggregated"], c
+            # every result the spine multicast was taken (it names the leaf whose packet completed the round)
+            assert c["drop_token"] == c["drop_bad_mac"] == c["drop_malformed"] == 0, c
         (c,) = spine.counters()["jobs"].values()
         assert c["aggregated"] == 2 * leaves[0].counters()["jobs"].popitem()[1]["up_results"], c
     finally:

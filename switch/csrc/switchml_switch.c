@@ -438,7 +438,8 @@ static void from_parent(sml_switch *sw, const uint8_t *p, size_t len, const stru
             return;
         }
     }
-    if (p[3] != up->rank || tp_rd32(p + 12) != up->token) { j->c.drop_token++; gc->drop_token++; return; }
+    /* no rank check: a multicast result names the rank that completed the round, not this leaf */
+    if (tp_rd32(p + 12) != up->token) { j->c.drop_token++; gc->drop_token++; return; }
     if (slot >= j->nslots) { j->c.drop_malformed++; gc->drop_malformed++; return; }
     if (sw->p_in > 0 && rnd(sw) < sw->p_in) { j->c.drop_sim_ingress++; gc->drop_sim_ingress++; return; }
     size_t idx = (size_t)slot * 2 + set;
