@@ -300,15 +300,20 @@ def _backend_run(n, work, **kw):
     return group.run(main, 60.0)
 
 
-def test_backend_two_levels_equal_one_switch(tmp_path):
+@pytest.mark.parametrize("streams", [1, 2])
+def test_backend_two_levels_equal_one_switch(tmp_path, streams):
+    """The backend's registration of a tree (placement set, keyed; with 2 streams each leaf's thread i goes up
+    to the spine's thread i): every rank's sums are one switch's bits."""
     key_file = str(tmp_path / "switch.key")
     auth.write_key(key_file, KEY)
-    *leaves, spine = switches(3)
+    *leaves, spine = switches(3, threads=2)
     try:
         def work(rank, backend):
-            return [backend.allreduce(tensor("float", 2000, 5, rank), "f"), backend.allreduce(tensor("int", 9, 6, rank),
-                                                                                            "i")]
-        common = dict(switch_key_file=key_file, switch_packet_elems=ELEMS, switch_window=WINDOW)
+            assert backend.stats()["streams"] == streams
+            return [backend.allreduce(tensor("float", 20000, 5, rank), "f"),
+                    backend.allreduce(tensor("int", 9, 6, rank), "i")]
+        common = dict(switch_key_file=key_file, switch_packet_elems=ELEMS, switch_window=2 * WINDOW,
+                      switch_streams=streams)
         tree = _backend_run(5, work, switch_addr=",".join(s.address for s in leaves), switch_spine=spine.address,
                             switch_placement="0,1,1,0,1", **common)
         flat = _backend_run(5, work, switch_addr=leaves[0].address, **common)
