@@ -30,6 +30,7 @@ from commlib.switch.relay import FaultRelay, Faults
 from commlib.testing import LocalGroup
 
 from hierarchy_worker import TOKEN, tensor
+from test_fuzz import fuzz
 
 if sw.lib is None:   # not built: a failure of the suite, never a quiet skip
     raise ImportError(sw.IMPORT_ERROR)
@@ -259,6 +260,13 @@ def test_a_leaf_with_another_key_refuses_the_job():
         assert leaf.status()["jobs"] == {}
     finally:
         leaf.stop()
+
+
+def test_the_leaf_packet_handler_under_asan_and_ubsan(tmp_path):
+    """tests/fuzz's switch_leaf_packets: workers' packets and the parent's results, fuzzed, with the upward
+    resend timers firing, through the sanitized C switch."""
+    rc, log = fuzz(tmp_path, "switch_leaf_packets", "--sanitized", "-runs=1500", "-max_total_time=30")
+    assert rc == 0 and "Done 1500 runs" in log, log[-3000:]
 
 
 # -- the backend ---------------------------------------------------------------------------------------
