@@ -168,6 +168,7 @@ class SwitchMLBackend(Backend):
         self._switches = []      # _Switch per switch this rank registers on and keeps alive (its leaf and the spine)
         self._tree = []          # every switch of the job (the leaves, then the spine of a two-level job)
         self._spine = None       # the spine's _Switch (a two-level job)
+        self._leaf_of = None     # the leaf of each rank (a two-level job)
         self._streams = []       # _Stream per (switch, data-plane thread), the order tensors are split in
         self._pool = None        # threads running the streams after the first (the caller runs that one)
         self._keepalive = None
@@ -218,7 +219,10 @@ class SwitchMLBackend(Backend):
         self._daemon_key = self.ctx.agree(f"{self._scope}/key", keys.daemon_key, self.ctx,   # agreed, never sent
                                           not self.ctx.settings.switch_addr, self.ctx.settings.switch_key_file,
                                           "switch_key_file", f"commlib-switch at {self.address}")
-        jobs = self._step("job", lambda: self._register([[path["addr"] for path in rank] for rank in paths]))[0]
+        def register():   # the job keys stay on rank 0 (every rank derives its own)
+            jobs = self._register([[path["addr"] for path in rank] for rank in paths])
+            return jobs and [{k: v for k, v in job.items() if k != "key"} for job in jobs]
+        jobs = self._step("job", register)[0]
         for switch, job in zip(self._tree, jobs):
             switch.job, switch.nonce = job["job"], job["nonce"]
             for stream, slots in zip([t for t in self._streams if t.switch is switch], job["slots"]):
@@ -324,34 +328,18 @@ class SwitchMLBackend(Backend):
 
     def _register(self, addrs):
         """Rank 0 registers the job on every switch (addrs[rank][stream]), each switch its streams' share of
-        the window; a failure unregisters what it registered."""
+        the window (a two-level job: _register_tree); a failure unregisters what it registered."""
         if self.rank != 0:
             return None
-        if self._spine is not None:
-            return self._register_tree(addrs)
-        shares, done, jobs = iter(sw.split(self.window, len(self._streams))), [], []
+        done = []   # (client, job number) of every registration made
         try:
-            first = 0
+            if self._spine is not None:
+                return self._register_tree(addrs, done)
+            shares, first, jobs = iter(sw.split(self.window, len(self._streams))), 0, []
             for switch in self._switches:
                 streams = [[addrs[r][first + i] for r in range(self.size)] for i in range(len(switch.ports))]
-                slots = sum(next(shares) for _ in streams)
                 first += len(streams)
-                nonce = auth.new_nonce()
-                key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
-                authenticate = keys.job_key(self.ctx, self._daemon_key, nonce) is not None
-                client = sw.SwitchClient(switch.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0)
-                reply = client.register(self.token, streams[0], slots, self.elems, nonce=nonce,
-                                        authenticate=authenticate, streams=streams)
-                done.append((client, reply["job"]))
-                if authenticate and reply.get("authenticated") is False:   # the key file names a key the switch lacks
-                    raise ConfigError(auth.unauthenticated(f"commlib-switch at {switch.address}",
-                                                           "the switch has no key"))
-                endpoints = reply.get("endpoints") or [{"slots": slots}]   # a switch of one thread
-                if len(endpoints) != len(streams):
-                    raise ConfigError(f"commlib-switch at {switch.address} took {len(endpoints)} of the job's "
-                                      f"{len(streams)} streams: set COMMLIB_SWITCH_STREAMS={len(endpoints)}")
-                jobs.append({"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0),
-                             "slots": [int(e["slots"]) for e in endpoints]})
+                jobs.append(self._register_on(switch, streams, sum(next(shares) for _ in streams), done))
             return jobs
         except Exception:
             for client, job in done:
@@ -361,56 +349,44 @@ class SwitchMLBackend(Backend):
                     log.warning("switchml: could not unregister job #%s: %s", job, exc)
             raise
 
-    def _register_tree(self, addrs):
-        """Rank 0 of a two-level job: the job on the spine, whose ranks are the leaves (stream i of each from
-        the leaf's stream i), then on each leaf with its ranks and the spine as its parent. Returns the
-        jobs of self._tree (the leaves, then the spine); a failure unregisters what it registered."""
-        s, leaves = self.ctx.settings, self._tree[:-1]
-        shares = [{"slots": n} for n in sw.split(self.window, len(self._streams))]
-        authenticate, done, jobs = None, [], []
+    def _register_tree(self, addrs, done):
+        """A two-level job: on the spine, whose ranks are the leaves (stream i of each from the leaf's stream
+        i), then on each leaf with its ranks and the spine as its parent. Returns the jobs of self._tree (the
+        leaves, then the spine)."""
+        s, leaves, spine = self.ctx.settings, self._tree[:-1], self._spine
+        up = self._register_on(spine, [[self._leaf_address(leaf, i) for leaf in leaves]
+                                       for i in range(len(spine.ports))], self.window, done)
+        host, port = parse_address(spine.address, "switch_spine")
+        parent = {"address": f"{socket.gethostbyname(host)}:{port}", "ports": [p or port for p in spine.ports],
+                  "job": up["job"], "token": self.token, "nonce": up["nonce"], "rto_ms": float(s.switch_retransmit_ms),
+                  "rto_max_ms": float(s.switch_retransmit_max_ms), "authenticated": up["key"] is not None}
+        if up["key"] is not None:   # a leaf derives the spine's job key from its own daemon key: the same one?
+            parent["check"] = auth.key_check(up["key"])
+        jobs = [self._register_on(leaf, [[addrs[r][i] for r in range(self.size) if self._leaf_of[r] == j]
+                                         for i in range(len(leaf.ports))], self.window, done, dict(parent, rank=j))
+                for j, leaf in enumerate(leaves)]
+        return jobs + [up]
 
-        def register(switch, workers, parent=None):
-            nonce = auth.new_nonce()
-            key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
-            authenticated = keys.job_key(self.ctx, self._daemon_key, nonce) is not None
-            client = sw.SwitchClient(switch.address, min(s.timeout_s, 30.0), key=key, rank=0)
-            reply = client.register(self.token, workers[0], self.window, self.elems, nonce=nonce,
-                                    authenticate=authenticated, streams=workers, parent=parent)
-            done.append((client, reply["job"]))
-            if authenticated and reply.get("authenticated") is False:
-                raise ConfigError(auth.unauthenticated(f"commlib-switch at {switch.address}", "the switch has no key"))
-            endpoints = reply.get("endpoints") or shares
-            if len(endpoints) != len(workers):
-                raise ConfigError(f"commlib-switch at {switch.address} took {len(endpoints)} of the job's "
-                                  f"{len(workers)} streams: set COMMLIB_SWITCH_STREAMS={len(endpoints)}")
-            return {"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0),
-                    "slots": [int(e["slots"]) for e in endpoints], "key": key if authenticated else None}
-
-        try:
-            spine = register(self._spine, [[self._leaf_address(leaf, i) for leaf in leaves]
-                                           for i in range(len(self._spine.ports))])
-            host, port = parse_address(self._spine.address, "switch_spine")
-            parent = {"address": f"{socket.gethostbyname(host)}:{port}", "job": spine["job"], "token": self.token,
-                      "ports": [p or port for p in self._spine.ports], "nonce": spine["nonce"],
-                      "authenticated": spine["key"] is not None, "rto_ms": float(s.switch_retransmit_ms),
-                      "rto_max_ms": float(s.switch_retransmit_max_ms)}
-            if spine["key"] is not None:
-                parent["check"] = auth.key_check(spine["key"])
-            for j, leaf in enumerate(leaves):
-                ranks = [r for r in range(self.size) if self._leaf_of[r] == j]
-                jobs.append(register(leaf, [[addrs[r][i] for r in ranks] for i in range(len(leaf.ports))],
-                                     dict(parent, rank=j)))
-            jobs.append(spine)
-            for job in jobs:
-                job.pop("key")   # the job keys never leave rank 0 (every rank derives its own)
-            return jobs
-        except Exception:
-            for client, job in done:
-                try:
-                    client.unregister(job, self.token)
-                except CommError as exc:
-                    log.warning("switchml: could not unregister job #%s: %s", job, exc)
-            raise
+    def _register_on(self, switch, streams, slots, done, parent=None):
+        """Register the job on one switch: streams[i][rank] the ranks' addresses of stream i, `slots` of the
+        window over them; parent: the switch is a leaf of it. Appends (client, job number) to `done`; returns
+        {job, nonce, expiry_s, slots per stream} (and key: the job key where its packets carry MACs, which
+        _setup keeps on rank 0)."""
+        nonce = auth.new_nonce()
+        key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
+        authenticate = keys.job_key(self.ctx, self._daemon_key, nonce) is not None
+        client = sw.SwitchClient(switch.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0)
+        reply = client.register(self.token, streams[0], slots, self.elems, nonce=nonce, authenticate=authenticate,
+                                streams=streams, parent=parent)
+        done.append((client, reply["job"]))
+        if authenticate and reply.get("authenticated") is False:   # the key file names a key the switch lacks
+            raise ConfigError(auth.unauthenticated(f"commlib-switch at {switch.address}", "the switch has no key"))
+        endpoints = reply.get("endpoints") or [{"slots": slots}]   # a switch of one thread
+        if len(endpoints) != len(streams):
+            raise ConfigError(f"commlib-switch at {switch.address} took {len(endpoints)} of the job's "
+                              f"{len(streams)} streams: set COMMLIB_SWITCH_STREAMS={len(endpoints)}")
+        return {"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0),
+                "slots": [int(e["slots"]) for e in endpoints], "key": key if authenticate else None}
 
     def _leaf_address(self, leaf, stream):
         """[ip, port] the spine sees the leaf's stream `stream` send from: its data-plane thread's port."""
