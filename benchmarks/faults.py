@@ -149,6 +149,8 @@ def counted(algorithm, relay, stats):
     if algorithm == "switchml":
         s = stats["switch"]
         seen = f"resends {stats['resends']}, late refused {s['drop_late']}, replays {s['replays']}"
+        if s.get("up_sent"):   # a two-level job: rank 0's leaf's resends of partial sums to the spine
+            seen += f", leaf resends {s['up_resends']}"
     else:
         seen = f"resends {stats['resends']}, bad_mac {stats['bad_mac']}"
     return made or "-", seen
