@@ -332,20 +332,23 @@ def test_backend_two_levels_equal_one_switch(tmp_path, streams):
         stop(leaves + [spine])
 
 
-def test_spine_killed_mid_job_fails_every_rank_naming_it(tmp_path):
+@pytest.mark.parametrize("victim", ["spine", "leaf"])
+def test_a_switch_killed_mid_job_fails_every_rank_naming_it(tmp_path, victim):
+    """Three commlib-switch processes; after a first allreduce the spine (or leaf 1) is killed: every rank
+    fails its next allreduce within the timeout with an error naming that switch (the ranks of a dead leaf
+    at once: its port is closed; the others when their results stop, probing the tree's switches)."""
     key_file = str(tmp_path / "switch.key")
     auth.write_key(key_file, KEY)
-    leaves = switches(2)
-    child = subprocess.Popen([sys.executable, "-m", "commlib.switch", "--port", "0", "--threads", "1",
-                              "--key-file", key_file], stdout=subprocess.PIPE, text=True)
+    children = [subprocess.Popen([sys.executable, "-m", "commlib.switch", "--port", "0", "--threads", "1",
+                                  "--key-file", key_file], stdout=subprocess.PIPE, text=True) for _ in range(3)]
     try:
-        spine = control.wait_ready(child, 30, "the spine")[0]
-
+        (leaf0,), (leaf1,), (spine,) = [control.wait_ready(child, 30, "a switch") for child in children]
+        dead, child = (spine, children[2]) if victim == "spine" else (leaf1, children[1])
         before = threading.Barrier(4)
 
         def work(rank, backend):
             backend.allreduce(tensor("float", 1000, 7, rank), "before")
-            before.wait(20)   # every rank has its sum: the spine dies between two allreduces
+            before.wait(20)   # every rank has its sum: the switch dies between two allreduces
             if rank == 0:
                 child.send_signal(signal.SIGKILL)
                 child.wait(10)
@@ -357,13 +360,15 @@ def test_spine_killed_mid_job_fails_every_rank_naming_it(tmp_path):
                 return str(exc), time.monotonic() - started
             return None, time.monotonic() - started
 
-        results = _backend_run(4, work, switch_addr=",".join(s.address for s in leaves), switch_spine=spine,
-                               switch_key_file=key_file, switch_packet_elems=ELEMS, switch_window=WINDOW)
+        results = _backend_run(4, work, switch_addr=f"{leaf0},{leaf1}", switch_spine=spine, switch_key_file=key_file,
+                               switch_packet_elems=ELEMS, switch_window=WINDOW)
         for rank, (error, seconds) in enumerate(results):
-            assert error is not None and f"the spine switch at {spine}" in error, f"rank {rank}: {error!r}"
+            assert error is not None and dead in error, f"rank {rank}: {error!r} does not name {dead}"
+            if victim == "spine":
+                assert f"the spine switch at {spine}" in error, f"rank {rank}: {error!r}"
             assert seconds < 4.0 * 3, f"rank {rank} took {seconds:.1f}s to fail"
     finally:
-        if child.poll() is None:
-            child.kill()
-        child.wait()
-        stop(leaves)
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
