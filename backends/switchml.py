@@ -80,6 +80,11 @@ log = logging.getLogger("commlib.switchml")
 define("switch_addr", "", "host:port of a commlib-switch (UDP data + TCP control on one port), or several "
        "separated by commas (a:9099,b:9099: the job's slots and tensors are split over them); empty: "
        "rank 0 starts a switch on loopback when every rank is on this machine")
+define("switch_spine", "", "host:port of the spine commlib-switch of a two-level job (more than 64 ranks): "
+       "switch_addr then lists the leaf switches, each rank streams to one leaf (switch_placement) and each "
+       "leaf's partial sums go to the spine; every switch of it started with the same --key-file")
+define("switch_placement", "", "with switch_spine: the leaf (its index in switch_addr) of each rank, comma-separated "
+       "(0,0,1,1: ranks 0-1 on the first leaf); empty: ranks grouped by host, in balanced chunks of at most 64")
 define("switch_streams", 1, "SwitchML worker streams per switch (each a socket and a thread towards one of "
        "the switch's data-plane threads, with its share of the window): more where a rank's CPU bounds it (fast "
        "links); 0: from this host's cores")
@@ -128,8 +133,14 @@ class SwitchMLBackend(Backend):
             return False, ("no switch configured and the ranks span several hosts: start `commlib-switch "
                            "--host 0.0.0.0 --port 9099` on a host every rank reaches and set "
                            "COMMLIB_SWITCH_ADDR=thathost:9099")
-        if ctx.size > sw.MAX_WORKERS:
-            return False, f"a switchml job has at most {sw.MAX_WORKERS} ranks, this one has {ctx.size}"
+        if ctx.size > sw.MAX_WORKERS and not ctx.settings.switch_spine:
+            return False, (f"a switchml job through one switch has at most {sw.MAX_WORKERS} ranks, this one has "
+                           f"{ctx.size}: run {-(-ctx.size // sw.MAX_WORKERS)} or more leaf switches and a spine "
+                           f"(commlib-switch, one --key-file), set COMMLIB_SWITCH_ADDR to the leaves and "
+                           f"COMMLIB_SWITCH_SPINE to the spine (README: two-level deployment)")
+        if ctx.settings.switch_spine and not ctx.settings.switch_addr:
+            return False, ("switch_spine is set but switch_addr is not: list the leaf switches in "
+                           "COMMLIB_SWITCH_ADDR")
         return True, ""
 
     def __init__(self, ctx):
@@ -154,7 +165,10 @@ class SwitchMLBackend(Backend):
         self.address = None      # the switches' addresses, comma-separated
         self.job = None          # the job's number on the first switch
         self._daemon_key = None  # the switch's key (the job's secret for the embedded one, else the key file's)
-        self._switches = []      # _Switch per switch of the job
+        self._switches = []      # _Switch per switch this rank registers on and keeps alive (its leaf and the spine)
+        self._tree = []          # every switch of the job (the leaves, then the spine of a two-level job)
+        self._spine = None       # the spine's _Switch (a two-level job)
+        self._leaf_of = None     # the leaf of each rank (a two-level job)
         self._streams = []       # _Stream per (switch, data-plane thread), the order tensors are split in
         self._pool = None        # threads running the streams after the first (the caller runs that one)
         self._keepalive = None
@@ -182,10 +196,17 @@ class SwitchMLBackend(Backend):
 
     def _setup(self):
         # 1. the switches, configured or embedded in rank 0, and the streams to each (rank 0 plans)
-        self._switches = [_Switch(address, ports) for address, ports in self._step("switch", self._plan)[0]]
+        self._tree = self._switches = [_Switch(address, ports) for address, ports in self._step("switch", self._plan)[0]]
         self.address = ",".join(switch.address for switch in self._switches)
+        if self.ctx.settings.switch_spine:   # two levels: this rank streams to its leaf, its leaf to the spine
+            leaf_of = placement(self.ctx.settings.switch_placement, self._step("hosts", socket.gethostname),
+                                len(self._tree) - 1)
+            leaf, self._spine = self._tree[leaf_of[self.rank]], self._tree[-1]
+            leaf.rank, self._spine.rank = leaf_of[:self.rank].count(leaf_of[self.rank]), leaf_of[self.rank]
+            self._switches, self._leaf_of = [leaf, self._spine], leaf_of
         # 2. every rank's UDP address of each stream, as the switch will see it, and the packets its path takes
-        self._streams = [_Stream(switch, i, port) for switch in self._switches for i, port in enumerate(switch.ports)]
+        self._streams = [_Stream(switch, i, port) for switch in self._switches if switch is not self._spine
+                         for i, port in enumerate(switch.ports)]
         paths = self._step("addrs", lambda: [self._open_socket(stream) for stream in self._streams])
         s = self.ctx.settings
         self.elems = int(s.switch_packet_elems) or min(path["elems"] for rank in paths for path in rank)
@@ -198,14 +219,19 @@ class SwitchMLBackend(Backend):
         self._daemon_key = self.ctx.agree(f"{self._scope}/key", keys.daemon_key, self.ctx,   # agreed, never sent
                                           not self.ctx.settings.switch_addr, self.ctx.settings.switch_key_file,
                                           "switch_key_file", f"commlib-switch at {self.address}")
-        jobs = self._step("job", lambda: self._register([[path["addr"] for path in rank] for rank in paths]))[0]
-        for switch, job in zip(self._switches, jobs):
+        def register():   # the job keys stay on rank 0 (every rank derives its own)
+            jobs = self._register([[path["addr"] for path in rank] for rank in paths])
+            return jobs and [{k: v for k, v in job.items() if k != "key"} for job in jobs]
+        jobs = self._step("job", register)[0]
+        for switch, job in zip(self._tree, jobs):
             switch.job, switch.nonce = job["job"], job["nonce"]
             for stream, slots in zip([t for t in self._streams if t.switch is switch], job["slots"]):
                 stream.slots = slots
             switch.key = keys.job_key(self.ctx, self._daemon_key, switch.nonce)
             switch.control_key = self._daemon_key and auth.job_key(self._daemon_key, switch.nonce)
-            switch.client = sw.SwitchClient(switch.address, 5.0, key=switch.control_key, rank=self.rank)
+        for switch in self._switches:
+            switch.client = sw.SwitchClient(switch.address, 5.0, key=switch.control_key,
+                                            rank=self.rank if switch.rank is None else switch.rank)
         self.job = self._switches[0].job
         self._keepalive = threading.Thread(target=self._keep_alive, args=(min(j["expiry_s"] for j in jobs) / 4,),
                                            name="switchml-keepalive", daemon=True)
@@ -222,7 +248,8 @@ class SwitchMLBackend(Backend):
         for stream in self._streams:
             switch = stream.switch
             key = switch.key and auth.stream_key(switch.key, stream.index)
-            stream.worker = sw.lib.sml_worker_new(stream.sock.fileno(), switch.job, self.rank, self.token, self.size,
+            rank = self.rank if switch.rank is None else switch.rank   # its rank on its leaf; the scale is the job's
+            stream.worker = sw.lib.sml_worker_new(stream.sock.fileno(), switch.job, rank, self.token, self.size,
                                                   stream.slots, self.elems, float(s.switch_retransmit_ms),
                                                   float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)),
                                                   sw.ffi.NULL if key is None else key)
@@ -236,11 +263,14 @@ class SwitchMLBackend(Backend):
             return None
         s = self.ctx.settings
         addresses = [a.strip() for a in self._switch_address().split(",") if a.strip()]
+        tree = bool(s.switch_spine)   # the leaves, then the spine: each holds the whole window
+        if tree:
+            addresses.append(self._spine_address())
         if len(set(addresses)) != len(addresses):
             raise ConfigError(f"switch_addr={s.switch_addr!r} names a switch twice")
         # each stream takes at least one slot of the window; the default window has MIN_DEFAULT_WINDOW
         budget = int(s.switch_window) or MIN_DEFAULT_WINDOW
-        if budget < len(addresses):
+        if budget < len(addresses) and not tree:
             raise ConfigError(f"switch_window={budget} is smaller than the {len(addresses)} switches the job "
                               f"streams to (each takes one slot or more): raise COMMLIB_SWITCH_WINDOW")
         plan = []
@@ -248,6 +278,9 @@ class SwitchMLBackend(Backend):
             status = sw.SwitchClient(address, min(s.timeout_s, 30.0)).status()
             ports = status.get("ports") or [None]   # a switch of one thread
             plan.append((address, [None] + ports[1:self._streams_per_switch()]))
+        if tree:   # a leaf's stream i goes up to the spine's stream i: as many streams everywhere, one slot each
+            n = min(budget, *(len(ports) for _, ports in plan))
+            return [(address, ports[:n]) for address, ports in plan]
         while sum(len(ports) for _, ports in plan) > budget:   # fewer streams than slots: trim the longest
             max(plan, key=lambda p: len(p[1]))[1].pop()
         return plan
@@ -260,6 +293,9 @@ class SwitchMLBackend(Backend):
             return streams
         cores = _cores() * 2 // 3 if not self.ctx.settings.switch_addr else _cores()
         return max(1, min(MAX_STREAMS, cores // max(1, self.ctx.local_size)))
+
+    def _spine_address(self):
+        return self.ctx.settings.switch_spine
 
     def _switch_address(self):
         s = self.ctx.settings
@@ -292,32 +328,18 @@ class SwitchMLBackend(Backend):
 
     def _register(self, addrs):
         """Rank 0 registers the job on every switch (addrs[rank][stream]), each switch its streams' share of
-        the window; a failure unregisters what it registered."""
+        the window (a two-level job: _register_tree); a failure unregisters what it registered."""
         if self.rank != 0:
             return None
-        shares, done, jobs = iter(sw.split(self.window, len(self._streams))), [], []
+        done = []   # (client, job number) of every registration made
         try:
-            first = 0
+            if self._spine is not None:
+                return self._register_tree(addrs, done)
+            shares, first, jobs = iter(sw.split(self.window, len(self._streams))), 0, []
             for switch in self._switches:
                 streams = [[addrs[r][first + i] for r in range(self.size)] for i in range(len(switch.ports))]
-                slots = sum(next(shares) for _ in streams)
                 first += len(streams)
-                nonce = auth.new_nonce()
-                key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
-                authenticate = keys.job_key(self.ctx, self._daemon_key, nonce) is not None
-                client = sw.SwitchClient(switch.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0)
-                reply = client.register(self.token, streams[0], slots, self.elems, nonce=nonce,
-                                        authenticate=authenticate, streams=streams)
-                done.append((client, reply["job"]))
-                if authenticate and reply.get("authenticated") is False:   # the key file names a key the switch lacks
-                    raise ConfigError(auth.unauthenticated(f"commlib-switch at {switch.address}",
-                                                           "the switch has no key"))
-                endpoints = reply.get("endpoints") or [{"slots": slots}]   # a switch of one thread
-                if len(endpoints) != len(streams):
-                    raise ConfigError(f"commlib-switch at {switch.address} took {len(endpoints)} of the job's "
-                                      f"{len(streams)} streams: set COMMLIB_SWITCH_STREAMS={len(endpoints)}")
-                jobs.append({"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0),
-                             "slots": [int(e["slots"]) for e in endpoints]})
+                jobs.append(self._register_on(switch, streams, sum(next(shares) for _ in streams), done))
             return jobs
         except Exception:
             for client, job in done:
@@ -326,6 +348,50 @@ class SwitchMLBackend(Backend):
                 except CommError as exc:
                     log.warning("switchml: could not unregister job #%s: %s", job, exc)
             raise
+
+    def _register_tree(self, addrs, done):
+        """A two-level job: on the spine, whose ranks are the leaves (stream i of each from the leaf's stream
+        i), then on each leaf with its ranks and the spine as its parent. Returns the jobs of self._tree (the
+        leaves, then the spine)."""
+        s, leaves, spine = self.ctx.settings, self._tree[:-1], self._spine
+        up = self._register_on(spine, [[self._leaf_address(leaf, i) for leaf in leaves]
+                                       for i in range(len(spine.ports))], self.window, done)
+        host, port = parse_address(spine.address, "switch_spine")
+        parent = {"address": f"{socket.gethostbyname(host)}:{port}", "ports": [p or port for p in spine.ports],
+                  "job": up["job"], "token": self.token, "nonce": up["nonce"], "rto_ms": float(s.switch_retransmit_ms),
+                  "rto_max_ms": float(s.switch_retransmit_max_ms), "authenticated": up["key"] is not None}
+        if up["key"] is not None:   # a leaf derives the spine's job key from its own daemon key: the same one?
+            parent["check"] = auth.key_check(up["key"])
+        jobs = [self._register_on(leaf, [[addrs[r][i] for r in range(self.size) if self._leaf_of[r] == j]
+                                         for i in range(len(leaf.ports))], self.window, done, dict(parent, rank=j))
+                for j, leaf in enumerate(leaves)]
+        return jobs + [up]
+
+    def _register_on(self, switch, streams, slots, done, parent=None):
+        """Register the job on one switch: streams[i][rank] the ranks' addresses of stream i, `slots` of the
+        window over them; parent: the switch is a leaf of it. Appends (client, job number) to `done`; returns
+        {job, nonce, expiry_s, slots per stream} (and key: the job key where its packets carry MACs, which
+        _setup keeps on rank 0)."""
+        nonce = auth.new_nonce()
+        key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
+        authenticate = keys.job_key(self.ctx, self._daemon_key, nonce) is not None
+        client = sw.SwitchClient(switch.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0)
+        reply = client.register(self.token, streams[0], slots, self.elems, nonce=nonce, authenticate=authenticate,
+                                streams=streams, parent=parent)
+        done.append((client, reply["job"]))
+        if authenticate and reply.get("authenticated") is False:   # the key file names a key the switch lacks
+            raise ConfigError(auth.unauthenticated(f"commlib-switch at {switch.address}", "the switch has no key"))
+        endpoints = reply.get("endpoints") or [{"slots": slots}]   # a switch of one thread
+        if len(endpoints) != len(streams):
+            raise ConfigError(f"commlib-switch at {switch.address} took {len(endpoints)} of the job's "
+                              f"{len(streams)} streams: set COMMLIB_SWITCH_STREAMS={len(endpoints)}")
+        return {"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0),
+                "slots": [int(e["slots"]) for e in endpoints], "key": key if authenticate else None}
+
+    def _leaf_address(self, leaf, stream):
+        """[ip, port] the spine sees the leaf's stream `stream` send from: its data-plane thread's port."""
+        host, port = parse_address(leaf.address, "switch address")
+        return [socket.gethostbyname(host), leaf.ports[stream] or port]
 
     def _keep_alive(self, every_s):
         """Every rank tells each switch it lives: a job one of whose ranks falls silent is removed."""
@@ -438,6 +504,15 @@ class SwitchMLBackend(Backend):
         if rc == lib.SML_E_REFUSED:
             return PeerFailure(f"{where}: the switch is not running (its port is closed): restart commlib-switch "
                                f"and the job")
+        if rc == lib.SML_E_TIMEOUT and self._spine is not None:   # two levels: any switch of the job may have died
+            for i, other in enumerate(self._tree):
+                role = "the spine switch" if other is self._spine else f"leaf switch {i}"
+                try:
+                    sw.SwitchClient(other.address, 2.0).status()
+                except CommError as exc:
+                    return PeerFailure(f"{where}: no result for {self.ctx.settings.timeout_s}s and {role} at "
+                                       f"{other.address} does not answer ({exc}): it died or is unreachable; restart "
+                                       f"it and the job")
         if rc == lib.SML_E_TIMEOUT:
             hint = ""
             try:   # ask the control plane why: a restarted switch no longer lists the job
@@ -540,11 +615,12 @@ class SwitchMLBackend(Backend):
 
 class _Switch:
     """One switch of the job: its address, the ports of the job's streams to it (None: the address's
-    own), and its registration (job number, nonce, keys, control client)."""
+    own), and its registration (job number, nonce, keys, control client; rank: this rank's on it, where
+    not the job's: its index on its leaf, its leaf's on the spine)."""
 
     def __init__(self, address, ports):
         self.address, self.ports = address, ports
-        self.job = self.nonce = self.key = self.control_key = self.client = None
+        self.job = self.nonce = self.key = self.control_key = self.client = self.rank = None
 
 
 class _Stream:
@@ -563,6 +639,40 @@ class _Stream:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+def placement(setting, hosts, leaves):
+    """The leaf of each rank of a two-level job: `setting` (switch_placement, one leaf index per rank), or
+    the ranks grouped by host (hosts[rank], in the order of their first rank) cut into `leaves` balanced
+    chunks; every leaf gets 1..MAX_WORKERS ranks."""
+    n = len(hosts)
+    if not 1 <= leaves <= sw.MAX_WORKERS:
+        raise ConfigError(f"switch_addr lists {leaves} leaf switches; a spine takes 1..{sw.MAX_WORKERS}")
+    if setting:
+        try:
+            leaf_of = [int(v) for v in str(setting).split(",")]
+        except ValueError:
+            leaf_of = []
+        if len(leaf_of) != n or not all(0 <= leaf < leaves for leaf in leaf_of):
+            raise ConfigError(f"switch_placement={str(setting)[:80]!r}: give one leaf index 0..{leaves - 1} per rank "
+                              f"({n} of them, comma-separated), or leave it empty to place ranks by host")
+    else:
+        first = {}
+        for rank, host in enumerate(hosts):
+            first.setdefault(host, rank)
+        order = sorted(range(n), key=lambda rank: (first[hosts[rank]], rank))
+        leaf_of, start = [0] * n, 0
+        for leaf, count in enumerate(sw.split(n, leaves)):
+            for rank in order[start:start + count]:
+                leaf_of[rank] = leaf
+            start += count
+    for leaf in range(leaves):
+        count = leaf_of.count(leaf)
+        if not 1 <= count <= sw.MAX_WORKERS:
+            raise ConfigError(f"leaf switch {leaf} would serve {count} ranks; a leaf serves 1..{sw.MAX_WORKERS}: "
+                              f"list at least {-(-n // sw.MAX_WORKERS)} leaves in COMMLIB_SWITCH_ADDR (and at most "
+                              f"{n}), or fix COMMLIB_SWITCH_PLACEMENT")
+    return leaf_of
 
 
 def _cores():

@@ -21,6 +21,11 @@ over the runs of contributions (packets added into a slot) per second, its CPU t
 (its own process's data-plane threads), and the workers' CPU time per element apart (rank 0's C
 workers, every stream summed).
 
+The hierarchy's latency: the same workers through one `commlib-switch` and through two leaves and a spine
+(three processes, COMMLIB_SWITCH_SPINE; no MACs), allreducing a small tensor (LATENCY_ELEMS values) many
+times: the mean round of a packet (its first send to its result, the workers' round_ns), the median
+allreduce, and what the second level adds to each.
+
     python benchmarks/bench_switchml.py [--quick] [--workers 2,4] [--elements 16777216] [--runs 10]
                                         [--switch-threads 1,2]
 Results: benchmarks/results/switchml.json (and RESULTS.md).
@@ -38,6 +43,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
+
+LATENCY_ELEMS = 4096   # the hierarchy's latency: a small tensor, a packet or two per rank
 
 
 def _report(label, durations_ns, elements):
@@ -77,6 +84,20 @@ def worker(args):
 
     switchml = rt.backend("switchml")
     switchml.allreduce(x[:1], "setup")   # registration happens on the first call
+    if args.latency:   # small allreduces: the round trip per packet and per call (rank 0 reports)
+        small, times = x[:LATENCY_ELEMS], []
+        switchml.allreduce(small, "latency.warmup")
+        w0 = switchml.stats()
+        for i in range(4 * args.runs):
+            ctx.barrier(f"bench/latency/{i}")
+            times.append(common.slowest_call(ctx, f"bench/latency/{i}/s",
+                                             lambda: switchml.allreduce(small, f"latency.{i}"))[1] * 1e9)
+        w1 = switchml.stats()
+        if rank == 0:
+            common.emit({"allreduce_ns": times,
+                         "round_ns": (w1["round_ns"] - w0["round_ns"]) / max(1, w1["received"] - w0["received"])})
+        commlib.shutdown()
+        return
     before, w_before = switch_counters(switchml, rank), switchml.stats()
     job_before = switchml.switch_counters()["counters"] if rank == 0 else None
     served = common.daemon_ns({"switchml": switchml})   # rank 0: the job's queue_ns + proc_ns on the switch
@@ -231,6 +252,28 @@ def _scalings(n, args, env):
     return out
 
 
+def _latency(n, args, env):
+    """The workers' mean packet round and median small allreduce through one switch and through two leaves and
+    a spine (each switch its own process, no MACs); what the second level adds."""
+    out = {}
+    for name, count in (("one switch", 1), ("two levels", 3)):
+        procs = [_start_switch([]) for _ in range(count)]
+        addrs = [address for _, address in procs]
+        where = {"COMMLIB_SWITCH_ADDR": addrs[0]} if count == 1 else \
+            {"COMMLIB_SWITCH_ADDR": ",".join(addrs[:2]), "COMMLIB_SWITCH_SPINE": addrs[2]}
+        try:
+            payload = _run_workers(n, args, dict(env, COMMLIB_AUTHENTICATE="0", **where), "--latency")
+        finally:
+            for proc, _ in procs:
+                proc.kill()
+                proc.wait()
+        out[name] = {"round_us": payload["round_ns"] / 1e3,
+                     "allreduce_us": statistics.median(payload["allreduce_ns"]) / 1e3}
+    out["extra_round_us"] = out["two levels"]["round_us"] - out["one switch"]["round_us"]
+    out["extra_allreduce_us"] = out["two levels"]["allreduce_us"] - out["one switch"]["allreduce_us"]
+    return out
+
+
 def _start_switch(extra):
     port_file = Path(tempfile.mkdtemp()) / "port"
     proc = subprocess.Popen([sys.executable, "-m", "commlib.switch", "--port", "0", "--port-file", str(port_file),
@@ -262,6 +305,7 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scaling", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--latency", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.elements = args.elements or (1 << 20 if args.quick else 1 << 24)
     args.runs = args.runs or (5 if args.quick else 10)
@@ -271,7 +315,7 @@ def main(argv=None):
     env = {"COMMLIB_SWITCH_WINDOW": str(args.window), "COMMLIB_SWITCH_PACKET_ELEMS": str(args.packet_elems),
            "COMMLIB_SWITCH_OFFLOAD": "0" if args.no_offload else "1",
            "COMMLIB_TIMEOUT_S": "60"}
-    results, rows, fast_rows, scale_rows = {}, [], [], []
+    results, rows, fast_rows, scale_rows, tree_rows = {}, [], [], [], []
     for n in [int(v) for v in args.workers.split(",")]:
         proc, address = _start_switch(["--no-offload"] if args.no_offload else [])
         try:
@@ -333,6 +377,13 @@ def main(argv=None):
                               f"{run['switch_cpu_ns_per_contribution']:.0f} | {run['worker_cpu_ns_per_element']:.2f} | "
                               f"{run['median_gbps']:.3f} |")
         results[str(n)]["switch_threads"] = scaling
+        tree = results[str(n)]["hierarchy"] = _latency(n, args, env)
+        one, two = tree["one switch"], tree["two levels"]
+        print(f"  two levels (2 leaves, a spine) against one switch: packet round {two['round_us']:.0f} against "
+              f"{one['round_us']:.0f} us (+{tree['extra_round_us']:.0f} us), allreduce of {LATENCY_ELEMS} values "
+              f"{two['allreduce_us']:.0f} against {one['allreduce_us']:.0f} us (+{tree['extra_allreduce_us']:.0f} us)")
+        tree_rows.append(f"| {n} | {one['round_us']:.0f} | {two['round_us']:.0f} | +{tree['extra_round_us']:.0f} | "
+                         f"{one['allreduce_us']:.0f} | {two['allreduce_us']:.0f} | +{tree['extra_allreduce_us']:.0f} |")
         rows.append(f"| {n} | {statistics.median(sml):.3f} | "
                     + (f"{statistics.median(ring):.3f} | {results[str(n)]['ratio_median']:.2f}x" if ring else "- | -")
                     + f" | {prof['switch_busy_fraction']:.0%} | {prof['switch_cpu_ns_per_element']:.2f} | "
@@ -376,7 +427,15 @@ def main(argv=None):
                 "cores with the workers and the ratio says so.\n\n"
                 "| workers | switch threads | streams per rank | contributions/s | Gvalues/s | / 1 thread | switch CPU "
                 "ns/contribution | worker CPU ns/elem | goodput Gbps |\n"
-                "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(scale_rows) + "\n")
+                "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(scale_rows) + "\n"
+                f"\nThe hierarchy's latency: the workers through one `commlib-switch`, and through two leaves and a "
+                f"spine (COMMLIB_SWITCH_SPINE; three processes, no MACs), allreducing {LATENCY_ELEMS} values "
+                f"{4 * args.runs} times: a packet's mean round (first send to result) and the median allreduce (slowest "
+                f"rank), in us; the difference is what the second level adds (on loopback: a switch's processing and "
+                f"two more datagrams through this host's kernel).\n\n"
+                "| workers | round, one switch | round, two levels | added | allreduce, one switch | allreduce, two "
+                "levels | added |\n"
+                "|---|---|---|---|---|---|---|\n" + "\n".join(tree_rows) + "\n")
     settings = {"elements": args.elements, "runs": args.runs, "window": args.window, "quick": args.quick,
                 "offload": not args.no_offload, "packet_elems": args.packet_elems}
     common.save("switchml", settings, results, markdown)

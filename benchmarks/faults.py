@@ -14,10 +14,12 @@ run's, with what the relay did and what
 the daemons and workers counted (retransmissions, late packets refused).
 
 With --switches N, switchml's job streams to N commlib-switch servers of this process (keyed, the
-ranks given the key file), each behind its own relay, each holding a share of every tensor.
+ranks given the key file), each behind its own relay, each holding a share of every tensor. With --spine
+they are leaves (2 unless --switches says more) of a two-level job: each rank streams to one leaf, the
+leaves to a spine behind its own relay, so the faults hit both levels.
 
     python benchmarks/faults.py [--quick] [--ranks 4] [--elements 1048576] [--repeat 3] [--packet-elems 0]
-                                [--omnireduce-block 256] [--switches 1]
+                                [--omnireduce-block 256] [--switches 1] [--spine]
 Results: benchmarks/results/faults.json (and RESULTS.md). Exits 1 when a result differs.
 The relay is Python on the same cores as the job: its own latency is part of every time, the
 fault-free one included, so the times compare faults with each other, not with a real fabric.
@@ -79,25 +81,28 @@ def inputs(algorithm, ranks, elements):
 
 
 @contextlib.contextmanager
-def switches(count):
-    """Settings for switchml through `count` keyed switches of this process (none for 1: the embedded one)."""
-    if count <= 1:
+def switches(count, spine=False):
+    """Settings for switchml through `count` keyed switches of this process (none for 1: the embedded one),
+    with `spine` the leaves of a spine of this process too."""
+    if count <= 1 and not spine:
         yield {}
         return
     with tempfile.TemporaryDirectory() as folder:
         key_file = f"{folder}/daemon.key"
         key = auth.write_key(key_file)
-        servers = [sml.sw.SwitchServer("127.0.0.1", 0, slots=1024, key=key).start() for _ in range(count)]
+        servers = [sml.sw.SwitchServer("127.0.0.1", 0, slots=1024, key=key).start() for _ in range(count + spine)]
         try:
-            yield {"switch_addr": ",".join(server.address for server in servers), "switch_key_file": key_file}
+            yield {"switch_addr": ",".join(server.address for server in servers[:count]), "switch_key_file": key_file,
+                   **({"switch_spine": servers[-1].address} if spine else {})}
         finally:
             for server in servers:
                 server.stop()
 
 
-def run(algorithm, faults, ranks, tensors, seed, packet_elems=0, omnireduce_block=256, nswitches=1):
+def run(algorithm, faults, ranks, tensors, seed, packet_elems=0, omnireduce_block=256, nswitches=1, spine=False):
     """(seconds of the slowest rank, results by rank, relay counters (summed), backend counters of rank 0)."""
-    with switches(nswitches if algorithm == "switchml" else 1) as extra:
+    switchml = algorithm == "switchml"
+    with switches(nswitches if switchml else 1, spine and switchml) as extra:
         return _run(algorithm, faults, ranks, tensors, seed, packet_elems, omnireduce_block, extra)
 
 
@@ -144,6 +149,8 @@ def counted(algorithm, relay, stats):
     if algorithm == "switchml":
         s = stats["switch"]
         seen = f"resends {stats['resends']}, late refused {s['drop_late']}, replays {s['replays']}"
+        if s.get("up_sent"):   # a two-level job: rank 0's leaf's resends of partial sums to the spine
+            seen += f", leaf resends {s['up_resends']}"
     else:
         seen = f"resends {stats['resends']}, bad_mac {stats['bad_mac']}"
     return made or "-", seen
@@ -160,11 +167,16 @@ def main(argv=None):
                         "(0: the path's)")
     parser.add_argument("--switches", type=int, default=1, help="switchml through this many switches (1: the "
                         "embedded one)")
+    parser.add_argument("--spine", action="store_true", help="the switches are leaves (2 at least) of a spine: a "
+                        "two-level job")
     args = parser.parse_args(argv)
+    if args.spine:
+        args.switches = max(2, args.switches)
     if args.quick:
         args.ranks, args.elements, args.repeat = 2, 1 << 16, 1
     rows, lines, identical = [], [], True
-    print(f"{args.ranks} ranks, {args.elements} elements per tensor, switchml through {args.switches} switch(es); "
+    through = f"{args.switches} {'leaves and a spine' if args.spine else 'switch(es)'}"
+    print(f"{args.ranks} ranks, {args.elements} elements per tensor, switchml through {through}; "
           f"faults on both directions of every link")
     print(f"{'algorithm':<11} {'fault':<24} {'seconds':>8} {'x none':>7}  {'identical':<9}  relay / job counters")
     for algorithm in ALGORITHMS:
@@ -175,7 +187,8 @@ def main(argv=None):
             for k in range(args.repeat):
                 seconds, results, relay, stats = run(algorithm, faults, args.ranks, tensors, seed=100 * k + i + 1,
                                                      packet_elems=args.packet_elems,
-                                                     omnireduce_block=args.omnireduce_block, nswitches=args.switches)
+                                                     omnireduce_block=args.omnireduce_block, nswitches=args.switches,
+                                                     spine=args.spine)
                 if reference is None:
                     reference = results[0]
                 same &= all(got.tobytes() == want.tobytes() for rank in results for got, want in zip(rank, reference))
@@ -192,7 +205,7 @@ def main(argv=None):
             lines.append(f"| {algorithm} | {name} | {seconds:.3f} | {seconds / base:.1f} | {'yes' if same else 'NO'} | "
                          f"{made} | {seen} |")
     markdown = (f"{args.ranks} ranks (threads), {args.elements:,} elements per tensor, switchml through "
-                f"{args.switches} switch(es), the daemons behind the "
+                f"{through}, the daemons behind the "
                 f"user-space fault relay (faults on both directions of every link; `make faults`). Time: the "
                 f"allreduces, slowest rank, median of {args.repeat} jobs (the relay is Python on the same 2 CPUs: "
                 f"its own delay is in every time); identical: every result of every job bit-identical to the "
@@ -201,7 +214,8 @@ def main(argv=None):
                 "|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
     common.save("faults", {"ranks": args.ranks, "elements": args.elements, "repeat": args.repeat,
                              "quick": args.quick, "packet_elems": args.packet_elems,
-                             "omnireduce_block": args.omnireduce_block, "switches": args.switches}, rows, markdown)
+                             "omnireduce_block": args.omnireduce_block, "switches": args.switches,
+                             "spine": args.spine}, rows, markdown)
     return 0 if identical else 1
 
 

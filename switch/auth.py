@@ -71,6 +71,12 @@ def job_key(daemon_key, nonce):
     return hashlib.blake2b(b"commlib job " + nonce.encode(), key=daemon_key, digest_size=JOB_KEY_BYTES).digest()
 
 
+def key_check(job_key):
+    """A public check of a job key (a leaf switch compares it with the key it derives for the spine's job,
+    switch/switchml.py): a keyed BLAKE2b of a constant, which tells nothing of the key."""
+    return hashlib.blake2b(b"commlib key check", key=job_key, digest_size=8).hexdigest()
+
+
 def stream_key(job_key, stream):
     """The data-plane key of a job's stream `stream` on one switch (one shard, switchml.py): the job key
     for stream 0, a keyed BLAKE2b of the stream's number for the others, so that streams whose packet ids

@@ -245,7 +245,7 @@ def _pipe(src, dst):
 
 def relayed(backend_cls, faults, seed=0):
     """A subclass of the switchml or omnireduce backend whose daemons (rank 0's embedded switch or the
-    configured switches, rank 0's spawned aggregators) sit behind fault relays with `faults` both ways,
+    configured switches and spine, rank 0's spawned aggregators) sit behind fault relays with `faults` both ways,
     one relay per daemon: every rank talks to the relays and registers the address the daemon sees for
     it (the relay's socket for this worker). Returns (class, the list its relays are added to; stop them
     when done). The ranks are threads of one process (they share the relays)."""
@@ -262,6 +262,12 @@ def relayed(backend_cls, faults, seed=0):
         def _switch_address(self):                     # switchml, rank 0: each switch behind its relay
             address = super()._switch_address()
             return ",".join(relay_for(a) for a in address.split(",")) if self.rank == 0 else address
+
+        def _spine_address(self):                      # switchml, rank 0: a two-level job's spine behind its relay too
+            return relay_for(super()._spine_address())
+
+        def _leaf_address(self, leaf, stream):         # switchml, rank 0: a leaf as the spine sees it (via its relay)
+            return list(by_address[self._spine.address].link(by_address[leaf.address].target))
 
         def _streams_per_switch(self):                 # switchml: a relay forwards to a switch's first port
             return 1

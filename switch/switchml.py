@@ -16,6 +16,11 @@ are under its own stream key (auth.stream_key), so two streams never share a non
      "authenticate": true, "streams": [[[ip, port], ...], ...]}
         (E values per packet: 1..MAX_ELEMS, slots * E <= MAX_POOL_VALUES; streams, optional: the ranks'
         addresses for each of up to K streams, replacing workers, which is the one-stream case)
+        optional "parent": {"address": "ip:port", "ports": [p, ...], "job": m, "rank": i, "token": t, "nonce": N,
+        "authenticated": true, "check": "..."} makes this switch a leaf of the job (switchml.h: hierarchy):
+        stream i sends its complete sets to the parent's port ports[i] as rank i of the parent's job m, MACed
+        under auth.stream_key(auth.job_key(key, N), i), so every switch of a hierarchy holds the same daemon
+        key (check: auth.key_check of the parent's job key, so a leaf with another key refuses at once)
         -> {"ok": true, "job": n, "epoch": "...", "slots": W, "expiry_s": s,
             "endpoints": [{"port": p, "slots": w}, ...]}   (job 0..255; stream i goes to shard i's port with
         w of the W slots x 2 sets; on a switch with a daemon key, the job's packets carry MACs under
@@ -303,7 +308,7 @@ class SwitchServer:
             return self.register(int(request["token"]), request.get("streams") or request["workers"],
                                  int(request.get("slots", 128)), int(request.get("elems", 256)), nonce, key, source,
                                  authenticate=request.get("authenticate", True) is not False,
-                                 streams="streams" in request)
+                                 streams="streams" in request, parent=request.get("parent"))
         if op in ("unregister", "keepalive") or (op == "counters" and request.get("job") is not None):
             job = self._job(request)
             if op == "unregister":
@@ -359,11 +364,11 @@ class SwitchServer:
         return job
 
     def register(self, token, workers, slots, elems, nonce=None, key=None, source=None, authenticate=True,
-                 streams=False):
+                 streams=False, parent=None):
         """Add a job; returns its job number and endpoints. workers[rank] = [ipv4, port], or with `streams`
         workers[stream][rank] (up to `threads` streams, each on its own shard with a share of the slots);
         key: the job key that signs its control requests and, with `authenticate`, MACs its packets
-        (None: a keyless switch)."""
+        (None: a keyless switch); parent: this switch is a leaf of the job (see the module docstring)."""
         if not 0 <= token < 2 ** 32:
             raise ConfigError(f"token {token} is not a 32-bit unsigned integer (see token32())")
         lists = workers if streams else [workers]
@@ -379,6 +384,7 @@ class SwitchServer:
                               f"are not valid, or together pass the {MAX_POOL_VALUES} values a job may hold")
         addrs = [[_ipv4_port(worker) for worker in w] for w in lists]
         shares = split(slots, len(lists))
+        up = self._parent(parent, len(lists)) if parent is not None else None
         with self._lock:
             self._admit(slots, nonce, source)
             if self._free() < slots:
@@ -400,6 +406,10 @@ class SwitchServer:
                     raise ConfigError(f"the switch could not add the job: {why}")
                 for rank, (ip, port) in enumerate(ranks):
                     lib.sml_switch_set_addr(sw, number, rank, ip, port)
+                if up is not None:
+                    ip, port, up_key = up[i]
+                    lib.sml_switch_set_parent(sw, number, ip, port, parent["job"], parent["rank"], parent["token"],
+                                              up_key, parent["rto_ms"], parent["rto_max_ms"])
             self._jobs[number] = _Job(number, token, lists, slots, elems, nonce, key, source, len(lists))
             if nonce is not None:
                 self._nonces[nonce] = number
@@ -411,6 +421,33 @@ class SwitchServer:
         return {"job": number, "epoch": self.epoch, "slots": slots, "expiry_s": self.job_expiry_s,
                 "authenticated": key is not None and authenticate,
                 "endpoints": [{"port": port, "slots": share} for port, share in zip(self.ports, shares)]}
+
+    def _parent(self, parent, nstreams):
+        """Per stream, the parent's (ipv4, port, MAC key or NULL) of a leaf registration, checked."""
+        try:
+            host, _ = parse_address(parent["address"], "parent address")
+            ports = [int(p) for p in parent["ports"]]
+            for name in ("job", "rank", "token"):
+                parent[name] = int(parent[name])
+            parent["rto_ms"] = float(parent.get("rto_ms", 5.0))
+            parent["rto_max_ms"] = float(parent.get("rto_max_ms", 200.0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"parent {str(parent)[:200]}: needs address, ports, job, rank and token ({exc})") from None
+        if len(ports) != nstreams or not 0 <= parent["job"] < MAX_JOBS or not 0 <= parent["rank"] < MAX_WORKERS or \
+                not 0 <= parent["token"] < 2 ** 32 or not 0 < parent["rto_ms"] <= parent["rto_max_ms"]:
+            raise ConfigError(f"parent {str(parent)[:200]}: one port per stream ({nstreams}), job 0..{MAX_JOBS - 1}, "
+                              f"rank 0..{MAX_WORKERS - 1}, a 32-bit token, 0 < rto_ms <= rto_max_ms")
+        job_key = None
+        if parent.get("authenticated"):
+            if self.key is None:
+                raise ConfigError("the spine's job is authenticated and this leaf switch has no key: start every "
+                                  "switch of a hierarchy with the same --key-file")
+            job_key = auth.job_key(self.key, auth.check_nonce(parent.get("nonce")))
+            if auth.key_check(job_key) != parent.get("check"):
+                raise ConfigError("this leaf switch's key is not the spine's: start every switch of a hierarchy with "
+                                  "the same --key-file")
+        return [(*_ipv4_port([host, port]), ffi.NULL if job_key is None else auth.stream_key(job_key, i))
+                for i, port in enumerate(ports)]
 
     def _free(self):
         return self.slots - sum(job.slots for job in self._jobs.values())
@@ -575,9 +612,12 @@ class SwitchClient:
             raise PeerFailure(f"the switch at {self.address} closed the connection during {op!r}")
         return control.result(control.decode(line), f"switch {self.address}: {op}")
 
-    def register(self, token, workers, slots, elems, nonce=None, authenticate=None, streams=None):
-        """streams: the ranks' addresses per stream (several streams; workers is the first's)."""
+    def register(self, token, workers, slots, elems, nonce=None, authenticate=None, streams=None, parent=None):
+        """streams: the ranks' addresses per stream (several streams; workers is the first's); parent: this
+        switch is a leaf of the job (see the module docstring)."""
         fields = {} if nonce is None else {"nonce": nonce}
+        if parent is not None:
+            fields["parent"] = parent
         if streams is not None and len(streams) > 1:
             fields["streams"] = streams
         if authenticate is not None:

@@ -77,7 +77,21 @@
  *   overtook) of a round already finished and reused: dropped (drop_late), never aggregated;
  *   i newer while the set's round is incomplete: ranks out of step, dropped (drop_malformed).
  * SwitchML's one set bit tells the current round from the previous one only; a packet delayed
- * past a whole round reached a set just reused and became its first contribution. */
+ * past a whole round reached a set just reused and became its first contribution.
+ *
+ * Hierarchy (jobs of more than SML_MAX_WORKERS ranks): a job on a leaf switch may have a parent, a
+ * spine switch on which the leaf is rank `rank` of the parent's job (sml_switch_set_parent). Once a
+ * set of the leaf is complete, its partial sum (values, max exponent, flags) goes up as that rank's
+ * DATA packet, with the round's packet id, slot and set (every leaf streams the ids its workers do),
+ * MACed under the parent job's key with the DATA nonce of the leaf's rank: a worker packet in all but
+ * its sender. The set then waits: its workers' retransmissions are dropped (drop_incomplete; never
+ * added twice), and the leaf resends the identical packet on its own timer (up_rto, doubling up to
+ * up_rto_max) until the parent's RESULT for that id comes back; it then holds the job's sum, which
+ * the leaf sends to every worker of its own job (and replays to retransmissions, as on one switch).
+ * The parent's RESULT is checked as a worker checks one (MAC under the parent key, its id the set's
+ * round), so a replayed or forged one is dropped (drop_bad_mac, drop_late). Workers quantize for the
+ * whole job's ranks (sml_worker_new's nworkers), so the two-level int32 sum cannot overflow and
+ * equals one switch's bit for bit. */
 #ifndef COMMLIB_SWITCHML_H
 #define COMMLIB_SWITCHML_H
 #include <stddef.h>
@@ -135,6 +149,9 @@ typedef struct sml_counters {
      * queue: kernel arrival -> processing starts (socket and batch); processing: until its result
      * (if it completed the slot) is queued for sending */
     uint64_t queue_ns, proc_ns;
+    /* a leaf's upward stream (0 without a parent): partial sums sent to the parent, resent on the
+     * leaf's timer, and the parent's results taken */
+    uint64_t up_sent, up_resends, up_results;
     /* concurrency (the IMC'20 study's Figure 7b; per job, 0 in slot groups): ranks_per_ms[k] = the
      * milliseconds (by packet arrival) in which the switch got accepted packets of exactly k ranks;
      * a millisecond is counted once a packet of a later one arrives */
@@ -180,6 +197,12 @@ int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, ui
 /* Address of a rank (IPv4 address and port in host order). */
 int sml_switch_set_addr(sml_switch *sw, int job, int rank, uint32_t ipv4, uint16_t port);
 int sml_switch_remove_job(sml_switch *sw, int job);
+/* Make job `job` a leaf: its complete sets go to the parent switch at ipv4:port (host order) as rank
+ * `rank` of the parent's job `parent_job` with `token` (the parent's token check), MACed under key (the
+ * parent job's stream key, SML_KEY_LEN bytes, or NULL when the parent's job has none); resent after
+ * rto_ms, doubling up to rto_max_ms. Before the job's first packet. 0, or -1 for a bad argument. */
+int sml_switch_set_parent(sml_switch *sw, int job, uint32_t ipv4, uint16_t port, int parent_job, int rank,
+                          uint32_t token, const uint8_t *key, double rto_ms, double rto_max_ms);
 uint32_t sml_switch_free_slots(sml_switch *sw);
 /* Drop simulator: probabilities of dropping a packet on ingress / a result on egress, and of
  * duplicating a packet (on ingress and on egress). */

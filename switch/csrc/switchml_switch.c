@@ -6,7 +6,9 @@
  * wait for one batch; it never holds it while waiting for packets (poll, recvmmsg). A control
  * call holds it only to copy: a job's memory is allocated before and freed after, so the data
  * plane never waits for an allocator. A switch of several threads is several sml_switch, one
- * per thread and socket, sharing nothing (switch/switchml.py): no lock is shared between them. */
+ * per thread and socket, sharing nothing (switch/switchml.py): no lock is shared between them.
+ * A leaf job (switchml.h: hierarchy) also sends its complete sets to its parent from this socket,
+ * takes the parent's results on it and resends on the timers of its waiting sets (next_up). */
 #define _GNU_SOURCE
 #include "switchml.h"
 #include "switchml_common.h"
@@ -34,7 +36,21 @@ typedef struct {
     uint8_t size;        /* size code of the contributions */
     uint8_t nf;          /* the nonfinite region holds flags */
     uint32_t queue_ns, proc_ns;   /* the round's share of the switch, summed over its contributions (the stamp) */
+    uint8_t up;          /* a leaf's set: UP_WAIT from completion until the parent's result (switchml.h) */
+    uint64_t up_deadline, up_rto;   /* its resend time and timer, ns */
 } slot_set;
+
+#define UP_WAIT 1
+
+/* A leaf job's parent (switchml.h: hierarchy). */
+typedef struct {
+    int active;
+    struct sockaddr_in addr;
+    uint8_t job, rank;
+    uint32_t token;
+    tp_mac *mac;         /* under the parent job's key; NULL: its packets carry no MAC */
+    uint64_t rto, rto_max;
+} parent_t;
 
 typedef struct {
     int active;
@@ -52,6 +68,7 @@ typedef struct {
     sml_counters c;
     sml_counters *groups;
     uint64_t ms_now, ms_ranks;   /* the millisecond of the last accepted packet, the ranks seen in it */
+    parent_t up;
 } job_t;
 
 struct sml_switch {
@@ -67,6 +84,7 @@ struct sml_switch {
     tp_txq tx;
     uint8_t *arena;      /* ARENA bytes of result packets, referenced by tx until it is flushed */
     size_t arena_used;
+    uint64_t next_up;    /* no later than the earliest resend time of a leaf's waiting set, ns */
 };
 
 uint32_t sml_id_mask = UINT32_MAX;
@@ -91,12 +109,14 @@ sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int
     sw->max_slots = max_slots;
     sw->group_slots = group_slots ? group_slots : 64;
     sw->rng = 0x9e3779b97f4a7c15ull;
+    sw->next_up = UINT64_MAX;
     pthread_mutex_init(&sw->mu, NULL);
     return sw;
 }
 
 static void job_release(job_t *j) {
     tp_mac_free(j->mac);
+    tp_mac_free(j->up.mac);
     free(j->sets);
     free(j->values);
     free(j->nfreg);
@@ -168,6 +188,36 @@ int sml_switch_set_addr(sml_switch *sw, int job, int rank, uint32_t ipv4, uint16
         rc = 0;
     }
     pthread_mutex_unlock(&sw->mu);
+    return rc;
+}
+
+int sml_switch_set_parent(sml_switch *sw, int job, uint32_t ipv4, uint16_t port, int parent_job, int rank,
+                          uint32_t token, const uint8_t *key, double rto_ms, double rto_max_ms) {
+    if (job < 0 || job >= SML_MAX_JOBS || parent_job < 0 || parent_job >= SML_MAX_JOBS || rank < 0 ||
+        rank >= SML_MAX_WORKERS || !(rto_ms > 0) || rto_max_ms < rto_ms)
+        return -1;
+    tp_mac *mac = key ? tp_mac_new(key, SML_MAC_LABEL) : NULL;
+    if (key && !mac) return -1;
+    int rc = -1;
+    pthread_mutex_lock(&sw->mu);
+    job_t *j = &sw->jobs[job];
+    if (j->active && !j->up.active) {
+        parent_t *up = &j->up;
+        up->addr.sin_family = AF_INET;
+        up->addr.sin_addr.s_addr = htonl(ipv4);
+        up->addr.sin_port = htons(port);
+        up->job = (uint8_t)parent_job;
+        up->rank = (uint8_t)rank;
+        up->token = token;
+        up->mac = mac;
+        up->rto = (uint64_t)(rto_ms * 1e6);
+        up->rto_max = (uint64_t)(rto_max_ms * 1e6);
+        up->active = 1;
+        mac = NULL;
+        rc = 0;
+    }
+    pthread_mutex_unlock(&sw->mu);
+    tp_mac_free(mac);
     return rc;
 }
 
@@ -270,6 +320,46 @@ static void emit(sml_switch *sw, uint8_t *buf, size_t len, const struct sockaddr
     for (int k = 0; k < copies; k++) tp_txq_add(&sw->tx, to, NULL, 0, buf, (uint32_t)len);
 }
 
+/* A sealed header (switchml.h) of a packet about (slot, set)'s round. */
+static void header(uint8_t *h, uint8_t type, uint8_t flags, uint8_t job, uint8_t rank, const slot_set *s,
+                   uint32_t slot, uint32_t set, uint32_t token) {
+    h[0] = type;
+    h[1] = flags;
+    h[2] = job;
+    h[3] = rank;
+    tp_wr32(h + 4, sml_id_wire(s->pkt_id));
+    tp_wr16(h + 8, (uint16_t)(slot | set << 15));
+    h[10] = (uint8_t)s->exp;
+    h[11] = 0;
+    tp_wr32(h + 12, token);
+    sml_seal(h);
+}
+
+/* A leaf's complete set goes up: the parent's DATA packet of rank up.rank, rebuilt from the set's state,
+ * which does not change while it waits, so a resend is the identical packet (one nonce, one message). */
+static void send_up(sml_switch *sw, job_t *j, const slot_set *s, uint32_t slot, uint32_t set) {
+    const parent_t *up = &j->up;
+    uint32_t elems = sml_size_elems(s->size, j->elems);
+    size_t idx = (size_t)slot * 2 + set;
+    uint8_t *p = take_buffer(sw, sml_pkt_max(j->elems));
+    header(p, SML_DATA, (uint8_t)(s->size | (s->nf ? SML_F_NONFINITE : 0) | (up->mac ? SML_F_MAC : 0)), up->job,
+           up->rank, s, slot, set, up->token);
+    cl_be_store(p + SML_HDR_LEN, j->values + idx * j->elems, elems);
+    size_t len = SML_HDR_LEN + 4 * (size_t)elems;
+    if (s->nf) {
+        memcpy(p + len, j->nfreg + idx * j->elems, elems);
+        len += elems;
+    }
+    if (up->mac) {
+        uint8_t nonce[TP_NONCE_LEN];
+        sml_nonce(nonce, SML_DATA, up->rank, s->pkt_id);
+        sml_sign(up->mac, p, len, s->pkt_id, nonce);
+        len += SML_MAC_LEN;
+    }
+    j->c.up_sent++;
+    emit(sw, p, len, &up->addr, &j->c, &j->groups[slot / sw->group_slots]);
+}
+
 /* The result of (slot, set) in answer to the packet `in`, in a fresh buffer; returns its length. */
 static size_t build_result(job_t *j, const slot_set *s, const int32_t *vals, const uint8_t *nfr,
                            const uint8_t *in, uint8_t *p) {
@@ -303,6 +393,98 @@ static size_t build_result(job_t *j, const slot_set *s, const int32_t *vals, con
     return len;
 }
 
+/* A complete set's result to every worker of the job (software multicast), in answer to `in`. */
+static void multicast(sml_switch *sw, job_t *j, const slot_set *s, const int32_t *vals, const uint8_t *nfr,
+                      const uint8_t *in, sml_counters *gc) {
+    uint8_t *out = take_buffer(sw, sml_pkt_max(j->elems));
+    size_t rlen = build_result(j, s, vals, nfr, in, out);
+    for (int r = 0; r < j->nworkers; r++) {
+        j->c.results++;
+        gc->results++;
+        emit(sw, out, rlen, &j->addrs[r], &j->c, gc);
+    }
+}
+
+/* A RESULT from a leaf job's parent: checked as a worker checks one (switchml.h), it completes the
+ * waiting set with the job's sum, which goes to the leaf's workers. */
+static void from_parent(sml_switch *sw, const uint8_t *p, size_t len, const struct sockaddr_in *from) {
+    job_t *j = NULL;
+    for (int k = 0; k < SML_MAX_JOBS && !j; k++) {
+        job_t *c = &sw->jobs[k];
+        if (c->active && c->up.active && c->up.job == p[2] && c->up.addr.sin_addr.s_addr == from->sin_addr.s_addr &&
+            c->up.addr.sin_port == from->sin_port)
+            j = c;
+    }
+    if (!j) { sw->g.drop_type++; return; }
+    const parent_t *up = &j->up;
+    unsigned flags = p[1], code = flags & SML_F_SIZE;
+    uint32_t elems = sml_size_elems(code, j->elems);
+    size_t body = SML_HDR_LEN + 4 * (size_t)elems + ((flags & SML_F_NONFINITE) ? elems : 0) + SML_STAMP_LEN;
+    uint16_t pool = tp_rd16(p + 8);
+    uint32_t slot = pool & 0x7fffu, set = pool >> 15;
+    sml_counters *gc = &j->groups[(slot < j->nslots ? slot : 0) / sw->group_slots];
+    if (!(flags & SML_F_STAMP) || len != body + (up->mac ? SML_SEQ_LEN + SML_MAC_LEN : 0) || (elems && elems != j->elems)) {
+        j->c.drop_malformed++;
+        gc->drop_malformed++;
+        return;
+    }
+    uint64_t id = sml_id_near(tp_rd32(p + 4), j->newest);   /* the MAC covers all 64 bits */
+    if (up->mac) {
+        uint8_t nonce[TP_NONCE_LEN];
+        sml_nonce(nonce, SML_RESULT, 0, (uint64_t)tp_rd32(p + body) << 32 | tp_rd32(p + body + 4));
+        if (!(flags & SML_F_MAC) || !sml_signed(up->mac, p, body + SML_SEQ_LEN, id, nonce)) {
+            j->c.drop_bad_mac++;
+            gc->drop_bad_mac++;
+            return;
+        }
+    }
+    /* no rank check: a multicast result names the rank that completed the round, not this leaf */
+    if (tp_rd32(p + 12) != up->token) { j->c.drop_token++; gc->drop_token++; return; }
+    if (slot >= j->nslots) { j->c.drop_malformed++; gc->drop_malformed++; return; }
+    if (sw->p_in > 0 && rnd(sw) < sw->p_in) { j->c.drop_sim_ingress++; gc->drop_sim_ingress++; return; }
+    size_t idx = (size_t)slot * 2 + set;
+    slot_set *s = &j->sets[idx];
+    if (s->up != UP_WAIT || s->pkt_id != id || code != s->size) {   /* a duplicate, or of a round gone */
+        j->c.drop_late++;
+        gc->drop_late++;
+        return;
+    }
+    int32_t *vals = j->values + idx * j->elems;
+    uint8_t *nfr = j->nfreg + idx * j->elems;
+    cl_be_load(vals, p + SML_HDR_LEN, elems);
+    s->exp = (int8_t)p[10];
+    s->nf = (flags & SML_F_NONFINITE) != 0;
+    if (s->nf) memcpy(nfr, p + SML_HDR_LEN + 4 * (size_t)elems, elems);
+    s->queue_ns = tp_add_sat32(s->queue_ns, tp_rd32(p + body - SML_STAMP_LEN));   /* the parent's share too */
+    s->proc_ns = tp_add_sat32(s->proc_ns, tp_rd32(p + body - 4));
+    s->up = 0;
+    j->c.up_results++;
+    uint8_t in[SML_HDR_LEN];   /* what the leaf's result echoes: its own job, token and round */
+    header(in, SML_DATA, 0, (uint8_t)(j - sw->jobs), 0, s, slot, set, j->token);
+    multicast(sw, j, s, vals, nfr, in, gc);
+}
+
+/* Resend the partial sums whose parent's result is overdue (identical packets), each on a doubled timer. */
+static void resend_up(sml_switch *sw, uint64_t now) {
+    uint64_t next = UINT64_MAX;
+    for (int k = 0; k < SML_MAX_JOBS; k++) {
+        job_t *j = &sw->jobs[k];
+        if (!j->active || !j->up.active) continue;
+        for (uint32_t i = 0; i < 2 * j->nslots; i++) {
+            slot_set *s = &j->sets[i];
+            if (s->up != UP_WAIT) continue;
+            if (s->up_deadline <= now) {
+                s->up_rto = s->up_rto * 2 < j->up.rto_max ? s->up_rto * 2 : j->up.rto_max;
+                s->up_deadline = now + s->up_rto;
+                j->c.up_resends++;
+                send_up(sw, j, s, i / 2, i % 2);
+            }
+            if (s->up_deadline < next) next = s->up_deadline;
+        }
+    }
+    sw->next_up = next;
+}
+
 static void nack(sml_switch *sw, const uint8_t *in, const struct sockaddr_in *from) {
     static sml_counters sink_j, sink_g;  /* NACKs belong to no job; the simulator still applies */
     uint8_t *p = take_buffer(sw, SML_HDR_LEN);
@@ -322,6 +504,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
     sml_global *g = &sw->g;
     if (len < SML_HDR_LEN) { g->drop_short++; return; }
     if (!sml_sealed(p)) { g->drop_checksum++; return; }
+    if (p[0] == SML_RESULT) { from_parent(sw, p, len, from); return; }
     if (p[0] != SML_DATA) { g->drop_type++; return; }
     unsigned flags = p[1], code = flags & SML_F_SIZE;
     int has_nf = (flags & SML_F_NONFINITE) != 0, has_mac = (flags & SML_F_MAC) != 0;
@@ -385,7 +568,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
      * only two rounds apart; a packet delayed past a whole round needs more) */
     int64_t age = (int64_t)(pkt_id - s->pkt_id);
     int fresh, first;
-    if (before == 0 || (age > 0 && s->countdown == 0)) {
+    if (before == 0 || (age > 0 && s->countdown == 0 && s->up != UP_WAIT)) {
         fresh = first = 1;              /* the set's first use, or the next round once it is done */
     } else if (age == 0) {
         fresh = !(before & bit);
@@ -418,6 +601,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
             if (has_nf) memcpy(nfr, pl + 4 * elems, elems);
             s->countdown = (uint32_t)j->nworkers - 1;
             s->queue_ns = s->proc_ns = 0;
+            s->up = 0;
         } else {  /* later contribution: int32 sum (wrapping), max exponent, OR of the flags */
             cl_be_add(vals, pl, elems);
             if (exp > s->exp) s->exp = exp;
@@ -433,16 +617,16 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
         gc->aggregated++;
         s->queue_ns = tp_add_sat32(s->queue_ns, queue_ns);
         s->proc_ns = tp_add_sat32(s->proc_ns, tp_now_ns() - t_in);
-        if (s->countdown == 0) {  /* complete: "multicast" to every worker of the job */
-            uint8_t *out = take_buffer(sw, sml_pkt_max(j->elems));
-            size_t rlen = build_result(j, s, vals, nfr, p, out);
-            for (int r = 0; r < j->nworkers; r++) {
-                j->c.results++;
-                gc->results++;
-                emit(sw, out, rlen, &j->addrs[r], &j->c, gc);
-            }
+        if (s->countdown == 0 && j->up.active) {   /* a leaf's partial sum: up to the parent, then wait */
+            s->up = UP_WAIT;
+            s->up_rto = j->up.rto;
+            s->up_deadline = t_in + s->up_rto;
+            if (s->up_deadline < sw->next_up) sw->next_up = s->up_deadline;
+            send_up(sw, j, s, slot, set);
+        } else if (s->countdown == 0) {
+            multicast(sw, j, s, vals, nfr, p, gc);
         }
-    } else if (s->countdown == 0) {  /* retransmission to a complete slot: unicast replay */
+    } else if (s->countdown == 0 && s->up != UP_WAIT) {  /* retransmission to a complete slot: unicast replay */
         uint8_t *out = take_buffer(sw, sml_pkt_max(j->elems));
         size_t rlen = build_result(j, s, vals, nfr, p, out);
         j->c.replays++;
@@ -478,15 +662,24 @@ static long serve(sml_switch *sw, int max_ms) {
             return n;
         }
         if (n == 0 && sw->rx.nmsg == 0) {
+            if (t0 >= sw->next_up) {   /* a leaf's partial sums whose parent's result is overdue */
+                pthread_mutex_lock(&sw->mu);
+                resend_up(sw, t0);
+                tp_txq_flush(&sw->tx);
+                sw->arena_used = 0;
+                pthread_mutex_unlock(&sw->mu);
+                continue;
+            }
             if (t0 >= deadline) return handled;
+            uint64_t until = deadline < sw->next_up ? deadline : sw->next_up;
             struct pollfd pfd = {.fd = sw->fd, .events = POLLIN};
-            int r = poll(&pfd, 1, (int)((deadline - t0 + 999999) / 1000000));
+            int r = poll(&pfd, 1, (int)((until - t0 + 999999) / 1000000));
             uint64_t t1 = tp_now_ns();
             pthread_mutex_lock(&sw->mu);
             sw->g.idle_ns += t1 - t0;
             pthread_mutex_unlock(&sw->mu);
             if (r < 0 && errno != EINTR) return -errno;
-            if (r <= 0) return handled;  /* timeout (or a signal): let the caller look around */
+            if (r <= 0 && t1 < sw->next_up) return handled;  /* timeout (or a signal): let the caller look around */
             continue;
         }
         pthread_mutex_lock(&sw->mu);
@@ -517,6 +710,7 @@ static long serve(sml_switch *sw, int max_ms) {
                 process(sw, buf, l, from, 0, tp_now_ns());
             }
         }
+        if (tp_now_ns() >= sw->next_up) resend_up(sw, tp_now_ns());
         tp_txq_flush(&sw->tx);
         sw->arena_used = 0;
         sw->g.pkts_sent = sw->tx.pkts_sent;

@@ -3,6 +3,8 @@
   switch_control      SwitchServer.handle behind control.answer (the switch's TCP control port)
   aggregator_control  Aggregator.handle behind control.answer (an aggregator's control datagrams)
   switch_packets      the switch's C packet handler (sml_switch_run on a loopback socket)
+  switch_leaf_packets the same for a leaf switch: its workers' packets and its parent's results (switchml.h:
+                      hierarchy), with its upward resend timers firing
   aggregator_packets  the aggregator's C packet handler (omr_agg_run on a loopback socket)
 
 Each takes the fuzzer's bytes and fails (an exception: atheris reports it as a crash, with the
@@ -208,6 +210,75 @@ def _omr_mac(rig, header, payload):
     return counter + bytes(tag)
 
 
+class _LeafRig:
+    """A C switch whose job 0 (2 ranks, 4 slots of 64 values) is a leaf: rank 1 of job 7 of a parent at a
+    third loopback socket, whose results the fuzzer sends."""
+    PARENT_JOB = 7
+
+    def __init__(self):
+        self.sock, *self.ranks, self.parent = _loopback(4)
+        self.sw = lib.sml_switch_new(self.sock.fileno(), 1024, 64, 0)
+        self.mac = lib.tp_mac_new(JOB_KEY, b"commlib switchml packets")
+        ip = struct.unpack("!I", socket.inet_aton("127.0.0.1"))[0]
+        assert lib.sml_switch_add_job(self.sw, 0, TOKEN, 2, 4, 64, JOB_KEY) == 0
+        for rank, s in enumerate(self.ranks):
+            lib.sml_switch_set_addr(self.sw, 0, rank, ip, s.getsockname()[1])
+        assert lib.sml_switch_set_parent(self.sw, 0, ip, self.parent.getsockname()[1], self.PARENT_JOB, 1, TOKEN,
+                                         JOB_KEY, 1.0, 4.0) == 0
+        self.address = self.sock.getsockname()
+        self.seq = 0
+
+
+_leaf_rig = None
+
+
+def _parent_result(fdp, rig):
+    """A RESULT of the parent's job for one of the leaf's sets: fuzzed fields, the payload its size code asks
+    for, the stamp, and mostly the seq and a valid MAC (switchml.h)."""
+    size_code = fdp.PickValueInList([0, 0, 0, 1, 3, 2])
+    flags = size_code | lib.SML_F_STAMP | lib.SML_F_MAC | (lib.SML_F_NONFINITE if fdp.ConsumeIntInRange(0, 3) == 0 else 0)
+    packet_id = fdp.ConsumeIntInRange(0, 12)
+    slot = packet_id % 4 if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 70)
+    job = rig.PARENT_JOB if fdp.ConsumeIntInRange(0, 7) else fdp.ConsumeIntInRange(0, 255)
+    header = sw.pack_header(lib.SML_RESULT, flags, job, fdp.ConsumeIntInRange(0, 2), packet_id,
+                            slot | fdp.ConsumeIntInRange(0, 1) << 15, fdp.ConsumeIntInRange(-128, 127), TOKEN)
+    elems = {0: 0, 1: 64, 2: 256, 3: 64}[size_code]
+    extra = fdp.ConsumeIntInRange(-2, 2) if fdp.ConsumeIntInRange(0, 7) == 0 else 0
+    body = header + fdp.ConsumeBytes(max(0, elems * (5 if flags & lib.SML_F_NONFINITE else 4) + extra)) + \
+        fdp.ConsumeBytes(lib.SML_STAMP_LEN)
+    rig.seq += 1
+    body += rig.seq.to_bytes(8, "big")
+    if not fdp.ConsumeIntInRange(0, 7):
+        return body + fdp.ConsumeBytes(16)
+    tag, full = ffi.new("uint8_t[16]"), packet_id.to_bytes(8, "big")
+    lib.tp_mac_tag(rig.mac, bytes([lib.SML_RESULT, 0, 0, 0]) + rig.seq.to_bytes(8, "big"), full, 8, body, len(body), tag)
+    return body + bytes(tag)
+
+
+def switch_leaf_packets(data):
+    global _leaf_rig, _switch_rig
+    _leaf_rig = _leaf_rig or _LeafRig()
+    _switch_rig = _switch_rig or _leaf_rig   # _switch_packet's MACs: the same job key
+    fdp = atheris.FuzzedDataProvider(data)
+    for _ in range(fdp.ConsumeIntInRange(1, 8)):             # workers complete sets, the parent answers them
+        what = fdp.ConsumeIntInRange(0, 4)
+        if what <= 1:    # both ranks' exponent of packet p: its set completes and goes up
+            p = fdp.ConsumeIntInRange(0, 12)
+            for rank, sock in enumerate(_leaf_rig.ranks):
+                header = sw.pack_header(lib.SML_DATA, lib.SML_F_MAC, 0, rank, p, p % 4 | (p // 4 % 2) << 15,
+                                        fdp.ConsumeIntInRange(-128, 127), TOKEN)
+                sock.sendto(header + _sml_mac(rank, p, header), _leaf_rig.address)
+        elif what == 2:
+            _leaf_rig.parent.sendto(_parent_result(fdp, _leaf_rig), _leaf_rig.address)
+        elif what == 3:
+            rank = fdp.ConsumeIntInRange(0, 1)
+            _leaf_rig.ranks[rank].sendto(_switch_packet(fdp, rank), _leaf_rig.address)
+        else:
+            _leaf_rig.parent.sendto(fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 400)), _leaf_rig.address)
+    assert lib.sml_switch_run(_leaf_rig.sw, fdp.ConsumeIntInRange(0, 2)) >= 0   # 1-2 ms: resend timers fire
+    _drain(_leaf_rig.ranks + [_leaf_rig.parent])
+
+
 def switch_packets(data):
     global _switch_rig
     _switch_rig = _switch_rig or _SwitchRig()
@@ -289,5 +360,6 @@ def asan_selftest(data):
     lib.tp_checksum(ffi.new("uint8_t[]", 4), 68)
 
 
-TARGETS = {f.__name__: f for f in (switch_control, aggregator_control, switch_packets, aggregator_packets)}
+TARGETS = {f.__name__: f for f in (switch_control, aggregator_control, switch_packets, switch_leaf_packets,
+                                   aggregator_packets)}
 SELFTESTS = {"asan_selftest": asan_selftest}

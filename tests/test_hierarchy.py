@@ -1,0 +1,374 @@
+"""Two-level switchml aggregation (switch/csrc/switchml.h: hierarchy): jobs of more than 64 ranks stream
+to leaf switches, whose complete partial sums go to a spine switch as one contribution each and whose
+results come back down.
+
+The large jobs run as worker processes (tests/hierarchy_worker.py) that drive the C worker data path
+directly, several ranks per process as threads, numpy only, so 96 ranks fit a 2-core machine; the
+switches are SwitchServers of this process, registered here (the registration the backend does is
+tested through the backend with a few ranks). Every float result is checked bit for bit against numpy's
+sum of the quantized values (the workers' own kernels, the scale of the whole job's ranks)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import commlib.backends.switchml as sml
+from commlib import kernels
+from commlib.errors import ConfigError, PeerFailure
+from commlib.settings import Settings
+from commlib.switch import auth, control
+from commlib.switch import switchml as sw
+from commlib.switch.relay import FaultRelay, Faults
+from commlib.testing import LocalGroup
+
+from hierarchy_worker import TOKEN, tensor
+from test_fuzz import fuzz
+
+if sw.lib is None:   # not built: a failure of the suite, never a quiet skip
+    raise ImportError(sw.IMPORT_ERROR)
+
+pytestmark = pytest.mark.timeout(180)
+
+HELPER = str(Path(__file__).with_name("hierarchy_worker.py"))
+KEY = auth.new_key()     # the daemon key of every switch of these trees
+WINDOW, ELEMS = 4, 256
+TENSORS = [("float", 3000, 1), ("int", 700, 2), ("float", 1, 3), ("float", 1500, 4)]
+
+
+def switches(count, **kw):
+    return [sw.SwitchServer("127.0.0.1", 0, slots=64, key=KEY, **kw).start() for _ in range(count)]
+
+
+def stop(servers):
+    for server in servers:
+        server.stop()
+
+
+def register(leaves, leaf_of, addrs, spine=None, up_relay=None):
+    """One job: rank r on leaves[leaf_of[r]], seen there at addrs[r]; with `spine` the leaves' parent (behind
+    up_relay if given). Returns per rank (job number, its rank on its switch, its key in hex)."""
+    parent = None
+    if spine is not None:
+        nonce = auth.new_nonce()
+        key = auth.job_key(KEY, nonce)
+        seen = [("127.0.0.1", leaf.port) for leaf in leaves]
+        if up_relay is not None:
+            seen = [up_relay.link(a) for a in seen]
+        reply = spine.register(TOKEN, [list(a) for a in seen], WINDOW, ELEMS, nonce, key)
+        host, port = up_relay.address if up_relay is not None else ("127.0.0.1", spine.port)
+        parent = {"address": f"{host}:{port}", "ports": [port], "job": reply["job"], "token": TOKEN, "nonce": nonce,
+                  "authenticated": True, "check": auth.key_check(key), "rto_ms": 2.0, "rto_max_ms": 50.0}
+    out = [None] * len(leaf_of)
+    for j, leaf in enumerate(leaves):
+        ranks = [r for r in range(len(leaf_of)) if leaf_of[r] == j]
+        nonce = auth.new_nonce()
+        key = auth.job_key(KEY, nonce)
+        reply = leaf.register(TOKEN, [list(addrs[r]) for r in ranks], WINDOW, ELEMS, nonce, key,
+                              parent=None if parent is None else dict(parent, rank=j))
+        for local, r in enumerate(ranks):
+            out[r] = (reply["job"], local, key.hex())
+    return out
+
+
+def run_ranks(connect, setup, procs=8, timeout_ms=30000):
+    """Rank r streams to connect[r] (host, port); setup(addrs) registers the job and returns register()'s
+    list. Returns each rank's outputs (a list per rank) and return codes."""
+    n = len(connect)
+    tmp = tempfile.mkdtemp(prefix="commlib-hier-")
+    children = []
+    try:
+        for c, ranks in enumerate(np.array_split(np.arange(n), procs)):
+            ranks = [int(r) for r in ranks]
+            child = subprocess.Popen([sys.executable, HELPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+            spec = {"connect": [list(connect[r]) for r in ranks], "ranks": ranks, "n": n, "window": WINDOW,
+                    "elems": ELEMS, "tensors": TENSORS, "timeout_ms": timeout_ms, "rto_ms": 2.0,
+                    "out": os.path.join(tmp, f"{c}.npz")}
+            child.stdin.write(json.dumps(spec) + "\n")
+            child.stdin.flush()
+            children.append((child, ranks, spec["out"]))
+        addrs = [None] * n
+        for child, ranks, _ in children:
+            for r, a in zip(ranks, json.loads(child.stdout.readline())["addrs"]):
+                addrs[r] = tuple(a)
+        regs = setup(addrs)
+        for child, ranks, _ in children:
+            child.stdin.write(json.dumps({"jobs": [regs[r][0] for r in ranks], "locals": [regs[r][1] for r in ranks],
+                                          "keys": [regs[r][2] for r in ranks]}) + "\n")
+            child.stdin.flush()
+        outs, codes = {}, {}
+        for child, ranks, path in children:
+            assert json.loads(child.stdout.readline()) == {"done": True}, f"worker process of ranks {ranks} failed"
+            child.wait(30)
+            with np.load(path) as data:
+                for r in ranks:
+                    codes[r] = list(data[f"rc_{r}"])
+                    outs[r] = [data[f"r{r}_{t}"] for t in range(len(codes[r]))]
+        return outs, codes
+    finally:
+        for child, _, _ in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def expected(kind, size, seed, n):
+    """numpy's sum of every rank's quantized blocks (the workers' kernel, the job's scale), dequantized."""
+    xs = [tensor(kind, size, seed, r) for r in range(n)]
+    if kind == "int":
+        total = np.sum(np.stack(xs).astype(np.int64), axis=0) % 2 ** 32
+        return np.where(total >= 2 ** 31, total - 2 ** 32, total).astype(np.int32)
+    exps = np.max([kernels.block_exponents(x, ELEMS)[0] for x in xs], axis=0)
+    out = np.empty(size, np.float32)
+    ffi, lib = sw.ffi, sw.lib
+    for b, e in enumerate(exps):
+        lo, hi = b * ELEMS, min(size, (b + 1) * ELEMS)
+        total = np.zeros(hi - lo, np.int64)
+        for x in xs:
+            be = ffi.new("uint8_t[]", 4 * (hi - lo))
+            lib.cl_quantize_be(ffi.cast("float *", ffi.from_buffer(x[lo:hi])), hi - lo, int(e), n, be)
+            total += np.frombuffer(ffi.buffer(be), ">i4")
+        assert np.all(np.abs(total) <= 2 ** 31 - 1), "the n-way sum of values quantized for n ranks overflowed"
+        summed = total.astype(">i4").tobytes()   # held: a cast keeps no reference to its buffer
+        lib.cl_dequantize_be(ffi.cast("uint8_t *", ffi.from_buffer(summed)), hi - lo, int(e), n,
+                             ffi.cast("float *", ffi.from_buffer(out[lo:hi])))
+    return out
+
+
+def assert_exact(outs, codes, n):
+    for t, (kind, size, seed) in enumerate(TENSORS):
+        want = expected(kind, size, seed, n)
+        for r in range(n):
+            assert codes[r][t] >= 0, f"rank {r}, tensor {t}: error code {codes[r][t]}"
+            got = outs[r][t]
+            assert got.tobytes() == want.tobytes(), (
+                f"rank {r}, tensor {t} ({kind} of {size}): {np.count_nonzero(got != want)} values differ from numpy's "
+                f"sum of the quantized values, first at {np.flatnonzero(got != want)[:5]}")
+
+
+def loopback(servers):
+    return [("127.0.0.1", s.port) for s in servers]
+
+
+def test_96_ranks_through_two_leaves_and_a_spine_are_exact():
+    *leaves, spine = switches(3)
+    try:
+        n, leaf_of = 96, [r // 48 for r in range(96)]
+        outs, codes = run_ranks([loopback(leaves)[leaf_of[r]] for r in range(n)],
+                                lambda addrs: register(leaves, leaf_of, addrs, spine))
+        assert_exact(outs, codes, n)
+        for leaf in leaves:
+            (c,) = leaf.counters()["jobs"].values()
+            assert c["up_sent"] >= c["up_results"] > 0 and c["up_results"] * 48 == c["aggregated"], c
+            # every result the spine multicast was taken (it names the leaf whose packet completed the round)
+            assert c["drop_token"] == c["drop_bad_mac"] == c["drop_malformed"] == 0, c
+        (c,) = spine.counters()["jobs"].values()
+        assert c["aggregated"] == 2 * leaves[0].counters()["jobs"].popitem()[1]["up_results"], c
+    finally:
+        stop(leaves + [spine])
+
+
+def test_a_two_level_job_gives_one_switchs_bits():
+    """48 ranks through one switch, and through 2 leaves of 24 and a spine: the same bits, numpy's."""
+    n = 48
+    (one,) = switches(1)
+    try:
+        flat = run_ranks(loopback([one]) * n, lambda addrs: register([one], [0] * n, addrs), procs=4)
+    finally:
+        stop([one])
+    *leaves, spine = switches(3)
+    try:
+        leaf_of = [r % 2 for r in range(n)]     # interleaved: a placement is any split
+        tree = run_ranks([loopback(leaves)[leaf_of[r]] for r in range(n)],
+                         lambda addrs: register(leaves, leaf_of, addrs, spine), procs=4)
+    finally:
+        stop(leaves + [spine])
+    assert_exact(*flat, n)
+    for r in range(n):
+        for t in range(len(TENSORS)):
+            assert tree[0][r][t].tobytes() == flat[0][r][t].tobytes(), f"rank {r}, tensor {t}: the two levels differ"
+
+
+def test_loss_duplication_and_reordering_at_both_levels_stay_exact():
+    """Relays on every worker-leaf link and on both leaf-spine links: 5% loss, 5% duplication, 25%
+    reordering each way. Both levels recover (the leaves resend upward on their own timers) and the sums
+    stay numpy's bit for bit."""
+    faults = Faults(loss=0.05, duplicate=0.05, reorder=0.25, reorder_ms=3.0)
+    *leaves, spine = switches(3)
+    relays = [FaultRelay(("127.0.0.1", s.port), up=faults, down=faults, seed=i).start()
+              for i, s in enumerate(leaves + [spine])]
+    try:
+        n, leaf_of = 16, [r // 8 for r in range(16)]
+        outs, codes = run_ranks([relays[leaf_of[r]].address for r in range(n)],
+                                lambda addrs: register(leaves, leaf_of, [relays[leaf_of[r]].link(a) for r, a in
+                                                                         enumerate(addrs)], spine, relays[2]), procs=2)
+        assert_exact(outs, codes, n)
+        up = relays[2].counters
+        assert up["up"]["lost"] and up["down"]["lost"] and up["up"]["duplicated"], up
+        resent = sum(c["up_resends"] for leaf in leaves for c in leaf.counters()["jobs"].values())
+        assert resent > 0, "no leaf resent a partial sum, though the relay lost some of them or their results"
+        (c,) = spine.counters()["jobs"].values()
+        assert c["replays"] > 0, c   # a leaf whose result was lost got it again from the spine's shadow copy
+    finally:
+        stop(relays + leaves + [spine])
+
+
+def test_the_leaf_takes_only_its_parents_authentic_current_results():
+    """An observer of the leaf-spine link replays every result of the spine to the leaf later, and sends a
+    copy with one payload bit flipped: the leaf drops them (an old round, a bad MAC), the sums stay exact."""
+    *leaves, spine = switches(3)
+    relay = FaultRelay(("127.0.0.1", spine.port)).start()
+    seen = []
+
+    def tap(direction, data, worker):
+        if direction == "down" and data[0] == sw.lib.SML_RESULT:
+            seen.append((bytes(data), worker))
+            forged = bytearray(data)
+            forged[sw.HDR_LEN] ^= 1
+            relay.inject(bytes(forged), to_worker=worker)
+            if len(seen) > 2:
+                relay.inject(*seen[-3])   # a result two rounds old, authentic
+    relay.tap = tap
+    try:
+        n, leaf_of = 8, [r // 4 for r in range(8)]
+        outs, codes = run_ranks([loopback(leaves)[leaf_of[r]] for r in range(n)],
+                                lambda addrs: register(leaves, leaf_of, addrs, spine, relay), procs=2)
+        assert_exact(outs, codes, n)
+        totals = sw.summed(c for leaf in leaves for c in leaf.counters()["jobs"].values())
+        assert totals["drop_bad_mac"] > 0 and totals["drop_late"] > 0, totals
+    finally:
+        stop([relay] + leaves + [spine])
+
+
+def test_a_leaf_with_another_key_refuses_the_job():
+    (leaf,) = [sw.SwitchServer("127.0.0.1", 0, slots=64, key=auth.new_key()).start()]
+    try:
+        nonce = auth.new_nonce()
+        parent = {"address": "127.0.0.1:9", "ports": [9], "job": 1, "rank": 0, "token": TOKEN, "nonce": nonce,
+                  "authenticated": True, "check": auth.key_check(auth.job_key(KEY, nonce))}
+        with pytest.raises(ConfigError, match="same --key-file"):
+            leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, auth.new_nonce(), auth.job_key(KEY, nonce),
+                          parent=parent)
+        assert leaf.status()["jobs"] == {}
+    finally:
+        leaf.stop()
+
+
+def test_the_leaf_packet_handler_under_asan_and_ubsan(tmp_path):
+    """tests/fuzz's switch_leaf_packets: workers' packets and the parent's results, fuzzed, with the upward
+    resend timers firing, through the sanitized C switch."""
+    rc, log = fuzz(tmp_path, "switch_leaf_packets", "--sanitized", "-runs=1500", "-max_total_time=30")
+    assert rc == 0 and "Done 1500 runs" in log, log[-3000:]
+
+
+# -- the backend ---------------------------------------------------------------------------------------
+
+class _Ctx:
+    def __init__(self, size, **kw):
+        self.size, self.all_local, self.settings = size, False, Settings(kw)
+
+
+def test_more_than_64_ranks_need_a_spine_and_get_it():
+    ok, why = sml.SwitchMLBackend.available(_Ctx(96, switch_addr="10.0.0.1:9099"))
+    assert not ok and "COMMLIB_SWITCH_SPINE" in why and "2 or more leaf switches" in why, why
+    ok, why = sml.SwitchMLBackend.available(_Ctx(96, switch_addr="10.0.0.1:9099,10.0.0.2:9099",
+                                                 switch_spine="10.0.0.3:9099"))
+    assert ok, why
+
+
+def test_placement_by_host_or_setting():
+    hosts = ["a"] * 3 + ["b"] * 3 + ["a"]          # rank 6 on host a too
+    assert sml.placement("", hosts, 2) == [0, 0, 0, 1, 1, 1, 0]     # host a's ranks share a leaf
+    assert sml.placement("1,1,0", ["h"] * 3, 2) == [1, 1, 0]
+    with pytest.raises(ConfigError, match="at least 2 leaves"):
+        sml.placement("", ["h"] * 96, 1)
+    with pytest.raises(ConfigError, match="one leaf index"):
+        sml.placement("0,2", ["h"] * 2, 2)
+
+
+def _backend_run(n, work, **kw):
+    group = LocalGroup(n, Settings({"timeout_s": 4.0, "switch_retransmit_ms": 2.0, **kw}))
+    backends = [sml.SwitchMLBackend(ctx) for ctx in group.contexts]
+
+    def main(ctx):
+        try:
+            backends[ctx.rank].start()
+            return work(ctx.rank, backends[ctx.rank])
+        finally:
+            backends[ctx.rank].close()
+
+    return group.run(main, 60.0)
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_backend_two_levels_equal_one_switch(tmp_path, streams):
+    """The backend's registration of a tree (placement set, keyed; with 2 streams each leaf's thread i goes up
+    to the spine's thread i): every rank's sums are one switch's bits."""
+    key_file = str(tmp_path / "switch.key")
+    auth.write_key(key_file, KEY)
+    *leaves, spine = switches(3, threads=2)
+    try:
+        def work(rank, backend):
+            assert backend.stats()["streams"] == streams
+            return [backend.allreduce(tensor("float", 20000, 5, rank), "f"),
+                    backend.allreduce(tensor("int", 9, 6, rank), "i")]
+        common = dict(switch_key_file=key_file, switch_packet_elems=ELEMS, switch_window=2 * WINDOW,
+                      switch_streams=streams)
+        tree = _backend_run(5, work, switch_addr=",".join(s.address for s in leaves), switch_spine=spine.address,
+                            switch_placement="0,1,1,0,1", **common)
+        flat = _backend_run(5, work, switch_addr=leaves[0].address, **common)
+        for r in range(5):
+            for a, b in zip(tree[r], flat[r]):
+                assert a.tobytes() == b.tobytes(), f"rank {r}: the two-level sum differs from one switch's"
+    finally:
+        stop(leaves + [spine])
+
+
+@pytest.mark.parametrize("victim", ["spine", "leaf"])
+def test_a_switch_killed_mid_job_fails_every_rank_naming_it(tmp_path, victim):
+    """Three commlib-switch processes; after a first allreduce the spine (or leaf 1) is killed: every rank
+    fails its next allreduce within the timeout with an error naming that switch (the ranks of a dead leaf
+    at once: its port is closed; the others when their results stop, probing the tree's switches)."""
+    key_file = str(tmp_path / "switch.key")
+    auth.write_key(key_file, KEY)
+    children = [subprocess.Popen([sys.executable, "-m", "commlib.switch", "--port", "0", "--threads", "1",
+                                  "--key-file", key_file], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        (leaf0,), (leaf1,), (spine,) = [control.wait_ready(child, 30, "a switch") for child in children]
+        dead, child = (spine, children[2]) if victim == "spine" else (leaf1, children[1])
+        before = threading.Barrier(4)
+
+        def work(rank, backend):
+            backend.allreduce(tensor("float", 1000, 7, rank), "before")
+            before.wait(20)   # every rank has its sum: the switch dies between two allreduces
+            if rank == 0:
+                child.send_signal(signal.SIGKILL)
+                child.wait(10)
+            started = time.monotonic()
+            try:
+                for i in range(50):
+                    backend.allreduce(tensor("float", 1000, 8, rank), f"after{i}")
+            except PeerFailure as exc:
+                return str(exc), time.monotonic() - started
+            return None, time.monotonic() - started
+
+        results = _backend_run(4, work, switch_addr=f"{leaf0},{leaf1}", switch_spine=spine, switch_key_file=key_file,
+                               switch_packet_elems=ELEMS, switch_window=WINDOW)
+        for rank, (error, seconds) in enumerate(results):
+            assert error is not None and dead in error, f"rank {rank}: {error!r} does not name {dead}"
+            if victim == "spine":
+                assert f"the spine switch at {spine}" in error, f"rank {rank}: {error!r}"
+            assert seconds < 4.0 * 3, f"rank {rank} took {seconds:.1f}s to fail"
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
