@@ -83,11 +83,12 @@ class CommlibProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         op = _OPS.get(opts.reduceOp.op)
-        if "reduce_scatter" not in self.int8 or op not in (commlib.Sum, commlib.Average) \
-                or not output.is_floating_point():
+        if op not in (commlib.Sum, commlib.Average) or input.numel() != self._size * output.numel():
             return self.gloo._reduce_scatter_base(output, input, opts)
-        return _done(lambda: int8_collectives.reduce_scatter(self.gloo, output, input, op == commlib.Average),
-                     [output])
+        if "reduce_scatter" in self.int8 and output.is_floating_point():
+            return _done(lambda: int8_collectives.reduce_scatter(self.gloo, output, input, op == commlib.Average),
+                         [output])
+        return _reduce_scatter(self.gloo, output, input, op == commlib.Average)
 
     def all_gather_single(self, output, input, opts=None):
         if "all_gather" not in self.int8 or not input.is_floating_point():
@@ -131,6 +132,27 @@ def _int8_collectives():
     if chosen - INT8:
         raise ConfigError(f"COMMLIB_C10D_INT8={','.join(sorted(chosen))}: name some of {', '.join(sorted(INT8))}")
     return chosen
+
+
+def _reduce_scatter(group, output, input, average):
+    """Exact reduce-scatter: one all-to-all (rank r gets every rank's chunk r), then the chunks summed in
+    rank order. Gloo's own reduce-scatter moves an allreduce's bytes (2(N-1)/N of the input each way; this
+    (N-1)/N): 8 MB, 4 hosts at 500 Mbit, 215 ms against 114. Asynchronous, as Gloo's: the sum runs when
+    the all-to-all completes."""
+    size, n = group.size(), output.numel()
+    received, work = torch.empty(size * n, dtype=input.dtype), _Work()
+
+    def finish(future):
+        try:
+            future.wait()
+            total = received.view(size, n).sum(dim=0)
+            output.copy_((total / size if average else total).view_as(output))
+            work.future.set_result([output])
+        except Exception as exc:   # raised where the caller waits
+            work.future.set_exception(exc)
+
+    group.alltoall_base(received, input.reshape(-1).contiguous(), [], []).get_future().then(finish)
+    return work
 
 
 def _last(works):
