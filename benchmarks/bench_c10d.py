@@ -135,8 +135,8 @@ def main(argv=None):
     common.save_figure(fig, "c10d")
     markdown = (f"{title}. Samples/s = median over the timed steps x workers; 'vs' = the median of the per-step "
                 f"ratios against the peer that ran beside it in the same step. The commlib backend's all_reduce "
-                f"went through {', '.join(algorithms)}; FSDP2's reduce-scatter and all-gather go through the "
-                f"backend's Gloo group, by design (README), in int8 with a scale per 256 values where the row says "
+                f"went through {', '.join(algorithms)}; FSDP2's reduce-scatter (as an all-to-all and a sum) and "
+                f"all-gather go through the backend's Gloo group, by design (README), in int8 with a scale per 256 values where the row says "
                 f"so (lossy: see the loss column and commlib/torch/int8_collectives.py).\n\n"
                 "| configuration | samples/s | vs | loss first -> last |\n|---|---|---|---|\n"
                 + "\n".join(rows) + "\n\n![c10d](results/c10d.png)\n")
