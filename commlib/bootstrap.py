@@ -14,7 +14,7 @@ import secrets
 import socket
 import threading
 
-from commlib import controller, engine as engines, keyshare
+from commlib import autotune, controller, engine as engines, keyshare
 from commlib.context import Context, detect
 from commlib.dispatch import settle_release
 from commlib.errors import CommError, CommTimeout, Mismatch
@@ -38,7 +38,7 @@ def join(settings, engine=None, placement=None):
     bounded = lambda fn: lambda value: within(settings.timeout_s, "sharing the controller's address and the job's "
                                               "secret (commlib.init)", fn, value)
     server, client, secret = start_controller(settings, placement, bounded(engine.broadcast_object),
-                                              allgather=bounded(keyshare.allgather_bytes(engine)))
+                                              allgather=bounded(keyshare.allgather_bytes(engine)), tune=True)
     ctx = placement.joined(settings=settings, exchange_fn=client.exchange, engine=engine, job_token=client.token,
                            secret=secret)
     try:
@@ -76,13 +76,17 @@ def join_set(parent, client, ranks, hvd_set=None):
     return ctx.joined(engine=engine), own, server
 
 
-def start_controller(s, placement, broadcast, secret=None, allgather=None):
+def start_controller(s, placement, broadcast, secret=None, allgather=None, tune=False):
     """Rank 0 serves; every rank connects to the address rank 0 shares (or COMMLIB_CONTROLLER_ADDR).
     broadcast(value) -> rank 0's value, on every rank. `secret`: the job's, when there is one already (a
     process set's), then only the address travels; else rank 0 draws one and shares it sealed
-    (commlib.keyshare, which needs `allgather`). Returns (server or None, client, secret)."""
+    (commlib.keyshare, which needs `allgather`). `tune`: the job's controller, which autotunes where the
+    settings ask (a process set's keeps the configured values). Returns (server or None, client, secret)."""
+    tuner = None
+    if tune and s.autotune and placement.rank == 0:
+        tuner = autotune.Tuner(s.fusion_threshold, s.cycle_time_ms, s.autotune_sample_s, s.autotune_log)
     options = dict(settle=settle_release, timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms,
-                   negotiation_timeout_s=s.negotiation_timeout_s, stall_warning_s=s.stall_warning_s)
+                   negotiation_timeout_s=s.negotiation_timeout_s, stall_warning_s=s.stall_warning_s, tuner=tuner)
     server = None
     address = None
     if s.controller_addr:

@@ -40,6 +40,8 @@ import struct
 import threading
 import time
 
+import numpy as np
+
 from commlib.errors import KINDS, CommError, CommTimeout, PeerFailure, error_from
 from commlib.release import Release
 
@@ -109,14 +111,17 @@ class ControllerServer:
     """Rank 0's coordinator. Single thread: accept all ranks, then a select loop per cycle."""
 
     def __init__(self, size, host, port, settle, timeout_s, cycle_time_ms, negotiation_timeout_s=None,
-                 stall_warning_s=None):
-        """settle(name, metas in rank order) -> the Release of a tensor every rank agreed on."""
+                 stall_warning_s=None, tuner=None):
+        """settle(name, metas in rank order) -> the Release of a tensor every rank agreed on.
+        tuner: a commlib.autotune.Tuner, which then sets the cycle time and every go's fusion threshold."""
         self.size = size
+        self._tuner = tuner
+        self._released_bytes = 0   # since the last go (the tuner's score)
         self._settle = settle
         self.timeout_s = timeout_s
         self.negotiation_timeout_s = negotiation_timeout_s or timeout_s
         self.stall_warning_s = stall_warning_s or self.negotiation_timeout_s
-        self.cycle_s = cycle_time_ms / 1000.0
+        self.cycle_s = (tuner.cycle_ms if tuner else cycle_time_ms) / 1000.0
         self.token = secrets.token_hex(16)
         self._listener = socket.create_server((host, port))
         self.address = self._listener.getsockname()[:2]
@@ -281,6 +286,8 @@ class ControllerServer:
         if ready:
             self._ready_bits |= ready
             self._hits = [pending & ~ready for pending in self._hits]
+            if self._tuner:
+                self._released_bytes += sum(self._cache[bit]["nbytes"] for bit in _bits(ready))
 
     def _evict(self, bit):
         """Drop a cached release on every rank; the hits waiting for it turn into full submissions."""
@@ -338,6 +345,8 @@ class ControllerServer:
             self._broadcast({"t": "error", "kind": "Mismatch", "names": [name], "message": problem})
         else:
             release = self._settle(name, [metas[r] for r in sorted(metas)])
+            nbytes = _nbytes(next(iter(metas.values())))
+            self._released_bytes += nbytes
             if joined:
                 agreed = next(iter(metas.values()))
                 release = dataclasses.replace(release, joined={"ranks": joined, **{
@@ -346,7 +355,7 @@ class ControllerServer:
             elif self._cacheable(release, metas):
                 bit = len(self._cache)
                 release = dataclasses.replace(release, bit=bit)
-                self._cache.append({"name": name, "release": release, "metas": metas})
+                self._cache.append({"name": name, "release": release, "metas": metas, "nbytes": nbytes})
                 self._bit_of[name] = bit
                 self._live |= 1 << bit
             self._ready.append(release)
@@ -359,9 +368,15 @@ class ControllerServer:
 
     def _release(self):
         if self._ready or self._ready_bits or self._evicted:
+            tuned = {}
+            if self._tuner:   # every rank fuses this batch with the threshold it carries
+                if self._tuner.released(self._released_bytes):
+                    self.cycle_s = self._tuner.cycle_ms / 1000.0
+                tuned = {"fusion": self._tuner.fusion}
+            self._released_bytes = 0
             # the clients expand the hits before they drop the evicted bits
             self._broadcast({"t": "go", "batch": [release.wire() for release in self._ready], "hits": format(self._ready_bits, "x"),
-                             "evict": self._evicted})
+                             "evict": self._evicted, **tuned})
             self._ready, self._ready_bits, self._evicted = [], 0, []
         if len(self._joined) == self.size:   # after the last go: every joined rank ran its stand-ins
             self._broadcast({"t": "joined", "last": self._joined[-1]})
@@ -437,6 +452,18 @@ class ControllerServer:
                     send_msg(sock, msg)
                 except OSError:
                     pass  # that rank's loss is reported when its socket reads EOF
+
+
+_ITEMSIZE = {"bfloat16": 2}   # dtypes numpy does not name
+
+
+def _nbytes(meta):
+    """A tensor's bytes from its metadata (autotune's score)."""
+    count = 1
+    for dim in meta.get("shape") or ():
+        count *= dim
+    dtype = meta.get("dtype")
+    return count * (_ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize)
 
 
 def _bits(mask):
@@ -571,7 +598,7 @@ class ControllerClient:
                 release = self._by_bit.pop(bit, None)
                 if release is not None and self._cache.get(release.name, (None,))[0] == bit:
                     del self._cache[release.name]
-        return {"t": "go", "batch": batch}
+        return {"t": "go", "batch": batch, "fusion": msg.get("fusion")}
 
     def submit(self, metas):
         """Metas agreed before with the same contents travel as a bit each, the rest in full."""

@@ -189,7 +189,7 @@ class Executor:
             try:
                 if msg["t"] == "go":
                     self.last_go = time.monotonic()
-                    self._execute(msg["batch"])   # [Release]
+                    self._execute(msg["batch"], msg.get("fusion"))   # [Release]; autotune's threshold
                 elif msg["t"] == "joined":
                     with self._lock:
                         joining, self.joining = self.joining, None
@@ -203,7 +203,7 @@ class Executor:
                 log.exception("commlib: background thread failed")
                 self.fail(None, CommError(f"commlib's background thread failed: {exc!r}"))
 
-    def _execute(self, batch):
+    def _execute(self, batch, fusion_threshold=None):
         now = time.monotonic()
         entries = []
         with self._lock:
@@ -215,7 +215,7 @@ class Executor:
                     entry.algorithm, entry.times["go"] = release.algorithm, now
                     entry.estimate, entry.counts = release.estimate, release.counts
                     entries.append(entry)
-        for bucket in fuse(entries, self.ctx.settings.fusion_threshold):
+        for bucket in fuse(entries, fusion_threshold or self.ctx.settings.fusion_threshold):
             try:
                 self._run(bucket)
             except Exception as exc:
