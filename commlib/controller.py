@@ -40,10 +40,9 @@ import struct
 import threading
 import time
 
-import numpy as np
-
 from commlib.errors import KINDS, CommError, CommTimeout, PeerFailure, error_from
 from commlib.release import Release
+from commlib.tensors import nbytes as tensor_bytes
 
 log = logging.getLogger("commlib")
 _HEADER = struct.Struct("!I")
@@ -345,14 +344,14 @@ class ControllerServer:
             self._broadcast({"t": "error", "kind": "Mismatch", "names": [name], "message": problem})
         else:
             release = self._settle(name, [metas[r] for r in sorted(metas)])
-            nbytes = _nbytes(next(iter(metas.values())))
+            agreed = next(iter(metas.values()))
+            nbytes = _bytes_of(agreed) if self._tuner else 0
             self._released_bytes += nbytes
             if joined:
-                agreed = next(iter(metas.values()))
                 release = dataclasses.replace(release, joined={"ranks": joined, **{
                     field: agreed.get(field) for field in ("shape", "dtype", "op", "compression", "prescale",
                                                            "postscale")}})
-            elif self._cacheable(release, metas):
+            elif not self._joined and self._cacheable(release, metas):   # no new bit while a rank is joined
                 bit = len(self._cache)
                 release = dataclasses.replace(release, bit=bit)
                 self._cache.append({"name": name, "release": release, "metas": metas, "nbytes": nbytes})
@@ -454,16 +453,12 @@ class ControllerServer:
                     pass  # that rank's loss is reported when its socket reads EOF
 
 
-_ITEMSIZE = {"bfloat16": 2}   # dtypes numpy does not name
-
-
-def _nbytes(meta):
-    """A tensor's bytes from its metadata (autotune's score)."""
-    count = 1
-    for dim in meta.get("shape") or ():
-        count *= dim
-    dtype = meta.get("dtype")
-    return count * (_ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize)
+def _bytes_of(meta):
+    """A tensor's bytes from its metadata (autotune's score); 0 for a dtype numpy cannot size."""
+    try:
+        return tensor_bytes(meta["shape"], meta["dtype"])
+    except CommError:
+        return 0
 
 
 def _bits(mask):

@@ -96,6 +96,7 @@ class Dispatcher:
         self.backends, self.unavailable = backends, unavailable
         self.policy, self.settings = policy, settings
         self._plans = {}   # (name, shape, dtype, algorithm, policy, op) -> Plan, oldest first
+        self.compressors = {}   # a plan's compression text -> the object that compressed it (state per name)
         for backend in backends.values():   # composite algorithms (hotcold) run over the others
             if hasattr(backend, "bind"):
                 backend.bind(backends)
@@ -132,6 +133,7 @@ class Dispatcher:
             return self._reduction(meta, op, algorithm or "auto", compression, chosen_by_caller), None
         compressor = compressors.resolve(compression)
         if compressor is not None:
+            self.compressors[repr(compressor)] = compressor
             return Plan(((None, self._compressed(compressor, algorithm or "auto", name)),), repr(compressor)), compressor
         if staged.sparse is not None:
             return self._rows(meta, staged.sparse, algorithm or "auto", bounded), None

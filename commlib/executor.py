@@ -18,7 +18,7 @@ from commlib import compressors, sparse
 from commlib.dispatch import Plan
 from commlib.errors import CommError, ConfigError, error_from
 from commlib.handles import Handle
-from commlib.tensors import Staged
+from commlib.tensors import Staged, nbytes as tensor_bytes, numeric_dtype
 
 log = logging.getLogger("commlib")
 
@@ -161,6 +161,12 @@ class Executor:
             self.joining = Handle("join", None)
             return self.joining
 
+    def end_join(self, handle):
+        """This rank's commlib.join returned or failed: a later one may start."""
+        with self._lock:
+            if self.joining is handle:
+                self.joining = None
+
     def stop(self, timeout):
         """Fail what is waiting, end the thread; False if a collective is still running."""
         self.fail(None, CommError("commlib was shut down while this tensor was waiting for the other ranks"))
@@ -199,6 +205,8 @@ class Executor:
                     self.fail(msg["names"], error_from(msg))
                 elif msg["t"] == "stall":
                     log.warning("commlib: %s", msg["message"])
+            except CommError as exc:   # a fatal error it explains itself
+                self.fail(None, exc)
             except Exception as exc:   # never leave callers waiting on a dead thread
                 log.exception("commlib: background thread failed")
                 self.fail(None, CommError(f"commlib's background thread failed: {exc!r}"))
@@ -210,7 +218,14 @@ class Executor:
             for release in batch:
                 entry = self._entries.pop(release.name, None)
                 if entry is None and release.joined and self.ctx.rank in release.joined["ranks"]:
-                    entry = stand_in(release)
+                    try:
+                        entry = self._stand_in(release)
+                    except Exception as exc:   # the others wait in its collective: the job cannot go on
+                        error = CommError(f"commlib.join: this rank cannot take part in tensor {release.name!r} "
+                                          f"({exc}); the job stops")
+                        for taken in entries:
+                            taken.handle.set(error=error)
+                        raise error from exc
                 if entry is not None:   # None: failed by a fatal error (or shutdown) that raced this batch
                     entry.algorithm, entry.times["go"] = release.algorithm, now
                     entry.estimate, entry.counts = release.estimate, release.counts
@@ -225,6 +240,29 @@ class Executor:
                     error.__cause__ = exc
                 for entry in bucket:
                     entry.handle.set(error=error)
+
+    def _stand_in(self, release):
+        """What this rank, joined (commlib.join), contributes to a tensor the others reduce: zeros, or for
+        min, max and product the op's identity, so that the result is the others' reduction. It fuses
+        as the others' tensor does (its bytes as they count them) and compresses with this rank's own
+        compressor of that spec, whose state per name goes on."""
+        meta = release.joined
+        shape, op = meta["shape"], meta["op"]
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)) or op not in OPS:
+            raise ConfigError(f"malformed metadata (shape {shape!r}, op {op!r})")
+        dtype = numeric_dtype(meta["dtype"])
+        identity = 0
+        if op in (Min, Max):   # the largest value for a min, the smallest for a max
+            identity = (np.inf if op == Min else -np.inf) if dtype.kind == "f" else \
+                getattr(np.iinfo(dtype), "max" if op == Min else "min")
+        elif op == Product:
+            identity = 1
+        staged = Staged(np.full(shape, identity, dtype=dtype))
+        staged.nbytes = tensor_bytes(shape, meta["dtype"])
+        text = meta["compression"]
+        compressor = self.dispatcher.compressors.get(text) or compressors.resolve(text)
+        return Entry(staged, release.name, op, Plan(((None, release.algorithm),), text), compressor,
+                     meta["prescale"], meta["postscale"], Handle(release.name, None))
 
     def _run(self, bucket):
         first = bucket[0]
@@ -331,21 +369,6 @@ class Executor:
             self.records[entry.record].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate,
                                             skew=entry.skew)
         self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, fused - 1)
-
-
-def stand_in(release):
-    """What a rank that joined (commlib.join) contributes to a tensor the others reduce: zeros, or
-    for min, max and product the op's identity, so that the result is the others' reduction."""
-    meta = release.joined
-    dtype = np.dtype("float32" if meta["dtype"] == "bfloat16" else meta["dtype"])
-    identity = {Min: "max", Max: "min", Product: 1}.get(meta["op"], 0)
-    if isinstance(identity, str):
-        limits = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
-        identity = getattr(limits, identity) if dtype.kind != "f" else (np.inf if identity == "max" else -np.inf)
-    staged = Staged(np.full(meta["shape"], identity, dtype=dtype))
-    plan = Plan(((None, release.algorithm),), meta["compression"])
-    return Entry(staged, release.name, meta["op"], plan, compressors.resolve(meta["compression"]), meta["prescale"],
-                 meta["postscale"], Handle(release.name, None))
 
 
 def collective(backend):

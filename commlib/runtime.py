@@ -109,16 +109,19 @@ class Runtime:
         The others may run for long (uneven data): this fails only when no tensor came for
         the negotiation timeout (a rank that neither reduces nor joins)."""
         handle = self.executor.start_join()
-        self.client.join()
-        limit = self.settings.negotiation_timeout_s
-        while not handle.done():
-            idle = time.monotonic() - self.executor.last_go
-            if idle > limit:
-                raise CommTimeout(f"commlib.join: no tensor was released for {limit:.0f}s and not every rank joined; "
-                                  f"every rank must call commlib.join() once out of data "
-                                  f"(raise COMMLIB_NEGOTIATION_TIMEOUT_S if a rank is just slow)")
-            handle.done(wait_s=min(1.0, limit - idle))
-        return handle.wait()
+        try:
+            self.client.join()
+            limit, since = self.settings.negotiation_timeout_s, time.monotonic()
+            while not handle.done():
+                idle = time.monotonic() - max(since, self.executor.last_go)
+                if idle > limit:
+                    raise CommTimeout(f"commlib.join: no tensor was released for {limit:.0f}s and not every rank "
+                                      f"joined; every rank must call commlib.join() once out of data "
+                                      f"(raise COMMLIB_NEGOTIATION_TIMEOUT_S if a rank is just slow)")
+                handle.done(wait_s=min(1.0, limit - idle))
+            return handle.wait()
+        finally:
+            self.executor.end_join(handle)
 
     def _check_world(self):
         """A process group formed after commlib's job (Lightning's, around a CommlibState built

@@ -100,6 +100,29 @@ class Staged:
         return out.to(device=self.device, dtype=self.dtype, non_blocking=False)
 
 
+_ITEMSIZE = {"bfloat16": 2}   # torch dtypes numpy does not name
+
+
+def numeric_dtype(name):
+    """The numpy dtype a tensor of dtype `name` (Staged.dtype_name, as submitted) travels as, or an
+    InvalidTensor for a name that is not a number type."""
+    try:
+        dtype = np.dtype("float32" if name == "bfloat16" else name)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in "fiu":
+        raise InvalidTensor(f"dtype {name!r} cannot be reduced")
+    return dtype
+
+
+def nbytes(shape, dtype_name):
+    """A tensor's bytes as its owner counts them (Staged.nbytes), from its shape and dtype name."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count * (_ITEMSIZE.get(dtype_name) or numeric_dtype(dtype_name).itemsize)
+
+
 def _is_torch(tensor):
     try:
         import torch
