@@ -71,7 +71,7 @@ from commlib.sparse import RowSlots
 from commlib.tensors import Staged
 
 try:
-    from commlib.switch import aggregator as agg, auth, control
+    from commlib.switch import aggregator as agg, auth, control, packet_mac
     from commlib._native import ffi, lib
     IMPORT_ERROR = ""
 except ImportError as exc:   # the C extension is not built
@@ -197,6 +197,7 @@ class OmniReduceBackend(Backend):
         self._job_hash = agg.token_hash(ctx.job_token or "no-token")
         self._seq, self._broken, self._closed = 0, None, False
         self._key = self._nonce = None              # the job key of its packets (None: no MACs), its nonce
+        self._mac = None                            # the packets' MAC algorithm (rank 0's packet_mac)
         self._sign = None                           # signs its control requests (keyed aggregators)
         self._daemon_key = None
         self._stopping, self._keepalive = threading.Event(), None
@@ -242,7 +243,7 @@ class OmniReduceBackend(Backend):
                                                                f"commlib-aggregator at {s.omnireduce_aggregators}"),
                                 setup_s)
         self._daemon_key = daemon_key   # rank 0 reads the aggregators' counters with it (timeline)
-        self._nonce = everyone[0]["nonce"]
+        self._nonce, self._mac = everyone[0]["nonce"], everyone[0]["mac"]
         self._key = keys.job_key(ctx, daemon_key, self._nonce)
         if daemon_key is not None:   # keyed aggregators take only requests signed with the job key
             self._sign = auth.Signer(auth.job_key(daemon_key, self._nonce))
@@ -264,7 +265,7 @@ class OmniReduceBackend(Backend):
         s = self.ctx.settings
         mine = {"epoch": secrets.randbits(31), "params": [self.block, self.columns, self.mode, self.threshold,
                                                           self.rows_per_block],
-                "nonce": auth.new_nonce()}
+                "nonce": auth.new_nonce(), "mac": packet_mac.resolve(s.packet_mac)}
         if self.mode == "colocated":
             # it lives exactly as long as this backend: it never collects its job as idle
             self._colocated = agg.Aggregator(self._bind, job_idle_s=float("inf"), key=self.ctx.secret or None).start(
@@ -280,7 +281,8 @@ class OmniReduceBackend(Backend):
         request = {"job": self._job_hash, "epoch": self._epoch, "rank": self.rank, "size": self.size,
                    "columns": self.columns, "aggregators": len(self._aggregators), "block": self.block,
                    "loss": s.omnireduce_sim_loss, "dup": s.omnireduce_sim_dup,
-                   "nonce": self._nonce, "authenticate": self._key is not None}
+                   "nonce": self._nonce, "authenticate": self._key is not None,
+                   "packet_mac": self._mac}
         jobs = agg.register(self._sock, self._aggregators, request, self.timeout_s,
                             retry_s=max(0.05, 10 * self.retransmit_ms / 1000), sign=self._sign)
         seed = secrets.randbits(63) | 1
@@ -293,7 +295,7 @@ class OmniReduceBackend(Backend):
         self._jobs = [(job, key) for job, key, _ in jobs]
         for index, ((ip, port), (job, key, _)) in enumerate(zip(self._aggregators, jobs)):
             lib.omr_worker_set_agg(self._worker, index, ip.encode(), port, job, key,
-                                   ffi.NULL if self._key is None else self._key)
+                                   ffi.NULL if self._key is None else self._key, packet_mac.code(self._mac))
         idle_s = min(idle for _, _, idle in jobs)
         if idle_s != float("inf"):   # every rank's keepalives hold the job's state: a silent rank died
             self._keepalive = threading.Thread(target=self._keep_alive, args=(idle_s / 4,),
@@ -304,7 +306,7 @@ class OmniReduceBackend(Backend):
         """Dedicated aggregators drop a job that is silent for their idle time: while this backend
         is open, tell them it lives (a job may reduce nothing for a long evaluation)."""
         while not self._stopping.wait(every_s):
-            agg.keepalive(self._sock, self._aggregators, self._jobs, self.rank, self._key)
+            agg.keepalive(self._sock, self._aggregators, self._jobs, self.rank, self._key, self._mac)
 
     def _spawn_aggregators(self, count):
         """Rank 0, all ranks local, nothing configured: start `count` commlib-aggregator processes."""
@@ -480,7 +482,8 @@ class OmniReduceBackend(Backend):
         density of the last tensor (own: this rank's; union: identical on every rank), resends."""
         with self._lock:
             out = dict(self._totals)
-            out.update(mode=self.mode, authenticated=self._key is not None, block_size=self.block, columns=self.columns, threshold=self.threshold,
+            out.update(mode=self.mode, authenticated=self._key is not None,
+                       packet_mac=self._mac if self._key is not None else None, block_size=self.block, columns=self.columns, threshold=self.threshold,
                        aggregators=[f"{h}:{p}" for h, p in self._aggregators],
                        last=dict(self._last), density=self._last.get("density"),
                        union_density=self._last.get("union_density"),

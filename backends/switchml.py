@@ -71,7 +71,7 @@ from commlib.backends.base import server_share
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor,
                             PeerFailure)
 from commlib.settings import define
-from commlib.switch import auth, net
+from commlib.switch import auth, net, packet_mac
 from commlib.switch import switchml as sw
 from commlib.net import parse_address
 
@@ -228,6 +228,8 @@ class SwitchMLBackend(Backend):
             for stream, slots in zip([t for t in self._streams if t.switch is switch], job["slots"]):
                 stream.slots = slots
             switch.key = keys.job_key(self.ctx, self._daemon_key, switch.nonce)
+            switch.mac_name = job["mac"]   # rank 0's choice, in its signed registration
+            switch.mac = packet_mac.code(switch.mac_name)
             switch.control_key = self._daemon_key and auth.job_key(self._daemon_key, switch.nonce)
         for switch in self._switches:
             switch.client = sw.SwitchClient(switch.address, 5.0, key=switch.control_key,
@@ -252,7 +254,7 @@ class SwitchMLBackend(Backend):
             stream.worker = sw.lib.sml_worker_new(stream.sock.fileno(), switch.job, rank, self.token, self.size,
                                                   stream.slots, self.elems, float(s.switch_retransmit_ms),
                                                   float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)),
-                                                  sw.ffi.NULL if key is None else key)
+                                                  sw.ffi.NULL if key is None else key, switch.mac)
             if stream.worker == sw.ffi.NULL:
                 raise MemoryError("switchml: could not allocate the worker state")
 
@@ -370,22 +372,25 @@ class SwitchMLBackend(Backend):
     def _register_on(self, switch, streams, slots, done, parent=None):
         """Register the job on one switch: streams[i][rank] the ranks' addresses of stream i, `slots` of the
         window over them; parent: the switch is a leaf of it. Appends (client, job number) to `done`; returns
-        {job, nonce, expiry_s, slots per stream} (and key: the job key where its packets carry MACs, which
+        {job, nonce, mac, expiry_s, slots per stream} (and key: the job key where its packets carry MACs, which
         _setup keeps on rank 0)."""
-        nonce = auth.new_nonce()
+        nonce, mac = auth.new_nonce(), packet_mac.resolve(self.ctx.settings.packet_mac)
         key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
         authenticate = keys.job_key(self.ctx, self._daemon_key, nonce) is not None
         client = sw.SwitchClient(switch.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0)
         reply = client.register(self.token, streams[0], slots, self.elems, nonce=nonce, authenticate=authenticate,
-                                streams=streams, parent=parent)
+                                streams=streams, parent=parent, mac=mac)
         done.append((client, reply["job"]))
         if authenticate and reply.get("authenticated") is False:   # the key file names a key the switch lacks
             raise ConfigError(auth.unauthenticated(f"commlib-switch at {switch.address}", "the switch has no key"))
+        if reply.get("packet_mac", mac) != mac:
+            raise ConfigError(f"commlib-switch at {switch.address} keys the packets' MAC with {reply['packet_mac']!r}, "
+                              f"not the job's {mac!r}: run the same commlib version everywhere")
         endpoints = reply.get("endpoints") or [{"slots": slots}]   # a switch of one thread
         if len(endpoints) != len(streams):
             raise ConfigError(f"commlib-switch at {switch.address} took {len(endpoints)} of the job's "
                               f"{len(streams)} streams: set COMMLIB_SWITCH_STREAMS={len(endpoints)}")
-        return {"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0),
+        return {"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0), "mac": mac,
                 "slots": [int(e["slots"]) for e in endpoints], "key": key if authenticate else None}
 
     def _leaf_address(self, leaf, stream):
@@ -536,6 +541,7 @@ class SwitchMLBackend(Backend):
         out = {"switch": self.address, "job": self.job, "embedded": self.server is not None,
                "packet_elems": self.elems, "window": self.window, "streams": len(self._streams),
                "authenticated": any(switch.key is not None for switch in self._switches),
+               "packet_mac": next((s.mac_name for s in self._switches if s.key is not None), None),   # None: no MACs
                "range_fallbacks": self.range_fallbacks}
         if self._streams and self._streams[0].worker is not None:
             out.update(self._counters())
@@ -621,6 +627,7 @@ class _Switch:
     def __init__(self, address, ports):
         self.address, self.ports = address, ports
         self.job = self.nonce = self.key = self.control_key = self.client = self.rank = None
+        self.mac = self.mac_name = None   # the packets' MAC algorithm: its TP_MAC_* code and name
 
 
 class _Stream:
