@@ -171,6 +171,8 @@ class OmniReduceBackend(Backend):
         s = ctx.settings
         self.block = int(s.omnireduce_block_size)
         self.threshold = float(s.omnireduce_threshold)
+        if lib is not None and s.packet_mac != packet_mac.AUTO:
+            packet_mac.code(s.packet_mac)   # a bad name fails on every rank, here
         self.rows_per_block = int(s.omnireduce_rows_per_block)
         if self.rows_per_block < 0:
             raise ConfigError(f"omnireduce_rows_per_block={self.rows_per_block}: use 0 (as many as fit) or >= 1")
@@ -243,7 +245,7 @@ class OmniReduceBackend(Backend):
                                                                f"commlib-aggregator at {s.omnireduce_aggregators}"),
                                 setup_s)
         self._daemon_key = daemon_key   # rank 0 reads the aggregators' counters with it (timeline)
-        self._nonce, self._mac = everyone[0]["nonce"], everyone[0]["mac"]
+        self._nonce = everyone[0]["nonce"]
         self._key = keys.job_key(ctx, daemon_key, self._nonce)
         if daemon_key is not None:   # keyed aggregators take only requests signed with the job key
             self._sign = auth.Signer(auth.job_key(daemon_key, self._nonce))
@@ -258,6 +260,9 @@ class OmniReduceBackend(Backend):
         if self.block == 0:   # sized by the path: the smallest over every rank's paths
             self.block = min(ctx.exchange(f"{self._prefix}/path", agg.path_block(self._aggregators), setup_s))
             self.columns = int(s.omnireduce_columns) or max(1, self._window // (4 * self.block))
+        # rank 0 chooses the packets' MAC algorithm for blocks of this size; every rank takes its choice
+        mac = packet_mac.resolve(s.packet_mac, lib.OMR_HDR_BYTES + 4 * self.block) if self.rank == 0 else None
+        self._mac = ctx.exchange(f"{self._prefix}/mac", mac, setup_s)[0]
         self._step("register", self._register, setup_s)
 
     def _start_aggregators(self):
@@ -265,7 +270,7 @@ class OmniReduceBackend(Backend):
         s = self.ctx.settings
         mine = {"epoch": secrets.randbits(31), "params": [self.block, self.columns, self.mode, self.threshold,
                                                           self.rows_per_block],
-                "nonce": auth.new_nonce(), "mac": packet_mac.resolve(s.packet_mac)}
+                "nonce": auth.new_nonce()}
         if self.mode == "colocated":
             # it lives exactly as long as this backend: it never collects its job as idle
             self._colocated = agg.Aggregator(self._bind, job_idle_s=float("inf"), key=self.ctx.secret or None).start(

@@ -152,6 +152,8 @@ class SwitchMLBackend(Backend):
         if not 0 <= s.switch_window <= sw.MAX_SLOTS:
             raise ConfigError(f"switch_window={s.switch_window}: use 1..{sw.MAX_SLOTS}, or 0 for about "
                               f"{WINDOW_BYTES >> 10} KiB of values in flight (at most {MAX_WINDOW} packets)")
+        if s.packet_mac != packet_mac.AUTO:
+            packet_mac.code(s.packet_mac)   # a bad name fails on every rank, here
         if s.switch_nonfinite not in ("propagate", "error"):
             raise ConfigError(f"switch_nonfinite={s.switch_nonfinite!r}: use 'propagate' or 'error'")
         if not 0 < s.switch_retransmit_ms <= s.switch_retransmit_max_ms:
@@ -165,6 +167,7 @@ class SwitchMLBackend(Backend):
         self.address = None      # the switches' addresses, comma-separated
         self.job = None          # the job's number on the first switch
         self._daemon_key = None  # the switch's key (the job's secret for the embedded one, else the key file's)
+        self._mac = None         # rank 0: the packets' MAC algorithm it chose (switch/packet_mac.py)
         self._switches = []      # _Switch per switch this rank registers on and keeps alive (its leaf and the spine)
         self._tree = []          # every switch of the job (the leaves, then the spine of a two-level job)
         self._spine = None       # the spine's _Switch (a two-level job)
@@ -334,6 +337,8 @@ class SwitchMLBackend(Backend):
         if self.rank != 0:
             return None
         done = []   # (client, job number) of every registration made
+        # one MAC algorithm for the job on every switch (a leaf's partial sums go up with it)
+        self._mac = packet_mac.resolve(self.ctx.settings.packet_mac, sw.lib.SML_HDR_LEN + 4 * self.elems)
         try:
             if self._spine is not None:
                 return self._register_tree(addrs, done)
@@ -374,7 +379,7 @@ class SwitchMLBackend(Backend):
         window over them; parent: the switch is a leaf of it. Appends (client, job number) to `done`; returns
         {job, nonce, mac, expiry_s, slots per stream} (and key: the job key where its packets carry MACs, which
         _setup keeps on rank 0)."""
-        nonce, mac = auth.new_nonce(), packet_mac.resolve(self.ctx.settings.packet_mac)
+        nonce, mac = auth.new_nonce(), self._mac
         key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
         authenticate = keys.job_key(self.ctx, self._daemon_key, nonce) is not None
         client = sw.SwitchClient(switch.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0)

@@ -1,7 +1,8 @@
-"""The packet MAC's algorithm, a job parameter (switch/csrc/transport.h): AES-256-GCM (GMAC) on CPUs
-with AES-NI and PCLMULQDQ, ChaCha20-Poly1305 elsewhere, both from OpenSSL.
+"""The packet MAC's algorithm, a job parameter (switch/csrc/transport.h): AES-256-GCM (GMAC) or
+ChaCha20-Poly1305, both from OpenSSL.
 
-The job's rank 0 resolves the `packet_mac` setting (auto: its own CPU) and every rank takes its
+The job's rank 0 resolves the `packet_mac` setting (auto: ChaCha20-Poly1305 where its CPU lacks AES-NI
+or PCLMULQDQ, else the faster of the two on the job's packets, timed there) and every rank takes its
 choice; rank 0 sends the name in its signed registration (switch/switchml.py, switch/aggregator.py),
 so every rank, switch and aggregator keys the packets' MAC with one algorithm, and the name is in
 the key's HKDF label: a packet MACed under one algorithm is refused by a job of the other, and a
@@ -16,8 +17,8 @@ except ImportError:   # not built: the backends say how (switch/switchml.py's IM
     ffi = lib = None
 
 define("packet_mac", "auto", "the MAC algorithm of switchml's and omnireduce's packets, chosen by rank 0: "
-       "'aes-256-gcm' (GMAC: fast with AES-NI and PCLMULQDQ), 'chacha20-poly1305' (portable), or 'auto' (the "
-       "first where rank 0's CPU has those instructions, else the second)")
+       "'aes-256-gcm' (GMAC: needs AES-NI and PCLMULQDQ to be fast), 'chacha20-poly1305' (portable), or 'auto' "
+       "(the faster of the two on the job's packets, timed on rank 0; the portable one without those instructions)")
 
 AUTO = "auto"
 PORTABLE = "chacha20-poly1305"   # a registration that names none (a client that predates the choice)
@@ -29,12 +30,41 @@ def algorithms():
             for code in (lib.TP_MAC_AES_256_GCM, lib.TP_MAC_CHACHA20_POLY1305)}
 
 
-def resolve(setting):
-    """The algorithm `packet_mac` names on this host (rank 0's verdict for its job)."""
-    if setting == AUTO:
-        return "aes-256-gcm" if lib.tp_mac_fast() else PORTABLE
-    code(setting)
-    return setting
+def cpu_has_aes():
+    """Whether this CPU has AES-NI and PCLMULQDQ (without them OpenSSL's AES-GCM is slow)."""
+    return bool(lib.tp_mac_fast())
+
+
+def resolve(setting, packet_bytes):
+    """The algorithm `packet_mac` names for a job of packets of about packet_bytes, on this host (rank 0's
+    verdict for its job). auto measures: AES-256-GCM costs less per call, but ChaCha20-Poly1305 may cost
+    less per byte (OpenSSL 3.0 on an AVX-512 CPU: AES-256-GCM ahead at 1 KiB, ChaCha20-Poly1305 at
+    32 KiB; bench_kernels.py), so the packets' own size decides, where the CPU lets AES-GCM compete."""
+    if setting != AUTO:
+        code(setting)
+        return setting
+    if not cpu_has_aes():
+        return PORTABLE
+    return fastest(packet_bytes)
+
+
+def fastest(packet_bytes, calls=24, rounds=5):
+    """The algorithm whose MAC of a packet_bytes packet takes the least CPU time of this thread: the
+    least of `rounds` batches of `calls` each, the algorithms interleaved (a millisecond or two; a busy
+    host slows a batch, rarely every one)."""
+    import os
+    import time
+    packet, nonce, tag = ffi.from_buffer(os.urandom(packet_bytes)), os.urandom(12), ffi.new("uint8_t[16]")
+    macs = {name: ffi.gc(lib.tp_mac_new(os.urandom(16), b"commlib packet_mac timing", c), lib.tp_mac_free)
+            for name, c in algorithms().items()}
+    best = dict.fromkeys(macs, float("inf"))
+    for _ in range(rounds):
+        for name, mac in macs.items():
+            start = time.thread_time_ns()
+            for _ in range(calls):
+                lib.tp_mac_tag(mac, nonce, b"", 0, packet, packet_bytes, tag)
+            best[name] = min(best[name], time.thread_time_ns() - start)
+    return min(best, key=best.get)
 
 
 def code(name):

@@ -65,17 +65,24 @@ def test_each_algorithm_is_the_standard_one_and_refuses_the_others_tags(algorith
         assert lib.tp_mac_check(other, nonce, head, 8, raw, length, tag) == 0, f"{algorithm}'s tag passed the other"
 
 
-def test_the_choice_unknown_names_and_auto():
-    """auto resolves from this CPU's flags (AES-NI and PCLMULQDQ: AES-256-GCM); an unknown name is a
-    ConfigError naming the valid ones, and C refuses an unknown algorithm."""
+def test_the_choice_unknown_names_and_auto(monkeypatch):
+    """tp_mac_fast reads this CPU's flags (AES-NI and PCLMULQDQ); auto is one of the two where it has them
+    (the faster, timed), ChaCha20-Poly1305 where it lacks them; a name is taken as given; an unknown name
+    is a ConfigError naming the valid ones (on every rank: the backends check it first), and C refuses an
+    unknown algorithm."""
     flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("flags")), [])
-    fast = "aes" in flags and "pclmulqdq" in flags
-    assert bool(lib.tp_mac_fast()) == fast
-    assert packet_mac.resolve("auto") == (AES if fast else CHACHA)
-    assert packet_mac.resolve(CHACHA) == CHACHA and packet_mac.resolve(AES) == AES
+    assert packet_mac.cpu_has_aes() == ("aes" in flags and "pclmulqdq" in flags)
+    for size in (1064, 32788):
+        assert packet_mac.resolve("auto", size) in ((AES, CHACHA) if packet_mac.cpu_has_aes() else (CHACHA,))
+    monkeypatch.setattr(packet_mac, "cpu_has_aes", lambda: False)
+    assert packet_mac.resolve("auto", 1064) == CHACHA
+    assert packet_mac.resolve(CHACHA, 1064) == CHACHA and packet_mac.resolve(AES, 1064) == AES
     with pytest.raises(ConfigError, match="aes-256-gcm, chacha20-poly1305 or auto"):
-        packet_mac.resolve("siphash")
+        packet_mac.resolve("siphash", 1064)
+    for backend in (sml.SwitchMLBackend, om.OmniReduceBackend):
+        errors = LocalGroup(2, Settings({"packet_mac": "siphash"})).run(lambda ctx: _error(backend, ctx), 20)
+        assert all(isinstance(e, ConfigError) and "siphash" in str(e) for e in errors), errors
     assert lib.tp_mac_new(bytes(16), LABEL, 0) == ffi.NULL and lib.tp_mac_new(bytes(16), LABEL, 99) == ffi.NULL
 
 
@@ -115,6 +122,14 @@ def test_a_worker_of_the_other_algorithm_is_refused(job_mac, worker_mac):
         for s in socks:
             s.close()
         server.stop()
+
+
+def _error(backend_class, ctx):
+    try:
+        backend_class(ctx).close()
+    except ConfigError as exc:
+        return exc
+    return None
 
 
 # -- end to end: the sums are bit-identical under either algorithm -------------------------------
