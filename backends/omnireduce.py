@@ -488,7 +488,8 @@ class OmniReduceBackend(Backend):
         with self._lock:
             out = dict(self._totals)
             out.update(mode=self.mode, authenticated=self._key is not None,
-                       packet_mac=self._mac if self._key is not None else None, block_size=self.block, columns=self.columns, threshold=self.threshold,
+                       packet_mac=self._mac if self._key is not None else None,   # None: no MACs
+                       block_size=self.block, columns=self.columns, threshold=self.threshold,
                        aggregators=[f"{h}:{p}" for h, p in self._aggregators],
                        last=dict(self._last), density=self._last.get("density"),
                        union_density=self._last.get("union_density"),

@@ -49,9 +49,10 @@ def mac_call_ns(algorithm, nbytes, calls=2000, repeats=5):
     `algorithm` (switch/packet_mac.py), the cffi call's own cost (a tp_checksum of 0 bytes, the same
     Python and cffi path) taken out: the median of `repeats` batches. CPU time: robust on a busy host."""
     from commlib.switch import packet_mac
-    mac = ffi.gc(lib.tp_mac_new(os.urandom(16), b"commlib switchml packets", packet_mac.code(algorithm)),
+    mac = ffi.gc(lib.tp_mac_new(os.urandom(lib.TP_KEY_LEN), b"commlib switchml packets", packet_mac.code(algorithm)),
                  lib.tp_mac_free)
-    nonce, prefix, packet, tag = os.urandom(12), os.urandom(8), ffi.from_buffer(os.urandom(nbytes)), ffi.new("uint8_t[16]")
+    nonce, prefix, packet = os.urandom(lib.TP_NONCE_LEN), os.urandom(8), ffi.from_buffer(os.urandom(nbytes))
+    tag = ffi.new("uint8_t[]", lib.TP_TAG_LEN)
 
     def batch(fn):
         start = time.process_time_ns()
@@ -86,14 +87,15 @@ def kernels(n):
     rng = np.random.default_rng(0)
     x = rng.standard_normal(n).astype(np.float32)
     be, out, acc = np.zeros(4 * n, np.uint8), np.zeros(n, np.float32), np.zeros(n, np.int32)
-    exps, mask, tag = np.zeros(n // 256 + 1, np.int8), np.zeros(n // 256 + 1, np.uint8), ffi.new("uint8_t[16]")
+    exps, mask = np.zeros(n // 256 + 1, np.int8), np.zeros(n // 256 + 1, np.uint8)
+    tag = ffi.new("uint8_t[]", lib.TP_TAG_LEN)
     src, dst = ffi.from_buffer(x), ffi.from_buffer(out)
     xp, bep, outp, accp = (ffi.cast("float *", src), ffi.cast("uint8_t *", ffi.from_buffer(be)),
                            ffi.cast("float *", dst), ffi.cast("int32_t *", ffi.from_buffer(acc)))
     from commlib.switch import packet_mac
-    macs = {name: ffi.gc(lib.tp_mac_new(os.urandom(16), b"commlib switchml packets", code), lib.tp_mac_free)
+    macs = {name: ffi.gc(lib.tp_mac_new(os.urandom(lib.TP_KEY_LEN), b"commlib switchml packets", code), lib.tp_mac_free)
             for name, code in packet_mac.algorithms().items()}
-    nonce, prefix = os.urandom(12), os.urandom(8)
+    nonce, prefix = os.urandom(lib.TP_NONCE_LEN), os.urandom(8)
     calls = {
         "memcpy (the floor)": lambda: ffi.memmove(dst, src, 4 * n),
         "block exponents": lambda: lib.cl_block_exponents(xp, n, n, ffi.cast("int8_t *", ffi.from_buffer(exps))),

@@ -126,15 +126,15 @@ def worker(args):
             }
         if density == max(args.densities):
             used = omni.stats()["packet_mac"]   # the default's algorithm: the run above
-            macs = {mac: (omni_s, cpu) if mac == used else timed_with(ctx, costed, x, f"{mac}{density}", packet_mac=mac)[::2]
-                    for mac in mac_algorithms()}
+            macs = {mac: (omni_s, cpu) if mac == used else
+                    timed_with(ctx, costed, x, f"{mac}{density}", packet_mac=mac)[::2] for mac in mac_algorithms()}
             no_mac_s, _, no_mac_cpu = timed_with(ctx, costed, x, f"nomac{density}", authenticate=False)
             path_s, _, path_cpu = timed_with(ctx, costed, x, f"path{density}", omnireduce_block_size=0)
             if rank == 0:
-                results[str(density)].update(no_mac_s=no_mac_s, no_mac_cpu=no_mac_cpu, path_s=path_s, path_cpu=path_cpu,
-                                             default_mac=used, macs={m: {"s": s, "cpu": c} for m, (s, c) in macs.items()},
-                                             mac_ns_per_packet={m: mac_call_ns(m, 40 + 4 * omni.block)
-                                                                for m in mac_algorithms()})
+                results[str(density)].update(
+                    no_mac_s=no_mac_s, no_mac_cpu=no_mac_cpu, path_s=path_s, path_cpu=path_cpu, default_mac=used,
+                    macs={m: {"s": s, "cpu": c} for m, (s, c) in macs.items()},
+                    mac_ns_per_packet={m: mac_call_ns(m, 40 + 4 * omni.block) for m in mac_algorithms()})
     if rank == 0:
         common.emit({"engine": engine, "size": n, "columns": omni.columns, "mode": omni.mode, "block": omni.block,
                      "elements": elements, "results": results})
@@ -251,13 +251,15 @@ def main(argv=None):
                     cost = r["mac_cost"][m] = 1 - no_mac / t
                     one = r["mac_ns_per_packet"].get(m)
                     print(f"  density {float(density):>5.0%}, MACs {m:<18}: omnireduce {t * 1e3:8.1f} ms "
-                          f"({ring / t if ring else float('nan'):.2f}x the ring), the MACs' share {cost:5.1%} | CPU ns/element "
-                          f"worker {cpu['worker_cpu_ns_per_element']:.2f}, aggregators "
+                          f"({ring / t if ring else float('nan'):.2f}x the ring), the MACs' share {cost:5.1%} | "
+                          f"CPU ns/element worker {cpu['worker_cpu_ns_per_element']:.2f}, aggregators "
                           f"{cpu['aggregator_cpu_ns_per_element']:.2f} (memcpy {floor:.2f})"
-                          + (f" | one MAC {one:.0f} CPU ns per {payload['block']}-value block" if one else ""), flush=True)
+                          + (f" | one MAC {one:.0f} CPU ns per {payload['block']}-value block" if one else ""),
+                          flush=True)
                     mac_rows.append(f"| {mode} | {float(density):.0%} | {m} | {t * 1e3:.1f} | "
                                     f"{ring / t if ring else float('nan'):.2f}x | {cost:.1%} | "
-                                    f"{cpu['worker_cpu_ns_per_element']:.2f} | {cpu['aggregator_cpu_ns_per_element']:.2f} | "
+                                    f"{cpu['worker_cpu_ns_per_element']:.2f} | "
+                                    f"{cpu['aggregator_cpu_ns_per_element']:.2f} | "
                                     + (f"{one:.0f} |" if one else "- |"))
             cases = [(f"{float(density):.0%}, {BLOCK}-value blocks", r["omnireduce_s"], r["cpu"])]
             if "path_s" in r:

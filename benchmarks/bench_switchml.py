@@ -344,11 +344,12 @@ def main(argv=None):
               f"per contribution (of {n}), goodput vs the ring in the same processes, the MACs' share of the goodput:")
         for mac in embedded_runs():
             c = cpu[mac]
-            share = f", MACs cost {mac_cost[mac]:.1%} of the goodput, one MAC {prof['mac_cpu_ns_per_packet'][mac]:.0f} " \
-                    f"CPU ns per {prof['packet_elems']}-value packet" if mac != OFF else ""
+            share = (f", MACs cost {mac_cost[mac]:.1%} of the goodput, one MAC "
+                     f"{prof['mac_cpu_ns_per_packet'][mac]:.0f} CPU ns per {prof['packet_elems']}-value packet"
+                     if mac != OFF else "")
             ratio = f", {statistics.median(embedded[mac]) / statistics.median(ring):.2f}x the ring" if ring else ""
-            print(f"    {mac:<18} worker {c['worker_cpu_ns_per_element']:.2f} ({c['worker_cpu_ns_per_element'] / copy_ns:.1f}x "
-                  f"memcpy), switch {c['switch_cpu_ns_per_element'] / n:.2f}/contribution{ratio}{share}")
+            print(f"    {mac:<18} worker {c['worker_cpu_ns_per_element']:.2f} "
+                  f"({c['worker_cpu_ns_per_element'] / copy_ns:.1f}x memcpy), switch {c['switch_cpu_ns_per_element'] / n:.2f}/contribution{ratio}{share}")
         print(f"  profile: switch {prof['switch_cpu_ns_per_element']:.2f} CPU ns/element, busy "
               f"{prof['switch_busy_fraction']:.0%}; worker {prof['worker_cpu_ns_per_element']:.2f} CPU ns/element, "
               f"waiting {prof['worker_wait_fraction']:.0%}; {prof['worker_resends']} resends")
@@ -357,8 +358,8 @@ def main(argv=None):
         fast = line_rate(on["worker_cpu_ns_per_element"], per_contribution, n)
         default_ratio = statistics.median(mac) / statistics.median(ring) if ring else None
         if ring:
-            print(f"  default set-up (switch embedded in rank 0, MACs {default_mac}): {statistics.median(mac):.3f} Gbps = "
-                  f"{default_ratio:.2f}x the ring in the same processes")
+            print(f"  default set-up (switch embedded in rank 0, MACs {default_mac}): {statistics.median(mac):.3f} "
+                  f"Gbps = {default_ratio:.2f}x the ring in the same processes")
         print(f"  fast networks, from the CPU costs with MACs (worker {on['worker_cpu_ns_per_element']:.2f} ns/element, "
               f"switch {per_contribution:.2f} ns/element/contribution): one core feeds a worker's "
               f"{fast['worker_core_gbps']:.1f} Gbit/s, a switch's {fast['switch_core_gbps']:.1f} Gbit/s of "

@@ -54,8 +54,9 @@ def fastest(packet_bytes, calls=24, rounds=5):
     host slows a batch, rarely every one)."""
     import os
     import time
-    packet, nonce, tag = ffi.from_buffer(os.urandom(packet_bytes)), os.urandom(12), ffi.new("uint8_t[16]")
-    macs = {name: ffi.gc(lib.tp_mac_new(os.urandom(16), b"commlib packet_mac timing", c), lib.tp_mac_free)
+    packet, nonce = ffi.from_buffer(os.urandom(packet_bytes)), os.urandom(lib.TP_NONCE_LEN)
+    tag = ffi.new("uint8_t[]", lib.TP_TAG_LEN)
+    macs = {name: ffi.gc(lib.tp_mac_new(os.urandom(lib.TP_KEY_LEN), b"commlib packet_mac timing", c), lib.tp_mac_free)
             for name, c in algorithms().items()}
     best = dict.fromkeys(macs, float("inf"))
     for _ in range(rounds):

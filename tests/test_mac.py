@@ -56,9 +56,9 @@ def test_each_algorithm_is_the_standard_one_and_refuses_the_others_tags(algorith
     same job key, label and nonce, refuses every one of them."""
     key = bytes(range(9, 25))
     mine, other = new_mac(key, algorithm), new_mac(key, CHACHA if algorithm == AES else AES)
-    rng, tag = np.random.default_rng(5), ffi.new("uint8_t[16]")
+    rng, tag = np.random.default_rng(5), ffi.new("uint8_t[]", lib.TP_TAG_LEN)
     for length in (0, 1, 20, 1044, 4117, 32808, 41004):
-        raw, head, nonce = rng.bytes(length), rng.bytes(8), rng.bytes(12)
+        raw, head, nonce = rng.bytes(length), rng.bytes(8), rng.bytes(lib.TP_NONCE_LEN)
         assert lib.tp_mac_tag(mine, nonce, head, 8, raw, length, tag) == 0
         assert bytes(tag) == reference_tag(algorithm, key, LABEL, nonce, head + raw), (algorithm, length)
         assert lib.tp_mac_check(mine, nonce, head, 8, raw, length, tag) == 1
