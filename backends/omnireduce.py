@@ -10,8 +10,9 @@ only the workers whose next block it is send again. A worker uploads its own non
 (density d) and downloads the union (density D). Transport: UDP with per-column timers (adaptive,
 from the measured round trip), shadow sets and replay of finished results (idempotent under loss
 and duplication); datagrams to one peer leave in UDP GSO batches and arrive GRO-coalesced. Every
-packet and result carries a MAC under the job key (backends/keys.py; `authenticate`): a forged or
-altered block or result is dropped, a replayed one is a duplicate the protocol already ignores.
+packet and result carries a MAC under the job key (backends/keys.py; `authenticate`; `packet_mac` its
+algorithm, switch/packet_mac.py): a forged or altered block or result is dropped, a replayed one is a
+duplicate the protocol already ignores.
 
 Aggregators
   colocated (default)  every worker runs an aggregator thread for a 1/N share of the columns; no

@@ -4,9 +4,9 @@ Every rank streams its tensor through a pool of `switch_window` slots of a comml
 block of `switch_packet_elems` values per packet (sized by the path unless set); the switch adds the blocks of all ranks and
 sends each sum back to every rank. Each rank sends S and receives S bytes whatever the number of
 ranks. The per-packet loop is C (switch/csrc/switchml_worker.c), one call per tensor, the GIL
-released. Packets and results carry a MAC under the job key (backends/keys.py; `authenticate`),
-and the packet id is each slot set's version, so reordered, late and replayed packets are never
-aggregated (switch/csrc/switchml.h).
+released. Packets and results carry a MAC under the job key (backends/keys.py; `authenticate`;
+`packet_mac` its algorithm, switch/packet_mac.py), and the packet id is each slot set's version, so
+reordered, late and replayed packets are never aggregated (switch/csrc/switchml.h).
 
 Streams: a rank splits each tensor, on block boundaries, over several streams, each its own socket,
 C worker and thread towards one data-plane thread (shard) of a switch, with its share of the job's
