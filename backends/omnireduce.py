@@ -10,8 +10,9 @@ only the workers whose next block it is send again. A worker uploads its own non
 (density d) and downloads the union (density D). Transport: UDP with per-column timers (adaptive,
 from the measured round trip), shadow sets and replay of finished results (idempotent under loss
 and duplication); datagrams to one peer leave in UDP GSO batches and arrive GRO-coalesced. Every
-packet and result carries a MAC under the job key (backends/keys.py; `authenticate`): a forged or
-altered block or result is dropped, a replayed one is a duplicate the protocol already ignores.
+packet and result carries a MAC under the job key (backends/keys.py; `authenticate`; `packet_mac` its
+algorithm, switch/packet_mac.py): a forged or altered block or result is dropped, a replayed one is a
+duplicate the protocol already ignores.
 
 Aggregators
   colocated (default)  every worker runs an aggregator thread for a 1/N share of the columns; no
@@ -71,7 +72,7 @@ from commlib.sparse import RowSlots
 from commlib.tensors import Staged
 
 try:
-    from commlib.switch import aggregator as agg, auth, control
+    from commlib.switch import aggregator as agg, auth, control, packet_mac
     from commlib._native import ffi, lib
     IMPORT_ERROR = ""
 except ImportError as exc:   # the C extension is not built
@@ -171,6 +172,8 @@ class OmniReduceBackend(Backend):
         s = ctx.settings
         self.block = int(s.omnireduce_block_size)
         self.threshold = float(s.omnireduce_threshold)
+        if lib is not None and s.packet_mac != packet_mac.AUTO:
+            packet_mac.code(s.packet_mac)   # a bad name fails on every rank, here
         self.rows_per_block = int(s.omnireduce_rows_per_block)
         if self.rows_per_block < 0:
             raise ConfigError(f"omnireduce_rows_per_block={self.rows_per_block}: use 0 (as many as fit) or >= 1")
@@ -197,6 +200,7 @@ class OmniReduceBackend(Backend):
         self._job_hash = agg.token_hash(ctx.job_token or "no-token")
         self._seq, self._broken, self._closed = 0, None, False
         self._key = self._nonce = None              # the job key of its packets (None: no MACs), its nonce
+        self._mac = None                            # the packets' MAC algorithm (rank 0's packet_mac)
         self._sign = None                           # signs its control requests (keyed aggregators)
         self._daemon_key = None
         self._stopping, self._keepalive = threading.Event(), None
@@ -257,6 +261,9 @@ class OmniReduceBackend(Backend):
         if self.block == 0:   # sized by the path: the smallest over every rank's paths
             self.block = min(ctx.exchange(f"{self._prefix}/path", agg.path_block(self._aggregators), setup_s))
             self.columns = int(s.omnireduce_columns) or max(1, self._window // (4 * self.block))
+        # rank 0 chooses the packets' MAC algorithm for blocks of this size; every rank takes its choice
+        mac = packet_mac.resolve(s.packet_mac, lib.OMR_HDR_BYTES + 4 * self.block) if self.rank == 0 else None
+        self._mac = ctx.exchange(f"{self._prefix}/mac", mac, setup_s)[0]
         self._step("register", self._register, setup_s)
 
     def _start_aggregators(self):
@@ -280,7 +287,8 @@ class OmniReduceBackend(Backend):
         request = {"job": self._job_hash, "epoch": self._epoch, "rank": self.rank, "size": self.size,
                    "columns": self.columns, "aggregators": len(self._aggregators), "block": self.block,
                    "loss": s.omnireduce_sim_loss, "dup": s.omnireduce_sim_dup,
-                   "nonce": self._nonce, "authenticate": self._key is not None}
+                   "nonce": self._nonce, "authenticate": self._key is not None,
+                   "packet_mac": self._mac}
         jobs = agg.register(self._sock, self._aggregators, request, self.timeout_s,
                             retry_s=max(0.05, 10 * self.retransmit_ms / 1000), sign=self._sign)
         seed = secrets.randbits(63) | 1
@@ -293,7 +301,7 @@ class OmniReduceBackend(Backend):
         self._jobs = [(job, key) for job, key, _ in jobs]
         for index, ((ip, port), (job, key, _)) in enumerate(zip(self._aggregators, jobs)):
             lib.omr_worker_set_agg(self._worker, index, ip.encode(), port, job, key,
-                                   ffi.NULL if self._key is None else self._key)
+                                   ffi.NULL if self._key is None else self._key, packet_mac.code(self._mac))
         idle_s = min(idle for _, _, idle in jobs)
         if idle_s != float("inf"):   # every rank's keepalives hold the job's state: a silent rank died
             self._keepalive = threading.Thread(target=self._keep_alive, args=(idle_s / 4,),
@@ -304,7 +312,7 @@ class OmniReduceBackend(Backend):
         """Dedicated aggregators drop a job that is silent for their idle time: while this backend
         is open, tell them it lives (a job may reduce nothing for a long evaluation)."""
         while not self._stopping.wait(every_s):
-            agg.keepalive(self._sock, self._aggregators, self._jobs, self.rank, self._key)
+            agg.keepalive(self._sock, self._aggregators, self._jobs, self.rank, self._key, self._mac)
 
     def _spawn_aggregators(self, count):
         """Rank 0, all ranks local, nothing configured: start `count` commlib-aggregator processes."""
@@ -480,7 +488,9 @@ class OmniReduceBackend(Backend):
         density of the last tensor (own: this rank's; union: identical on every rank), resends."""
         with self._lock:
             out = dict(self._totals)
-            out.update(mode=self.mode, authenticated=self._key is not None, block_size=self.block, columns=self.columns, threshold=self.threshold,
+            out.update(mode=self.mode, authenticated=self._key is not None,
+                       packet_mac=self._mac if self._key is not None else None,   # None: no MACs
+                       block_size=self.block, columns=self.columns, threshold=self.threshold,
                        aggregators=[f"{h}:{p}" for h, p in self._aggregators],
                        last=dict(self._last), density=self._last.get("density"),
                        union_density=self._last.get("union_density"),

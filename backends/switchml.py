@@ -4,9 +4,9 @@ Every rank streams its tensor through a pool of `switch_window` slots of a comml
 block of `switch_packet_elems` values per packet (sized by the path unless set); the switch adds the blocks of all ranks and
 sends each sum back to every rank. Each rank sends S and receives S bytes whatever the number of
 ranks. The per-packet loop is C (switch/csrc/switchml_worker.c), one call per tensor, the GIL
-released. Packets and results carry a MAC under the job key (backends/keys.py; `authenticate`),
-and the packet id is each slot set's version, so reordered, late and replayed packets are never
-aggregated (switch/csrc/switchml.h).
+released. Packets and results carry a MAC under the job key (backends/keys.py; `authenticate`;
+`packet_mac` its algorithm, switch/packet_mac.py), and the packet id is each slot set's version, so
+reordered, late and replayed packets are never aggregated (switch/csrc/switchml.h).
 
 Streams: a rank splits each tensor, on block boundaries, over several streams, each its own socket,
 C worker and thread towards one data-plane thread (shard) of a switch, with its share of the job's
@@ -71,7 +71,7 @@ from commlib.backends.base import server_share
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor,
                             PeerFailure)
 from commlib.settings import define
-from commlib.switch import auth, net
+from commlib.switch import auth, net, packet_mac
 from commlib.switch import switchml as sw
 from commlib.net import parse_address
 
@@ -152,6 +152,8 @@ class SwitchMLBackend(Backend):
         if not 0 <= s.switch_window <= sw.MAX_SLOTS:
             raise ConfigError(f"switch_window={s.switch_window}: use 1..{sw.MAX_SLOTS}, or 0 for about "
                               f"{WINDOW_BYTES >> 10} KiB of values in flight (at most {MAX_WINDOW} packets)")
+        if s.packet_mac != packet_mac.AUTO:
+            packet_mac.code(s.packet_mac)   # a bad name fails on every rank, here
         if s.switch_nonfinite not in ("propagate", "error"):
             raise ConfigError(f"switch_nonfinite={s.switch_nonfinite!r}: use 'propagate' or 'error'")
         if not 0 < s.switch_retransmit_ms <= s.switch_retransmit_max_ms:
@@ -165,6 +167,7 @@ class SwitchMLBackend(Backend):
         self.address = None      # the switches' addresses, comma-separated
         self.job = None          # the job's number on the first switch
         self._daemon_key = None  # the switch's key (the job's secret for the embedded one, else the key file's)
+        self._mac = None         # rank 0: the packets' MAC algorithm it chose (switch/packet_mac.py)
         self._switches = []      # _Switch per switch this rank registers on and keeps alive (its leaf and the spine)
         self._tree = []          # every switch of the job (the leaves, then the spine of a two-level job)
         self._spine = None       # the spine's _Switch (a two-level job)
@@ -228,6 +231,8 @@ class SwitchMLBackend(Backend):
             for stream, slots in zip([t for t in self._streams if t.switch is switch], job["slots"]):
                 stream.slots = slots
             switch.key = keys.job_key(self.ctx, self._daemon_key, switch.nonce)
+            switch.mac_name = job["mac"]   # rank 0's choice, in its signed registration
+            switch.mac = packet_mac.code(switch.mac_name)
             switch.control_key = self._daemon_key and auth.job_key(self._daemon_key, switch.nonce)
         for switch in self._switches:
             switch.client = sw.SwitchClient(switch.address, 5.0, key=switch.control_key,
@@ -252,7 +257,7 @@ class SwitchMLBackend(Backend):
             stream.worker = sw.lib.sml_worker_new(stream.sock.fileno(), switch.job, rank, self.token, self.size,
                                                   stream.slots, self.elems, float(s.switch_retransmit_ms),
                                                   float(s.switch_retransmit_max_ms), int(bool(s.switch_offload)),
-                                                  sw.ffi.NULL if key is None else key)
+                                                  sw.ffi.NULL if key is None else key, switch.mac)
             if stream.worker == sw.ffi.NULL:
                 raise MemoryError("switchml: could not allocate the worker state")
 
@@ -332,6 +337,8 @@ class SwitchMLBackend(Backend):
         if self.rank != 0:
             return None
         done = []   # (client, job number) of every registration made
+        # one MAC algorithm for the job on every switch (a leaf's partial sums go up with it)
+        self._mac = packet_mac.resolve(self.ctx.settings.packet_mac, sw.lib.SML_HDR_LEN + 4 * self.elems)
         try:
             if self._spine is not None:
                 return self._register_tree(addrs, done)
@@ -370,22 +377,25 @@ class SwitchMLBackend(Backend):
     def _register_on(self, switch, streams, slots, done, parent=None):
         """Register the job on one switch: streams[i][rank] the ranks' addresses of stream i, `slots` of the
         window over them; parent: the switch is a leaf of it. Appends (client, job number) to `done`; returns
-        {job, nonce, expiry_s, slots per stream} (and key: the job key where its packets carry MACs, which
+        {job, nonce, mac, expiry_s, slots per stream} (and key: the job key where its packets carry MACs, which
         _setup keeps on rank 0)."""
-        nonce = auth.new_nonce()
+        nonce, mac = auth.new_nonce(), self._mac
         key = self._daemon_key and auth.job_key(self._daemon_key, nonce)
         authenticate = keys.job_key(self.ctx, self._daemon_key, nonce) is not None
         client = sw.SwitchClient(switch.address, min(self.ctx.settings.timeout_s, 30.0), key=key, rank=0)
         reply = client.register(self.token, streams[0], slots, self.elems, nonce=nonce, authenticate=authenticate,
-                                streams=streams, parent=parent)
+                                streams=streams, parent=parent, mac=mac)
         done.append((client, reply["job"]))
         if authenticate and reply.get("authenticated") is False:   # the key file names a key the switch lacks
             raise ConfigError(auth.unauthenticated(f"commlib-switch at {switch.address}", "the switch has no key"))
+        if reply.get("packet_mac", mac) != mac:
+            raise ConfigError(f"commlib-switch at {switch.address} keys the packets' MAC with {reply['packet_mac']!r}, "
+                              f"not the job's {mac!r}: run the same commlib version everywhere")
         endpoints = reply.get("endpoints") or [{"slots": slots}]   # a switch of one thread
         if len(endpoints) != len(streams):
             raise ConfigError(f"commlib-switch at {switch.address} took {len(endpoints)} of the job's "
                               f"{len(streams)} streams: set COMMLIB_SWITCH_STREAMS={len(endpoints)}")
-        return {"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0),
+        return {"job": reply["job"], "nonce": nonce, "expiry_s": reply.get("expiry_s", 60.0), "mac": mac,
                 "slots": [int(e["slots"]) for e in endpoints], "key": key if authenticate else None}
 
     def _leaf_address(self, leaf, stream):
@@ -536,6 +546,7 @@ class SwitchMLBackend(Backend):
         out = {"switch": self.address, "job": self.job, "embedded": self.server is not None,
                "packet_elems": self.elems, "window": self.window, "streams": len(self._streams),
                "authenticated": any(switch.key is not None for switch in self._switches),
+               "packet_mac": next((s.mac_name for s in self._switches if s.key is not None), None),   # None: no MACs
                "range_fallbacks": self.range_fallbacks}
         if self._streams and self._streams[0].worker is not None:
             out.update(self._counters())
@@ -621,6 +632,7 @@ class _Switch:
     def __init__(self, address, ports):
         self.address, self.ports = address, ports
         self.job = self.nonce = self.key = self.control_key = self.client = self.rank = None
+        self.mac = self.mac_name = None   # the packets' MAC algorithm: its TP_MAC_* code and name
 
 
 class _Stream:

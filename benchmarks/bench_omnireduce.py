@@ -7,9 +7,11 @@ aggregators) and of the core's ring backend on the same tensor (Horovod's Gloo a
 horovodrun when Horovod is built, else torch.distributed's Gloo), the MEASURED block density
 (own and union), and the bytes each worker sent and received against the traffic models:
 OMNIREDUCE.md's (own blocks + 4 B up, the union down), commlib's exact wire model, and the ring's
-2(N-1)/N * S each way. At the densest density it also times omnireduce without the packet MACs
-(COMMLIB_AUTHENTICATE=0, a trusted fabric): the MAC's cost, and with blocks sized by the path
-(omnireduce_block_size=0: on loopback OMR_MAX_BLOCK values per packet).
+2(N-1)/N * S each way. At the densest density it also times omnireduce under each packet MAC algorithm
+(COMMLIB_PACKET_MAC; the other runs take the default, `auto`) and without MACs (COMMLIB_AUTHENTICATE=0, a
+trusted fabric): each algorithm's cost in time and in CPU ns per element of each role, and one MAC of a
+block's packet (bench_kernels.mac_call_ns); and with blocks sized by the path (omnireduce_block_size=0:
+on loopback OMR_MAX_BLOCK values per packet).
 
 The fast-network view (issue 25): each role's CPU ns per element, beside a memcpy of the same tensor
 on this machine (a worker: its calling thread's CPU time in the C call; the aggregators: their
@@ -33,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
+from bench_kernels import mac_algorithms, mac_call_ns  # noqa: E402
 from bench_switchml import line_rate  # noqa: E402
 
 BLOCK = 256
@@ -122,19 +125,26 @@ def worker(args):
                 "ring_model_bytes": 2 * (n - 1) / n * elements * 4, "cpu": cpu,
             }
         if density == max(args.densities):
-            no_mac_s = timed_with(ctx, costed, x, f"nomac{density}", authenticate=False)[0]
+            used = omni.stats()["packet_mac"]   # the default's algorithm: the run above
+            macs = {mac: (omni_s, cpu) if mac == used else
+                    timed_with(ctx, costed, x, f"{mac}{density}", packet_mac=mac)[::2] for mac in mac_algorithms()}
+            no_mac_s, _, no_mac_cpu = timed_with(ctx, costed, x, f"nomac{density}", authenticate=False)
             path_s, _, path_cpu = timed_with(ctx, costed, x, f"path{density}", omnireduce_block_size=0)
             if rank == 0:
-                results[str(density)].update(no_mac_s=no_mac_s, path_s=path_s, path_cpu=path_cpu)
+                results[str(density)].update(
+                    no_mac_s=no_mac_s, no_mac_cpu=no_mac_cpu, path_s=path_s, path_cpu=path_cpu, default_mac=used,
+                    macs={m: {"s": s, "cpu": c} for m, (s, c) in macs.items()},
+                    mac_ns_per_packet={m: mac_call_ns(m, 40 + 4 * omni.block) for m in mac_algorithms()})
     if rank == 0:
-        common.emit({"engine": engine, "size": n, "columns": omni.columns, "mode": omni.mode,
+        common.emit({"engine": engine, "size": n, "columns": omni.columns, "mode": omni.mode, "block": omni.block,
                      "elements": elements, "results": results})
     commlib.shutdown()
 
 
 def timed_with(ctx, costed, x, tag, **settings):
-    """costed() through an omnireduce backend of its own (same mode) with other settings: packets
-    without MACs (authenticate=False), blocks sized by the path (omnireduce_block_size=0)."""
+    """costed() through an omnireduce backend of its own (same mode) with other settings: another packet
+    MAC (packet_mac), packets without MACs (authenticate=False), blocks sized by the path
+    (omnireduce_block_size=0)."""
     from commlib.backends.omnireduce import OmniReduceBackend
     from commlib.settings import Settings
     backend = OmniReduceBackend(ctx.joined(settings=Settings(dict(ctx.settings.as_dict(), **settings), environ={})))
@@ -233,11 +243,24 @@ def main(argv=None):
                   f"ring {_mib(r['ring_model_bytes']):.2f} MiB each way | resends {sum(r['resends'])}", flush=True)
             if "no_mac_s" in r:
                 no_mac = statistics.median(r["no_mac_s"])
-                r["mac_cost"] = 1 - no_mac / omni
-                print(f"  density {float(density):>5.0%} without MACs: omnireduce {no_mac * 1e3:8.1f} ms; "
-                      f"the MACs cost {r['mac_cost']:.1%} of the time", flush=True)
-                mac_rows.append(f"| {mode} | {float(density):.0%} | {omni * 1e3:.1f} | {no_mac * 1e3:.1f} | "
-                                f"{r['mac_cost']:.1%} |")
+                runs = {m: (v["s"], v["cpu"]) for m, v in r["macs"].items()}
+                runs["off"] = (r["no_mac_s"], r["no_mac_cpu"])
+                r["mac_cost"] = {}
+                for m, (samples, cpu) in runs.items():
+                    t = statistics.median(samples)
+                    cost = r["mac_cost"][m] = 1 - no_mac / t
+                    one = r["mac_ns_per_packet"].get(m)
+                    print(f"  density {float(density):>5.0%}, MACs {m:<18}: omnireduce {t * 1e3:8.1f} ms "
+                          f"({ring / t if ring else float('nan'):.2f}x the ring), the MACs' share {cost:5.1%} | "
+                          f"CPU ns/element worker {cpu['worker_cpu_ns_per_element']:.2f}, aggregators "
+                          f"{cpu['aggregator_cpu_ns_per_element']:.2f} (memcpy {floor:.2f})"
+                          + (f" | one MAC {one:.0f} CPU ns per {payload['block']}-value block" if one else ""),
+                          flush=True)
+                    mac_rows.append(f"| {mode} | {float(density):.0%} | {m} | {t * 1e3:.1f} | "
+                                    f"{ring / t if ring else float('nan'):.2f}x | {cost:.1%} | "
+                                    f"{cpu['worker_cpu_ns_per_element']:.2f} | "
+                                    f"{cpu['aggregator_cpu_ns_per_element']:.2f} | "
+                                    + (f"{one:.0f} |" if one else "- |"))
             cases = [(f"{float(density):.0%}, {BLOCK}-value blocks", r["omnireduce_s"], r["cpu"])]
             if "path_s" in r:
                 cases.append((f"{float(density):.0%}, path-sized blocks", r["path_s"], r["path_cpu"]))
@@ -277,9 +300,13 @@ def main(argv=None):
                 "| aggregators | nominal density | measured own / union | omnireduce ms | ring ms | ring/omni | "
                 "sent / model MiB | recv / model MiB | ring MiB each way | bottleneck (omnireduce) |\n"
                 "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
-                "\nThe packet MACs' cost (ChaCha20-Poly1305 over every packet and result, switch/csrc; the rows above "
-                "are with MACs, the default): the same allreduce with COMMLIB_AUTHENTICATE=0.\n\n"
-                "| aggregators | density | with MACs ms | without ms | share of the time |\n|---|---|---|---|---|\n"
+                "\nThe packet MACs (from OpenSSL over every packet and result, switch/csrc/transport.h; the rows above "
+                "are with MACs under the default algorithm, `auto`): the same allreduce under each algorithm "
+                "(COMMLIB_PACKET_MAC) and without MACs (COMMLIB_AUTHENTICATE=0, `off`): median time, against the ring "
+                "(wall time: noisy on a busy host), the MACs' share of the time against `off`, the CPU ns per "
+                f"element of a worker and of all aggregators (robust; memcpy {floor:.2f}), one MAC of a block's packet.\n\n"
+                "| aggregators | density | MAC | ms | ring/omni | MACs' share | worker CPU ns/elem | aggregators CPU "
+                "ns/elem | one MAC, CPU ns/packet |\n|---|---|---|---|---|---|---|---|---|\n"
                 + "\n".join(mac_rows) + "\n"
                 f"\nThe fast-network view (issue 25): loopback goodput (elements x 32 bits / median time) against "
                 f"the ring in the same processes; CPU ns per element of a worker (its calling thread in the C call, "

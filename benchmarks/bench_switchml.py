@@ -10,7 +10,12 @@ then Min/Max/Median/Mean; goodput = elements * 32 / ns (the job's duration is th
 The same processes then time the ring allreduce of the same tensor through the core's engine
 (Horovod with Gloo under horovodrun, else torch.distributed's Gloo) for the ratio, and the cost
 of the packet MACs: the same allreduce through a switch embedded in rank 0 (the default set-up),
-with MACs (the default) and without (COMMLIB_AUTHENTICATE=0, a trusted fabric). The switch's
+with MACs (the default) under each algorithm (COMMLIB_PACKET_MAC: AES-256-GCM, ChaCha20-Poly1305; `auto`
+takes the faster on the job's packets) and without (COMMLIB_AUTHENTICATE=0, a trusted fabric), in two
+rounds of opposite order (the runs of both pooled), each role's
+CPU ns per element beside a memcpy of the tensor on this host, one MAC's CPU ns per packet
+(bench_kernels.mac_call_ns) and the goodput each algorithm costs. CPU ns per element are robust on a
+busy host; wall-clock goodput and the ratios to the ring are noisy there (medians of --runs). The switch's
 own counters give the profile: its CPU time per element and its busy fraction (CPU time / wall
 time of the timed runs; well below 1 means the switch is not the bottleneck).
 
@@ -43,6 +48,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
+from bench_kernels import mac_algorithms, mac_call_ns, memcpy_ns  # noqa: E402
 
 LATENCY_ELEMS = 4096   # the hierarchy's latency: a small tensor, a packet or two per rank
 
@@ -122,8 +128,11 @@ def worker(args):
     except commlib.CommError as exc:
         ring_ns, engine = None, f"unavailable: {exc}"
     mac_ns, mac_cpu = {}, {}
-    for flag in (True, False):
-        mac_ns[flag], mac_cpu[flag] = timed_embedded(ctx, timed, flag, args.elements * (args.runs + 1))
+    for mac in embedded_runs() + embedded_runs()[::-1]:   # two rounds of opposite order: drift weighs on each alike
+        ns, cpu = timed_embedded(ctx, timed, mac, args.elements * (args.runs + 1))
+        mac_ns.setdefault(mac, []).extend(ns)
+        if cpu is not None:   # rank 0: the mean of the rounds
+            mac_cpu[mac] = {k: (v + mac_cpu[mac][k]) / 2 for k, v in cpu.items()} if mac in mac_cpu else cpu
     if rank != 0:   # rank 0 reports
         commlib.shutdown()
         return
@@ -138,12 +147,15 @@ def worker(args):
         "worker_resends": w_after["resends"] - w_before["resends"],
     }
     profile["packet_elems"], profile["window"] = w_after["packet_elems"], w_after["window"]
-    profile["mac_cpu_ns_per_packet"] = mac_cpu_ns(profile["packet_elems"])
+    profile["mac_cpu_ns_per_packet"] = {mac: mac_call_ns(mac, 20 + 4 * profile["packet_elems"])
+                                        for mac in mac_algorithms()}
+    from commlib.switch import packet_mac
+    # what the default set-up (packet_mac=auto) chooses for these packets on this host: rank 0 times it so
+    profile["default_mac"] = packet_mac.resolve(packet_mac.AUTO, 20 + 4 * profile["packet_elems"])
     breakdowns = [dict(b, server_s=server_s) for b in splits["switchml"]]
     common.emit({"switchml_ns": sml_ns, "ring_ns": ring_ns, "engine": engine, "profile": profile,
                  "breakdowns": breakdowns,
-                 "size": ctx.size, "mac_ns": mac_ns[True], "no_mac_ns": mac_ns[False],
-                 "mac_cpu": mac_cpu[True], "no_mac_cpu": mac_cpu[False]})
+                 "size": ctx.size, "embedded_ns": mac_ns, "embedded_cpu": mac_cpu})
     commlib.shutdown()
 
 
@@ -153,38 +165,30 @@ def switch_counters(backend, rank):
     return backend.switch_wide_counters() if rank == 0 else None
 
 
-def mac_cpu_ns(elems, calls=2000):
-    """CPU time of one packet's MAC (switchml.h: ChaCha20-Poly1305 from OpenSSL over the 64-bit id,
-    a header and `elems` int32), the cffi call's own cost taken out: what each MAC adds on the worker
-    (two per packet: sign, verify) and on the switch (one per contribution, one per result). CPU
-    time, so a busy host does not inflate it."""
-    import os
-    from commlib.switch.switchml import ffi, lib
-    mac = ffi.gc(lib.tp_mac_new(os.urandom(16), b"commlib switchml packets"), lib.tp_mac_free)
-    nonce, prefix, packet, tag = os.urandom(12), os.urandom(8), os.urandom(20 + 4 * elems), ffi.new("uint8_t[16]")
-    costs = []
-    for length in (len(packet), 0):
-        start = time.process_time_ns()
-        for _ in range(calls):
-            lib.tp_mac_tag(mac, nonce, prefix, 8, packet, length, tag)
-        costs.append((time.process_time_ns() - start) / calls)
-    return costs[0] - costs[1]
+OFF = "off"   # the embedded runs without MACs
 
 
-def timed_embedded(ctx, timed, authenticate, elements):
+def embedded_runs():
+    """The embedded switch's runs: with MACs under each algorithm, then without."""
+    return mac_algorithms() + [OFF]
+
+
+def timed_embedded(ctx, timed, mac, elements):
     """timed() through a switchml backend of its own, with the switch embedded in rank 0 (the
-    default set-up, whose daemon key the job holds) and the packets' MACs on or off; with the CPU
-    time per element of this rank's worker and of the switch (CPU time: robust to a busy host,
-    where goodput is not)."""
+    default set-up, whose daemon key the job holds) and the packets' MACs under algorithm `mac` or
+    off (OFF); with the CPU time per element of this rank's worker and of the switch (CPU time: robust
+    to a busy host, where goodput is not)."""
     from commlib.backends.switchml import SwitchMLBackend
     from commlib.settings import Settings
-    settings = Settings(dict(ctx.settings.as_dict(), switch_addr="", authenticate=authenticate), environ={})
+    authenticate = mac != OFF
+    settings = Settings(dict(ctx.settings.as_dict(), switch_addr="", authenticate=authenticate,
+                             packet_mac=mac if authenticate else "auto"), environ={})
     backend = SwitchMLBackend(ctx.joined(settings=settings))
     backend.start()
     try:
         rank = ctx.rank
         before, w_before = switch_counters(backend, rank), backend.stats()["cpu_ns"]
-        ns = timed(backend, f"switchml.mac{int(authenticate)}")
+        ns = timed(backend, f"switchml.mac.{mac}")
         after, w_after = switch_counters(backend, rank), backend.stats()["cpu_ns"]
         if rank != 0:
             return ns, None
@@ -315,7 +319,8 @@ def main(argv=None):
     env = {"COMMLIB_SWITCH_WINDOW": str(args.window), "COMMLIB_SWITCH_PACKET_ELEMS": str(args.packet_elems),
            "COMMLIB_SWITCH_OFFLOAD": "0" if args.no_offload else "1",
            "COMMLIB_TIMEOUT_S": "60"}
-    results, rows, fast_rows, scale_rows, tree_rows = {}, [], [], [], []
+    results, rows, mac_rows, fast_rows, scale_rows, tree_rows = {}, [], [], [], [], []
+    copy_ns = memcpy_ns(4 * args.elements, calls=20) / args.elements   # a memcpy of the tensor, per element
     for n in [int(v) for v in args.workers.split(",")]:
         proc, address = _start_switch(["--no-offload"] if args.no_offload else [])
         try:
@@ -327,29 +332,34 @@ def main(argv=None):
             proc.wait()
         sml = _report("switchml", payload["switchml_ns"], args.elements)
         ring = _report(f"ring/{payload['engine']}", payload["ring_ns"], args.elements) if payload["ring_ns"] else None
-        mac = _report("switchml embedded, MACs", payload["mac_ns"], args.elements)
-        no_mac = _report("switchml embedded, no MACs", payload["no_mac_ns"], args.elements)
-        mac_cost = 1 - statistics.median(mac) / statistics.median(no_mac)
-        on, off = payload["mac_cpu"], payload["no_mac_cpu"]
-        worker_added = on["worker_cpu_ns_per_element"] - off["worker_cpu_ns_per_element"]
-        switch_added = on["switch_cpu_ns_per_element"] - off["switch_cpu_ns_per_element"]
+        embedded = {mac: _report("switchml embedded, " + (f"MACs {mac}" if mac != OFF else "no MACs"),
+                                 payload["embedded_ns"][mac], args.elements) for mac in embedded_runs()}
+        cpu, no_mac = payload["embedded_cpu"], embedded[OFF]
+        mac_cost = {mac: 1 - statistics.median(embedded[mac]) / statistics.median(no_mac) for mac in mac_algorithms()}
         prof = payload["profile"]
+        default_mac = prof["default_mac"]
         verdict = common.bottleneck(statistics.median(payload["switchml_ns"]) / 1e9, payload["breakdowns"],
                                     "n/a: loopback")
-        print(f"  MAC cost: {mac_cost:.1%} of the goodput; CPU ns/element with/without MACs: worker "
-              f"{on['worker_cpu_ns_per_element']:.2f}/{off['worker_cpu_ns_per_element']:.2f}, switch "
-              f"{on['switch_cpu_ns_per_element']:.2f}/{off['switch_cpu_ns_per_element']:.2f}; one MAC "
-              f"{prof['mac_cpu_ns_per_packet']:.0f} CPU ns per {prof['packet_elems']}-value packet (window "
-              f"{prof['window']})")
+        print(f"  CPU ns/element beside a memcpy of the tensor ({copy_ns:.2f} ns/element on this host); worker, switch "
+              f"per contribution (of {n}), goodput vs the ring in the same processes, the MACs' share of the goodput:")
+        for mac in embedded_runs():
+            c = cpu[mac]
+            share = (f", MACs cost {mac_cost[mac]:.1%} of the goodput, one MAC "
+                     f"{prof['mac_cpu_ns_per_packet'][mac]:.0f} CPU ns per {prof['packet_elems']}-value packet"
+                     if mac != OFF else "")
+            ratio = f", {statistics.median(embedded[mac]) / statistics.median(ring):.2f}x the ring" if ring else ""
+            print(f"    {mac:<18} worker {c['worker_cpu_ns_per_element']:.2f} "
+                  f"({c['worker_cpu_ns_per_element'] / copy_ns:.1f}x memcpy), switch {c['switch_cpu_ns_per_element'] / n:.2f}/contribution{ratio}{share}")
         print(f"  profile: switch {prof['switch_cpu_ns_per_element']:.2f} CPU ns/element, busy "
               f"{prof['switch_busy_fraction']:.0%}; worker {prof['worker_cpu_ns_per_element']:.2f} CPU ns/element, "
               f"waiting {prof['worker_wait_fraction']:.0%}; {prof['worker_resends']} resends")
+        on, mac = cpu[default_mac], embedded[default_mac]
         per_contribution = on["switch_cpu_ns_per_element"] / n
         fast = line_rate(on["worker_cpu_ns_per_element"], per_contribution, n)
         default_ratio = statistics.median(mac) / statistics.median(ring) if ring else None
         if ring:
-            print(f"  default set-up (switch embedded in rank 0, MACs): {statistics.median(mac):.3f} Gbps = "
-                  f"{default_ratio:.2f}x the ring in the same processes")
+            print(f"  default set-up (switch embedded in rank 0, MACs {default_mac}): {statistics.median(mac):.3f} "
+                  f"Gbps = {default_ratio:.2f}x the ring in the same processes")
         print(f"  fast networks, from the CPU costs with MACs (worker {on['worker_cpu_ns_per_element']:.2f} ns/element, "
               f"switch {per_contribution:.2f} ns/element/contribution): one core feeds a worker's "
               f"{fast['worker_core_gbps']:.1f} Gbit/s, a switch's {fast['switch_core_gbps']:.1f} Gbit/s of "
@@ -361,9 +371,11 @@ def main(argv=None):
                            "ring_engine": payload["engine"], "ring_ns": payload["ring_ns"],
                            "ring_gbps": common.summarize(ring) if ring else None,
                            "ratio_median": statistics.median(sml) / statistics.median(ring) if ring else None,
-                           "profile": prof, "embedded_mac_gbps": common.summarize(mac),
-                           "embedded_no_mac_gbps": common.summarize(no_mac), "mac_cost": mac_cost,
-                           "mac_cpu": on, "no_mac_cpu": off, "breakdowns": payload["breakdowns"],
+                           "profile": prof, "default_mac": default_mac, "memcpy_ns_per_element": copy_ns,
+                           "embedded_gbps": {m: common.summarize(g) for m, g in embedded.items()},
+                           "embedded_ratio_median": {m: statistics.median(g) / statistics.median(ring)
+                                                     for m, g in embedded.items()} if ring else None,
+                           "mac_cost": mac_cost, "embedded_cpu": cpu, "breakdowns": payload["breakdowns"],
                            "bottleneck": verdict}
         scaling = _scalings(n, args, env)
         for threads, run in scaling.items():
@@ -387,9 +399,14 @@ def main(argv=None):
         rows.append(f"| {n} | {statistics.median(sml):.3f} | "
                     + (f"{statistics.median(ring):.3f} | {results[str(n)]['ratio_median']:.2f}x" if ring else "- | -")
                     + f" | {prof['switch_busy_fraction']:.0%} | {prof['switch_cpu_ns_per_element']:.2f} | "
-                    f"{prof['worker_cpu_ns_per_element']:.2f} | {statistics.median(mac):.3f} | "
-                    f"{statistics.median(no_mac):.3f} | {mac_cost:.1%} | +{worker_added:.2f} | +{switch_added:.2f} | "
-                    f"{prof['mac_cpu_ns_per_packet']:.0f} | {verdict} |")
+                    f"{prof['worker_cpu_ns_per_element']:.2f} | {verdict} |")
+        for m in embedded_runs():
+            c = cpu[m]
+            mac_rows.append(f"| {n} | {m} | {statistics.median(embedded[m]):.3f} | "
+                            + (f"{statistics.median(embedded[m]) / statistics.median(ring):.2f}x" if ring else "-")
+                            + f" | {c['worker_cpu_ns_per_element']:.2f} | {c['switch_cpu_ns_per_element'] / n:.2f} | "
+                            f"{copy_ns:.2f} | " + (f"{mac_cost[m]:.1%} | {prof['mac_cpu_ns_per_packet'][m]:.0f} |"
+                                                   if m != OFF else "- | - |"))
         fast_rows.append(f"| {n} | {statistics.median(mac):.3f} | "
                          + (f"{default_ratio:.2f}x" if ring else "-")
                          + f" | {on['worker_cpu_ns_per_element']:.2f} | {per_contribution:.2f} | "
@@ -402,14 +419,19 @@ def main(argv=None):
                 "socket calls), transfer = the rest (common.slowest_call); on loopback the network is this host's "
                 "kernel and CPUs.\n\n"
                 "| workers | switchml Gbps | ring Gbps | switchml/ring | switch busy | switch CPU ns/elem | "
-                "worker CPU ns/elem | embedded, MACs Gbps | embedded, no MACs Gbps | MAC cost | MAC worker CPU "
-                "ns/elem | MAC switch CPU ns/elem | one MAC, CPU ns/packet | bottleneck (switchml) |\n"
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
-                "\nMAC cost: the goodput lost to the packet MACs (ChaCha20-Poly1305 from OpenSSL over every packet "
-                "and result, switch/csrc/switchml.h), the switch embedded in rank 0 with COMMLIB_AUTHENTICATE on and off (wall time: "
-                "noisy on a busy host); the CPU time per element the MACs add to a worker and to the switch "
-                "(robust); one MAC of a packet of the job's size (a worker makes two per packet, the switch n + 1 per "
-                "round of n contributions).\n"
+                "worker CPU ns/elem | bottleneck (switchml) |\n"
+                "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+                "\nThe packet MACs, the switch embedded in rank 0 (the default set-up: MACs under `auto`, which chose "
+                + ", ".join(f"{r['profile']['default_mac']} at {n} workers" for n, r in results.items())
+                + " here), under each algorithm (COMMLIB_PACKET_MAC, from OpenSSL over every packet and result, "
+                "switch/csrc/transport.h) and off (COMMLIB_AUTHENTICATE=0): median goodput and against the ring in "
+                "the same processes (wall time: noisy on a busy host), the worker's CPU ns per element and the "
+                "switch's per element of one contribution (robust), a memcpy of the tensor per element on this host, "
+                "the goodput the MACs cost against no MACs, and one MAC of a packet of the job's size (a worker makes "
+                "two per packet, the switch n + 1 per round of n contributions).\n\n"
+                "| workers | MAC | Gbps | / ring | worker CPU ns/elem | switch CPU ns/elem/contribution | memcpy ns/elem "
+                "| MAC cost | one MAC, CPU ns/packet |\n"
+                "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(mac_rows) + "\n"
                 "\nFast networks, from the CPU costs of the default set-up (switch embedded in rank 0, MACs on): the "
                 "link rate one core of each role feeds (Gbit/s of float32 gradients per worker; a switch core serves "
                 "every worker's contributions) and the cores per role for 10, 25 and 100 Gbit/s per worker (worker / "

@@ -45,7 +45,7 @@ import time
 from collections import OrderedDict
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError
-from commlib.switch import auth, control, net
+from commlib.switch import auth, control, net, packet_mac
 from commlib._native import ffi, lib
 from commlib.net import parse_address
 
@@ -115,11 +115,11 @@ def _check_params(params):
 
 
 class _Job:
-    __slots__ = ("id", "key", "params", "ranks", "nonce", "job_key", "source", "bytes", "addresses")
+    __slots__ = ("id", "key", "params", "ranks", "nonce", "job_key", "source", "bytes", "addresses", "mac")
 
-    def __init__(self, job_id, key, params, nonce=None, job_key=None, source=None):
+    def __init__(self, job_id, key, params, nonce=None, job_key=None, source=None, mac=packet_mac.PORTABLE):
         self.id, self.key, self.params, self.ranks = job_id, key, params, set()
-        self.nonce, self.job_key, self.source = nonce, job_key, source
+        self.nonce, self.job_key, self.source, self.mac = nonce, job_key, source, mac
         self.bytes = job_bytes(params)
         self.addresses = {}              # rank -> (ip, port) its results go to: set by its first register
 
@@ -271,6 +271,7 @@ class Aggregator:
             params = {name: int(body[name]) for name in _PARAMS}
             rank, ident = int(body["rank"]), self._job_ident(body)
             loss, dup = float(body.get("loss", 0.0)), float(body.get("dup", 0.0))
+            mac = str(body.get("packet_mac", packet_mac.PORTABLE))
         except (KeyError, TypeError, ValueError, OverflowError):
             raise ConfigError(f"malformed registration {str(body)[:300]}") from None
         if not 0 <= rank < params["size"]:
@@ -293,16 +294,17 @@ class Aggregator:
             # packets carry MACs under the job key, unless the job asks for none (a trusted fabric)
             mac_key = job_key if job_key is not None and body.get("authenticate", True) else ffi.NULL
             job_id = lib.omr_agg_add_job(self._agg, secret, params["size"], params["columns"], params["aggregators"],
-                                         params["index"], params["block"], loss, dup, mac_key)
+                                         params["index"], params["block"], loss, dup, mac_key, packet_mac.code(mac))
             if job_id < 0:
                 raise control.Refused("limit", f"aggregator {self.address_str} cannot take the job (it serves "
                                                f"{len(self._jobs)} jobs, at most {lib.OMR_MAX_JOBS}; or out of memory)")
-            job = self._jobs[ident] = _Job(job_id, secret, params, nonce, job_key, source[0])
+            job = self._jobs[ident] = _Job(job_id, secret, params, nonce, job_key, source[0], mac)
             log.info("omnireduce aggregator %s: job %d registered %s", self.address_str, job_id, params)
         elif job.nonce != nonce:
             raise control.Refused("bad_mac", f"job {ident} is registered here by another job (another nonce)")
-        elif job.params != params:
-            raise ConfigError(f"rank {rank} registered with {params}, but the job's other ranks with {job.params}: "
+        elif job.params != params or job.mac != mac:
+            raise ConfigError(f"rank {rank} registered with {params} and packet_mac={mac}, but the job's other ranks "
+                              f"with {job.params} and packet_mac={job.mac}: "
                               f"every rank must use the same omnireduce settings")
         if job.addresses.setdefault(rank, source) != source:
             # the MAC does not cover the source: a sniffed resend that never arrived carries a fresh seq
@@ -411,13 +413,14 @@ def deregister(sock, aggregators, job_hash, epoch, rank=None, sign=None):
             pass
 
 
-def keepalive(sock, aggregators, jobs, rank, mac_key=None):
+def keepalive(sock, aggregators, jobs, rank, mac_key=None, mac=packet_mac.PORTABLE):
     """Best effort: this rank of the job lives though it may send no data (its aggregators keep its
     state). jobs: (job, key) at each aggregator, as `register` answered; mac_key: the job key of its
-    packets (None: no MACs)."""
+    packets (None: no MACs), mac: their MAC algorithm (switch/packet_mac.py)."""
     buf = ffi.new("uint8_t[]", lib.OMR_HDR_BYTES + lib.OMR_MAC_BYTES)
     for address, (job, key) in zip(aggregators, jobs):
-        n = lib.omr_keepalive_packet(buf, job, key, rank, ffi.NULL if mac_key is None else mac_key)
+        n = lib.omr_keepalive_packet(buf, job, key, rank, ffi.NULL if mac_key is None else mac_key,
+                                     packet_mac.code(mac))
         if n < 0:   # no MAC (OpenSSL failed): the job's idle timer will say the rest
             continue
         try:

@@ -7,7 +7,8 @@
   Holding it is the admission to register a job.
 - job key: 16 bytes derived from the daemon key and a job nonce (random, public, sent with the
   registration), so each job's packets are keyed apart and a key learnt from one job opens no other.
-  The C data path keys its per-packet MAC with it (ChaCha20-Poly1305, switch/csrc).
+  The C data path keys its per-packet MAC with it (the job's `mac` algorithm, AES-256-GCM or
+  ChaCha20-Poly1305: switch/csrc/transport.h; `packet_mac` resolves it).
 - control MAC: every control request carries `mac`, a keyed BLAKE2b over its other fields and a
   per-sender sequence number `seq` (the signer's clock in ns), each accepted once within a window,
   so a sniffed request cannot be replayed.

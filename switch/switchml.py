@@ -57,7 +57,7 @@ import time
 from collections import OrderedDict
 
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFailure
-from commlib.switch import auth, control, net
+from commlib.switch import auth, control, net, packet_mac
 from commlib.net import parse_address
 
 log = logging.getLogger("commlib.switch")
@@ -308,7 +308,8 @@ class SwitchServer:
             return self.register(int(request["token"]), request.get("streams") or request["workers"],
                                  int(request.get("slots", 128)), int(request.get("elems", 256)), nonce, key, source,
                                  authenticate=request.get("authenticate", True) is not False,
-                                 streams="streams" in request, parent=request.get("parent"))
+                                 streams="streams" in request, parent=request.get("parent"),
+                                 mac=request.get("packet_mac", packet_mac.PORTABLE))
         if op in ("unregister", "keepalive") or (op == "counters" and request.get("job") is not None):
             job = self._job(request)
             if op == "unregister":
@@ -364,11 +365,12 @@ class SwitchServer:
         return job
 
     def register(self, token, workers, slots, elems, nonce=None, key=None, source=None, authenticate=True,
-                 streams=False, parent=None):
+                 streams=False, parent=None, mac=packet_mac.PORTABLE):
         """Add a job; returns its job number and endpoints. workers[rank] = [ipv4, port], or with `streams`
         workers[stream][rank] (up to `threads` streams, each on its own shard with a share of the slots);
         key: the job key that signs its control requests and, with `authenticate`, MACs its packets
-        (None: a keyless switch); parent: this switch is a leaf of the job (see the module docstring)."""
+        with the algorithm `mac` (switch/packet_mac.py; a leaf's packets to its parent too) (None: a keyless
+        switch); parent: this switch is a leaf of the job (see the module docstring)."""
         if not 0 <= token < 2 ** 32:
             raise ConfigError(f"token {token} is not a 32-bit unsigned integer (see token32())")
         lists = workers if streams else [workers]
@@ -384,6 +386,7 @@ class SwitchServer:
                               f"are not valid, or together pass the {MAX_POOL_VALUES} values a job may hold")
         addrs = [[_ipv4_port(worker) for worker in w] for w in lists]
         shares = split(slots, len(lists))
+        algorithm = packet_mac.code(mac)
         up = self._parent(parent, len(lists)) if parent is not None else None
         with self._lock:
             self._admit(slots, nonce, source)
@@ -397,7 +400,7 @@ class SwitchServer:
             for i, (share, ranks) in enumerate(zip(shares, addrs)):
                 sw = self._shards[i][1]
                 stream_key = auth.stream_key(key, i) if key is not None and authenticate else ffi.NULL
-                rc = lib.sml_switch_add_job(sw, number, token, len(ranks), share, elems, stream_key)
+                rc = lib.sml_switch_add_job(sw, number, token, len(ranks), share, elems, stream_key, algorithm)
                 if rc != 0:
                     for _, done in self._shards[:i]:
                         lib.sml_switch_remove_job(done, number)
@@ -409,7 +412,7 @@ class SwitchServer:
                 if up is not None:
                     ip, port, up_key = up[i]
                     lib.sml_switch_set_parent(sw, number, ip, port, parent["job"], parent["rank"], parent["token"],
-                                              up_key, parent["rto_ms"], parent["rto_max_ms"])
+                                              up_key, algorithm, parent["rto_ms"], parent["rto_max_ms"])
             self._jobs[number] = _Job(number, token, lists, slots, elems, nonce, key, source, len(lists))
             if nonce is not None:
                 self._nonces[nonce] = number
@@ -419,7 +422,7 @@ class SwitchServer:
         log.info("commlib-switch %s: job #%d registered (%d workers, %d slots, %d streams)", self.address, number,
                  len(lists[0]), slots, len(lists))
         return {"job": number, "epoch": self.epoch, "slots": slots, "expiry_s": self.job_expiry_s,
-                "authenticated": key is not None and authenticate,
+                "authenticated": key is not None and authenticate, "packet_mac": mac,
                 "endpoints": [{"port": port, "slots": share} for port, share in zip(self.ports, shares)]}
 
     def _parent(self, parent, nstreams):
@@ -612,10 +615,14 @@ class SwitchClient:
             raise PeerFailure(f"the switch at {self.address} closed the connection during {op!r}")
         return control.result(control.decode(line), f"switch {self.address}: {op}")
 
-    def register(self, token, workers, slots, elems, nonce=None, authenticate=None, streams=None, parent=None):
+    def register(self, token, workers, slots, elems, nonce=None, authenticate=None, streams=None, parent=None,
+                 mac=None):
         """streams: the ranks' addresses per stream (several streams; workers is the first's); parent: this
-        switch is a leaf of the job (see the module docstring)."""
+        switch is a leaf of the job (see the module docstring); mac: the packets' MAC algorithm
+        (switch/packet_mac.py; None: the switch's default, the portable one)."""
         fields = {} if nonce is None else {"nonce": nonce}
+        if mac is not None:   # the request's own "mac" is its signature (auth.sign)
+            fields["packet_mac"] = mac
         if parent is not None:
             fields["parent"] = parent
         if streams is not None and len(streams) > 1:

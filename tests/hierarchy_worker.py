@@ -65,7 +65,8 @@ def main():
         key = setup["keys"][i]
         worker = lib.sml_worker_new(socks[i].fileno(), setup["jobs"][i], setup["locals"][i], TOKEN, spec["n"],
                                     spec["window"], spec["elems"], spec["rto_ms"], 200.0, 1,
-                                    bytes.fromhex(key) if key else ffi.NULL)
+                                    bytes.fromhex(key) if key else ffi.NULL,
+                                    lib.TP_MAC_CHACHA20_POLY1305)   # SwitchServer.register's default algorithm
         codes = []
         try:
             for t, (kind, size, seed) in enumerate(spec["tensors"]):

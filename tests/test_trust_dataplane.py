@@ -84,8 +84,8 @@ def test_the_packet_mac_is_chacha20_poly1305_over_the_full_packet_id():
     a changed byte, a changed nonce and another label's key."""
     lib, ffi = sw.lib, sw.ffi
     key = bytes(range(7, 23))
-    mac = ffi.gc(lib.tp_mac_new(key, SML_LABEL), lib.tp_mac_free)
-    other = ffi.gc(lib.tp_mac_new(key, b"another use"), lib.tp_mac_free)
+    mac = ffi.gc(lib.tp_mac_new(key, SML_LABEL, lib.TP_MAC_CHACHA20_POLY1305), lib.tp_mac_free)
+    other = ffi.gc(lib.tp_mac_new(key, b"another use", lib.TP_MAC_CHACHA20_POLY1305), lib.tp_mac_free)
     rng = np.random.default_rng(3)
     tag = ffi.new("uint8_t[16]")
     for length in (0, 1, 20, 1044, 4117, 32808, 41004):
@@ -126,7 +126,7 @@ def test_omnireduce_macs_are_chacha20_poly1305_with_the_stamp_inside(block):
         s.bind(("127.0.0.1", 0))
         s.settimeout(2.0)
     agg = ffi.gc(lib.omr_agg_new(agg_sock.fileno(), 7), lib.omr_agg_free)
-    job = lib.omr_agg_add_job(agg, jkey, 2, 1, 1, 0, block, 0.0, 0.0, key)
+    job = lib.omr_agg_add_job(agg, jkey, 2, 1, 1, 0, block, 0.0, 0.0, key, lib.TP_MAC_CHACHA20_POLY1305)
     assert job >= 0
     for rank, s in enumerate(ranks):
         assert lib.omr_agg_set_worker(agg, job, rank, b"127.0.0.1", s.getsockname()[1]) == 0
@@ -376,7 +376,8 @@ def test_a_result_replayed_a_wrap_later_is_refused(id_bits8):
     switch_sock.bind(("127.0.0.1", 0))
     switch_sock.settimeout(5.0)
     sock.connect(switch_sock.getsockname())
-    worker = ffi.gc(lib.sml_worker_new(sock.fileno(), 0, 0, TOKEN, 1, 1, E, 1000.0, 1000.0, 0, key), lib.sml_worker_free)
+    worker = ffi.gc(lib.sml_worker_new(sock.fileno(), 0, 0, TOKEN, 1, 1, E, 1000.0, 1000.0, 0, key, lib.TP_MAC_CHACHA20_POLY1305),
+                    lib.sml_worker_free)
     calls, captured = 3 + wrap + 1, []
 
     def result(data, call):
@@ -710,7 +711,7 @@ def test_a_flood_does_not_hold_a_worker_past_its_timeout():
     fake_switch.bind(("127.0.0.1", 0))
     sock = net.udp_socket("127.0.0.1", 0, 16 << 20)                    # as the backends make theirs
     sock.connect(fake_switch.getsockname())
-    worker = lib.sml_worker_new(sock.fileno(), 0, 0, TOKEN, 2, 1, 64, 1000.0, 1000.0, 0, ffi.NULL)
+    worker = lib.sml_worker_new(sock.fileno(), 0, 0, TOKEN, 2, 1, 64, 1000.0, 1000.0, 0, ffi.NULL, 0)
     try:
         for _ in range(flood):                       # a backlog standing in for a flood at line rate
             fake_switch.sendto(b"junk", sock.getsockname())

@@ -34,8 +34,9 @@
  *
  * Authentication (a job registered with a job key, the default): every packet of the job, both
  * ways, has OMR_F_MAC set and ends with OMR_MAC_BYTES: an 8-byte nonce counter (little-endian),
- * then the 16-byte tag of tp_mac (transport.h: ChaCha20-Poly1305 from OpenSSL as a nonce-based MAC,
- * under HKDF-SHA256(job key, "commlib omnireduce packets"), as switchml.h's) over the header as sent
+ * then the 16-byte tag of tp_mac (transport.h: the job's algorithm, AES-256-GCM or ChaCha20-Poly1305
+ * from OpenSSL, as a nonce-based MAC under HKDF-SHA256(job key, "commlib omnireduce packets" and, for
+ * AES-256-GCM, " aes-256-gcm"), as switchml.h's) over the header as sent
  * (csum included), then a result's stamp, then the block (the stamp first: it and the header are
  * one small piece, the block the other). Nonce (12 bytes): the packet's type, a zero byte, its
  * `rank` field (little-endian 16 bits: the sender's rank for DATA/ACK/PULL/KEEPALIVE, the
@@ -153,9 +154,10 @@ typedef struct {
 typedef struct omr_worker omr_worker;
 omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs, int block,
                            int retransmit_us, double loss, double dup, uint64_t seed);
-/* mac_key: the job key (OMR_KEY_LEN bytes) the job registered with, or NULL (no MACs) */
+/* mac_key: the job key (OMR_KEY_LEN bytes) the job registered with, or NULL (no MACs); mac: the job's MAC
+ * algorithm (TP_MAC_*, transport.h) */
 int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint32_t job, uint32_t key,
-                       const uint8_t *mac_key);
+                       const uint8_t *mac_key, int mac);
 /* out must be zeroed; block: this tensor's elements per block, 1..the job's block (0: the job's),
  * the same on every rank; mask from cl_block_mask (kernels.h) with that block. One call per
  * tensor, GIL released. */
@@ -163,16 +165,17 @@ int omr_worker_allreduce(omr_worker *w, uint32_t seq, const void *in, void *out,
                          const uint8_t *mask, double timeout_s, omr_wstats *st);
 void omr_worker_free(omr_worker *w);
 /* a keepalive of rank `rank` for job (job, key) of an aggregator, into buf (at least 64 bytes), MAC'd
- * under mac_key (NULL: none): its length. The caller sends it from the rank's socket. */
-int omr_keepalive_packet(uint8_t *buf, uint32_t job, uint32_t key, int rank, const uint8_t *mac_key);
+ * under mac_key with algorithm mac (NULL: none): its length. The caller sends it from the rank's socket. */
+int omr_keepalive_packet(uint8_t *buf, uint32_t job, uint32_t key, int rank, const uint8_t *mac_key, int mac);
 
 /* aggregator: fd is a bound UDP socket owned by the caller */
 typedef struct omr_agg omr_agg;
 omr_agg *omr_agg_new(int fd, uint64_t seed);
 /* returns the job id, or -1 (table full, out of memory, bad arguments); mac_key: the job key
- * (OMR_KEY_LEN bytes) its packets are authenticated with, or NULL (a trusted fabric) */
+ * (OMR_KEY_LEN bytes) its packets are authenticated with, or NULL (a trusted fabric); mac: its MAC algorithm
+ * (TP_MAC_*, transport.h) */
 int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs, int agg_index, int block,
-                    double loss, double dup, const uint8_t *mac_key);
+                    double loss, double dup, const uint8_t *mac_key, int mac);
 int omr_agg_set_worker(omr_agg *a, int job, int rank, const char *ip, int port);
 void omr_agg_remove_job(omr_agg *a, int job);
 /* how long the job's most silent registered rank sent nothing valid (data, keepalive), in s */

@@ -104,7 +104,7 @@ void omr_agg_free(omr_agg *a) {
 }
 
 int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs, int agg_index, int block,
-                    double loss, double dup, const uint8_t *mac_key) {
+                    double loss, double dup, const uint8_t *mac_key, int mac) {
     if (nworkers < 1 || nworkers > OMR_MAX_WORKERS || ncols < 1 || naggs < 1 || agg_index < 0 ||
         agg_index >= naggs || block < 1 || block > OMR_MAX_BLOCK)
         return -1;
@@ -115,7 +115,7 @@ int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs
     omr_job *j = &a->jobs[id];
     memset(j, 0, sizeof *j);
     j->key = key; j->nworkers = nworkers; j->ncols = ncols; j->naggs = naggs; j->index = agg_index;
-    if (mac_key && (!(j->mac = tp_mac_new(mac_key, OMR_MAC_LABEL)) || omr_random64(&j->counter))) {
+    if (mac_key && (!(j->mac = tp_mac_new(mac_key, OMR_MAC_LABEL, mac)) || omr_random64(&j->counter))) {
         free_job(j);
         return -1;
     }

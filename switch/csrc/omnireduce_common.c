@@ -48,13 +48,13 @@ void omr_sendq_push(omr_sendq *q, const struct sockaddr_in *to, const omr_hdr *h
 
 int omr_random64(uint64_t *out) { return RAND_bytes((unsigned char *)out, sizeof *out) == 1 ? 0 : -1; }
 
-int omr_keepalive_packet(uint8_t *buf, uint32_t job, uint32_t key, int rank, const uint8_t *mac_key) {
+int omr_keepalive_packet(uint8_t *buf, uint32_t job, uint32_t key, int rank, const uint8_t *mac_key, int mac) {
     omr_hdr h = {OMR_KEEPALIVE, (uint8_t)(mac_key ? OMR_F_MAC : 0), (uint16_t)rank, job, key,
                  (uint32_t)(tp_wall_ns() / 1000000000u), 0, 0, 0, 0, 0, 0};
     h.csum = omr_hdr_csum(&h, NULL, 0);
     memcpy(buf, &h, sizeof h);
     if (!mac_key) return (int)sizeof h;
-    tp_mac *m = tp_mac_new(mac_key, OMR_MAC_LABEL);
+    tp_mac *m = tp_mac_new(mac_key, OMR_MAC_LABEL, mac);
     uint64_t counter;
     if (!m || omr_random64(&counter)) {   /* no MAC: the aggregator drops it, the job's idle timer says why */
         tp_mac_free(m);

@@ -61,9 +61,9 @@ omr_worker *omr_worker_new(int fd, int rank, int nworkers, int ncols, int naggs,
 }
 
 int omr_worker_set_agg(omr_worker *w, int index, const char *ip, int port, uint32_t job, uint32_t key,
-                       const uint8_t *mac_key) {
+                       const uint8_t *mac_key, int mac_alg) {
     if (index < 0 || index >= w->naggs || omr_parse_addr(ip, port, &w->agg_addr[index])) return -1;
-    tp_mac *mac = mac_key ? tp_mac_new(mac_key, OMR_MAC_LABEL) : NULL;
+    tp_mac *mac = mac_key ? tp_mac_new(mac_key, OMR_MAC_LABEL, mac_alg) : NULL;
     if (mac_key && !mac) return -1;
     tp_mac_free(w->mac[index]);
     w->mac[index] = mac;

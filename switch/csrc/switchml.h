@@ -42,8 +42,9 @@
  *                      no key for a job it does not know): an authenticated worker treats one as a
  *                      hint it reports only if no result comes before its timeout.
  *
- * The MAC: tp_mac (transport.h), ChaCha20-Poly1305 from OpenSSL as a nonce-based MAC under
- * HKDF-SHA256(job key, "commlib switchml packets"), over id64 || packet, where id64 is the full
+ * The MAC: tp_mac (transport.h), the job's algorithm (AES-256-GCM or ChaCha20-Poly1305 from OpenSSL,
+ * agreed at registration) as a nonce-based MAC under HKDF-SHA256(job key, "commlib switchml packets"
+ * and, for AES-256-GCM, " aes-256-gcm"), over id64 || packet, where id64 is the full
  * 64-bit packet id, big-endian (of the packet for DATA, of the round answered for a RESULT), then
  * the packet's bytes before the MAC. Nonce (12 bytes): type (SML_DATA or SML_RESULT), then for
  * DATA the sender's rank, two zero bytes and id64; for a RESULT three zero bytes and its seq.
@@ -187,22 +188,24 @@ sml_switch *sml_switch_new(int fd, uint32_t max_slots, uint32_t group_slots, int
 void sml_switch_free(sml_switch *sw);
 /* Register job `job` (0..255) with nworkers ranks and a pool of nslots slots of elems values per
  * packet (1..SML_MAX_ELEMS; nslots * elems <= SML_MAX_POOL_VALUES); key: the job key (SML_KEY_LEN bytes) its packets are authenticated with, or NULL (a
- * trusted fabric: no MAC). Returns 0 or an SML_ADD_* error. */
+ * trusted fabric: no MAC); mac: the job's MAC algorithm (TP_MAC_*, transport.h; ignored without a key).
+ * Returns 0 or an SML_ADD_* error. */
 #define SML_ADD_IN_USE (-1)
 #define SML_ADD_ARG (-2)
 #define SML_ADD_NO_SLOTS (-3)
 #define SML_ADD_NOMEM (-4)
 int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, uint32_t nslots, uint32_t elems,
-                       const uint8_t *key);
+                       const uint8_t *key, int mac);
 /* Address of a rank (IPv4 address and port in host order). */
 int sml_switch_set_addr(sml_switch *sw, int job, int rank, uint32_t ipv4, uint16_t port);
 int sml_switch_remove_job(sml_switch *sw, int job);
 /* Make job `job` a leaf: its complete sets go to the parent switch at ipv4:port (host order) as rank
  * `rank` of the parent's job `parent_job` with `token` (the parent's token check), MACed under key (the
- * parent job's stream key, SML_KEY_LEN bytes, or NULL when the parent's job has none); resent after
+ * parent job's stream key, SML_KEY_LEN bytes, or NULL when the parent's job has none; mac: the parent job's
+ * MAC algorithm, TP_MAC_*); resent after
  * rto_ms, doubling up to rto_max_ms. Before the job's first packet. 0, or -1 for a bad argument. */
 int sml_switch_set_parent(sml_switch *sw, int job, uint32_t ipv4, uint16_t port, int parent_job, int rank,
-                          uint32_t token, const uint8_t *key, double rto_ms, double rto_max_ms);
+                          uint32_t token, const uint8_t *key, int mac, double rto_ms, double rto_max_ms);
 uint32_t sml_switch_free_slots(sml_switch *sw);
 /* Drop simulator: probabilities of dropping a packet on ingress / a result on egress, and of
  * duplicating a packet (on ingress and on egress). */
@@ -244,9 +247,11 @@ typedef struct sml_worker_counters {
 typedef struct sml_worker sml_worker;
 
 /* fd: a UDP socket connected to the switch. window = the job's pool size (slots). offload: as for
- * the switch (UDP GSO/GRO). key: the job key (SML_KEY_LEN bytes), or NULL as the job registered. */
+ * the switch (UDP GSO/GRO). key: the job key (SML_KEY_LEN bytes), or NULL as the job registered; mac: the
+ * job's MAC algorithm (TP_MAC_*). */
 sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworkers, uint32_t window,
-                           uint32_t elems, double rto_ms, double rto_max_ms, int offload, const uint8_t *key);
+                           uint32_t elems, double rto_ms, double rto_max_ms, int offload, const uint8_t *key,
+                           int mac);
 void sml_worker_free(sml_worker *w);
 void sml_worker_counters_get(sml_worker *w, sml_worker_counters *out);
 

@@ -135,7 +135,7 @@ void sml_switch_free(sml_switch *sw) {
 }
 
 int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, uint32_t nslots, uint32_t elems,
-                       const uint8_t *key) {
+                       const uint8_t *key, int mac) {
     if (job < 0 || job >= SML_MAX_JOBS || nworkers < 1 || nworkers > SML_MAX_WORKERS || nslots < 1 ||
         nslots > SML_MAX_SLOTS || elems < 1 || elems > SML_MAX_ELEMS || (uint64_t)nslots * elems > SML_MAX_POOL_VALUES)
         return SML_ADD_ARG;
@@ -146,7 +146,7 @@ int sml_switch_add_job(sml_switch *sw, int job, uint32_t token, int nworkers, ui
     j->values = calloc((size_t)nslots * 2 * elems, sizeof *j->values);
     j->nfreg = calloc((size_t)nslots * 2 * elems, 1);
     j->groups = calloc(j->ngroups, sizeof *j->groups);
-    if (key) j->mac = tp_mac_new(key, SML_MAC_LABEL);
+    if (key) j->mac = tp_mac_new(key, SML_MAC_LABEL, mac);
     if (!j->sets || !j->values || !j->nfreg || !j->groups || (key && !j->mac) ||
         RAND_bytes((unsigned char *)&j->seq, sizeof j->seq) != 1) {
         job_release(j);
@@ -192,11 +192,11 @@ int sml_switch_set_addr(sml_switch *sw, int job, int rank, uint32_t ipv4, uint16
 }
 
 int sml_switch_set_parent(sml_switch *sw, int job, uint32_t ipv4, uint16_t port, int parent_job, int rank,
-                          uint32_t token, const uint8_t *key, double rto_ms, double rto_max_ms) {
+                          uint32_t token, const uint8_t *key, int mac_alg, double rto_ms, double rto_max_ms) {
     if (job < 0 || job >= SML_MAX_JOBS || parent_job < 0 || parent_job >= SML_MAX_JOBS || rank < 0 ||
         rank >= SML_MAX_WORKERS || !(rto_ms > 0) || rto_max_ms < rto_ms)
         return -1;
-    tp_mac *mac = key ? tp_mac_new(key, SML_MAC_LABEL) : NULL;
+    tp_mac *mac = key ? tp_mac_new(key, SML_MAC_LABEL, mac_alg) : NULL;
     if (key && !mac) return -1;
     int rc = -1;
     pthread_mutex_lock(&sw->mu);

@@ -92,7 +92,8 @@ static void free_buffers(sml_worker *w) {
 }
 
 sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworkers, uint32_t window,
-                           uint32_t elems, double rto_ms, double rto_max_ms, int offload, const uint8_t *key) {
+                           uint32_t elems, double rto_ms, double rto_max_ms, int offload, const uint8_t *key,
+                           int mac) {
     if (window < 1 || window > SML_MAX_SLOTS || elems < 1 || elems > SML_MAX_ELEMS || nworkers < 1) return NULL;
     sml_worker *w = calloc(1, sizeof *w);
     if (!w) return NULL;
@@ -103,7 +104,7 @@ sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworke
     if (posix_memalign((void **)&w->bufs, 64, (size_t)window * w->stride)) w->bufs = NULL;
     int rx_ok = tp_rxq_init(&w->rx, fd, RX_BATCH, sml_pkt_max(elems), offload) == 0;
     int tx_ok = tp_txq_init(&w->tx, fd, TX_CAP, TP_CONNECTED | (offload ? TP_GSO : 0)) == 0;
-    if (key) w->mac = tp_mac_new(key, SML_MAC_LABEL);
+    if (key) w->mac = tp_mac_new(key, SML_MAC_LABEL, mac);
     if (!w->parity || !w->ch || !w->clean || !w->bufs || !rx_ok || !tx_ok || (key && !w->mac)) {
         if (rx_ok) tp_rxq_free(&w->rx);
         if (tx_ok) tp_txq_free(&w->tx);

@@ -7,6 +7,7 @@
 #include <openssl/evp.h>
 #include <openssl/kdf.h>
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #ifndef UDP_SEGMENT
@@ -25,24 +26,44 @@ uint32_t tp_checksum(const void *buf, size_t len) {
     return tp_ck_final(&c);
 }
 
-/* ---- the packet MAC: ChaCha20-Poly1305 through OpenSSL (transport.h) ------------------------- */
+/* ---- the packet MAC: AES-256-GCM or ChaCha20-Poly1305 through OpenSSL (transport.h) ---------- */
 struct tp_mac {
-    EVP_CIPHER_CTX *ctx;
+    EVP_CIPHER_CTX *ctx;   /* keyed once; each call sets the nonce only */
 };
 
-tp_mac *tp_mac_new(const uint8_t *key, const char *label) {
+int tp_mac_fast(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    return __builtin_cpu_supports("aes") && __builtin_cpu_supports("pclmul");
+#else
+    return 0;
+#endif
+}
+
+const char *tp_mac_name(int alg) {
+    return alg == TP_MAC_AES_256_GCM ? "aes-256-gcm" : alg == TP_MAC_CHACHA20_POLY1305 ? "chacha20-poly1305" : NULL;
+}
+
+tp_mac *tp_mac_new(const uint8_t *key, const char *label, int alg) {
+    const char *name = tp_mac_name(alg);
+    if (!name) return NULL;
+    char info[256];   /* the key is bound to its use and its algorithm (transport.h) */
+    int ilen = alg == TP_MAC_CHACHA20_POLY1305 ? snprintf(info, sizeof info, "%s", label)
+                                               : snprintf(info, sizeof info, "%s %s", label, name);
+    if (ilen < 0 || (size_t)ilen >= sizeof info) return NULL;
     uint8_t k[32];
     size_t klen = sizeof k;
     tp_mac *m = calloc(1, sizeof *m);
     EVP_PKEY_CTX *kdf = EVP_PKEY_CTX_new_id(EVP_PKEY_HKDF, NULL);
     int ok = m && kdf && EVP_PKEY_derive_init(kdf) > 0 && EVP_PKEY_CTX_set_hkdf_md(kdf, EVP_sha256()) > 0 &&
              EVP_PKEY_CTX_set1_hkdf_key(kdf, key, TP_KEY_LEN) > 0 &&
-             EVP_PKEY_CTX_add1_hkdf_info(kdf, (const unsigned char *)label, (int)strlen(label)) > 0 &&
+             EVP_PKEY_CTX_add1_hkdf_info(kdf, (const unsigned char *)info, ilen) > 0 &&
              EVP_PKEY_derive(kdf, k, &klen) > 0 && klen == sizeof k;
     EVP_PKEY_CTX_free(kdf);
     if (ok) {
+        const EVP_CIPHER *cipher = alg == TP_MAC_AES_256_GCM ? EVP_aes_256_gcm() : EVP_chacha20_poly1305();
         m->ctx = EVP_CIPHER_CTX_new();
-        ok = m->ctx && EVP_EncryptInit_ex(m->ctx, EVP_chacha20_poly1305(), NULL, k, NULL) > 0;
+        ok = m->ctx && EVP_EncryptInit_ex(m->ctx, cipher, NULL, k, NULL) > 0 &&
+             EVP_CIPHER_CTX_ctrl(m->ctx, EVP_CTRL_AEAD_SET_IVLEN, TP_NONCE_LEN, NULL) > 0;
     }
     OPENSSL_cleanse(k, sizeof k);
     if (!ok) {

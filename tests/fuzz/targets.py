@@ -12,7 +12,9 @@ input) when a daemon would misbehave: a handler raising past `answer`, an error 
 "internal" (an exception nobody foresaw), an answer that is not JSON, slots that leak. The C
 targets crash the process when ASan/UBSan (tests/fuzz/build_sanitized.py) sees a memory error or
 undefined behaviour. Half of the inputs are built as plausible requests or sealed packets (the
-right job, token, key and checksum) so that the fuzzer gets past the first checks.
+right job, token, key and checksum) so that the fuzzer gets past the first checks. The packet rigs'
+jobs MAC with the algorithm COMMLIB_FUZZ_MAC names (switch/packet_mac.py; default aes-256-gcm):
+tests/test_mac.py runs them with each.
 """
 import os
 import socket
@@ -21,7 +23,7 @@ import struct
 import atheris
 
 with atheris.instrument_imports(include=["commlib"]):      # coverage of the Python control handlers guides the fuzzer
-    from commlib.switch import aggregator as agg, auth, control
+    from commlib.switch import aggregator as agg, auth, control, packet_mac
     from commlib.switch import switchml as sw
 
 from commlib._native import ffi, lib   # noqa: E402  (the sanitized build when run.py loaded it)
@@ -42,6 +44,7 @@ KEY = bytes(range(32))
 TOKEN = 0x1234ABCD
 JOB_KEY = bytes(range(100, 116))        # the rigs' data-plane job key (their packets' MACs)
 SOURCE = ("127.0.0.1", 40000)
+MAC = packet_mac.code(os.environ.get("COMMLIB_FUZZ_MAC", "aes-256-gcm"))   # the rigs' packet MAC algorithm
 
 
 def _value(fdp, depth=0):
@@ -159,9 +162,9 @@ class _SwitchRig:
     def __init__(self):
         self.sock, *self.ranks = _loopback(3)
         self.sw = lib.sml_switch_new(self.sock.fileno(), 1024, 64, 0)
-        self.mac = lib.tp_mac_new(JOB_KEY, b"commlib switchml packets")
+        self.mac = lib.tp_mac_new(JOB_KEY, b"commlib switchml packets", MAC)
         for job, elems in enumerate(self.ELEMS):
-            assert lib.sml_switch_add_job(self.sw, job, TOKEN, 2, 64, elems, JOB_KEY) == 0
+            assert lib.sml_switch_add_job(self.sw, job, TOKEN, 2, 64, elems, JOB_KEY, MAC) == 0
             for rank, s in enumerate(self.ranks):
                 ip = struct.unpack("!I", socket.inet_aton("127.0.0.1"))[0]
                 lib.sml_switch_set_addr(self.sw, job, rank, ip, s.getsockname()[1])
@@ -218,13 +221,13 @@ class _LeafRig:
     def __init__(self):
         self.sock, *self.ranks, self.parent = _loopback(4)
         self.sw = lib.sml_switch_new(self.sock.fileno(), 1024, 64, 0)
-        self.mac = lib.tp_mac_new(JOB_KEY, b"commlib switchml packets")
+        self.mac = lib.tp_mac_new(JOB_KEY, b"commlib switchml packets", MAC)
         ip = struct.unpack("!I", socket.inet_aton("127.0.0.1"))[0]
-        assert lib.sml_switch_add_job(self.sw, 0, TOKEN, 2, 4, 64, JOB_KEY) == 0
+        assert lib.sml_switch_add_job(self.sw, 0, TOKEN, 2, 4, 64, JOB_KEY, MAC) == 0
         for rank, s in enumerate(self.ranks):
             lib.sml_switch_set_addr(self.sw, 0, rank, ip, s.getsockname()[1])
         assert lib.sml_switch_set_parent(self.sw, 0, ip, self.parent.getsockname()[1], self.PARENT_JOB, 1, TOKEN,
-                                         JOB_KEY, 1.0, 4.0) == 0
+                                         JOB_KEY, MAC, 1.0, 4.0) == 0
         self.address = self.sock.getsockname()
         self.seq = 0
 
@@ -304,8 +307,8 @@ class _AggregatorRig:
     def __init__(self):
         self.sock, *self.ranks = _loopback(3)
         self.agg = lib.omr_agg_new(self.sock.fileno(), 12345)
-        self.job = lib.omr_agg_add_job(self.agg, self.KEY, 2, 8, 1, 0, self.BLOCK, 0.0, 0.0, JOB_KEY)
-        self.mac, self.counter = lib.tp_mac_new(JOB_KEY, b"commlib omnireduce packets"), 0
+        self.job = lib.omr_agg_add_job(self.agg, self.KEY, 2, 8, 1, 0, self.BLOCK, 0.0, 0.0, JOB_KEY, MAC)
+        self.mac, self.counter = lib.tp_mac_new(JOB_KEY, b"commlib omnireduce packets", MAC), 0
         assert self.job >= 0
         for rank, s in enumerate(self.ranks):
             assert lib.omr_agg_set_worker(self.agg, self.job, rank, b"127.0.0.1", s.getsockname()[1]) == 0
