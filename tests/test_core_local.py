@@ -243,6 +243,7 @@ def test_a_handle_calls_back_when_it_resolves_or_at_once_if_it_has():
     assert seen == [("p", 7), ("f", True)]
 
 
+@pytest.mark.long
 def test_unnamed_calls_keep_memory_flat(monkeypatch):
     """Each unnamed call travels under a name of its own, but they share one record: memory stays
     flat over many calls (it grew by about 1 KB a call, a record per call)."""

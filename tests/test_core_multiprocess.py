@@ -31,7 +31,7 @@ def check_closed_form(results):
         assert result["records"] == 33 and result["fused"] > 0, f"20 small tensors should have been fused: {result}"
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_closed_form_sums_fusion_and_types(nprocs):
     check_closed_form(spawn(nprocs, "basic.py", timeout=120).check().results())
 
@@ -53,6 +53,7 @@ def test_tensor_refused_on_one_rank_fails_every_rank_at_once():
         assert result["everyone"] == "InvalidTensor" and result["again"] == [3.0] * 4, result
 
 
+@pytest.mark.long
 def test_rank_that_never_calls_times_out_everywhere():
     results = spawn(3, "errors.py", "timeout", timeout=90).check().results()
     assert results[1]["error"] is None, results[1]       # rank 1 slept through it
@@ -61,6 +62,7 @@ def test_rank_that_never_calls_times_out_everywhere():
         assert "'late'" in result["message"] and "not by rank 1" in result["message"], result
 
 
+@pytest.mark.long
 def test_dead_rank_is_a_peer_failure():
     ranks = spawn(3, "errors.py", "dead", timeout=90)
     assert ranks[1].returncode == 3, ranks.output

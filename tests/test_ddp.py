@@ -132,7 +132,7 @@ def test_mismatched_shape_in_a_bucket_is_a_clear_error_on_every_rank(tmp_path):
 
 
 @multiprocess
-@pytest.mark.parametrize("nprocs, failing", [(3, 1), (2, 0)])
+@pytest.mark.parametrize("nprocs, failing", [pytest.param(3, 1, marks=pytest.mark.long), (2, 0)])
 def test_a_rank_that_fails_and_exits_gives_the_others_its_error_at_once(tmp_path, nprocs, failing):
     """Its atexit shutdown tells the controller why it leaves: the others, waiting in backward for
     its bucket, get its error (rank and message) within seconds, not a timeout naming a healthy rank."""
@@ -162,6 +162,7 @@ def test_parameter_names_that_differ_between_ranks_are_a_mismatch_at_once(tmp_pa
         assert r["seconds"] < 30, f"rank {r['rank']} waited {r['seconds']:.1f}s for the mismatch"
 
 
+@pytest.mark.long
 @multiprocess
 def test_commlib_powersgd_reaches_pytorch_powersgd_loss(tmp_path):
     """Same matrix rank, seed, start step and error feedback: the mean loss of the last 10 of 40
@@ -179,7 +180,8 @@ def test_commlib_powersgd_reaches_pytorch_powersgd_loss(tmp_path):
 @multiprocess
 @pytest.mark.parametrize("policy, used", [
     (None, "[('switchml', None)]"),
-    ("*.weight=fp16;*=ring", "[('ring', 'fp16(seed=0, algorithm=None, memory=none)'), ('ring', None)]")])
+    pytest.param("*.weight=fp16;*=ring", "[('ring', 'fp16(seed=0, algorithm=None, memory=none)'), ('ring', None)]",
+                 marks=pytest.mark.long)])
 def test_torchrun_example_trains_through_the_embedded_switch(policy, used):
     """examples/ddp_torchrun.py under the real torchrun: no configuration, dense gradients go to
     the embedded switch (`auto`), every step's bucket through commlib, the loss falls; with a
@@ -204,6 +206,7 @@ def test_lightning_example_trains_with_the_hook():
     assert used == "[('ring', None), ('switchml', None)]", out.stdout
 
 
+@pytest.mark.long
 @multiprocess
 def test_lightning_own_launcher_forms_the_process_groups_job(tmp_path):
     """`python script.py` with Trainer(devices=2, accelerator="cpu"): Lightning starts rank 1

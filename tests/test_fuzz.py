@@ -27,12 +27,14 @@ def test_control_handlers(tmp_path, target):
     assert rc == 0 and "Done 3000 runs" in log, log[-3000:]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("target", ["switch_packets", "aggregator_packets"])
 def test_packet_handlers_under_asan_and_ubsan(tmp_path, target):
     rc, log = fuzz(tmp_path, target, "--sanitized", "-runs=1500", "-max_total_time=30")
     assert rc == 0 and "Done 1500 runs" in log, log[-3000:]
 
 
+@pytest.mark.long
 def test_the_sanitized_build_reports_memory_errors(tmp_path):
     """The packet runs above prove something only if the C code they run is instrumented."""
     rc, log = fuzz(tmp_path, "asan_selftest", "--sanitized", "-runs=1")

@@ -40,6 +40,7 @@ def test_closed_form_under_mpirun_uses_mpi4py():
     check_closed_form(results(out.stdout, 2))
 
 
+@pytest.mark.long
 def test_rank_that_never_calls_init_is_a_timeout_not_a_hang():
     out = horovodrun(2, "errors.py", "noinit", timeout=90)
     assert out.returncode == 0, out.stdout
@@ -55,6 +56,7 @@ def test_wrong_shape_under_horovodrun_raises_mismatch_on_every_rank():
         assert result["error"] == "Mismatch" and "rank 1 gave [5]" in result["message"], result
 
 
+@pytest.mark.long
 def test_distributed_optimizer_matches_horovod_on_4_ranks():
     check_optimizer(horovodrun(4, "torch_optimizer.py", "*=ring", timeout=240), 4, 1e-5, "ring:None")
 
@@ -75,6 +77,7 @@ def test_switchml_optimizer_within_quantization_bound():
     check_optimizer(horovodrun(2, "torch_optimizer.py", "*=switchml", timeout=240), 2, 1e-4, "switchml:None")
 
 
+@pytest.mark.long
 def test_demo_trains_through_the_local_switch_and_loss_decreases():
     """`make demo`: 4 workers, no configuration, the embedded switch carries the dense gradients."""
     out = horovodrun(4, "-m commlib.demo", "--steps", "60", timeout=240)

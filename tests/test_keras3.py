@@ -43,6 +43,7 @@ def test_fit_through_switchml_under_torchrun():
     _ok(_torchrun("*=switchml", 1e-4, env={"KERAS_BACKEND": "tensorflow"}), "tensorflow", "switchml")
 
 
+@pytest.mark.long
 def test_fit_with_the_torch_backend_of_keras3():
     _ok(_torchrun("*=ring", 1e-5, env={"KERAS_BACKEND": "torch"}), "torch", "ring")
 
@@ -54,6 +55,7 @@ def test_example_keras3_fit_trains():
     assert len(losses) == 3 and losses[-1] < 0.5 * losses[0] and "switchml" in out.stdout, out.stdout
 
 
+@pytest.mark.long
 def test_gradient_tape_without_horovod_on_tf_2_21():
     """commlib.tensorflow.DistributedGradientTape in a tf.function where Horovod is not installed."""
     _ok(_mpirun(SCRIPT, "*=ring", 1e-5, "tape", env={"KERAS_BACKEND": "tensorflow"}), "tensorflow", "ring")

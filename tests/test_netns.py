@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import netem  # noqa: E402
 
 AVAILABLE, WHY = netem.available()
-pytestmark = [pytest.mark.netns, pytest.mark.multiprocess, pytest.mark.timeout(240),
+pytestmark = [pytest.mark.long, pytest.mark.netns, pytest.mark.multiprocess, pytest.mark.timeout(240),
               pytest.mark.skipif(not AVAILABLE, reason=WHY)]
 
 

@@ -19,11 +19,12 @@ def check_sums(results, context=""):
         assert result["authenticated"], (result, context)   # embedded aggregators: the job's key, MACs on
 
 
-@pytest.mark.parametrize("nprocs,mode", [(3, "colocated"), (2, "dedicated")])
+@pytest.mark.parametrize("nprocs,mode", [pytest.param(3, "colocated", marks=pytest.mark.long), (2, "dedicated")])
 def test_sparse_sums_through_commlib(nprocs, mode):
     check_sums(spawn(nprocs, "omnireduce_worker.py", "sums", mode, timeout=120).check().results())
 
 
+@pytest.mark.long
 def test_dead_rank_fails_the_others_within_the_timeout():
     ranks = spawn(3, "omnireduce_worker.py", "dead", "colocated", timeout=90)
     assert ranks[1].returncode == 3, ranks.output

@@ -16,7 +16,7 @@ TOLERANCE = {"switchml": 1e-4}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_every_algorithm_returns_the_coalesced_union_equal_to_the_dense_sum(nprocs):
     """Random and Zipf ids, repeated ids within a rank, empty gradients on some ranks and on all,
     rows touched by one rank only, dense trailing dims, sparse_dim 2: each algorithm's result is a
@@ -216,7 +216,7 @@ def test_coalesce_sums_repeats_in_order():
 
 # -- through commlib.torch.DistributedOptimizer, against plain Horovod in the same horovodrun job ----
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_distributed_optimizer_sparse_gradients_match_horovod(nprocs):
     """SGD (sparse and dense gradients) and SparseAdam (sparse only) through commlib.torch's optimizer
     equal plain Horovod's; the optimizer gets a sparse gradient; with sparse_as_dense the embedding

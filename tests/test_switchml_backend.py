@@ -560,7 +560,7 @@ def test_stream_counts_and_addresses_validated():
         assert server.status()["jobs"] == {} and server.status()["free_slots"] == 64   # the first one's is undone
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
+@pytest.mark.parametrize("how", ["kill", pytest.param("stop", marks=pytest.mark.long)])
 def test_one_of_two_switches_dying_fails_every_rank_naming_it(how):
     """Killed (its port closes: refused at once) or stopped (silent: the timeout), the second switch of a
     job fails every rank with an error that names it, within the timeout."""
