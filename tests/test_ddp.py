@@ -227,6 +227,7 @@ def test_torchrun_example_trains_through_the_embedded_switch(policy, used):
     assert f"40 steps, 40 buckets through commlib: {used}" in out.stdout, out.stdout
 
 
+@pytest.mark.long
 @multiprocess
 def test_lightning_example_trains_with_the_hook():
     """examples/lightning_ddp.py: Lightning's DDPStrategy with ddp_comm_state/ddp_comm_hook."""

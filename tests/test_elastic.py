@@ -82,6 +82,7 @@ def test_switch_job_is_registered_again_for_each_world(tmp_path):
         assert None not in jobs and len(set(jobs[:-1])) == len(jobs) - 1 and jobs[-1] == jobs[-2], result
 
 
+@pytest.mark.long
 def test_elastic_example_trains(tmp_path):
     """examples/elastic_torch.py under an elastic horovodrun (no failure): the loss goes down."""
     hosts = tmp_path / "hosts"

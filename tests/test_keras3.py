@@ -48,6 +48,7 @@ def test_fit_with_the_torch_backend_of_keras3():
     _ok(_torchrun("*=ring", 1e-5, env={"KERAS_BACKEND": "torch"}), "torch", "ring")
 
 
+@pytest.mark.long
 def test_example_keras3_fit_trains():
     out = _mpirun(ROOT / "examples" / "keras3_fit.py", "--epochs", 3)
     assert out.returncode == 0, out.stdout

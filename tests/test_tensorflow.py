@@ -123,6 +123,7 @@ def _example(out):
     return out.stdout
 
 
+@pytest.mark.long
 def test_example_gradient_tape_trains_through_omnireduce_and_switchml():
     out = _example(horovodrun(2, str(EXAMPLES / "tf_gradient_tape.py"), "--steps", 60, timeout=300))
     losses = [float(v) for v in re.findall(r"step \d+ loss ([\d.]+)", out)]
