@@ -1,34 +1,11 @@
 """The core across real processes (torch.distributed engine), with a hard timeout per launch. Each
 rank reports its result (commlib.testing.report); the checks here say which field differed."""
-import math
-
-import numpy as np
 import pytest
 
+from helpers import check_closed_form
 from launch import spawn
 
 pytestmark = pytest.mark.multiprocess
-
-
-def check_closed_form(results):
-    """tests/workers/basic.py: rank r contributes (r + 1) * arange(length)."""
-    for result in results:
-        n = result["size"]
-        total = n * (n + 1) // 2
-        for length, got in result["sums"].items():
-            expected = total * np.arange(int(length), dtype=np.float32)
-            assert got == {"dtype": "float32", "shape": [int(length)], "values": expected[:8].tolist(),
-                           "sum": float(expected.sum())}, (result["rank"], length)
-        assert result["torch"] == {"type": "Tensor", "shape": [3, 4], "values": [total / n]}, result
-        assert result["small"] == [[n * (n - 1) // 2] * 5] * 20, result
-        assert result["grad"] == [(result["rank"] + 1) * (n + 1) / 2] * 3, result   # (r+1) * mean_j (j+1)
-        average = [math.trunc(s * (1 / n)) for s in (total, -total, total - n)]
-        assert result["ops"] == {"min": [1.0] * 4, "max": [float(n)] * 4, "product": [float(math.factorial(n))] * 4,
-                                 "horovod max": [n] * 2, "int average": average, "torch int average": average}, result
-        for name in ("op.min", "op.max", "op.product"):   # the policy said switchml, which only sums
-            algorithm, note = result["op_records"][name]
-            assert algorithm == "ring" and "switchml cannot reduce with op=" in note, (name, algorithm, note)
-        assert result["records"] == 33 and result["fused"] > 0, f"20 small tensors should have been fused: {result}"
 
 
 @pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.long)])

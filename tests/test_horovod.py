@@ -9,7 +9,7 @@ import pytest
 
 from commlib.testing import results
 from launch import horovodrun, mpirun
-from test_core_multiprocess import check_closed_form
+from helpers import check_closed_form
 
 pytestmark = pytest.mark.multiprocess
 
