@@ -17,6 +17,13 @@ if sw.lib is None:   # not built: a failure of the suite, never a quiet skip
     raise ImportError(sw.IMPORT_ERROR)
 
 
+# -- one process as the whole job ------------------------------------------------------------------
+def single_process(monkeypatch):
+    """No launcher's variables: commlib.init() starts a job of one rank."""
+    for var in ("RANK", "WORLD_SIZE", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "COMMLIB_POLICY"):
+        monkeypatch.delenv(var, raising=False)
+
+
 # -- the workers' reports ---------------------------------------------------------------------------
 def check_closed_form(results):
     """tests/workers/basic.py: rank r contributes (r + 1) * arange(length)."""
