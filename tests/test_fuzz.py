@@ -1,6 +1,7 @@
-"""The fuzz targets of tests/fuzz (atheris), a short bounded run each: what `make test` runs. A crash
-(a handler raising past `answer`, an error counted as "internal", leaked slots, an ASan or UBSan
-report from the C packet handlers) fails the test with the fuzzer's output and the crashing input.
+"""The fuzz targets of tests/fuzz (atheris), a short bounded run each: the control targets in
+`make test`, the packet targets (ASan + UBSan build) in `make test-long`. A crash (a handler raising
+past `answer`, an error counted as "internal", leaked slots, an ASan or UBSan report from the C
+packet handlers) fails the test with the fuzzer's output and the crashing input.
 `make fuzz` runs the same targets for minutes with a corpus (tests/fuzz/run.py says how)."""
 import os
 import subprocess
