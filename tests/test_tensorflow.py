@@ -45,6 +45,7 @@ def test_keras_optimizer_sum_and_several_backward_passes():
     check_training(out, 2, 1e-6, "ring:None")
 
 
+@pytest.mark.long   # the same bound through torch: test_horovod.py's switchml_optimizer_within_quantization_bound
 def test_switchml_within_quantization_bound():
     out = horovodrun(2, "tf_training.py", "tape-function", "*=switchml", timeout=240)
     check_training(out, 2, 1e-4, "switchml:None")
