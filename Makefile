@@ -8,7 +8,7 @@ HOROVOD_VERSION := 0.28.1
 HOROVOD_SRC := build/horovod-$(HOROVOD_VERSION)
 NP ?= 4
 
-.PHONY: install apt venv deps horovod develop keras3 demo test fuzz bench bench-quick faults clean
+.PHONY: install apt venv deps horovod develop keras3 demo test test-long fuzz bench bench-quick faults clean
 
 install: apt venv deps horovod develop keras3
 
@@ -58,8 +58,13 @@ keras3:
 demo:
 	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo --gloo-timeout-seconds 120 $(PY) -m commlib.demo
 
+# `make test`: every check but the fault, soak, scale and whole-example cases marked `long`, which
+# `make test-long` runs (CI runs both; tests/README.md says what is where).
 test:
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -m "not long" tests
+
+test-long:
+	$(PY) -m pytest -q -p no:cacheprovider -m long tests
 
 # The fuzz targets of tests/fuzz for FUZZ_SECONDS each, corpora kept in build/fuzz/corpus (`make test` runs
 # them briefly through tests/test_fuzz.py). The packet targets run the ASan + UBSan build of the C code.

@@ -1,12 +1,8 @@
 """The benchmarks' bottleneck rule (benchmarks/common.bottleneck) on constructed breakdowns: which of
 the network, the workers and the switch/aggregators each configuration names, and why."""
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import common  # noqa: E402
+from benchmarks import common
 
 
 def samples(process_s, transfer_s, server_s=None, runs=3):
@@ -107,7 +103,7 @@ def test_line_rate_from_cpu_costs():
     """bench_switchml's fast-network view: 3.2 CPU ns per float32 element is 10 Gbit/s per core; a
     switch at 0.8 ns per element per contribution serves 40 Gbit/s of contributions, 10 per worker
     at 4 workers, so 25 Gbit/s per worker takes 2.5 worker cores and 2.5 switch cores."""
-    import bench_switchml
+    from benchmarks import bench_switchml
     fast = bench_switchml.line_rate(3.2, 0.8, 4)
     assert fast["worker_core_gbps"] == pytest.approx(10.0) and fast["switch_core_gbps"] == pytest.approx(40.0)
     assert fast["switch_core_gbps_per_worker"] == pytest.approx(10.0)

@@ -60,6 +60,7 @@ def test_a_mismatch_is_a_clear_error_on_every_rank_at_once():
         assert result["seconds"] < 10, result
 
 
+@pytest.mark.long
 def test_a_rank_that_never_calls_is_a_timeout_naming_it():
     first, last = run(2, "missing", 8, COMMLIB_NEGOTIATION_TIMEOUT_S="3", COMMLIB_STALL_WARNING_S="1")
     assert first["error"].startswith("CommTimeout: tensor 'allreduce.noname.0' was submitted by rank 0 but not by "

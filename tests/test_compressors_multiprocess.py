@@ -30,6 +30,7 @@ def test_compressed_allreduce_four_processes():
     check(CASES)
 
 
+@pytest.mark.long
 def test_every_other_method_four_processes():
     """The methods the cases above leave out: each through the real core equals its reference."""
     cases = ["none@ring", "signum@allgather", "onebit@allgather", "natural@allgather", "terngrad@allgather",

@@ -9,7 +9,7 @@ import torch
 import commlib.compressors as C
 from commlib.testing import run_ranks
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.long, pytest.mark.timeout(120)]   # training runs: a soak
 
 RANKS, STEPS, BATCH, LR = 4, 120, 32, 0.1
 FACTOR = 1.5     # compressed final loss <= FACTOR * uncompressed final loss

@@ -9,16 +9,12 @@ import pytest
 import torch
 
 import commlib
-
-
-def _single_process(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "COMMLIB_POLICY"):
-        monkeypatch.delenv(var, raising=False)
+from helpers import single_process
 
 
 @pytest.fixture
 def runtime(tmp_path, monkeypatch):
-    _single_process(monkeypatch)
+    single_process(monkeypatch)
     timeline = tmp_path / "trace.json"
     commlib.init(policy="*=ring", timeout_s=5.0, timeline=str(timeline))
     yield timeline
@@ -31,7 +27,7 @@ def test_not_initialized_says_what_to_do():
 
 
 def test_environment_overrides_the_policy_keyword(monkeypatch, caplog):
-    _single_process(monkeypatch)
+    single_process(monkeypatch)
     monkeypatch.setenv("COMMLIB_POLICY", "*=ring")
     commlib.init(policy="*=omnireduce", timeout_s=5.0)
     try:
@@ -47,7 +43,7 @@ def test_environment_overrides_the_policy_keyword(monkeypatch, caplog):
 
 
 def test_density_rule_dispatches_by_measured_density(monkeypatch):
-    _single_process(monkeypatch)
+    single_process(monkeypatch)
     commlib.init(policy="grad.*[density<0.05]=omnireduce; *=ring", timeout_s=5.0)
     try:
         sparse = np.zeros(256 * 100, np.float32)
@@ -143,32 +139,6 @@ def test_average_of_integers_and_unsupported_types(runtime):
         commlib.allreduce(np.array(["a"]), name="strings")
 
 
-def test_duplicate_name_in_flight(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    commlib.init(policy="*=ring", cycle_time_ms=1000)   # the controller holds "dup" for up to a second
-    try:
-        handle = commlib.allreduce_async(np.ones(4, np.float32), name="dup")
-        with pytest.raises(commlib.ConfigError, match="already in flight"):
-            commlib.allreduce_async(np.ones(4, np.float32), name="dup")
-        commlib.synchronize(handle)
-    finally:
-        commlib.shutdown()
-
-
-def test_a_refused_group_leaves_nothing_in_flight(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    commlib.init(policy="*=ring", cycle_time_ms=1000)   # the controller holds "dup" for up to a second
-    try:
-        handle = commlib.allreduce_async(np.ones(4, np.float32), name="dup")
-        for names in (["a", "dup"], ["a", "b", "b"]):
-            with pytest.raises(commlib.ConfigError, match="already in flight"):
-                commlib.grouped_allreduce_async([np.ones(4, np.float32)] * len(names), names=names)
-        handles = commlib.grouped_allreduce_async([np.ones(4, np.float32)] * 2, names=["a", "b"])
-        assert [commlib.synchronize(h).tolist() for h in [handle, *handles]] == [[1.0] * 4] * 3
-    finally:
-        commlib.shutdown()
-
-
 def test_unknown_setting(monkeypatch):
     with pytest.raises(commlib.ConfigError, match="unknown setting"):
         commlib.init(fusion_treshold=1)
@@ -218,53 +188,3 @@ def test_grouped_allreduce_is_released_and_fused_together(runtime):
     assert {commlib.records()[f"g{i}"]["fused_with"] for i in range(6)} == {5}   # one collective
     with pytest.raises(commlib.ConfigError, match="2 tensors but 1 names"):
         commlib.grouped_allreduce(tensors[:2], ["only"])
-
-
-def test_a_bucket_of_adjacent_views_is_fused_without_a_copy():
-    from commlib.executor import fused
-    flat = np.arange(10, dtype=np.float32)
-    a, b = flat[:3], flat[3:]
-    together = fused([a, b])
-    assert np.shares_memory(together, flat) and together.tolist() == flat.tolist()
-    assert not together.flags.writeable, "the caller's memory must not be written by the backends"
-    assert fused([b, a]) is None and fused([a, flat[4:]]) is None, "non-adjacent arrays need a copy"
-    assert fused([a, flat[3:].astype(np.float64)]) is None
-
-
-def test_a_handle_calls_back_when_it_resolves_or_at_once_if_it_has():
-    from commlib.handles import Handle
-    seen = []
-    pending, failed = Handle("p", 1.0), Handle("f", 1.0)
-    pending.add_done_callback(lambda h: seen.append(("p", h.wait())))
-    assert seen == []
-    pending.set(result=7)
-    failed.set(error=commlib.CommError("gone"))
-    failed.add_done_callback(lambda h: seen.append(("f", h.done())))
-    assert seen == [("p", 7), ("f", True)]
-
-
-def test_unnamed_calls_keep_memory_flat(monkeypatch):
-    """Each unnamed call travels under a name of its own, but they share one record: memory stays
-    flat over many calls (it grew by about 1 KB a call, a record per call)."""
-    import gc
-    import tracemalloc
-    _single_process(monkeypatch)
-    commlib.init(policy="*=ring", timeout_s=5.0)
-    try:
-        x = np.ones(64, np.float32)
-        for _ in range(200):
-            commlib.allreduce(x)
-        gc.collect()
-        tracemalloc.start()
-        try:
-            start = tracemalloc.get_traced_memory()[0]
-            for _ in range(3000):
-                commlib.allreduce(x)
-            gc.collect()
-            grown = tracemalloc.get_traced_memory()[0] - start
-        finally:
-            tracemalloc.stop()
-        assert list(commlib.records()) == ["allreduce.noname"], list(commlib.records())[:5]
-        assert grown < 3000 * 100, f"{grown} bytes more after 3000 unnamed calls ({grown / 3000:.0f} per call)"
-    finally:
-        commlib.shutdown()

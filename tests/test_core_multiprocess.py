@@ -1,37 +1,14 @@
 """The core across real processes (torch.distributed engine), with a hard timeout per launch. Each
 rank reports its result (commlib.testing.report); the checks here say which field differed."""
-import math
-
-import numpy as np
 import pytest
 
+from helpers import check_closed_form
 from launch import spawn
 
 pytestmark = pytest.mark.multiprocess
 
 
-def check_closed_form(results):
-    """tests/workers/basic.py: rank r contributes (r + 1) * arange(length)."""
-    for result in results:
-        n = result["size"]
-        total = n * (n + 1) // 2
-        for length, got in result["sums"].items():
-            expected = total * np.arange(int(length), dtype=np.float32)
-            assert got == {"dtype": "float32", "shape": [int(length)], "values": expected[:8].tolist(),
-                           "sum": float(expected.sum())}, (result["rank"], length)
-        assert result["torch"] == {"type": "Tensor", "shape": [3, 4], "values": [total / n]}, result
-        assert result["small"] == [[n * (n - 1) // 2] * 5] * 20, result
-        assert result["grad"] == [(result["rank"] + 1) * (n + 1) / 2] * 3, result   # (r+1) * mean_j (j+1)
-        average = [math.trunc(s * (1 / n)) for s in (total, -total, total - n)]
-        assert result["ops"] == {"min": [1.0] * 4, "max": [float(n)] * 4, "product": [float(math.factorial(n))] * 4,
-                                 "horovod max": [n] * 2, "int average": average, "torch int average": average}, result
-        for name in ("op.min", "op.max", "op.product"):   # the policy said switchml, which only sums
-            algorithm, note = result["op_records"][name]
-            assert algorithm == "ring" and "switchml cannot reduce with op=" in note, (name, algorithm, note)
-        assert result["records"] == 33 and result["fused"] > 0, f"20 small tensors should have been fused: {result}"
-
-
-@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_closed_form_sums_fusion_and_types(nprocs):
     check_closed_form(spawn(nprocs, "basic.py", timeout=120).check().results())
 
@@ -53,6 +30,7 @@ def test_tensor_refused_on_one_rank_fails_every_rank_at_once():
         assert result["everyone"] == "InvalidTensor" and result["again"] == [3.0] * 4, result
 
 
+@pytest.mark.long
 def test_rank_that_never_calls_times_out_everywhere():
     results = spawn(3, "errors.py", "timeout", timeout=90).check().results()
     assert results[1]["error"] is None, results[1]       # rank 1 slept through it
@@ -61,6 +39,7 @@ def test_rank_that_never_calls_times_out_everywhere():
         assert "'late'" in result["message"] and "not by rank 1" in result["message"], result
 
 
+@pytest.mark.long
 def test_dead_rank_is_a_peer_failure():
     ranks = spawn(3, "errors.py", "dead", timeout=90)
     assert ranks[1].returncode == 3, ranks.output

@@ -22,6 +22,39 @@ def ranks(nprocs, script, tmp_path, *args, timeout=240, env=None):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
+# The scenarios of tests/workers/ddp_grads.py by world size, name: (policy, options). Those of a size
+# run one after another in one job, started by the first test that asks for one of them: a job's start
+# costs far more than a scenario. Each test then checks its own scenario's result.
+SCENARIOS = {
+    2: {"ring": ("*=ring", ""), "switchml": ("*=switchml", "float"), "omnireduce": ("*=omnireduce", ""),
+        "policy": ("body.*=omnireduce;*.bias=ring;*=switchml", ""), "unused": ("*=ring", "unused,accumulate"),
+        "fp16": ("*=ring", "fp16"), "bfloat16": ("*=ring", "bfloat16"), "bf16": ("*=ring", "bf16"),
+        "sparse": ("embedding.*=sparse_allgather;*=ring", "sparse"), "gan": ("*=ring", "gan")},
+    4: {"ring": ("*=ring", ""), "switchml": ("*=switchml", "float")}}
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    """scenario(nprocs, name): each rank's result of that ddp_grads.py scenario."""
+    jobs = {}   # nprocs: the job's folder, or why it failed (raised again, not run again, for each test)
+
+    def results(nprocs, name):
+        if nprocs not in jobs:
+            out = tmp_path_factory.mktemp(f"ddp_grads_{nprocs}")
+            try:
+                spawn(nprocs, "ddp_grads.py", out, json.dumps(SCENARIOS[nprocs]), timeout=300).check()
+                jobs[nprocs] = out
+            except AssertionError as exc:
+                jobs[nprocs] = exc
+        if isinstance(jobs[nprocs], AssertionError):
+            raise jobs[nprocs]
+        found = [json.loads((jobs[nprocs] / f"{name}.rank{r}.json").read_text()) for r in range(nprocs)]
+        for r in found:
+            assert "error" not in r, f"scenario {name!r} on {nprocs} ranks failed on rank {r['rank']}:\n{r['error']}"
+        return found
+    return results
+
+
 def torchrun(nprocs, path, *args, timeout=300):
     """The real `torchrun --nproc-per-node N` on a script under the repository."""
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nprocs), "--master-addr", "127.0.0.1",
@@ -55,66 +88,66 @@ def exact(n, largest):
 
 
 @multiprocess
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_ring_equals_ddp_default_exactly(tmp_path, nprocs):
-    results = ranks(nprocs, "ddp_grads.py", tmp_path, "*=ring", timeout=300)
+@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.long)])
+def test_ring_equals_ddp_default_exactly(scenario, nprocs):
+    results = scenario(nprocs, "ring")
     check_grads(results, exact)
     assert {tuple(v) for v in results[0]["records"].values()} == {("ring", None)}
     assert set(results[0]["records"]) == set(results[0]["names"])
 
 
 @multiprocess
-@pytest.mark.parametrize("algorithm, tolerance, nprocs, data", [
-    ("switchml", switchml_bound, 2, "float"), ("switchml", switchml_bound, 4, "float"), ("omnireduce", exact, 2, "")])
-def test_in_network_algorithms_within_their_bound(tmp_path, algorithm, tolerance, nprocs, data):
+@pytest.mark.parametrize("algorithm, tolerance, nprocs", [
+    ("switchml", switchml_bound, 2), pytest.param("switchml", switchml_bound, 4, marks=pytest.mark.long),
+    ("omnireduce", exact, 2)])
+def test_in_network_algorithms_within_their_bound(scenario, algorithm, tolerance, nprocs):
     """switchml within its quantization bound on normal draws (on the dyadic fixture it is exact);
     omnireduce adds float32 like the ring, so on the dyadic fixture it must match exactly."""
-    results = ranks(nprocs, "ddp_grads.py", tmp_path, f"*={algorithm}", data, timeout=300)
+    results = scenario(nprocs, algorithm)
     check_grads(results, tolerance)
     assert {tuple(v) for v in results[0]["records"].values()} == {(algorithm, None)}
 
 
 @multiprocess
-def test_policy_sees_parameter_names_per_bucket(tmp_path):
-    results = ranks(2, "ddp_grads.py", tmp_path, "body.*=omnireduce;*.bias=ring;*=switchml")
+def test_policy_sees_parameter_names_per_bucket(scenario):
+    results = scenario(2, "policy")
     check_grads(results, switchml_bound)
     assert results[0]["records"] == {"body.weight": ["omnireduce", None], "body.bias": ["omnireduce", None],
                                      "head.weight": ["switchml", None], "head.bias": ["ring", None]}
 
 
 @multiprocess
-def test_unused_parameters_and_no_sync_accumulation(tmp_path):
-    results = ranks(2, "ddp_grads.py", tmp_path, "*=ring", "unused,accumulate")
+def test_unused_parameters_and_no_sync_accumulation(scenario):
+    results = scenario(2, "unused")
     check_grads(results, exact)
     assert "side.weight" in results[0]["records"]
 
 
 @multiprocess
-def test_composes_with_pytorch_fp16_compress_wrapper(tmp_path):
+def test_composes_with_pytorch_fp16_compress_wrapper(scenario):
     """fp16_compress_wrapper(ddp_comm_hook) vs fp16_compress_wrapper(allreduce_hook): both sum
     float16 values, in other orders, so they differ by float16 rounding (2^-11 relative) per add."""
-    results = ranks(2, "ddp_grads.py", tmp_path, "*=ring", "fp16")
+    results = scenario(2, "fp16")
     check_grads(results, lambda n, largest: largest * n * 2.0 ** -11)
     assert {tuple(v) for v in results[0]["records"].values()} == {("ring", None)}
 
 
 @multiprocess
-@pytest.mark.parametrize("option, policy, bits", [
-    ("bfloat16", "*=ring", 8), ("bf16", "*=ring", 8), ("sparse", "embedding.*=sparse_allgather;*=ring", None)])
-def test_bfloat16_and_sparse_gradients_as_ddp_reduces_them(tmp_path, option, policy, bits):
+@pytest.mark.parametrize("option, bits", [("bfloat16", 8), ("bf16", 8), ("sparse", None)])
+def test_bfloat16_and_sparse_gradients_as_ddp_reduces_them(scenario, option, bits):
     """A bfloat16 model, the hook inside bf16_compress_wrapper (bfloat16 adds round to 8 bits, in
     other orders than gloo's), and EmbeddingBag(sparse=True) through commlib's row-sparse path
     (exact: each sparse gradient is its own bucket, as DDP makes it)."""
-    results = ranks(2, "ddp_grads.py", tmp_path, policy, option)
+    results = scenario(2, option)
     check_grads(results, exact if bits is None else lambda n, largest: largest * n * 2.0 ** -bits)
     expected = {"embedding.weight": ["sparse_allgather", None]} if option == "sparse" else {}
     assert {n: a for n, a in results[0]["records"].items() if a != ["ring", None]} == expected, results[0]["records"]
 
 
 @multiprocess
-def test_two_models_with_the_same_parameter_names_in_one_backward(tmp_path):
+def test_two_models_with_the_same_parameter_names_in_one_backward(scenario):
     """A GAN's generator and discriminator: each state has its own names (the second's prefixed)."""
-    results = ranks(2, "ddp_grads.py", tmp_path, "*=ring", "gan")
+    results = scenario(2, "gan")
     check_grads(results, exact)
     assert set(results[0]["records"]) == set(results[0]["names"])
     assert "body.weight" in results[0]["names"] and "ddp1.body.weight" in results[0]["names"], results[0]["names"]
@@ -132,6 +165,7 @@ def test_mismatched_shape_in_a_bucket_is_a_clear_error_on_every_rank(tmp_path):
 
 
 @multiprocess
+@pytest.mark.long   # a fault case: the failing rank exits
 @pytest.mark.parametrize("nprocs, failing", [(3, 1), (2, 0)])
 def test_a_rank_that_fails_and_exits_gives_the_others_its_error_at_once(tmp_path, nprocs, failing):
     """Its atexit shutdown tells the controller why it leaves: the others, waiting in backward for
@@ -162,6 +196,7 @@ def test_parameter_names_that_differ_between_ranks_are_a_mismatch_at_once(tmp_pa
         assert r["seconds"] < 30, f"rank {r['rank']} waited {r['seconds']:.1f}s for the mismatch"
 
 
+@pytest.mark.long
 @multiprocess
 def test_commlib_powersgd_reaches_pytorch_powersgd_loss(tmp_path):
     """Same matrix rank, seed, start step and error feedback: the mean loss of the last 10 of 40
@@ -179,7 +214,8 @@ def test_commlib_powersgd_reaches_pytorch_powersgd_loss(tmp_path):
 @multiprocess
 @pytest.mark.parametrize("policy, used", [
     (None, "[('switchml', None)]"),
-    ("*.weight=fp16;*=ring", "[('ring', 'fp16(seed=0, algorithm=None, memory=none)'), ('ring', None)]")])
+    pytest.param("*.weight=fp16;*=ring", "[('ring', 'fp16(seed=0, algorithm=None, memory=none)'), ('ring', None)]",
+                 marks=pytest.mark.long)])
 def test_torchrun_example_trains_through_the_embedded_switch(policy, used):
     """examples/ddp_torchrun.py under the real torchrun: no configuration, dense gradients go to
     the embedded switch (`auto`), every step's bucket through commlib, the loss falls; with a
@@ -192,6 +228,7 @@ def test_torchrun_example_trains_through_the_embedded_switch(policy, used):
     assert f"40 steps, 40 buckets through commlib: {used}" in out.stdout, out.stdout
 
 
+@pytest.mark.long
 @multiprocess
 def test_lightning_example_trains_with_the_hook():
     """examples/lightning_ddp.py: Lightning's DDPStrategy with ddp_comm_state/ddp_comm_hook."""
@@ -204,6 +241,7 @@ def test_lightning_example_trains_with_the_hook():
     assert used == "[('ring', None), ('switchml', None)]", out.stdout
 
 
+@pytest.mark.long
 @multiprocess
 def test_lightning_own_launcher_forms_the_process_groups_job(tmp_path):
     """`python script.py` with Trainer(devices=2, accelerator="cpu"): Lightning starts rank 1

@@ -48,10 +48,12 @@ def check(out, tolerance):
     return final
 
 
+@pytest.mark.long
 def test_ring_survives_a_killed_worker_and_an_added_one(tmp_path):
     check(elastic_run(tmp_path, {"COMMLIB_POLICY": "*=ring"}), 1e-6)
 
 
+@pytest.mark.long
 def test_without_register_the_changed_world_is_a_clear_error_not_endless_resets(tmp_path):
     out = elastic_run(tmp_path, {"COMMLIB_POLICY": "*=ring"}, "noregister")
     assert out.returncode == 0, out.stdout
@@ -61,6 +63,7 @@ def test_without_register_the_changed_world_is_a_clear_error_not_endless_resets(
             and "of 2" in result["error"], result
 
 
+@pytest.mark.long
 def test_switch_job_is_registered_again_for_each_world(tmp_path):
     """A commlib-switch the job does not own: each new world registers a new job on it."""
     port = free_port()
@@ -79,6 +82,7 @@ def test_switch_job_is_registered_again_for_each_world(tmp_path):
         assert None not in jobs and len(set(jobs[:-1])) == len(jobs) - 1 and jobs[-1] == jobs[-2], result
 
 
+@pytest.mark.long
 def test_elastic_example_trains(tmp_path):
     """examples/elastic_torch.py under an elastic horovodrun (no failure): the loss goes down."""
     hosts = tmp_path / "hosts"

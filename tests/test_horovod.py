@@ -9,7 +9,7 @@ import pytest
 
 from commlib.testing import results
 from launch import horovodrun, mpirun
-from test_core_multiprocess import check_closed_form
+from helpers import check_closed_form
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,6 +40,7 @@ def test_closed_form_under_mpirun_uses_mpi4py():
     check_closed_form(results(out.stdout, 2))
 
 
+@pytest.mark.long
 def test_rank_that_never_calls_init_is_a_timeout_not_a_hang():
     out = horovodrun(2, "errors.py", "noinit", timeout=90)
     assert out.returncode == 0, out.stdout
@@ -55,6 +56,7 @@ def test_wrong_shape_under_horovodrun_raises_mismatch_on_every_rank():
         assert result["error"] == "Mismatch" and "rank 1 gave [5]" in result["message"], result
 
 
+@pytest.mark.long
 def test_distributed_optimizer_matches_horovod_on_4_ranks():
     check_optimizer(horovodrun(4, "torch_optimizer.py", "*=ring", timeout=240), 4, 1e-5, "ring:None")
 
@@ -75,6 +77,7 @@ def test_switchml_optimizer_within_quantization_bound():
     check_optimizer(horovodrun(2, "torch_optimizer.py", "*=switchml", timeout=240), 2, 1e-4, "switchml:None")
 
 
+@pytest.mark.long
 def test_demo_trains_through_the_local_switch_and_loss_decreases():
     """`make demo`: 4 workers, no configuration, the embedded switch carries the dense gradients."""
     out = horovodrun(4, "-m commlib.demo", "--steps", "60", timeout=240)
@@ -108,40 +111,3 @@ def test_optimizer_before_hvd_init_raises_horovods_own_error():
     for case in ("not initialized", "duplicate names"):
         theirs, ours = got["horovod.torch.optimizer: " + case], got["commlib.torch: " + case]
         assert ours == theirs and theirs.startswith("ValueError"), (case, ours, theirs)
-
-
-def store_env(port, rank, size=2):
-    return {"HOROVOD_SIZE": str(size), "HOROVOD_RANK": str(rank), "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
-            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port)}
-
-
-def test_rendezvous_engine_over_horovods_own_store():
-    """commlib's set-up without hvd.init(): an allgather and a broadcast through the key-value store
-    horovodrun serves (Horovod's own server class), ranks as threads; a dead store is a clear error."""
-    import itertools
-    import threading
-
-    import numpy as np
-    from horovod.runner.http.http_server import KVStoreServer
-
-    from commlib.engine import RendezvousEngine
-    from commlib.errors import PeerFailure
-    server = KVStoreServer(verbose=0)
-    port = server.start_server()
-    out = {}
-
-    def rank_main(rank):   # each rank its own count of calls, as in a process of its own
-        engine = type("Rank", (RendezvousEngine,), {"_calls": itertools.count()})(10.0, store_env(port, rank))
-        gathered = engine.allgather(np.arange(3, dtype=np.uint8) + rank, "keys")
-        out[rank] = ([g.tolist() for g in gathered], engine.broadcast_object(["addr", rank] if rank == 0 else None))
-    try:
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in (1, 0)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-    finally:
-        server.shutdown_server()
-    assert out == {r: ([[0, 1, 2], [1, 2, 3]], ["addr", 0]) for r in (0, 1)}, out
-    with pytest.raises(PeerFailure, match="rendezvous store .* failed during commlib.init"):
-        RendezvousEngine(2.0, store_env(port, 0)).broadcast_object("x")

@@ -14,17 +14,14 @@ import pytest
 
 from commlib.switch import auth, control
 from commlib.testing import results
-from test_core_multiprocess import check_closed_form
-from test_omnireduce_multiprocess import check_sums as check_omnireduce
-from test_switchml_multiprocess import check as check_switchml
+from benchmarks import netem
+from helpers import check_closed_form, check_omnireduce_sums, check_switchml
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import netem  # noqa: E402
 
 AVAILABLE, WHY = netem.available()
-pytestmark = [pytest.mark.netns, pytest.mark.multiprocess, pytest.mark.timeout(240),
+pytestmark = [pytest.mark.long, pytest.mark.netns, pytest.mark.multiprocess, pytest.mark.timeout(240),
               pytest.mark.skipif(not AVAILABLE, reason=WHY)]
 
 
@@ -127,7 +124,7 @@ def test_omnireduce_across_hosts(mode, tmp_path):
             outs = _run(cluster, hosts, "omnireduce_worker.py", "sums", mode, env=env)
         finally:
             cluster.kill(procs)
-    check_omnireduce(results("\n".join(outs), 3), (time.monotonic() - start, outs))
+    check_omnireduce_sums(results("\n".join(outs), 3), (time.monotonic() - start, outs))
 
 
 def test_omnireduce_blocks_sized_by_the_path():

@@ -417,6 +417,7 @@ def test_restarted_aggregator_is_a_clear_error():
 
 
 # -- failures -------------------------------------------------------------------------------------
+@pytest.mark.long
 @pytest.mark.parametrize("mode", ["colocated", "dedicated"])
 def test_rank_that_stops_is_named_within_the_timeout(mode):
     """Rank 1 does the first tensor, then never calls again: the others raise PeerFailure naming

@@ -1,6 +1,7 @@
 """OmniReduce through commlib.init() in real processes (torchrun environment), hard timeouts."""
 import pytest
 
+from helpers import check_omnireduce_sums
 from launch import spawn
 
 import commlib.backends.omnireduce as om   # noqa: E402
@@ -11,19 +12,12 @@ if om.lib is None:   # not built: a failure of the suite, never a quiet skip
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(150)]
 
 
-def check_sums(results, context=""):
-    """tests/workers/omnireduce_worker.py sums: exact dense sums; zero tensors cost no blocks."""
-    for result in results:
-        assert result["wrong"] == [] and result["embedding_error"] <= 1e-5, (result, context)
-        assert result["bytes_sent"] > 0 and result["densities"], (result, context)
-        assert result["authenticated"], (result, context)   # embedded aggregators: the job's key, MACs on
-
-
-@pytest.mark.parametrize("nprocs,mode", [(3, "colocated"), (2, "dedicated")])
+@pytest.mark.parametrize("nprocs,mode", [pytest.param(3, "colocated", marks=pytest.mark.long), (2, "dedicated")])
 def test_sparse_sums_through_commlib(nprocs, mode):
-    check_sums(spawn(nprocs, "omnireduce_worker.py", "sums", mode, timeout=120).check().results())
+    check_omnireduce_sums(spawn(nprocs, "omnireduce_worker.py", "sums", mode, timeout=120).check().results())
 
 
+@pytest.mark.long
 def test_dead_rank_fails_the_others_within_the_timeout():
     ranks = spawn(3, "omnireduce_worker.py", "dead", "colocated", timeout=90)
     assert ranks[1].returncode == 3, ranks.output

@@ -39,7 +39,8 @@ def check(out, size, algorithm):
                 dict(result["set_sizes"], all=size), result["aggregators"]
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "switchml", "omnireduce"])
+@pytest.mark.parametrize("algorithm", ["ring", pytest.param("switchml", marks=pytest.mark.long),
+                                       pytest.param("omnireduce", marks=pytest.mark.long)])
 def test_process_sets_match_horovod_on_4_ranks(algorithm):
     """{0,1} and {2,3} at once (disjoint, each with its own controller), {1,2,3} beside them."""
     check(horovodrun(4, "process_sets.py", algorithm, timeout=300), 4, algorithm)
@@ -55,6 +56,7 @@ def test_commlib_init_before_hvd_init_with_process_sets():
     check(horovodrun(2, "process_sets.py", "ring", "commlib-first", timeout=240), 2, "ring")
 
 
+@pytest.mark.long
 def test_ring_engine_horovod_reduces_over_horovods_own_process_set():
     out = horovodrun(4, "process_sets.py", "ring", timeout=300, env={"COMMLIB_RING_ENGINE": "horovod"})
     check(out, 4, "ring")
@@ -77,6 +79,7 @@ def test_commlib_process_sets_without_horovod(launcher, engine):
         assert result["engines"] == [engine, engine], result
 
 
+@pytest.mark.long
 def test_tensorflow_tape_over_a_process_set():
     """commlib.tensorflow.DistributedGradientTape(process_set=) equals Horovod's tape over {0,1}; rank 2 idles."""
     out = horovodrun(3, "process_sets.py", "tf", timeout=240)

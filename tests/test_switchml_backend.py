@@ -20,7 +20,7 @@ from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigErr
 from commlib.settings import Settings
 
 import commlib.backends.switchml as sml   # noqa: E402
-from commlib.switch import control           # noqa: E402
+from helpers import switch_process
 
 sw = sml.sw
 if sw.lib is None:   # not built: a failure of the suite, never a quiet skip
@@ -405,20 +405,8 @@ def test_missing_rank_times_out_clearly():
     run(2, work, timeout_s=1.5)
 
 
-def _switch_process(port=0, extra=()):
-    """`python -m commlib.switch` as its own process; returns (process, address) once it says READY."""
-    proc = subprocess.Popen([sys.executable, "-m", "commlib.switch", "--port", str(port), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        address, = control.wait_ready(proc, 20, "commlib-switch")
-    except RuntimeError:
-        proc.kill()
-        raise
-    return proc, address
-
-
 def test_switch_daemon_restart_and_death_are_clear_errors():
-    proc, address = _switch_process()
+    proc, address = switch_process()
     try:
         port = int(address.rsplit(":", 1)[1])
 
@@ -428,7 +416,7 @@ def test_switch_daemon_restart_and_death_are_clear_errors():
             if rank == 0:                                            # restart the switch under the job
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(10)
-                holder.append(_switch_process(port))
+                holder.append(switch_process(port))
             barrier.wait(20)
             start = time.monotonic()
             with pytest.raises(PeerFailure, match="restarted"):
@@ -456,7 +444,7 @@ def test_switch_daemon_restart_and_death_are_clear_errors():
 
 
 def test_switch_killed_mid_job_is_refused_quickly():
-    proc, address = _switch_process()
+    proc, address = switch_process()
     try:
         def work(rank, backend):
             backend.allreduce(np.ones(10, np.float32), "warm")
@@ -477,7 +465,7 @@ def test_switch_killed_mid_job_is_refused_quickly():
 
 
 def test_cli_counters_and_simulate():
-    proc, address = _switch_process(extra=["--slots", "1000", "--testing"])
+    proc, address = switch_process(extra=["--slots", "1000", "--testing"])
     try:
         def work(rank, backend):
             return backend.allreduce(np.ones(2000, np.float32), "x"), backend.job
@@ -560,11 +548,11 @@ def test_stream_counts_and_addresses_validated():
         assert server.status()["jobs"] == {} and server.status()["free_slots"] == 64   # the first one's is undone
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])
+@pytest.mark.parametrize("how", ["kill", pytest.param("stop", marks=pytest.mark.long)])
 def test_one_of_two_switches_dying_fails_every_rank_naming_it(how):
     """Killed (its port closes: refused at once) or stopped (silent: the timeout), the second switch of a
     job fails every rank with an error that names it, within the timeout."""
-    procs = [_switch_process(extra=["--threads", "2"]) for _ in range(2)]
+    procs = [switch_process(extra=["--threads", "2"]) for _ in range(2)]
     (_, first), (victim, second) = procs
     try:
         def work(rank, backend):

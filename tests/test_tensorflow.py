@@ -32,6 +32,7 @@ def test_gradient_tape_eager_matches_horovod():
     check_training(horovodrun(2, "tf_training.py", "tape-eager", "*=ring", timeout=240), 2, 1e-6, "ring:None")
 
 
+@pytest.mark.long
 def test_gradient_tape_in_tf_function_matches_horovod_on_4_ranks():
     out = horovodrun(4, "tf_training.py", "tape-function", "*=ring", "none", "predivide=2", timeout=300)
     check_training(out, 4, 1e-6, "ring:None")
@@ -44,18 +45,20 @@ def test_keras_optimizer_sum_and_several_backward_passes():
     check_training(out, 2, 1e-6, "ring:None")
 
 
+@pytest.mark.long   # the same bound through torch: test_horovod.py's switchml_optimizer_within_quantization_bound
 def test_switchml_within_quantization_bound():
     out = horovodrun(2, "tf_training.py", "tape-function", "*=switchml", timeout=240)
     check_training(out, 2, 1e-4, "switchml:None")
 
 
-@pytest.mark.parametrize("compression, tolerance", [("hvd.fp16", 2e-3), ("powersgd(rank=4)", 0.1)])
+@pytest.mark.parametrize("compression, tolerance", [("hvd.fp16", 2e-3),
+                                                          pytest.param("powersgd(rank=4)", 0.1, marks=pytest.mark.long)])
 def test_compression_within_its_error(compression, tolerance):
     out = horovodrun(2, "tf_training.py", "tape-function", "*=ring", compression, timeout=240)
     check_training(out, 2, tolerance, "ring:fp16" if "fp16" in compression else "ring:powersgd")
 
 
-@pytest.mark.parametrize("sparse_as_dense", ["0", "1"])
+@pytest.mark.parametrize("sparse_as_dense", ["0", pytest.param("1", marks=pytest.mark.long)])
 def test_embedding_indexed_slices_take_the_sparse_path(sparse_as_dense):
     """IndexedSlices reach omnireduce as rows (exact; densified first with sparse_as_dense) and come back
     as IndexedSlices (dense with sparse_as_dense), eagerly and in tf.function."""
@@ -73,6 +76,7 @@ def test_embedding_indexed_slices_take_the_sparse_path(sparse_as_dense):
         assert any(name.startswith("embedding") and alg == "omnireduce" for name, alg, _ in result["records"]), result
 
 
+@pytest.mark.long
 def test_under_mpirun_with_the_mpi4py_ring():
     check_training(mpirun(2, "tf_training.py", "tape-function", "*=ring", timeout=240), 2, 1e-6, "ring:None")
 
@@ -86,6 +90,7 @@ def test_keras_fit_with_horovod_callbacks_matches_horovod():
         assert result["algorithms"] == ["ring"], result
 
 
+@pytest.mark.long
 def test_what_horovod_users_write_beside_the_plain_tape():
     """tests/workers/tf_dropin.py: 0-d gradients, a watched eager tensor, a rank outside the tape's
     process set (its local gradient, as Horovod's), the Partial tape and optimizer equal to
@@ -103,7 +108,7 @@ def test_what_horovod_users_write_beside_the_plain_tape():
     assert "could not transform" not in out.stdout, out.stdout
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", ["eager", pytest.param("function", marks=pytest.mark.long)])
 def test_shape_mismatch_is_a_commlib_error_on_every_rank(mode):
     out = horovodrun(2, "tf_mismatch.py", mode, timeout=120)
     assert out.returncode == 0, out.stdout
@@ -119,6 +124,7 @@ def _example(out):
     return out.stdout
 
 
+@pytest.mark.long
 def test_example_gradient_tape_trains_through_omnireduce_and_switchml():
     out = _example(horovodrun(2, str(EXAMPLES / "tf_gradient_tape.py"), "--steps", 60, timeout=300))
     losses = [float(v) for v in re.findall(r"step \d+ loss ([\d.]+)", out)]
@@ -126,6 +132,7 @@ def test_example_gradient_tape_trains_through_omnireduce_and_switchml():
     assert "'embedding/embeddings', 'omnireduce'" in out and "'dense/kernel', 'switchml'" in out, out
 
 
+@pytest.mark.long
 def test_example_keras_fit_with_callbacks_trains():
     out = _example(horovodrun(2, str(EXAMPLES / "tf_keras_fit.py"), "--epochs", 3, timeout=300))
     losses = [float(v) for v in re.search(r"loss per epoch: ([\d. ]+)", out).group(1).split()]

@@ -221,6 +221,7 @@ def test_a_dead_rank_ends_its_switchml_job(tmp_path):
             backend._release()
 
 
+@pytest.mark.long
 def test_a_killed_rank_0_process_ends_its_job(tmp_path):
     """The same with real processes: rank 0 is SIGKILLed after its first tensor; rank 1 lives on
     (sending keepalives) and sees the switch drop the job within the expiry."""

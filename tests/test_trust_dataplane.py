@@ -14,8 +14,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from commlib.errors import CommError
 from commlib.switch import auth, net
 from commlib.switch.relay import Faults, relayed
-from test_switch_protocol import E, TOKEN, Job, data, header, parse, sw, vals
-from test_switch_protocol import job2, switch          # noqa: F401,F811 (fixtures)
+from helpers import E, TOKEN, Job, data, header, parse, sw, vals
 
 pytestmark = pytest.mark.timeout(30)
 

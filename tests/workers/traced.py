@@ -2,6 +2,7 @@
 bucket and a compressed one (PowerSGD), a few steps each; then a window of steps traced by
 start_timeline/stop_timeline. argv: the trace path ('{rank}' in it), the window's trace path."""
 import sys
+import time
 
 import numpy as np
 
@@ -14,15 +15,26 @@ commlib.init(policy="dense.ring=ring; dense.switchml=switchml; sparse=omnireduce
              timeline=trace)
 r = commlib.rank()
 rng = np.random.default_rng(r)
+waited = {}   # per name, the seconds the caller waited for its last call, on its own clock
+
+
+def allreduce(tensor, name):
+    start = time.monotonic()
+    commlib.allreduce(tensor, name=name)
+    waited[name] = time.monotonic() - start
+
+
 for step in range(3):
-    commlib.allreduce(np.full(1 << 16, r + 1.0, np.float32), name="dense.ring")
-    commlib.allreduce(np.full(1 << 16, r + 1.0, np.float32), name="dense.switchml")
+    allreduce(np.full(1 << 16, r + 1.0, np.float32), "dense.ring")
+    allreduce(np.full(1 << 16, r + 1.0, np.float32), "dense.switchml")
     sparse = np.zeros(1 << 16, np.float32)
     sparse[rng.integers(0, sparse.size, 100)] = 1.0
-    commlib.allreduce(sparse, name="sparse")
-    commlib.allreduce(rng.standard_normal((64, 32)).astype(np.float32), name="low.rank")
+    allreduce(sparse, "sparse")
+    allreduce(rng.standard_normal((64, 32)).astype(np.float32), "low.rank")
+    start = time.monotonic()
     handles = [commlib.allreduce_async(np.full(100, float(i), np.float32), name=f"small.{i}") for i in range(8)]
     [commlib.synchronize(h) for h in handles]
+    waited.update({f"small.{i}": time.monotonic() - start for i in range(8)})
 records = {name: {k: v for k, v in rec.items() if k.endswith("_s")} | {"algorithm": rec["algorithm"]}
            for name, rec in commlib.records().items()}
 # the server's share this worker summed from the results' stamps, and (rank 0) the daemons' own counters
@@ -39,4 +51,4 @@ commlib.allreduce(np.ones(10, np.float32), name="untraced")
 commlib.start_timeline(window)
 commlib.allreduce(np.ones(10, np.float32), name="windowed")
 commlib.shutdown()
-report(rank=r, records=records, stamped=stamped, daemons=daemons)
+report(rank=r, records=records, waited=waited, stamped=stamped, daemons=daemons)
