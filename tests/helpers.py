@@ -2,16 +2,20 @@
 rank's commlib.testing.report), a software switch in its own process, and the SwitchML packets the
 protocol tests write byte by byte. Test files import from here, never from one another."""
 import math
+import os
 import socket
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import commlib.switch.switchml as sw
+from commlib.settings import Settings
 from commlib.switch import control
+from commlib.testing import LocalGroup
 
 if sw.lib is None:   # not built: a failure of the suite, never a quiet skip
     raise ImportError(sw.IMPORT_ERROR)
@@ -181,3 +185,30 @@ class Job:
 
 def vals(seed):
     return [(seed * 1000 + i) * (-1) ** i for i in range(E)]
+
+
+FUZZ = Path(__file__).resolve().parent / "fuzz" / "run.py"
+
+
+def fuzz(tmp_path, target, *flags, timeout=240, env=None):
+    """(exit code, output) of a bounded run of a tests/fuzz target (run.py's flags, libFuzzer's)."""
+    out = subprocess.run([sys.executable, str(FUZZ), target, *flags, f"-artifact_prefix={tmp_path}/"],
+                         capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+                         env=None if env is None else dict(os.environ, **env))
+    return out.returncode, out.stdout + out.stderr
+
+
+def run_backends(n, make_backend, work, **settings):
+    """work(rank, backend) on n ranks of a LocalGroup (threads), each with make_backend(ctx) started
+    and closed around it; returns every rank's result."""
+    group = LocalGroup(n, Settings({"timeout_s": 20.0, **settings}))
+
+    def main(ctx):
+        backend = make_backend(ctx)
+        backend.start()
+        try:
+            return work(ctx.rank, backend)
+        finally:
+            backend.close()
+
+    return group.run(main, 100.0)

@@ -10,9 +10,8 @@ import pytest
 
 import commlib.backends.omnireduce as om
 import commlib.backends.switchml as sml
-from commlib.settings import Settings
 from commlib.switch.relay import Faults, FaultRelay, relayed
-from commlib.testing import LocalGroup
+from helpers import run_backends
 
 sw = sml.sw
 if sw.lib is None or om.lib is None:   # not built: a failure of the suite, never a quiet skip
@@ -24,20 +23,6 @@ pytestmark = pytest.mark.timeout(120)
 NASTY = Faults(loss=0.05, duplicate=0.05, reorder=0.25, reorder_ms=5.0, delay_ms=2.0, jitter_ms=1.0)
 REORDER = Faults(reorder=0.25, reorder_ms=5.0)
 NONE = Faults()
-
-
-def run_ranks(n, make_backend, work, **settings):
-    group = LocalGroup(n, Settings({"timeout_s": 20.0, **settings}))
-
-    def main(ctx):
-        backend = make_backend(ctx)
-        backend.start()
-        try:
-            return work(ctx.rank, backend)
-        finally:
-            backend.close()
-
-    return group.run(main, 100.0)
 
 
 def switchml_inputs(n):
@@ -68,7 +53,7 @@ def run_switchml(n, faults, seed=1, elems=0, **extra):
         return out
 
     try:
-        results = run_ranks(n, backend_cls, work, switch_window=32 if elems == 256 else 2, switch_packet_elems=elems,
+        results = run_backends(n, backend_cls, work, switch_window=32 if elems == 256 else 2, switch_packet_elems=elems,
                             switch_retransmit_ms=2.0, switch_retransmit_max_ms=40.0, **extra)
     finally:
         for relay in relays:
@@ -156,7 +141,7 @@ def run_omnireduce(n, faults, seed=2, block=32):
         return [backend.allreduce(x[rank], f"o{i}") for i, x in enumerate(inputs)]
 
     try:
-        results = run_ranks(n, backend_cls, work, omnireduce_mode="dedicated", omnireduce_num_aggregators=1,
+        results = run_backends(n, backend_cls, work, omnireduce_mode="dedicated", omnireduce_num_aggregators=1,
                             omnireduce_block_size=block, omnireduce_columns=24, omnireduce_retransmit_ms=3.0)
     finally:
         for relay in relays:

@@ -3,23 +3,12 @@
 past `answer`, an error counted as "internal", leaked slots, an ASan or UBSan report from the C
 packet handlers) fails the test with the fuzzer's output and the crashing input.
 `make fuzz` runs the same targets for minutes with a corpus (tests/fuzz/run.py says how)."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 
-RUN = Path(__file__).resolve().parent / "fuzz" / "run.py"
+from helpers import fuzz
+
 pytestmark = pytest.mark.timeout(300)
-
-
-def fuzz(tmp_path, target, *flags, timeout=240, env=None):
-    out = subprocess.run([sys.executable, str(RUN), target, *flags, f"-artifact_prefix={tmp_path}/"],
-                         capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
-                         env=None if env is None else dict(os.environ, **env))
-    return out.returncode, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("target", ["switch_control", "aggregator_control"])

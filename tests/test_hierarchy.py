@@ -30,7 +30,7 @@ from commlib.switch.relay import FaultRelay, Faults
 from commlib.testing import LocalGroup
 
 from hierarchy_worker import TOKEN, tensor
-from test_fuzz import fuzz
+from helpers import fuzz
 
 if sw.lib is None:   # not built: a failure of the suite, never a quiet skip
     raise ImportError(sw.IMPORT_ERROR)
@@ -262,6 +262,7 @@ def test_a_leaf_with_another_key_refuses_the_job():
         leaf.stop()
 
 
+@pytest.mark.long   # as test_fuzz's packet targets
 def test_the_leaf_packet_handler_under_asan_and_ubsan(tmp_path):
     """tests/fuzz's switch_leaf_packets: workers' packets and the parent's results, fuzzed, with the upward
     resend timers firing, through the sanitized C switch."""

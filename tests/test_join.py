@@ -20,7 +20,9 @@ def expected(step, size):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("policy", ["*=ring", "default", "w*=omnireduce", "w*=allgather:topk(ratio=1.0)"])
+@pytest.mark.parametrize("policy", ["*=ring", pytest.param("default", marks=pytest.mark.long),
+                                    pytest.param("w*=omnireduce", marks=pytest.mark.long),
+                                    pytest.param("w*=allgather:topk(ratio=1.0)", marks=pytest.mark.long)])
 def test_uneven_ranks_join(policy):
     size = 3
     for result in spawn(size, "join.py", policy, timeout=120).check().results():
@@ -31,6 +33,7 @@ def test_uneven_ranks_join(policy):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long   # waits out a timeout on purpose
 def test_join_fails_when_a_rank_neither_reduces_nor_joins():
     results = spawn(2, "join.py", "timeout", timeout=60, env={"COMMLIB_NEGOTIATION_TIMEOUT_S": "3"}).check().results()
     assert results[0]["error"] == "CommTimeout" and results[0]["elapsed_s"] < 6, results[0]
@@ -48,7 +51,7 @@ def test_sparse_tensor_with_a_joined_rank_is_refused_clearly():
 @pytest.mark.parametrize("mode, env, expected", [
     ("bf16", {"COMMLIB_FUSION_THRESHOLD": "4000"}, [1.0, 1.0]),   # fused as rank 1 counts bf16 bytes
     ("compressed", {"COMMLIB_POLICY": "*=ring"}, [3.0, 3.0, 3.0, 2.0, 2.0]),   # PowerSGD past start_iter on both
-    ("late", {"COMMLIB_NEGOTIATION_TIMEOUT_S": "3"}, [1.0] * 4),
+    pytest.param("late", {"COMMLIB_NEGOTIATION_TIMEOUT_S": "3"}, [1.0] * 4, marks=pytest.mark.long),   # waits 5 s
 ])
 def test_joined_rank_takes_part_as_the_others_do(mode, env, expected):
     results = spawn(2, "join.py", mode, timeout=90, env=env).check().results()

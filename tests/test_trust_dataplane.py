@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from commlib.errors import CommError
 from commlib.switch import auth, net
 from commlib.switch.relay import Faults, relayed
-from helpers import E, TOKEN, Job, data, header, parse, sw, vals
+from helpers import E, TOKEN, Job, data, header, parse, run_backends, sw, vals
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -417,7 +417,6 @@ def test_a_result_replayed_a_wrap_later_is_refused(id_bits8):
 def test_ids_wrap_on_the_wire_and_sums_stay_exact(id_bits8):
     """A real authenticated job whose packet ids wrap many times on the wire (8 bits): the sums
     are exact, and bit-identical to the same job's with 32 bits."""
-    from test_faults import run_ranks
     import commlib.backends.switchml as sml
     tensors = [closed_form(2, i, size, dtype) for i, (size, dtype) in
                enumerate(((3000, np.int32), (40000, np.float32), (41000, np.int32), (5000, np.float32)))]
@@ -426,7 +425,7 @@ def test_ids_wrap_on_the_wire_and_sums_stay_exact(id_bits8):
         return [backend.allreduce(inputs[rank], f"t{i}") for i, (inputs, _) in enumerate(tensors)]
 
     def job():
-        return run_ranks(2, sml.SwitchMLBackend, work, switch_packet_elems=E, switch_window=8, timeout_s=20.0)
+        return run_backends(2, sml.SwitchMLBackend, work, switch_packet_elems=E, switch_window=8, timeout_s=20.0)
 
     wrapped = job()
     sw.lib.sml_testing_id_bits(32)
@@ -533,7 +532,6 @@ def closed_form(n, i, size, dtype):
 def attack_switchml(n, authenticate, kill=True, elems=0):
     """elems: values per packet (0: the path's, on loopback the largest); replays go back about a
     tensor's packets."""
-    from test_faults import run_ranks
     import commlib.backends.switchml as sml
     backend_cls, relays = relayed(sml.SwitchMLBackend, Faults(), 7)
     tensors = [closed_form(n, i, size, np.int32) for i, size in enumerate((3000, 40000, 100000, 5000))]
@@ -551,7 +549,7 @@ def attack_switchml(n, authenticate, kill=True, elems=0):
         return out
 
     try:
-        results = run_ranks(n, backend_cls, work, authenticate=authenticate, switch_packet_elems=elems,
+        results = run_backends(n, backend_cls, work, authenticate=authenticate, switch_packet_elems=elems,
                             switch_window=32 if elems == 256 else 4,   # sets reused within `back` packets
                             switch_retransmit_ms=2.0, timeout_s=10.0)
     finally:
@@ -561,7 +559,6 @@ def attack_switchml(n, authenticate, kill=True, elems=0):
 
 
 def attack_omnireduce(n, authenticate, kill=True):
-    from test_faults import run_ranks
     import commlib.backends.omnireduce as om
     backend_cls, relays = relayed(om.OmniReduceBackend, Faults(), 8)
     tensors = [closed_form(n, i, size, np.float32) for i, size in enumerate((3000, 20000, 7777))]
@@ -576,7 +573,7 @@ def attack_omnireduce(n, authenticate, kill=True):
         return out
 
     try:
-        results = run_ranks(n, backend_cls, work, authenticate=authenticate, omnireduce_mode="dedicated",
+        results = run_backends(n, backend_cls, work, authenticate=authenticate, omnireduce_mode="dedicated",
                             omnireduce_num_aggregators=1, omnireduce_block_size=64, omnireduce_columns=16,
                             omnireduce_retransmit_ms=3.0, timeout_s=10.0)
     finally:
