@@ -16,7 +16,7 @@ import threading
 
 from commlib import controller, engine as engines, keyshare
 from commlib.context import Context, detect
-from commlib.dispatch import settle_release
+from commlib.dispatch import settler
 from commlib.errors import CommError, CommTimeout, Mismatch
 from commlib.net import parse_address, primary_ip
 from commlib.settings import define, defined
@@ -81,7 +81,7 @@ def start_controller(s, placement, broadcast, secret=None, allgather=None):
     broadcast(value) -> rank 0's value, on every rank. `secret`: the job's, when there is one already (a
     process set's), then only the address travels; else rank 0 draws one and shares it sealed
     (commlib.keyshare, which needs `allgather`). Returns (server or None, client, secret)."""
-    options = dict(settle=settle_release, timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms,
+    options = dict(settle=settler(s), timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms,
                    negotiation_timeout_s=s.negotiation_timeout_s, stall_warning_s=s.stall_warning_s)
     server = None
     address = None

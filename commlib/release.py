@@ -10,6 +10,7 @@ class Release:
     estimate: dict = None   # the traffic model's, when it settled the algorithm
     counts: list = None     # row-sparse: every rank's row count, for the allgather
     bit: int = None         # its bit in the controller's response cache, when cached
+    auto: dict = None       # `auto`'s trials (commlib.trials): a trial's id, or the kept choice and times
 
     def wire(self):
         """Its JSON form on the controller's channel (Release(**wire) reads it back)."""
