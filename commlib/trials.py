@@ -54,8 +54,8 @@ class Trials:
                 return ranked[0][0], None
             state = self._groups[group] = _Group(candidates)
         if state.choice is not None or state.decide(self.samples):
-            return state.choice, {"choice": state.choice, "times": state.medians(), "expect": state.expect,
-                                  "revisit": self.revisit}
+            return state.choice, {"choice": state.choice, "candidates": state.candidates, "times": state.medians(),
+                                  "expect": state.expect, "revisit": self.revisit}
         algorithm = min(state.candidates, key=lambda a: (state.given[a], state.candidates.index(a)))
         state.given[algorithm] += 1
         self._ids += 1

@@ -5,6 +5,7 @@ are cached by the controller."""
 import numpy as np
 import pytest
 
+from commlib import analyze, timeline
 from commlib.dispatch import TRAFFIC, settle, settle_release, side_of
 from commlib.trials import SLACK_S, SLOW_RUNS, WARMUP, Reports, Trials
 from launch import spawn
@@ -92,13 +93,15 @@ def test_a_rank_submits_its_side_of_the_density_bounds_and_the_max_over_ranks_is
 
 
 @pytest.mark.multiprocess
-def test_trials_and_choices_are_the_same_on_every_rank_a_slow_candidate_loses_drift_is_retried_and_cached():
+def test_trials_and_choices_are_the_same_on_every_rank_a_slow_candidate_loses_drift_is_retried_and_cached(tmp_path):
     """2 ranks, two row carriers registered from outside (tests/workers/auto_trials.py): the model's
     favourite sleeps and loses to the other, which keeps the choice until it turns slow at step FLIP;
     then both are tried again and the first one wins. 'b' (every other step) shares their group. A
     mostly-zero dense tensor under `auto` goes to omnireduce by its side of the density bound and,
-    after its first step, rank 0's controller never sees its metadata again."""
-    env = {"COMMLIB_AUTO_TRIAL_SAMPLES": "2", "COMMLIB_AUTO_DRIFT": "3"}
+    after its first step, rank 0's controller never sees its metadata again. The study's table
+    (commlib.analyze, from rank 0's timeline) shows the candidates, their times and the choice."""
+    trace = tmp_path / "trace.json"
+    env = {"COMMLIB_AUTO_TRIAL_SAMPLES": "2", "COMMLIB_AUTO_DRIFT": "3", "COMMLIB_TIMELINE": trace}
     results = spawn(2, "auto_trials.py", timeout=300, env=env).check().results()
     steps, flip = results[0]["steps"], results[0]["flip"]
     for rank, result in enumerate(results[1:], 1):
@@ -123,3 +126,7 @@ def test_trials_and_choices_are_the_same_on_every_rank_a_slow_candidate_loses_dr
     assert set(kept(len(steps) - 1).values()) == {"toy_slow"}, f"after the drift the other wins: {steps[-1]}"
     assert {s["records"]["dense"]["algorithm"] for s in steps} == {"omnireduce"}, steps[0]["records"]["dense"]
     assert steps[-1]["full"]["dense"] == 2, f"the dense tensor was negotiated in full after its first step: {steps[-1]['full']}"
+    trials = analyze.auto_trials(timeline.load(str(trace)))
+    assert trials["a"] == steps[-1]["records"]["a"]["auto"], (trials, steps[-1])
+    table = analyze.format_trials(trials)
+    assert "*toy_slow" in table and "toy_fast 3" in table, table   # ~300 ms once it turned slow
