@@ -24,18 +24,16 @@ hot set its last window of counts agreed on (none before the first window ends: 
 its cold carrier costs and loses the tie); the executor counts the rows of every tensor `auto`
 weighed it for, whichever algorithm carried them, so the windows end alike on every rank.
 """
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-import math
-from dataclasses import replace
-
 from commlib import compressors, sparse, traffic
-from commlib.trials import Reports, Trials
 from commlib.backends import TensorMeta, carriers, registry
 from commlib.errors import BackendUnavailable, ConfigError, InvalidTensor
 from commlib.release import Release
+from commlib.trials import Reports, Trials
 
 TRAFFIC = "traffic"   # the bound of choices the traffic model settles
 
@@ -101,6 +99,7 @@ def _group(weighed, stats):
 
 
 def _side(meta, choices):
+    """A rank's side of the bounds (a meta without one: measured nothing, dense)."""
     side = meta.get("side")
     return side_of(choices, None) if side is None else side
 

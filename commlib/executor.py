@@ -305,7 +305,7 @@ class Executor:
         if entry.rows is not None:   # row-sparse: rows sent by this rank and in the union, the model's estimate
             self.records[entry.record].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate,
                                             skew=entry.skew)
-        if entry.auto is not None:   # `auto` tries candidates: its trial or choice, times, and this run's for rank 0
+        if entry.auto is not None:   # `auto` measures: its trial or choice; this run's time goes to rank 0 with the next submission
             self.records[entry.record]["auto"] = entry.auto
             self.dispatcher.reports.ran(entry.name, entry.auto, end - start)
             for *_, comm, args in phases.spans:

@@ -17,9 +17,9 @@ import statistics
 from commlib.settings import define
 
 define("auto_trial_margin", 4.0, "policy 'auto': candidates the traffic model ranks within this factor of the "
-       "best are tried on early steps and the fastest measured is kept (1 disables: the model decides)")
+       "best are tried on early steps and the fastest measured is kept")
 define("auto_trial_samples", 3, "policy 'auto': measured runs per candidate (after one warm-up run) before "
-       "the fastest is kept")
+       "the fastest is kept; 0: no trials, the traffic model alone decides")
 define("auto_revisit", 500, "policy 'auto': runs of a tensor after which its group's candidates are tried again")
 define("auto_drift", 1.5, "policy 'auto': three runs in a row this many times slower than the kept "
        "candidate's measured time try the candidates again")
@@ -117,11 +117,12 @@ class Reports:
             self._ready[name] = {"trial": auto["trial"], "seconds": seconds}
             self._runs.pop(name, None)
             return
-        if auto.get("expect") is None:
+        if "revisit" not in auto:   # no choice kept: nothing to check
             return
         runs = self._runs.setdefault(name, [0, 0])
         runs[0] += 1
-        runs[1] = runs[1] + 1 if seconds > self.drift * auto["expect"] + SLACK_S else 0
+        slow = auto["expect"] is not None and seconds > self.drift * auto["expect"] + SLACK_S
+        runs[1] = runs[1] + 1 if slow else 0
         if runs[0] >= auto["revisit"] or runs[1] >= SLOW_RUNS:
             self._ready[name] = {"check": runs[0], "seconds": seconds}
             del self._runs[name]
