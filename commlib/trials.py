@@ -8,8 +8,9 @@ same candidate on the same step by construction. A release under trial carries a
 measures its run and reports (id, seconds) in the metadata it submits next for that name
 (`Reports`), and rank 0 keeps the slowest rank's time. Once every candidate has
 `auto_trial_samples` times (after one warm-up run each) the fastest by median is kept; its releases
-carry that time, and a rank reports again after `auto_revisit` runs, or when three runs in a row
-took `auto_drift` times longer: the group is then tried anew. A settled release no longer depends on
+carry that time, and a rank reports again after `auto_revisit` runs, or when five runs in a row
+took `auto_drift` times longer: the group is then tried anew, less the candidates measured
+`auto_trial_margin` times slower than the kept one now runs (they sit that round out). A settled release no longer depends on
 the controller's state, so the response cache may keep it.
 """
 import statistics
@@ -21,11 +22,11 @@ define("auto_trial_margin", 4.0, "policy 'auto': candidates the traffic model ra
 define("auto_trial_samples", 3, "policy 'auto': measured runs per candidate (after one warm-up run) before "
        "the fastest is kept; 0: no trials, the traffic model alone decides")
 define("auto_revisit", 500, "policy 'auto': runs of a tensor after which its group's candidates are tried again")
-define("auto_drift", 1.5, "policy 'auto': three runs in a row this many times slower than the kept "
+define("auto_drift", 1.5, "policy 'auto': five runs in a row this many times slower than the kept "
        "candidate's measured time try the candidates again")
 
 WARMUP = 1   # runs of each candidate not counted: first calls set up state (buffers, hot sets)
-SLOW_RUNS = 3
+SLOW_RUNS = 5   # in a row: a shared machine's stalls last a step or two
 SLACK_S = 0.005   # a slow run is also this much slower: small tensors' times vary by milliseconds with the load
 
 
@@ -46,12 +47,16 @@ class Trials:
         `ranked` its candidates best first as the model ranks them, [(algorithm, cost)]; `reports`
         every rank's report of its last run of this tensor (None where it has none)."""
         state = self._groups.get(group)
-        if state is None or self._heard(state, reports):
+        checked = None if state is None else self._heard(state, reports)
+        if state is None or checked is not None:
             best = ranked[0][1]
             candidates = [a for a, cost in ranked if cost <= best * self.margin] if self.samples > 0 else []
             if len(candidates) < 2:   # nothing to try: the model decides, release by release
                 self._groups.pop(group, None)
                 return ranked[0][0], None
+            if state is not None:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
+                measured = state.medians()
+                candidates = [a for a in candidates if measured.get(a, 0.0) <= checked * self.margin] or candidates
             state = self._groups[group] = _Group(candidates)
         if state.choice is not None or state.decide(self.samples):
             return state.choice, {"choice": state.choice, "candidates": state.candidates, "times": state.medians(),
@@ -64,16 +69,17 @@ class Trials:
 
     def _heard(self, state, reports):
         """Take the ranks' reports: a trial's time (kept only when every rank reported it: the slowest
-        rank's), or a check of the kept choice (due, or drifted), which starts the trials anew."""
+        rank's), or a check of the kept choice (due, or drifted), which starts the trials anew: then
+        the seconds its slowest rank took, else None."""
         sent = [r for r in reports if r]
         if not sent:
-            return False
+            return None
         if "trial" not in sent[0]:
-            return state.choice is not None
+            return max(r["seconds"] for r in sent) if state.choice is not None else None
         algorithm = state.pending.pop(sent[0]["trial"], None)
         if algorithm is not None and len(sent) == len(reports) and all(r.get("trial") == sent[0]["trial"] for r in sent):
             state.times[algorithm].append(max(r["seconds"] for r in sent))
-        return False
+        return None
 
 
 class _Group:
@@ -82,7 +88,7 @@ class _Group:
         self.times = {a: [] for a in candidates}   # the slowest rank's seconds per trial, warm-up included
         self.given = dict.fromkeys(candidates, 0)  # trial releases handed out
         self.pending = {}                          # trial id -> its candidate, until reported
-        self.choice = None
+        self.choice = candidates[0] if len(candidates) == 1 else None
         self.expect = None
 
     def medians(self):

@@ -61,6 +61,22 @@ def test_a_check_of_the_kept_choice_tries_the_candidates_again():
     assert run(trials, [slower, slower], 10)[-1][0] == "omnireduce"
 
 
+def test_a_revisit_leaves_out_what_measured_margin_times_slower_than_the_kept_choice_now_runs():
+    trials = Trials(margin=4.0, samples=1, revisit=100)
+    times = {"allgather": 0.01, "omnireduce": 0.2, "hotcold": 0.03}.get
+    assert run(trials, [times, times], 10)[-1][0] == "allgather"
+    _, auto = trials.choose("g", RANKED, [{"check": 100, "seconds": 0.012}, None])
+    assert auto["candidates"] == ["allgather", "hotcold"], f"omnireduce (0.2 s > 4 x 0.012 s) sits out: {auto}"
+    run(trials, [times, times], 6)
+    _, auto = trials.choose("g", RANKED, [{"check": 5, "seconds": 0.1}, None])   # drifted: every one is retried
+    assert auto["candidates"] == ["allgather", "omnireduce", "hotcold"], auto
+    trials = Trials(margin=4.0, samples=1, revisit=100)
+    times = {"allgather": 0.01, "omnireduce": 0.2, "hotcold": 0.3}.get
+    run(trials, [times, times], 10)
+    assert trials.choose("g", RANKED, [{"check": 100, "seconds": 0.01}, None])[1]["choice"] == "allgather", \
+        "one candidate left: kept at once"
+
+
 def test_a_rank_reports_each_trial_then_checks_the_kept_choice_on_drift_and_on_schedule():
     reports = Reports(drift=1.5)
     reports.ran("w", {"trial": 7, "candidates": ["a", "b"]}, 0.02)
