@@ -81,11 +81,16 @@ def _settle_metas(metas, trials):
         return algorithm, None, None
     weighed = [algorithm for bound, algorithm in choices if bound == TRAFFIC]
     stats = [meta["rows"] for meta in metas]
+    if trials is not None:
+        group = _group(weighed, stats)
+        kept = trials.kept(group, [meta.get("report") for meta in metas])
+        if kept is not None:   # the measured choice stands: the model need not run (nor hotcold's windows count)
+            return kept[0], None, kept[1]
     estimate = estimate_traffic(stats, weighed)
     if trials is None:
         return estimate["choice"], estimate, None
     ranked = sorted(((a, max(estimate[a]["up"], estimate[a]["down"])) for a in weighed), key=lambda ac: ac[1])
-    algorithm, auto = trials.choose(_group(weighed, stats), ranked, [meta.get("report") for meta in metas])
+    algorithm, auto = trials.choose(group, ranked)
     return algorithm, estimate, auto
 
 

@@ -42,13 +42,24 @@ class Trials:
     def of(cls, settings):
         return cls(settings.auto_trial_margin, settings.auto_trial_samples, settings.auto_revisit)
 
-    def choose(self, group, ranked, reports):
-        """(algorithm, what commlib.records() shows of it) for one release of a tensor of `group`:
-        `ranked` its candidates best first as the model ranks them, [(algorithm, cost)]; `reports`
-        every rank's report of its last run of this tensor (None where it has none)."""
+    def kept(self, group, reports):
+        """Take every rank's report of its last run of a tensor of `group` (None where it has none).
+        (algorithm, what commlib.records() shows of it) where the group's measured choice stands;
+        else None, and `choose` picks with the model's ranking (the model runs only then)."""
         state = self._groups.get(group)
-        checked = None if state is None else self._heard(state, reports)
-        if state is None or checked is not None:
+        if state is None:
+            return None
+        state.checked = self._heard(state, reports)
+        if state.checked is not None or (state.choice is None and not state.decide(self.samples)):
+            return None
+        return state.choice, state.shown(self.revisit)
+
+    def choose(self, group, ranked):
+        """(algorithm, what commlib.records() shows of it) for a release `kept` left open: `ranked`
+        the candidates best first as the model ranks them, [(algorithm, cost)]. The next trial of the
+        group, formed anew when it is new or was checked."""
+        state = self._groups.get(group)
+        if state is None or state.checked is not None:
             best = ranked[0][1]
             candidates = [a for a, cost in ranked if cost <= best * self.margin] if self.samples > 0 else []
             if len(candidates) < 2:   # nothing to try: the model decides, release by release
@@ -56,11 +67,10 @@ class Trials:
                 return ranked[0][0], None
             if state is not None:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
                 measured = state.medians()
-                candidates = [a for a in candidates if measured.get(a, 0.0) <= checked * self.margin] or candidates
+                candidates = [a for a in candidates if measured.get(a, 0.0) <= state.checked * self.margin] or candidates
             state = self._groups[group] = _Group(candidates)
-        if state.choice is not None or state.decide(self.samples):
-            return state.choice, {"choice": state.choice, "candidates": state.candidates, "times": state.medians(),
-                                  "expect": state.expect, "revisit": self.revisit}
+            if state.choice is not None:
+                return state.choice, state.shown(self.revisit)
         algorithm = min(state.candidates, key=lambda a: (state.given[a], state.candidates.index(a)))
         state.given[algorithm] += 1
         self._ids += 1
@@ -90,6 +100,12 @@ class _Group:
         self.pending = {}                          # trial id -> its candidate, until reported
         self.choice = candidates[0] if len(candidates) == 1 else None
         self.expect = None
+        self.checked = None   # the seconds of a check of the kept choice: formed anew at the next release
+
+    def shown(self, revisit):
+        """The kept choice's Release.auto."""
+        return {"choice": self.choice, "candidates": self.candidates, "times": self.medians(), "expect": self.expect,
+                "revisit": revisit}
 
     def medians(self):
         return {a: statistics.median(t[WARMUP:]) for a, t in self.times.items() if len(t) > WARMUP}

@@ -13,12 +13,17 @@ from launch import spawn
 RANKED = [("allgather", 100), ("omnireduce", 150), ("hotcold", 390), ("switchml", 10_000)]
 
 
+def release(trials, reports, group="g"):
+    """What settle_release asks of the trials for one release."""
+    return trials.kept(group, reports) or trials.choose(group, RANKED)
+
+
 def run(trials, times, steps, ranks=2, group="g"):
     """Release `steps` times in a row, every rank reporting each trial as `times[rank](algorithm)`
     took; the (algorithm, auto) of each release."""
     out, reports = [], [None] * ranks
     for _ in range(steps):
-        algorithm, auto = trials.choose(group, RANKED, reports)
+        algorithm, auto = release(trials, reports, group)
         out.append((algorithm, auto))
         reports = [{"trial": auto["trial"], "seconds": times[r](algorithm)} if auto and "trial" in auto else None
                    for r in range(ranks)]
@@ -41,21 +46,21 @@ def test_candidates_within_the_margin_are_tried_in_turn_model_first_and_the_fast
 
 def test_a_trial_not_every_rank_reported_is_not_counted():
     trials = Trials(margin=4.0, samples=1, revisit=100)
-    _, auto = trials.choose("g", RANKED, [None, None])
-    trials.choose("g", RANKED, [{"trial": auto["trial"], "seconds": 0.5}, None])
+    _, auto = release(trials, [None, None])
+    release(trials, [{"trial": auto["trial"], "seconds": 0.5}, None])
     assert trials._groups["g"].times["allgather"] == [], "a rank's report alone is not the slowest rank's time"
 
 
 def test_one_candidate_within_the_margin_or_no_samples_leave_it_to_the_model():
-    assert Trials(margin=1.2, samples=3, revisit=100).choose("g", RANKED, [None]) == ("allgather", None)
-    assert Trials(margin=4.0, samples=0, revisit=100).choose("g", RANKED, [None]) == ("allgather", None)
+    assert release(Trials(margin=1.2, samples=3, revisit=100), [None]) == ("allgather", None)
+    assert release(Trials(margin=4.0, samples=0, revisit=100), [None]) == ("allgather", None)
 
 
 def test_a_check_of_the_kept_choice_tries_the_candidates_again():
     trials = Trials(margin=4.0, samples=1, revisit=100)
     times = {"allgather": 0.01, "omnireduce": 0.02, "hotcold": 0.03}.get
     assert run(trials, [times, times], 10)[-1][0] == "allgather"
-    algorithm, auto = trials.choose("g", RANKED, [{"check": 3, "seconds": 0.5}, None])
+    algorithm, auto = release(trials, [{"check": 3, "seconds": 0.5}, None])
     assert "trial" in auto and auto["times"] == {}, f"a drifted time starts the trials anew: {auto}"
     slower = {"allgather": 0.5, "omnireduce": 0.02, "hotcold": 0.03}.get
     assert run(trials, [slower, slower], 10)[-1][0] == "omnireduce"
@@ -65,15 +70,15 @@ def test_a_revisit_leaves_out_what_measured_margin_times_slower_than_the_kept_ch
     trials = Trials(margin=4.0, samples=1, revisit=100)
     times = {"allgather": 0.01, "omnireduce": 0.2, "hotcold": 0.03}.get
     assert run(trials, [times, times], 10)[-1][0] == "allgather"
-    _, auto = trials.choose("g", RANKED, [{"check": 100, "seconds": 0.012}, None])
+    _, auto = release(trials, [{"check": 100, "seconds": 0.012}, None])
     assert auto["candidates"] == ["allgather", "hotcold"], f"omnireduce (0.2 s > 4 x 0.012 s) sits out: {auto}"
     run(trials, [times, times], 6)
-    _, auto = trials.choose("g", RANKED, [{"check": 5, "seconds": 0.1}, None])   # drifted: every one is retried
+    _, auto = release(trials, [{"check": 5, "seconds": 0.1}, None])   # drifted: every one is retried
     assert auto["candidates"] == ["allgather", "omnireduce", "hotcold"], auto
     trials = Trials(margin=4.0, samples=1, revisit=100)
     times = {"allgather": 0.01, "omnireduce": 0.2, "hotcold": 0.3}.get
     run(trials, [times, times], 10)
-    assert trials.choose("g", RANKED, [{"check": 100, "seconds": 0.01}, None])[1]["choice"] == "allgather", \
+    assert release(trials, [{"check": 100, "seconds": 0.01}, None])[1]["choice"] == "allgather", \
         "one candidate left: kept at once"
 
 
@@ -128,6 +133,7 @@ def test_trials_and_choices_are_the_same_on_every_rank_a_slow_candidate_loses_dr
         for name, record in step["records"].items():
             if name != "dense":
                 assert record["auto"] is not None, (i, name, record)
+                assert record["modelled"] == ("trial" in record["auto"]), f"step {i}: the model runs only for trials: {record}"
                 assert set(record["auto"].get("candidates", ["toy_fast", "toy_slow"])) == {"toy_fast", "toy_slow"}, \
                     f"step {i}: only the toys are within the margin: {record}"
 

@@ -4,7 +4,7 @@ sleeps SLOW_S per call; `toy_fast` claims a few bytes more and is fast until ste
 FLIPPED_S. Every built-in carrier claims far more bytes, outside the margin. Tensor 'a' is reduced
 every step, 'b' (the same kind: one group) every other step; 'dense' is a mostly-zero dense tensor
 that `auto` sends to omnireduce by its density. Reports, per step, what commlib.records() shows of
-each tensor, whether each result is the sum, and on rank 0 the full submissions its controller
+each tensor (and whether the traffic model ran for it), whether each result is the sum, and on rank 0 the full submissions its controller
 handled per name."""
 import time
 
@@ -87,7 +87,8 @@ for step in range(STEPS):
     out = commlib.allreduce(dense_tensor(step, rank), name="dense", op=commlib.Sum)
     exact["dense"] = bool(np.array_equal(out, sum(dense_tensor(step, r) for r in range(size))))
     records = commlib.records()
-    steps.append({"records": {name: {key: records[name].get(key) for key in ("algorithm", "auto")}
+    steps.append({"records": {name: {"algorithm": records[name]["algorithm"], "auto": records[name].get("auto"),
+                                     "modelled": records[name].get("estimate") is not None}
                               for name in names + ["dense"]}, "exact": exact, "full": dict(full)})
 report(rank=rank, steps=steps, flip=FLIP)
 commlib.shutdown()
