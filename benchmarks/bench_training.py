@@ -170,8 +170,9 @@ def worker(args):
             job["algorithms"] |= {records[name]["algorithm"] + (":" + records[name]["compression"].split("(")[0]
                                                                 if records[name]["compression"] else "")
                                   for name, _ in model.named_parameters() if name in records}
-            job["trials"] = {name: records[name]["auto"] for name, _ in model.named_parameters()
-                             if records.get(name, {}).get("auto")}   # auto's candidates, times, choice
+            if job["how"][0] == "commlib":   # auto's candidates, times, choice (Horovod's jobs share the names)
+                job["trials"] = {name: records[name]["auto"] for name, _ in model.named_parameters()
+                                 if records.get(name, {}).get("auto")}
     out = {}
     for label, job in jobs.items():
         rates, model = job["rates"], job["model"]
