@@ -170,6 +170,9 @@ def worker(args):
             job["algorithms"] |= {records[name]["algorithm"] + (":" + records[name]["compression"].split("(")[0]
                                                                 if records[name]["compression"] else "")
                                   for name, _ in model.named_parameters() if name in records}
+            if job["how"][0] == "commlib":   # auto's candidates, times, choice (Horovod's jobs share the names)
+                job["trials"] = {name: records[name]["auto"] for name, _ in model.named_parameters()
+                                 if records.get(name, {}).get("auto")}
     out = {}
     for label, job in jobs.items():
         rates, model = job["rates"], job["model"]
@@ -186,7 +189,7 @@ def worker(args):
                   flush=True)
             out[label] = {"workload": job["workload"], "parameters": params, "rates": rates, "losses": job["losses"],
                           "commlib_algorithms": sorted(job["algorithms"]) if job["how"][0] == "commlib" else [],
-                          "breakdowns": job["breakdowns"], "tx_bytes": job["tx_bytes"]}
+                          "breakdowns": job["breakdowns"], "tx_bytes": job["tx_bytes"], "auto_trials": job.get("trials")}
     if hvd.rank() == 0:
         common.emit({"size": hvd.size(), "results": out})
     commlib.shutdown()
@@ -294,6 +297,7 @@ def main(argv=None):
                     f"{median:.0f} | {median / baseline[workload][1]:.2f}x | "
                     f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | "
                     f"{', '.join(r['commlib_algorithms']) or '-'} | {r['bottleneck']} |")
+    from commlib import analyze   # the table of auto's trials
     title = (f"{n} emulated hosts, links {args.rate} each way, batch {args.batch} per worker, "
              f"{args.steps} timed steps after {args.warmup}")
     suite = "training" if args.workload == "all" else f"training_{args.workload}"   # keeps the other's results
@@ -308,6 +312,8 @@ def main(argv=None):
                 "| model | configuration | parameters | samples/s | vs first | median samples/s | vs first (median) | "
                 "loss first -> last | commlib algorithms | bottleneck |\n"
                 "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+                + "".join(f"\n\n{label}, " + analyze.format_trials(results[label]["auto_trials"])
+                          for _, label, _ in configs(args) if results[label].get("auto_trials"))
                 + f"\n\n![training](results/{suite}.png)\n")
     settings = common.training_settings(args, "vocab", "zipf", "workload", "hotcold_every", "hotcold_rule", "rounds")
     common.save(suite, settings, results, markdown)

@@ -20,7 +20,8 @@ its contributions, on the server's clock); the worker scales the per-packet mean
 transfer time by its mean round time on its own clock (a window keeps many rounds in flight: the
 shares of a round, not the sum of overlapping rounds, make the split). See commlib.executor.Phases.
 
-and writes PNG plots after the IMC'20 study of a production parameter server: CDFs of transfer time
+and `auto`'s trials (commlib.trials): per tensor, the candidates, their measured times (the
+slowest rank's median) and the one kept. It writes PNG plots after the IMC'20 study of a production parameter server: CDFs of transfer time
 per algorithm, the stacked breakdown (its Figure 5), concurrency (its Figure 7b: per millisecond, how
 many ranks' packets reached the switch, from its ms_ranks_k counters, and how many ranks were inside
 a collective, from the workers' spans) and, when the trace holds per-row update counts of
@@ -289,11 +290,36 @@ def main(argv=None):
             total = sum(ranks.values())
             print("  concurrency, ranks whose packets arrived in the same millisecond: " +
                   ", ".join(f"{k}: {n / total:.0%}" for k, n in ranks.items()) + f" of {total} ms")
+    trials = auto_trials(events)
+    if trials:
+        print("\n" + format_trials(trials))
     for c, share in skew_summary(events).items():
         print(f"\n{c}: the hottest 1% of rows take {share:.0%} of updates")
     for path in plot(found, events, args.out):
         print(f"wrote {path}")
     return 0
+
+
+def auto_trials(events):
+    """tensor -> what its last round showed of `auto`'s trials (Release.auto: the candidates and
+    their measured times, the choice once kept), from rank 0's rounds (every rank's are the same)."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    shown = [e for e in events if e.get("cat") == "comm" and "auto" in e.get("args", {})]
+    rank = min((e["pid"] for e in shown), default=None)
+    return {names.get((e["pid"], e["tid"]), str(e["tid"])): e["args"]["auto"]
+            for e in sorted(shown, key=lambda e: e["ts"]) if e["pid"] == rank}
+
+
+def format_trials(trials):
+    lines = ["auto's trials (median run time of each candidate, the slowest rank's; * kept):"]
+    for tensor, auto in sorted(trials.items()):
+        times = auto.get("times", {})
+        shown = ", ".join(f"{'*' if a == auto.get('choice') else ''}{a} "
+                          + (f"{times[a] * 1e3:.2f} ms" if a in times else "not measured")
+                          for a in auto.get("candidates") or sorted(times, key=times.get))
+        lines.append(f"  {tensor:<24} {shown}" + ("" if "choice" in auto else "  (still trying)"))
+    return "\n".join(lines)
 
 
 def skew_summary(events):

@@ -16,7 +16,7 @@ import threading
 
 from commlib import autotune, controller, engine as engines, keyshare
 from commlib.context import Context, detect
-from commlib.dispatch import settle_release
+from commlib.dispatch import settler
 from commlib.errors import CommError, CommTimeout, Mismatch
 from commlib.net import parse_address, primary_ip
 from commlib.settings import define, defined
@@ -85,7 +85,7 @@ def start_controller(s, placement, broadcast, secret=None, allgather=None, tune=
     tuner = None
     if tune and s.autotune and placement.rank == 0:
         tuner = autotune.Tuner(s.fusion_threshold, s.cycle_time_ms, s.autotune_sample_s, s.autotune_log)
-    options = dict(settle=settle_release, timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms,
+    options = dict(settle=settler(s), timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms,
                    negotiation_timeout_s=s.negotiation_timeout_s, stall_warning_s=s.stall_warning_s, tuner=tuner)
     server = None
     address = None

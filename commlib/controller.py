@@ -360,10 +360,11 @@ class ControllerServer:
             self._ready.append(release)
 
     def _cacheable(self, release, metas):
-        """Only a release that no rank's own measurement decides (density bounds, row counts)."""
-        return len(self._cache) < CACHE_CAPACITY and release.counts is None and all(
-            len(meta.get("choices") or ()) == 1 and not meta.get("rows") and not meta.get("once")
-            for meta in metas.values())
+        """Only a release the ranks' metadata alone decides, the same step after step: no row counts,
+        no report of a run, no trial of `auto` under way (rank 0's schedule picks those). A density's
+        side of the bounds (dispatch.side_of) is metadata."""
+        return len(self._cache) < CACHE_CAPACITY and release.counts is None and "trial" not in (release.auto or ()) \
+            and all(not meta.get("rows") and not meta.get("report") and not meta.get("once") for meta in metas.values())
 
     def _release(self):
         if self._ready or self._ready_bits or self._evicted:

@@ -10,18 +10,22 @@ every rank submits and the controller compares and settles (`settle`) before any
 A plan may depend on the measured block density (`auto`, and rules such as
 `emb.*[density<0.05]=omnireduce`): each rank measures its own tensor, so its plan holds a list of
 choices, (bound, algorithm) pairs, and the controller takes the first whose bound lies above the
-densest rank's density.
+densest rank's density. A rank submits only which side of the bounds it lies on (`side_of`; the
+controller takes the max over ranks: the same choice), so a tensor whose side stays the same
+submits the same metadata step after step, which the controller's response cache keeps.
 
 Row-sparse tensors (torch sparse COO gradients, commlib.sparse.RowSparse) travel as (rows, values):
 `auto` lists the row carriers and the best dense algorithm as ("traffic", algorithm) choices, each
 rank adds what it measured (its rows, a sketch of them), and the controller takes the algorithm
-that commlib.traffic estimates moves the fewest bytes per worker (`settle_release`); a density
+that commlib.traffic estimates moves the fewest bytes per worker (`settle_release`), or, where
+others come within a margin of it, the one measured fastest on early steps (commlib.trials); a density
 rule there compares the row density (touched rows / rows). The hot/cold split is weighed from the
 hot set its last window of counts agreed on (none before the first window ends: it then costs what
 its cold carrier costs and loses the tie); the executor counts the rows of every tensor `auto`
 weighed it for, whichever algorithm carried them, so the windows end alike on every rank.
 """
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -29,6 +33,7 @@ from commlib import compressors, sparse, traffic
 from commlib.backends import TensorMeta, carriers, registry
 from commlib.errors import BackendUnavailable, ConfigError, InvalidTensor
 from commlib.release import Release
+from commlib.trials import Reports, Trials
 
 TRAFFIC = "traffic"   # the bound of choices the traffic model settles
 
@@ -41,9 +46,11 @@ class Plan:
     """What every rank must agree on for one tensor, besides its shape, dtype, op and scaling."""
     choices: tuple            # ((bound or None, algorithm), ...); the last one has no bound
     compression: str = None   # the compressor's canonical text (its repr), None for none
-    density: float = None     # this rank's measured block density, when the choices depend on it
+    density: float = None     # this rank's measured block density, when the choices depend on it (records)
+    side: int = None          # what it submits of it: the index of the first choice above it (side_of)
     note: str = None          # why the policy's choice was not taken, for commlib.records()
     rows: dict = None         # a row-sparse tensor's measurements for the traffic model (not agreed)
+    report: dict = None       # this rank's time of its last run `auto` asked about (commlib.trials.Reports)
 
     @property
     def algorithm(self):
@@ -51,27 +58,64 @@ class Plan:
         return self.choices[0][1] if len(self.choices) == 1 else None
 
 
-def settle_release(name, metas):
+def settler(settings):
+    """The controller's settle for one job: `settle_release` with `auto`'s trials kept across releases."""
+    trials = Trials.of(settings)
+    return lambda name, metas: settle_release(name, metas, trials)
+
+
+def settle_release(name, metas, trials=None):
     """The controller's release of a tensor every rank submitted (metas in rank order): its name,
-    the algorithm, and for traffic choices the model's estimate."""
-    algorithm, estimate = _settle_metas(metas)
+    the algorithm, for traffic choices the model's estimate, and with `trials` (commlib.trials.Trials)
+    the candidate measured fastest, or the one under trial on this release."""
+    algorithm, estimate, auto = _settle_metas(metas, trials)
     rows = all(meta.get("rows") for meta in metas)   # row-sparse: every rank's row count, for the allgather
-    return Release(name, algorithm, estimate, [meta["rows"]["rows"] for meta in metas] if rows else None)
+    return Release(name, algorithm, estimate, [meta["rows"]["rows"] for meta in metas] if rows else None,
+                   auto=auto)
 
 
-def _settle_metas(metas):
+def _settle_metas(metas, trials):
     choices = metas[0]["choices"]
-    densities = [meta.get("density") for meta in metas]
-    bounded = [(bound, algorithm) for bound, algorithm in choices if bound != TRAFFIC]
+    bound, algorithm = choices[max(_side(meta, choices) for meta in metas)]
+    if bound != TRAFFIC:   # a density rule, or a plan with one choice
+        return algorithm, None, None
     weighed = [algorithm for bound, algorithm in choices if bound == TRAFFIC]
-    if not weighed:
-        return settle(choices, densities), None
-    densest = None if None in densities else max(densities, default=None)
-    for bound, algorithm in bounded:   # density rules before the model
-        if densest is not None and densest < bound:
-            return algorithm, None
-    estimate = estimate_traffic([meta["rows"] for meta in metas], weighed)
-    return estimate["choice"], estimate
+    stats = [meta["rows"] for meta in metas]
+    if trials is not None:
+        group = _group(weighed, stats)
+        kept = trials.kept(group, [meta.get("report") for meta in metas])
+        if kept is not None:   # the measured choice stands: the model need not run (nor hotcold's windows count)
+            return kept[0], None, kept[1]
+    estimate = estimate_traffic(stats, weighed)
+    if trials is None:
+        return estimate["choice"], estimate, None
+    ranked = sorted(((a, max(estimate[a]["up"], estimate[a]["down"])) for a in weighed), key=lambda ac: ac[1])
+    algorithm, auto = trials.choose(group, ranked)
+    return algorithm, estimate, auto
+
+
+def _group(weighed, stats):
+    """The row-sparse tensors `auto` decides together: the same candidates, table size (powers of 4)
+    and densest rank's row density (powers of 4)."""
+    first = stats[0]
+    density = max(s["rows"] for s in stats) / max(1, first["nrows"])
+    return ("rows", tuple(weighed), round(math.log(traffic.table_bytes(stats) or 1, 4)),
+            math.floor(math.log(max(density, 1e-9), 4)))
+
+
+def _side(meta, choices):
+    """A rank's side of the bounds (a meta without one: measured nothing, dense)."""
+    side = meta.get("side")
+    return side_of(choices, None) if side is None else side
+
+
+def side_of(choices, density):
+    """The index of the first choice whose bound lies above `density` (None: measured nothing, which
+    counts as dense; a traffic choice: the model decides). The max over ranks is the densest rank's."""
+    for i, (bound, _) in enumerate(choices):
+        if bound is None or bound == TRAFFIC or (density is not None and density < bound):
+            return i
+    raise AssertionError(f"choices {choices} end with a bounded choice")
 
 
 def estimate_traffic(stats, algorithms):
@@ -82,11 +126,7 @@ def estimate_traffic(stats, algorithms):
 def settle(choices, densities):
     """The algorithm of a plan given every rank's measured density: the first choice whose bound
     lies above the densest rank's (a rank that measured nothing counts as dense)."""
-    densest = None if None in densities else max(densities, default=None)
-    for bound, algorithm in choices:
-        if bound is None or (densest is not None and densest < bound):
-            return algorithm
-    raise AssertionError(f"choices {choices} end with a bounded choice")
+    return choices[max(side_of(choices, density) for density in densities)][1]
 
 
 class Dispatcher:
@@ -95,6 +135,7 @@ class Dispatcher:
     def __init__(self, backends, unavailable, policy, settings):
         self.backends, self.unavailable = backends, unavailable
         self.policy, self.settings = policy, settings
+        self.reports = Reports(settings.auto_drift)   # the executor's measurements `auto` asked for
         self._plans = {}   # (name, shape, dtype, algorithm, policy, op) -> Plan, oldest first
         self.compressors = {}   # a plan's compression text -> the object that compressed it (state per name)
         for backend in backends.values():   # composite algorithms (hotcold) run over the others
@@ -106,7 +147,13 @@ class Dispatcher:
         caller win over the policy; `policy` (a Policy) replaces commlib.init's for this tensor.
         A dense tensor's plan that no measurement decides is remembered (unless `remember` is off: an
         unnamed call, whose name never comes again): the same tensor at the next step costs a lookup
-        (a model's hundreds of parameters, every step)."""
+        (a model's hundreds of parameters, every step). The plan carries this rank's report of the
+        tensor's last run where `auto` asked for one."""
+        plan, compressor = self._known(name, staged, algorithm, compression, policy, op, remember)
+        report = self.reports.take(name)
+        return (plan if report is None else replace(plan, report=report)), compressor
+
+    def _known(self, name, staged, algorithm, compression, policy, op, remember):
         key = None
         if remember and staged.sparse is None and compression is None:
             key = (name, staged.shape, staged.dtype_name, algorithm, policy, op)   # the key holds the policy: no id reuse
@@ -142,7 +189,8 @@ class Dispatcher:
         if len(choices) == 1:
             return Plan(choices), None
         sparse = next(alg for alg in (a for _, a in choices) if self.backends[alg].sparse)
-        return Plan(choices, density=self.backends[sparse].density(staged.array)), None
+        density = self.backends[sparse].density(staged.array)
+        return Plan(choices, density=density, side=side_of(choices, density)), None
 
     def backend(self, name):
         """The running backend of that name, or the error that says why there is none."""
@@ -202,7 +250,8 @@ class Dispatcher:
         count = {"rows": int(rows.rows.size)}   # every rank's reaches the release (the allgather's sizes)
         choices = tuple((bound, self._row_carrier(alg, meta)) for bound, alg in bounded)   # density rules first
         if requested != "auto":
-            return Plan(choices + ((None, self._row_carrier(requested, meta)),), density=density, rows=count)
+            choices += ((None, self._row_carrier(requested, meta)),)
+            return Plan(choices, density=density, side=side_of(choices, density), rows=count)
         candidates = [a for a in carriers("rows") if a in self.backends and _carries(self.backends[a], meta)]
         dense = [a for a in carriers("dense") if self._enabled(a, meta) and not self.backends[a].sparse]
         candidates += dense[:1]
@@ -210,7 +259,8 @@ class Dispatcher:
             raise InvalidTensor(f"tensor {meta.name!r}: no algorithm here reduces sparse {meta.dtype} tensors")
         if len(candidates) == 1 and not choices:
             return Plan(((None, candidates[0]),), density=density, rows=count)
-        return Plan(choices + tuple((TRAFFIC, a) for a in candidates), density=density,
+        choices += tuple((TRAFFIC, a) for a in candidates)
+        return Plan(choices, density=density, side=side_of(choices, density),
                     rows=self._row_stats(rows, meta, candidates))
 
     def _row_carrier(self, name, meta):

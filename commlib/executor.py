@@ -40,6 +40,7 @@ class Entry:
         self.prescale, self.postscale, self.handle = prescale, postscale, handle
         self.algorithm = None    # settled by the controller
         self.estimate = None     # the traffic model's, when it settled the algorithm
+        self.auto = None         # `auto`'s trials, from the release (commlib.trials)
         self.counts = None       # row-sparse: every rank's row count, from the release
         self.density = plan.density
         self.rows = None         # row-sparse tensors: (this rank's rows, the union's)
@@ -228,7 +229,7 @@ class Executor:
                         raise error from exc
                 if entry is not None:   # None: failed by a fatal error (or shutdown) that raced this batch
                     entry.algorithm, entry.times["go"] = release.algorithm, now
-                    entry.estimate, entry.counts = release.estimate, release.counts
+                    entry.estimate, entry.counts, entry.auto = release.estimate, release.counts, release.auto
                     entries.append(entry)
         for bucket in fuse(entries, fusion_threshold or self.ctx.settings.fusion_threshold):
             try:
@@ -368,6 +369,12 @@ class Executor:
         if entry.rows is not None:   # row-sparse: rows sent by this rank and in the union, the model's estimate
             self.records[entry.record].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate,
                                             skew=entry.skew)
+        if entry.auto is not None:   # `auto` measures: its trial or choice; this run's time goes to rank 0 with the next submission
+            self.records[entry.record]["auto"] = entry.auto
+            self.dispatcher.reports.ran(entry.name, entry.auto, end - start)
+            for *_, comm, args in phases.spans:
+                if comm:   # the study's table of candidates (commlib.analyze)
+                    args["auto"] = entry.auto
         self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, fused - 1)
 
 

@@ -11,6 +11,7 @@ class Release:
     counts: list = None     # row-sparse: every rank's row count, for the allgather
     bit: int = None         # its bit in the controller's response cache, when cached
     joined: dict = None     # ranks that joined (commlib.join) and run a stand-in: {"ranks", "shape", "dtype", ...}
+    auto: dict = None       # `auto`'s trials (commlib.trials): a trial's id, or the kept choice and times
 
     def wire(self):
         """Its JSON form on the controller's channel (Release(**wire) reads it back)."""

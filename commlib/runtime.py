@@ -90,8 +90,8 @@ class Runtime:
             entries.append(Entry(staged, name, op_name, plan, compressor, prescale, postscale, handle,
                                  None if named else UNNAMED))
             metas.append({"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op_name,
-                          "choices": plan.choices, "compression": plan.compression, "density": plan.density,
-                          "prescale": prescale, "postscale": postscale, "rows": plan.rows,
+                          "choices": plan.choices, "compression": plan.compression, "side": plan.side,
+                          "prescale": prescale, "postscale": postscale, "rows": plan.rows, "report": plan.report,
                           # an unnamed call's name is never submitted again: not worth a cache bit
                           **({} if named else {"once": True})})
         self.executor.track(entries)

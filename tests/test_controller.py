@@ -192,14 +192,18 @@ def test_a_policy_change_on_one_rank_after_caching_is_a_mismatch(job):
         assert "ranks disagree on choices" in g[0][2] and "rank 1 gave [[null, \"switchml\"]]" in g[0][2], g
 
 
-def test_measured_choices_and_unnamed_calls_are_never_cached(job):
+def test_row_counts_run_reports_and_unnamed_calls_are_never_cached(job):
+    """What changes step to step (a row-sparse tensor's counts, a rank's report of a trial's run) and
+    an unnamed call's name are never cached; a density's side of the bounds is metadata, and is."""
     server, clients = job
-    density = meta("d", choices=((0.1, "omnireduce"), (None, "ring")))
-    step(clients, lambda rank: [density, dict(meta("allreduce.noname.1"), once=True)])
-    assert server._cache == [], server._cache
+    rows = dict(meta("r"), rows={"rows": 3})
+    report = dict(meta("t"), report={"trial": 1, "seconds": 0.1})
+    side = dict(meta("d", choices=((0.1, "omnireduce"), (None, "ring"))), side=1)
+    step(clients, lambda rank: [rows, report, side, dict(meta("allreduce.noname.1"), once=True)])
+    assert [c["name"] for c in server._cache] == ["d"], server._cache
     calls = counting(server)
-    step(clients, lambda rank: [density])
-    assert calls == [(0, "d"), (1, "d")] or sorted(calls) == [(0, "d"), (1, "d")], calls
+    step(clients, lambda rank: [rows, report, side])
+    assert sorted(calls) == [(0, "r"), (0, "t"), (1, "r"), (1, "t")], calls
 
 
 def test_cached_names_that_never_pair_up_are_still_a_mismatch(job):

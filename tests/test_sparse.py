@@ -266,7 +266,7 @@ def test_auto_weighs_hot_cold_once_a_window_agreed_on_a_hot_set():
     call, whichever algorithm carried it; from then on the skewed tensor (1000 rows on every rank)
     goes to hotcold and the uniform one (fresh scattered rows) never does. Every result is the
     union of the rows, equal to the dense sum (switchml's quantization on the hot slab)."""
-    env = {"COMMLIB_HOTCOLD_EVERY": "2"}
+    env = {"COMMLIB_HOTCOLD_EVERY": "2", "COMMLIB_AUTO_TRIAL_SAMPLES": "0"}   # the model's own choices, no trials
     for result in spawn(4, "sparse_auto_hotcold.py", timeout=300, env=env).check().results():
         for case, steps in result["cases"].items():
             for step, got in enumerate(steps):

@@ -1,0 +1,153 @@
+"""Trials: `auto` measures what the traffic model only estimates.
+
+For each group of tensors `auto` decides together (the payload kind, its candidates, the size band,
+for row-sparse tensors the band of the densest rank's row density), the candidates that the model
+ranks within `auto_trial_margin` of the best are tried in turn, one release at a time: the
+controller (rank 0's settle, `Trials.choose`) picks each release's algorithm, so every rank runs the
+same candidate on the same step by construction. A release under trial carries an id; every rank
+measures its run and reports (id, seconds) in the metadata it submits next for that name
+(`Reports`), and rank 0 keeps the slowest rank's time. Once every candidate has
+`auto_trial_samples` times (after one warm-up run each) the fastest by median is kept; its releases
+carry that time, and a rank reports again after `auto_revisit` runs, or when five runs in a row
+took `auto_drift` times longer: the group is then tried anew, less the candidates measured
+`auto_trial_margin` times slower than the kept one now runs (they sit that round out). A settled release no longer depends on
+the controller's state, so the response cache may keep it.
+"""
+import statistics
+
+from commlib.settings import define
+
+define("auto_trial_margin", 4.0, "policy 'auto': candidates the traffic model ranks within this factor of the "
+       "best are tried on early steps and the fastest measured is kept")
+define("auto_trial_samples", 3, "policy 'auto': measured runs per candidate (after one warm-up run) before "
+       "the fastest is kept; 0: no trials, the traffic model alone decides")
+define("auto_revisit", 500, "policy 'auto': runs of a tensor after which its group's candidates are tried again")
+define("auto_drift", 1.5, "policy 'auto': five runs in a row this many times slower than the kept "
+       "candidate's measured time try the candidates again")
+
+WARMUP = 1   # runs of each candidate not counted: first calls set up state (buffers, hot sets)
+SLOW_RUNS = 5   # in a row: a shared machine's stalls last a step or two
+SLACK_S = 0.005   # a slow run is also this much slower: small tensors' times vary by milliseconds with the load
+
+
+class Trials:
+    """Rank 0's record of every group's candidates, their measured times and the choice."""
+
+    def __init__(self, margin, samples, revisit):
+        self.margin, self.samples, self.revisit = margin, samples, revisit
+        self._groups = {}
+        self._ids = 0
+
+    @classmethod
+    def of(cls, settings):
+        return cls(settings.auto_trial_margin, settings.auto_trial_samples, settings.auto_revisit)
+
+    def kept(self, group, reports):
+        """Take every rank's report of its last run of a tensor of `group` (None where it has none).
+        (algorithm, what commlib.records() shows of it) where the group's measured choice stands;
+        else None, and `choose` picks with the model's ranking (the model runs only then)."""
+        state = self._groups.get(group)
+        if state is None:
+            return None
+        state.checked = self._heard(state, reports)
+        if state.checked is not None or (state.choice is None and not state.decide(self.samples)):
+            return None
+        return state.choice, state.shown(self.revisit)
+
+    def choose(self, group, ranked):
+        """(algorithm, what commlib.records() shows of it) for a release `kept` left open: `ranked`
+        the candidates best first as the model ranks them, [(algorithm, cost)]. The next trial of the
+        group, formed anew when it is new or was checked."""
+        state = self._groups.get(group)
+        if state is None or state.checked is not None:
+            best = ranked[0][1]
+            candidates = [a for a, cost in ranked if cost <= best * self.margin] if self.samples > 0 else []
+            if len(candidates) < 2:   # nothing to try: the model decides, release by release
+                self._groups.pop(group, None)
+                return ranked[0][0], None
+            if state is not None:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
+                measured = state.medians()
+                candidates = [a for a in candidates if measured.get(a, 0.0) <= state.checked * self.margin] or candidates
+            state = self._groups[group] = _Group(candidates)
+            if state.choice is not None:
+                return state.choice, state.shown(self.revisit)
+        algorithm = min(state.candidates, key=lambda a: (state.given[a], state.candidates.index(a)))
+        state.given[algorithm] += 1
+        self._ids += 1
+        state.pending[self._ids] = algorithm
+        return algorithm, {"trial": self._ids, "candidates": state.candidates, "times": state.medians()}
+
+    def _heard(self, state, reports):
+        """Take the ranks' reports: a trial's time (kept only when every rank reported it: the slowest
+        rank's), or a check of the kept choice (due, or drifted), which starts the trials anew: then
+        the seconds its slowest rank took, else None."""
+        sent = [r for r in reports if r]
+        if not sent:
+            return None
+        if "trial" not in sent[0]:
+            return max(r["seconds"] for r in sent) if state.choice is not None else None
+        algorithm = state.pending.pop(sent[0]["trial"], None)
+        if algorithm is not None and len(sent) == len(reports) and all(r.get("trial") == sent[0]["trial"] for r in sent):
+            state.times[algorithm].append(max(r["seconds"] for r in sent))
+        return None
+
+
+class _Group:
+    def __init__(self, candidates):
+        self.candidates = candidates
+        self.times = {a: [] for a in candidates}   # the slowest rank's seconds per trial, warm-up included
+        self.given = dict.fromkeys(candidates, 0)  # trial releases handed out
+        self.pending = {}                          # trial id -> its candidate, until reported
+        self.choice = candidates[0] if len(candidates) == 1 else None
+        self.expect = None
+        self.checked = None   # the seconds of a check of the kept choice: formed anew at the next release
+
+    def shown(self, revisit):
+        """The kept choice's Release.auto."""
+        return {"choice": self.choice, "candidates": self.candidates, "times": self.medians(), "expect": self.expect,
+                "revisit": revisit}
+
+    def medians(self):
+        return {a: statistics.median(t[WARMUP:]) for a, t in self.times.items() if len(t) > WARMUP}
+
+    def decide(self, samples):
+        """Keep the fastest once every candidate has its samples (or, when reports go missing, after
+        three times the releases that needed; none measured: the model's best)."""
+        enough = all(len(t) >= WARMUP + samples for t in self.times.values())
+        if not enough and min(self.given.values()) < 3 * (WARMUP + samples):
+            return False
+        medians = self.medians()
+        self.choice = min(medians, key=medians.get) if medians else self.candidates[0]
+        self.expect = medians.get(self.choice)
+        self.pending.clear()
+        return True
+
+
+class Reports:
+    """A rank's side: what it measured of the releases `auto` asked about, for the metadata it
+    submits next under the same name (the executor writes, the caller's thread takes; one dict
+    operation each, atomic under the GIL)."""
+
+    def __init__(self, drift):
+        self.drift = drift
+        self._ready = {}   # name -> report for its next submission
+        self._runs = {}    # name -> [runs since its last check, slow runs in a row], under a kept choice
+
+    def ran(self, name, auto, seconds):
+        """This rank ran a release of `name` whose `auto` (Release.auto) was given, in `seconds`."""
+        if "trial" in auto:
+            self._ready[name] = {"trial": auto["trial"], "seconds": seconds}
+            self._runs.pop(name, None)
+            return
+        if "revisit" not in auto:   # no choice kept: nothing to check
+            return
+        runs = self._runs.setdefault(name, [0, 0])
+        runs[0] += 1
+        slow = auto["expect"] is not None and seconds > self.drift * auto["expect"] + SLACK_S
+        runs[1] = runs[1] + 1 if slow else 0
+        if runs[0] >= auto["revisit"] or runs[1] >= SLOW_RUNS:
+            self._ready[name] = {"check": runs[0], "seconds": seconds}
+            del self._runs[name]
+
+    def take(self, name):
+        return self._ready.pop(name, None)

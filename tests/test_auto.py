@@ -1,0 +1,154 @@
+"""`auto` measures (commlib.trials): the candidates the traffic model ranks within a margin of the
+best are tried in turn, the controller picks each release's, the slowest rank's time counts, the
+fastest is kept and tried again on drift; a settled choice, and a density's side of its bounds,
+are cached by the controller."""
+import numpy as np
+import pytest
+
+from commlib import analyze, timeline
+from commlib.dispatch import TRAFFIC, settle, settle_release, side_of
+from commlib.trials import SLACK_S, SLOW_RUNS, WARMUP, Reports, Trials
+from launch import spawn
+
+RANKED = [("allgather", 100), ("omnireduce", 150), ("hotcold", 390), ("switchml", 10_000)]
+
+
+def release(trials, reports, group="g"):
+    """What settle_release asks of the trials for one release."""
+    return trials.kept(group, reports) or trials.choose(group, RANKED)
+
+
+def run(trials, times, steps, ranks=2, group="g"):
+    """Release `steps` times in a row, every rank reporting each trial as `times[rank](algorithm)`
+    took; the (algorithm, auto) of each release."""
+    out, reports = [], [None] * ranks
+    for _ in range(steps):
+        algorithm, auto = release(trials, reports, group)
+        out.append((algorithm, auto))
+        reports = [{"trial": auto["trial"], "seconds": times[r](algorithm)} if auto and "trial" in auto else None
+                   for r in range(ranks)]
+    return out
+
+
+def test_candidates_within_the_margin_are_tried_in_turn_model_first_and_the_fastest_by_the_slowest_rank_kept():
+    trials = Trials(margin=4.0, samples=2, revisit=100)
+    fast_on_0 = {"allgather": 0.01, "omnireduce": 0.02, "hotcold": 0.03}
+    slow_on_1 = {"allgather": 0.09, "omnireduce": 0.05, "hotcold": 0.06}   # rank 1 is the slowest: its times count
+    got = run(trials, [fast_on_0.get, slow_on_1.get], 12)
+    tried = [a for a, auto in got if "trial" in auto]
+    assert tried[:3] == ["allgather", "omnireduce", "hotcold"], f"the model's order first, in turn: {tried}"
+    assert sorted(set(tried)) == ["allgather", "hotcold", "omnireduce"], f"switchml is outside the margin: {tried}"
+    assert len(tried) == 3 * (WARMUP + 2), f"each candidate once to warm up and twice measured: {tried}"
+    algorithm, auto = got[-1]
+    assert algorithm == auto["choice"] == "omnireduce", f"the slowest rank's times decide: {auto}"
+    assert auto["times"] == {"allgather": 0.09, "omnireduce": 0.05, "hotcold": 0.06} and auto["expect"] == 0.05, auto
+
+
+def test_a_trial_not_every_rank_reported_is_not_counted():
+    trials = Trials(margin=4.0, samples=1, revisit=100)
+    _, auto = release(trials, [None, None])
+    release(trials, [{"trial": auto["trial"], "seconds": 0.5}, None])
+    assert trials._groups["g"].times["allgather"] == [], "a rank's report alone is not the slowest rank's time"
+
+
+def test_one_candidate_within_the_margin_or_no_samples_leave_it_to_the_model():
+    assert release(Trials(margin=1.2, samples=3, revisit=100), [None]) == ("allgather", None)
+    assert release(Trials(margin=4.0, samples=0, revisit=100), [None]) == ("allgather", None)
+
+
+def test_a_check_of_the_kept_choice_tries_the_candidates_again():
+    trials = Trials(margin=4.0, samples=1, revisit=100)
+    times = {"allgather": 0.01, "omnireduce": 0.02, "hotcold": 0.03}.get
+    assert run(trials, [times, times], 10)[-1][0] == "allgather"
+    algorithm, auto = release(trials, [{"check": 3, "seconds": 0.5}, None])
+    assert "trial" in auto and auto["times"] == {}, f"a drifted time starts the trials anew: {auto}"
+    slower = {"allgather": 0.5, "omnireduce": 0.02, "hotcold": 0.03}.get
+    assert run(trials, [slower, slower], 10)[-1][0] == "omnireduce"
+
+
+def test_a_revisit_leaves_out_what_measured_margin_times_slower_than_the_kept_choice_now_runs():
+    trials = Trials(margin=4.0, samples=1, revisit=100)
+    times = {"allgather": 0.01, "omnireduce": 0.2, "hotcold": 0.03}.get
+    assert run(trials, [times, times], 10)[-1][0] == "allgather"
+    _, auto = release(trials, [{"check": 100, "seconds": 0.012}, None])
+    assert auto["candidates"] == ["allgather", "hotcold"], f"omnireduce (0.2 s > 4 x 0.012 s) sits out: {auto}"
+    run(trials, [times, times], 6)
+    _, auto = release(trials, [{"check": 5, "seconds": 0.1}, None])   # drifted: every one is retried
+    assert auto["candidates"] == ["allgather", "omnireduce", "hotcold"], auto
+    trials = Trials(margin=4.0, samples=1, revisit=100)
+    times = {"allgather": 0.01, "omnireduce": 0.2, "hotcold": 0.3}.get
+    run(trials, [times, times], 10)
+    assert release(trials, [{"check": 100, "seconds": 0.01}, None])[1]["choice"] == "allgather", \
+        "one candidate left: kept at once"
+
+
+def test_a_rank_reports_each_trial_then_checks_the_kept_choice_on_drift_and_on_schedule():
+    reports = Reports(drift=1.5)
+    reports.ran("w", {"trial": 7, "candidates": ["a", "b"]}, 0.02)
+    assert reports.take("w") == {"trial": 7, "seconds": 0.02} and reports.take("w") is None
+    kept = {"choice": "a", "times": {"a": 0.1}, "expect": 0.1, "revisit": 50}
+    slow = 1.5 * 0.1 + SLACK_S + 0.001
+    for i in range(2 * SLOW_RUNS):   # slow runs not in a row: no check
+        reports.ran("w", kept, 0.1 if i % 2 else slow)
+    assert reports.take("w") is None
+    for _ in range(SLOW_RUNS):
+        reports.ran("w", kept, slow)
+    assert reports.take("w") == {"check": 2 * SLOW_RUNS + SLOW_RUNS, "seconds": slow}
+    for _ in range(50):
+        reports.ran("w", kept, 0.1)
+    assert reports.take("w") == {"check": 50, "seconds": 0.1}, "revisited after `revisit` runs"
+
+
+def test_a_rank_submits_its_side_of_the_density_bounds_and_the_max_over_ranks_is_the_densest_ranks_choice():
+    choices = [[0.05, "omnireduce"], [0.25, "hotcold"], [None, "ring"]]
+    g = np.random.default_rng(0)
+    for densities in g.random((200, 3)) * 0.4:
+        sides = [side_of(choices, d) for d in densities]
+        assert choices[max(sides)][1] == settle(choices, [max(densities)]), densities
+    assert side_of(choices, 0.01) == side_of(choices, 0.04), "a density that moves within its side: the same meta"
+    assert side_of(choices, None) == 2, "a rank that measured nothing counts as dense"
+    metas = [{"choices": choices, "side": 0}, {"choices": choices, "side": 1}]
+    assert settle_release("w", metas).algorithm == "hotcold"
+    traffic = [[0.01, "ring"], [TRAFFIC, "sparse_allgather"]]
+    assert side_of(traffic, 0.5) == 1, "above the density rules: the traffic model decides"
+
+
+@pytest.mark.multiprocess
+def test_trials_and_choices_are_the_same_on_every_rank_a_slow_candidate_loses_drift_is_retried_and_cached(tmp_path):
+    """2 ranks, two row carriers registered from outside (tests/workers/auto_trials.py): the model's
+    favourite sleeps and loses to the other, which keeps the choice until it turns slow at step FLIP;
+    then both are tried again and the first one wins. 'b' (every other step) shares their group. A
+    mostly-zero dense tensor under `auto` goes to omnireduce by its side of the density bound and,
+    after its first step, rank 0's controller never sees its metadata again. The study's table
+    (commlib.analyze, from rank 0's timeline) shows the candidates, their times and the choice."""
+    trace = tmp_path / "trace.json"
+    env = {"COMMLIB_AUTO_TRIAL_SAMPLES": "2", "COMMLIB_AUTO_DRIFT": "3", "COMMLIB_TIMELINE": trace}
+    results = spawn(2, "auto_trials.py", timeout=300, env=env).check().results()
+    steps, flip = results[0]["steps"], results[0]["flip"]
+    for rank, result in enumerate(results[1:], 1):
+        for i, (mine, theirs) in enumerate(zip(steps, result["steps"])):
+            assert mine["records"] == theirs["records"], f"step {i}: rank 0 and rank {rank} differ"
+    for i, step in enumerate(steps):
+        assert all(step["exact"].values()), f"step {i}: a result is not the sum: {step['exact']}"
+        for name, record in step["records"].items():
+            if name != "dense":
+                assert record["auto"] is not None, (i, name, record)
+                assert record["modelled"] == ("trial" in record["auto"]), f"step {i}: the model runs only for trials: {record}"
+                assert set(record["auto"].get("candidates", ["toy_fast", "toy_slow"])) == {"toy_fast", "toy_slow"}, \
+                    f"step {i}: only the toys are within the margin: {record}"
+
+    def kept(i):
+        return {name: r["auto"].get("choice") for name, r in steps[i]["records"].items() if name != "dense"}
+
+    assert steps[0]["records"]["a"]["algorithm"] == "toy_slow", "the model's favourite is tried first"
+    assert set(kept(flip - 1).values()) == {"toy_fast"}, f"before the flip the fast toy is kept: {steps[flip - 1]}"
+    assert steps[flip - 1]["records"]["a"]["auto"]["times"]["toy_slow"] >= 0.05, steps[flip - 1]
+    retried = [i for i in range(flip, len(steps)) if "trial" in steps[i]["records"]["a"]["auto"]]
+    assert retried, "the fast toy turned slow and was never tried again"
+    assert set(kept(len(steps) - 1).values()) == {"toy_slow"}, f"after the drift the other wins: {steps[-1]}"
+    assert {s["records"]["dense"]["algorithm"] for s in steps} == {"omnireduce"}, steps[0]["records"]["dense"]
+    assert steps[-1]["full"]["dense"] == 2, f"the dense tensor was negotiated in full after its first step: {steps[-1]['full']}"
+    trials = analyze.auto_trials(timeline.load(str(trace)))
+    assert trials["a"] == steps[-1]["records"]["a"]["auto"], (trials, steps[-1])
+    table = analyze.format_trials(trials)
+    assert "*toy_slow" in table and "toy_fast 3" in table, table   # ~300 ms once it turned slow
