@@ -224,7 +224,7 @@ class _LeafRig:
         for rank, s in enumerate(self.ranks):
             lib.sml_switch_set_addr(self.sw, 0, rank, ip, s.getsockname()[1])
         assert lib.sml_switch_set_parent(self.sw, 0, ip, self.parent.getsockname()[1], self.PARENT_JOB, 1, TOKEN,
-                                         JOB_KEY, 1.0, 4.0) == 0
+                                         JOB_KEY, 1.0, 10.0, 1000) == 0
         self.address = self.sock.getsockname()
         self.seq = 0
 
