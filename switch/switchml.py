@@ -17,10 +17,12 @@ are under its own stream key (auth.stream_key), so two streams never share a non
         (E values per packet: 1..MAX_ELEMS, slots * E <= MAX_POOL_VALUES; streams, optional: the ranks'
         addresses for each of up to K streams, replacing workers, which is the one-stream case)
         optional "parent": {"address": "ip:port", "ports": [p, ...], "job": m, "rank": i, "token": t, "nonce": N,
-        "authenticated": true, "check": "..."} makes this switch a leaf of the job (switchml.h: hierarchy):
+        "authenticated": true, "check": "...", "rto_ms": r, "rto_max_ms": m, "timeout_s": t, "control": "ip:port"} makes this switch a leaf of the job (switchml.h: hierarchy):
         stream i sends its complete sets to the parent's port ports[i] as rank i of the parent's job m, MACed
         under auth.stream_key(auth.job_key(key, N), i), so every switch of a hierarchy holds the same daemon
-        key (check: auth.key_check of the parent's job key, so a leaf with another key refuses at once)
+        key (check: auth.key_check of the parent's job key, so a leaf with another key refuses at once); the
+        parent's control port (control, default address) must first confirm the job, token and rank; a set is
+        resent after rto_ms, doubling up to rto_max_ms, for about timeout_s, then abandoned
         -> {"ok": true, "job": n, "epoch": "...", "slots": W, "expiry_s": s,
             "endpoints": [{"port": p, "slots": w}, ...]}   (job 0..255; stream i goes to shard i's port with
         w of the W slots x 2 sets; on a switch with a daemon key, the job's packets carry MACs under
@@ -58,7 +60,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFailure
+from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, PeerFailure
 from commlib.switch import auth, control, net
 from commlib.net import parse_address
 
@@ -79,6 +81,7 @@ except ImportError as exc:   # not built: say how to build it where it is used
 HEADER = struct.Struct("!BBBBIHbBII")
 HDR_LEN = HEADER.size
 MAX_THREADS = 64   # data-plane threads (shards) of one switch
+CONFIRM_TIMEOUT_S = 3.0   # a leaf's wait for its parent's control port (SwitchServer._confirm)
 
 
 def _fields(struct_name):
@@ -329,7 +332,7 @@ class SwitchServer:
                 return self.unregister(job.number, job.token)
             if op == "keepalive":
                 return self.keepalive(job.number, int(request["rank"]))
-            return self.counters(job.number)
+            return self.counters(job.number, request.get("token"))
         if op in ("counters", "simulate") and self.key is not None:
             self._authenticate(request, self.key, ("operator",), op)
         if op == "counters":
@@ -484,8 +487,31 @@ class SwitchServer:
             if auth.key_check(job_key) != parent.get("check"):
                 raise ConfigError("this leaf switch's key is not the spine's: start every switch of a hierarchy with "
                                   "the same --key-file")
+        self._confirm(parent, job_key)
         return [(*_ipv4_port([host, port]), ffi.NULL if job_key is None else auth.stream_key(job_key, i))
                 for i, port in enumerate(ports)]
+
+    def _confirm(self, parent, job_key):
+        """Refuse a parent whose control port does not confirm its job: a switch there serving job parent["job"]
+        with parent["token"] and (on a keyed switch: the request is signed with that job's key as rank
+        parent["rank"]) that rank. Before it a leaf sends nothing, so no one names an arbitrary host as a
+        parent to have the leaf's sets sent there. parent["control"]: its control address where its data
+        address is not (a relay)."""
+        address = parent.get("control", parent["address"])
+        try:
+            host, port = parse_address(address, "parent control address")
+            ipaddress.IPv4Address(host)   # a literal: a control request must not wait on a name lookup
+        except (ConfigError, ValueError):
+            raise ConfigError(f"parent control address {str(address)[:60]}: not an IPv4 address:port") from None
+        if job_key is None and self.key is not None and parent.get("nonce") is not None:   # a keyed spine's job
+            job_key = auth.job_key(self.key, auth.check_nonce(parent["nonce"]))            # whose packets are not
+        client = SwitchClient(f"{host}:{port}", CONFIRM_TIMEOUT_S, key=job_key,
+                              rank=parent["rank"] if job_key is not None else None)
+        try:
+            client.counters(parent["job"], parent["token"])
+        except CommError as exc:
+            raise ConfigError(f"the parent switch at {address} did not confirm job #{parent['job']} with that token "
+                              f"and rank {parent['rank']} ({exc}); register the job on the spine first") from None
 
     def _free(self):
         return self.slots - sum(job.slots for job in self._jobs.values())

@@ -66,7 +66,8 @@ def register(leaves, leaf_of, addrs, spine=None, up_relay=None):
         reply = spine.register(TOKEN, [list(a) for a in seen], WINDOW, ELEMS, nonce, key)
         host, port = up_relay.address if up_relay is not None else ("127.0.0.1", spine.port)
         parent = {"address": f"{host}:{port}", "ports": [port], "job": reply["job"], "token": TOKEN, "nonce": nonce,
-                  "authenticated": True, "check": auth.key_check(key), "rto_ms": 2.0, "rto_max_ms": 50.0}
+                  "authenticated": True, "check": auth.key_check(key), "rto_ms": 2.0, "rto_max_ms": 50.0,
+                  "control": spine.address}
     out = [None] * len(leaf_of)
     for j, leaf in enumerate(leaves):
         ranks = [r for r in range(len(leaf_of)) if leaf_of[r] == j]
@@ -387,6 +388,38 @@ def test_a_parent_that_is_not_a_unicast_address_is_refused(address):
         assert server.status()["jobs"] == {}
 
 
+def test_a_parent_that_does_not_confirm_the_job_is_refused_and_sent_nothing():
+    """Amplification: whoever registers a leaf job named any host as its parent, and the leaf sent (and resent)
+    every complete set there. Now the parent's control port must confirm the job first: a UDP socket (no
+    control port), a switch without that job, or with another token, or without that rank, is refused."""
+    victim = _udp()
+    host, port = victim.getsockname()
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as leaf, sw.SwitchServer("127.0.0.1", 0, slots=64) as spine:
+        good = _keyless_spine(spine)
+        for parent in [{"address": f"{host}:{port}", "ports": [port], "job": 0, "rank": 0, "token": TOKEN},
+                       dict(good, job=(good["job"] + 1) % sw.MAX_JOBS), dict(good, token=TOKEN + 1)]:
+            with pytest.raises(ConfigError, match="did not confirm"):
+                leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent=parent)
+        assert leaf.status()["jobs"] == {} and received(victim) == []
+        leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent=dict(good))   # the spine's job, its rank 0
+    victim.close()
+    keyed_leaf, keyed_spine = switches(2)
+    try:   # a keyed spine: the request is signed with the spine job's key as the leaf's rank, which must exist
+        nonce = auth.new_nonce()
+        key = auth.job_key(KEY, nonce)
+        job = keyed_spine.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, nonce, key)["job"]
+        parent = {"address": keyed_spine.address, "ports": [keyed_spine.port], "job": job, "token": TOKEN,
+                  "nonce": nonce, "authenticated": True, "check": auth.key_check(key)}
+        with pytest.raises(ConfigError, match="did not confirm"):
+            n = auth.new_nonce()
+            keyed_leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, n, auth.job_key(KEY, n),
+                                parent=dict(parent, rank=1))
+        n = auth.new_nonce()
+        keyed_leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, n, auth.job_key(KEY, n), parent=dict(parent, rank=0))
+    finally:
+        stop([keyed_leaf, keyed_spine])
+
+
 def test_stop_never_frees_a_switch_whose_thread_still_runs(caplog):
     """A data-plane thread that does not return within stop()'s wait: its C switch is left allocated (and an
     error logged) rather than freed under it."""
@@ -429,18 +462,19 @@ def test_a_parents_result_goes_to_the_leaf_job_whose_checks_it_passes():
         leaf.close()
 
 
+def _keyless_spine(server, ranks=2):
+    """A job of `ranks` ranks on a keyless switch `server`; the parent of a leaf of it, as rank 0."""
+    job = server.register(TOKEN, [["127.0.0.1", 9 + r] for r in range(ranks)], WINDOW, ELEMS)["job"]
+    return {"address": server.address, "ports": [server.port], "job": job, "rank": 0, "token": TOKEN}
+
+
 def test_two_leaf_jobs_of_one_parent_job_are_refused():
-    (leaf,) = switches(1)
-    try:
-        parent = {"address": "127.0.0.1:9", "ports": [9], "job": 3, "rank": 0, "token": TOKEN}
-        leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, auth.new_nonce(), None, authenticate=False,
-                      parent=dict(parent))
-        with pytest.raises(control.Refused, match="another job on this switch is a leaf of job #3"):
-            leaf.register(TOKEN, [["127.0.0.1", 10]], WINDOW, ELEMS, auth.new_nonce(), None, authenticate=False,
-                          parent=dict(parent, rank=1))
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as leaf, sw.SwitchServer("127.0.0.1", 0, slots=64) as spine:
+        parent = _keyless_spine(spine)
+        leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent=dict(parent))
+        with pytest.raises(control.Refused, match=f"another job on this switch is a leaf of job #{parent['job']}"):
+            leaf.register(TOKEN, [["127.0.0.1", 10]], WINDOW, ELEMS, parent=dict(parent, rank=1))
         assert len(leaf.status()["jobs"]) == 1
-    finally:
-        leaf.stop()
 
 
 def test_an_authenticated_leaf_job_needs_an_authenticated_parent():
@@ -464,11 +498,11 @@ def test_a_parent_the_c_switch_refuses_unregisters_the_job(monkeypatch):
         def sml_switch_set_parent(*args):
             return -1
     real = sw.lib
-    with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as server, sw.SwitchServer("127.0.0.1", 0, slots=64) as spine:
+        parent = _keyless_spine(spine)
         monkeypatch.setattr(sw, "lib", Lib())
         with pytest.raises(ConfigError, match="could not make the job a leaf"):
-            server.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent={
-                "address": "127.0.0.1:9", "ports": [9], "job": 1, "rank": 0, "token": TOKEN})
+            server.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent=parent)
         monkeypatch.setattr(sw, "lib", real)
         assert server.status()["jobs"] == {} and real.sml_switch_free_slots(server._shards[0][1]) == 64
 
