@@ -364,9 +364,12 @@ class SwitchMLBackend(Backend):
         up = self._register_on(spine, [[self._leaf_address(leaf, i) for leaf in leaves]
                                        for i in range(len(spine.ports))], self.window, done)
         host, port = parse_address(spine.address, "switch_spine")
+        # the leaf's timer within the switch's bounds (switchml.h: SML_UP_RTO_*), and its resends within the timeout
+        rto = max(float(s.switch_retransmit_ms), sw.lib.SML_UP_RTO_MIN_US / 1e3)
         parent = {"address": f"{socket.gethostbyname(host)}:{port}", "ports": [p or port for p in spine.ports],
-                  "job": up["job"], "token": self.token, "nonce": up["nonce"], "rto_ms": float(s.switch_retransmit_ms),
-                  "rto_max_ms": float(s.switch_retransmit_max_ms), "authenticated": up["key"] is not None}
+                  "job": up["job"], "token": self.token, "nonce": up["nonce"], "rto_ms": rto,
+                  "rto_max_ms": max(float(s.switch_retransmit_max_ms), rto, sw.lib.SML_UP_RTO_FLOOR_US / 1e3),
+                  "timeout_s": float(s.timeout_s), "authenticated": up["key"] is not None}
         if up["key"] is not None:   # a leaf derives the spine's job key from its own daemon key: the same one?
             parent["check"] = auth.key_check(up["key"])
         jobs = [self._register_on(leaf, [[addrs[r][i] for r in range(self.size) if self._leaf_of[r] == j]

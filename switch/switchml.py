@@ -17,10 +17,12 @@ are under its own stream key (auth.stream_key), so two streams never share a non
         (E values per packet: 1..MAX_ELEMS, slots * E <= MAX_POOL_VALUES; streams, optional: the ranks'
         addresses for each of up to K streams, replacing workers, which is the one-stream case)
         optional "parent": {"address": "ip:port", "ports": [p, ...], "job": m, "rank": i, "token": t, "nonce": N,
-        "authenticated": true, "check": "..."} makes this switch a leaf of the job (switchml.h: hierarchy):
+        "authenticated": true, "check": "...", "rto_ms": r, "rto_max_ms": m, "timeout_s": t, "control": "ip:port"} makes this switch a leaf of the job (switchml.h: hierarchy):
         stream i sends its complete sets to the parent's port ports[i] as rank i of the parent's job m, MACed
         under auth.stream_key(auth.job_key(key, N), i), so every switch of a hierarchy holds the same daemon
-        key (check: auth.key_check of the parent's job key, so a leaf with another key refuses at once)
+        key (check: auth.key_check of the parent's job key, so a leaf with another key refuses at once); the
+        parent's control port (control, default address) must first confirm the job, token and rank; a set is
+        resent after rto_ms, doubling up to rto_max_ms, for about timeout_s, then abandoned
         -> {"ok": true, "job": n, "epoch": "...", "slots": W, "expiry_s": s,
             "endpoints": [{"port": p, "slots": w}, ...]}   (job 0..255; stream i goes to shard i's port with
         w of the W slots x 2 sets; on a switch with a daemon key, the job's packets carry MACs under
@@ -47,7 +49,9 @@ The drop simulator acts on every job at once, so `simulate` answers only on a sw
 for testing (`commlib-switch --testing`, `SwitchServer(testing=True)`); elsewhere it is refused.
 """
 import hashlib
+import ipaddress
 import logging
+import math
 import os
 import random
 import socket
@@ -56,7 +60,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFailure
+from commlib.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, PeerFailure
 from commlib.switch import auth, control, net, packet_mac
 from commlib.net import parse_address
 
@@ -77,6 +81,7 @@ except ImportError as exc:   # not built: say how to build it where it is used
 HEADER = struct.Struct("!BBBBIHbBII")
 HDR_LEN = HEADER.size
 MAX_THREADS = 64   # data-plane threads (shards) of one switch
+CONFIRM_TIMEOUT_S = 3.0   # a leaf's wait for its parent's control port (SwitchServer._confirm)
 
 
 def _fields(struct_name):
@@ -138,8 +143,10 @@ def summed(dicts):
 
 
 class _Job:
-    def __init__(self, number, token, workers, slots, elems, nonce=None, key=None, source=None, streams=1):
+    def __init__(self, number, token, workers, slots, elems, nonce=None, key=None, source=None, streams=1,
+                 parents=()):
         self.number, self.token, self.workers, self.slots, self.elems = number, token, workers, slots, elems
+        self.parents = set(parents)   # (shard, parent ipv4, port, parent job) of a leaf job's streams
         self.streams = streams   # shards 0..streams-1 hold its slots
         self.nonce, self.key, self.source = nonce, key, source   # key: the job key (bytes) on a keyed switch
         self.alive = dict.fromkeys(range(len(workers[0])), time.monotonic())   # rank -> its last keepalive
@@ -261,8 +268,14 @@ class SwitchServer:
         self._tcp.close()
         for thread in self._threads:
             thread.join(5.0)
+        stuck = [t.name for t in self._threads if t.is_alive()]
         with self._lock:
             shards, self._shards = self._shards, []
+            if stuck:   # a thread may still be in sml_switch_run: freeing under it would be a use after free
+                log.error("commlib-switch %s: %s still running 5 s after stop(); its C switches are left allocated",
+                          self.address, ", ".join(stuck))
+                self._leaked = shards   # never freed, nor their sockets closed
+                return
             for sock, sw in shards:
                 lib.sml_switch_free(sw)
                 sock.close()
@@ -287,7 +300,11 @@ class SwitchServer:
                 self._stopping.set()
 
     def _control_loop(self):
-        control.LineServer(self._tcp, self.handle, self.drops, tick=self._expire).serve(self._stopping)
+        try:
+            control.LineServer(self._tcp, self.handle, self.drops, tick=self._expire).serve(self._stopping)
+        except (OSError, ValueError):
+            if not self._stopping.is_set():   # stop() right after start() closes the socket under it
+                raise
 
     # -- control operations ------------------------------------------------------------------------
     def handle(self, request, source=None):
@@ -316,7 +333,7 @@ class SwitchServer:
                 return self.unregister(job.number, job.token)
             if op == "keepalive":
                 return self.keepalive(job.number, int(request["rank"]))
-            return self.counters(job.number)
+            return self.counters(job.number, request.get("token"))
         if op in ("counters", "simulate") and self.key is not None:
             self._authenticate(request, self.key, ("operator",), op)
         if op == "counters":
@@ -387,9 +404,13 @@ class SwitchServer:
         addrs = [[_ipv4_port(worker) for worker in w] for w in lists]
         shares = split(slots, len(lists))
         algorithm = packet_mac.code(mac)
-        up = self._parent(parent, len(lists)) if parent is not None else None
+        up = self._parent(parent, len(lists), key is not None and authenticate) if parent is not None else None
         with self._lock:
             self._admit(slots, nonce, source)
+            parents = set() if up is None else {(i, ip, port, parent["job"]) for i, (ip, port, _) in enumerate(up)}
+            if any(parents & job.parents for job in self._jobs.values()):   # the parent's results would go to either
+                raise control.Refused("parent", f"another job on this switch is a leaf of job #{parent['job']} at "
+                                                f"{parent['address']}: a spine's job has one job per leaf switch")
             if self._free() < slots:
                 raise control.Refused("limit", f"the switch has {self._free()} free slots, the job asks for {slots}: "
                                                f"lower COMMLIB_SWITCH_WINDOW or start the switch with more --slots")
@@ -409,11 +430,14 @@ class SwitchServer:
                     raise ConfigError(f"the switch could not add the job: {why}")
                 for rank, (ip, port) in enumerate(ranks):
                     lib.sml_switch_set_addr(sw, number, rank, ip, port)
-                if up is not None:
-                    ip, port, up_key = up[i]
-                    lib.sml_switch_set_parent(sw, number, ip, port, parent["job"], parent["rank"], parent["token"],
-                                              up_key, algorithm, parent["rto_ms"], parent["rto_max_ms"])
-            self._jobs[number] = _Job(number, token, lists, slots, elems, nonce, key, source, len(lists))
+                rc = 0 if up is None else lib.sml_switch_set_parent(
+                    sw, number, up[i][0], up[i][1], parent["job"], parent["rank"], parent["token"], up[i][2],
+                    algorithm, parent["rto_ms"], parent["rto_max_ms"], parent["tries"])
+                if rc != 0:
+                    for _, done in self._shards[:i + 1]:
+                        lib.sml_switch_remove_job(done, number)
+                    raise ConfigError(f"the switch could not make the job a leaf of {parent['address']} (code {rc})")
+            self._jobs[number] = _Job(number, token, lists, slots, elems, nonce, key, source, len(lists), parents)
             if nonce is not None:
                 self._nonces[nonce] = number
                 while len(self._nonces) > 65536:
@@ -425,22 +449,39 @@ class SwitchServer:
                 "authenticated": key is not None and authenticate, "packet_mac": mac,
                 "endpoints": [{"port": port, "slots": share} for port, share in zip(self.ports, shares)]}
 
-    def _parent(self, parent, nstreams):
-        """Per stream, the parent's (ipv4, port, MAC key or NULL) of a leaf registration, checked."""
+    def _parent(self, parent, nstreams, authenticated):
+        """Per stream, the parent's (ipv4, port, MAC key or NULL) of a leaf registration, checked; parent gets
+        "tries": the resends of a set that fit the job's timeout_s at rto_max_ms (then it is abandoned).
+        authenticated: the leaf's own job is, so its parent's must be too."""
         try:
             host, _ = parse_address(parent["address"], "parent address")
             ports = [int(p) for p in parent["ports"]]
             for name in ("job", "rank", "token"):
                 parent[name] = int(parent[name])
-            parent["rto_ms"] = float(parent.get("rto_ms", 5.0))
-            parent["rto_max_ms"] = float(parent.get("rto_max_ms", 200.0))
+            for name, default in (("rto_ms", 5.0), ("rto_max_ms", 200.0), ("timeout_s", 60.0)):
+                parent[name] = float(parent.get(name, default))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"parent {str(parent)[:200]}: needs address, ports, job, rank and token ({exc})") from None
+        lo, floor, hi = lib.SML_UP_RTO_MIN_US / 1e3, lib.SML_UP_RTO_FLOOR_US / 1e3, lib.SML_UP_RTO_MAX_US / 1e3
+        rto, rto_max, timeout = parent["rto_ms"], parent["rto_max_ms"], parent["timeout_s"]
         if len(ports) != nstreams or not 0 <= parent["job"] < MAX_JOBS or not 0 <= parent["rank"] < MAX_WORKERS or \
-                not 0 <= parent["token"] < 2 ** 32 or not 0 < parent["rto_ms"] <= parent["rto_max_ms"]:
+                not 0 <= parent["token"] < 2 ** 32 or not lo <= rto <= rto_max <= hi or not floor <= rto_max or \
+                not 0 < timeout <= 3600:   # written so that NaN fails: a zero or endless timer is a resend storm
             raise ConfigError(f"parent {str(parent)[:200]}: one port per stream ({nstreams}), job 0..{MAX_JOBS - 1}, "
-                              f"rank 0..{MAX_WORKERS - 1}, a 32-bit token, 0 < rto_ms <= rto_max_ms")
+                              f"rank 0..{MAX_WORKERS - 1}, a 32-bit token, {lo} <= rto_ms <= rto_max_ms <= {hi} with "
+                              f"rto_max_ms >= {floor}, 0 < timeout_s <= 3600")
+        try:
+            ip = ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ConfigError(f"parent address {parent['address'][:60]}: not an IPv4 address") from None
+        if ip.is_multicast or ip.is_unspecified or ip.is_reserved:   # reserved: 240/4, the broadcast address too
+            raise ConfigError(f"parent address {ip}: a spine switch has a unicast IPv4 address")
+        parent["tries"] = min(lib.SML_UP_MAX_TRIES, math.ceil(math.log2(rto_max / rto)) +
+                              math.ceil(timeout * 1e3 / rto_max))
         job_key = None
+        if authenticated and not parent.get("authenticated"):
+            raise ConfigError("this leaf's job is authenticated and its parent's is not: register the spine's job "
+                              "with authentication (the same --key-file on every switch of the hierarchy)")
         if parent.get("authenticated"):
             if self.key is None:
                 raise ConfigError("the spine's job is authenticated and this leaf switch has no key: start every "
@@ -449,8 +490,31 @@ class SwitchServer:
             if auth.key_check(job_key) != parent.get("check"):
                 raise ConfigError("this leaf switch's key is not the spine's: start every switch of a hierarchy with "
                                   "the same --key-file")
+        self._confirm(parent, job_key)
         return [(*_ipv4_port([host, port]), ffi.NULL if job_key is None else auth.stream_key(job_key, i))
                 for i, port in enumerate(ports)]
+
+    def _confirm(self, parent, job_key):
+        """Refuse a parent whose control port does not confirm its job: a switch there serving job parent["job"]
+        with parent["token"] and (on a keyed switch: the request is signed with that job's key as rank
+        parent["rank"]) that rank. Before it a leaf sends nothing, so no one names an arbitrary host as a
+        parent to have the leaf's sets sent there. parent["control"]: its control address where its data
+        address is not (a relay)."""
+        address = parent.get("control", parent["address"])
+        try:
+            host, port = parse_address(address, "parent control address")
+            ipaddress.IPv4Address(host)   # a literal: a control request must not wait on a name lookup
+        except (ConfigError, ValueError):
+            raise ConfigError(f"parent control address {str(address)[:60]}: not an IPv4 address:port") from None
+        if job_key is None and self.key is not None and parent.get("nonce") is not None:   # a keyed spine's job
+            job_key = auth.job_key(self.key, auth.check_nonce(parent["nonce"]))            # whose packets are not
+        client = SwitchClient(f"{host}:{port}", CONFIRM_TIMEOUT_S, key=job_key,
+                              rank=parent["rank"] if job_key is not None else None)
+        try:
+            client.counters(parent["job"], parent["token"])
+        except CommError as exc:
+            raise ConfigError(f"the parent switch at {address} did not confirm job #{parent['job']} with that token "
+                              f"and rank {parent['rank']} ({exc}); register the job on the spine first") from None
 
     def _free(self):
         return self.slots - sum(job.slots for job in self._jobs.values())

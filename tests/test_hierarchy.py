@@ -10,6 +10,7 @@ sum of the quantized values (the workers' own kernels, the scale of the whole jo
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -65,7 +66,8 @@ def register(leaves, leaf_of, addrs, spine=None, up_relay=None):
         reply = spine.register(TOKEN, [list(a) for a in seen], WINDOW, ELEMS, nonce, key)
         host, port = up_relay.address if up_relay is not None else ("127.0.0.1", spine.port)
         parent = {"address": f"{host}:{port}", "ports": [port], "job": reply["job"], "token": TOKEN, "nonce": nonce,
-                  "authenticated": True, "check": auth.key_check(key), "rto_ms": 2.0, "rto_max_ms": 50.0}
+                  "authenticated": True, "check": auth.key_check(key), "rto_ms": 2.0, "rto_max_ms": 50.0,
+                  "control": spine.address}
     out = [None] * len(leaf_of)
     for j, leaf in enumerate(leaves):
         ranks = [r for r in range(len(leaf_of)) if leaf_of[r] == j]
@@ -268,6 +270,242 @@ def test_the_leaf_packet_handler_under_asan_and_ubsan(tmp_path):
     resend timers firing, through the sanitized C switch."""
     rc, log = fuzz(tmp_path, "switch_leaf_packets", "--sanitized", "-runs=1500", "-max_total_time=30")
     assert rc == 0 and "Done 1500 runs" in log, log[-3000:]
+
+
+# -- a leaf's parent: bounds, resends, results (a C switch the test runs itself, or a keyless SwitchServer) -----
+
+IP = int.from_bytes(bytes([127, 0, 0, 1]), "big")
+
+
+def _udp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    s.settimeout(0.05)
+    return s
+
+
+class _Leaf:
+    """A C switch without a thread (run() serves it) whose jobs (1 rank each, 4 slots of 64 values, no MACs) are
+    leaves of job 7 of a parent socket that answers only when the test does; job k's worker is workers[k]."""
+    PARENT_JOB, ELEMS = 7, 64
+
+    def __init__(self, tokens=(TOKEN,), tries=3, rto_ms=1.0, rto_max_ms=10.0):
+        self.sock, self.parent = _udp(), _udp()
+        self.workers = [_udp() for _ in tokens]
+        self.sw = sw.lib.sml_switch_new(self.sock.fileno(), 64, 64, 0)
+        for job, (token, worker) in enumerate(zip(tokens, self.workers)):
+            assert sw.lib.sml_switch_add_job(self.sw, job, token, 1, 4, self.ELEMS, sw.ffi.NULL, 0) == 0
+            sw.lib.sml_switch_set_addr(self.sw, job, 0, IP, worker.getsockname()[1])
+            assert sw.lib.sml_switch_set_parent(self.sw, job, IP, self.parent.getsockname()[1], self.PARENT_JOB, job,
+                                                token, sw.ffi.NULL, 0, rto_ms, rto_max_ms, tries) == 0
+
+    def data(self, job, token=TOKEN):
+        """Job `job`'s one rank sends packet 0 (slot 0, set 0): the set completes and goes up."""
+        header = sw.pack_header(sw.lib.SML_DATA, sw.lib.SML_SIZE_JOB, job, 0, 0, 0, 0, token)
+        self.workers[job].sendto(header + np.arange(self.ELEMS, dtype=">i4").tobytes(), self.sock.getsockname())
+
+    def run(self, ms):
+        end = time.monotonic() + ms / 1e3
+        while time.monotonic() < end:
+            assert sw.lib.sml_switch_run(self.sw, 5) >= 0
+
+    def counters(self, job):
+        c = sw.ffi.new("sml_counters *")
+        assert sw.lib.sml_switch_job_counters(self.sw, job, c) == 0
+        return sw._counters_dict(c)
+
+    def close(self):
+        sw.lib.sml_switch_free(self.sw)
+        for s in [self.sock, self.parent] + self.workers:
+            s.close()
+
+
+def received(sock):
+    out = []
+    while True:
+        try:
+            out.append(sock.recv(65536))
+        except socket.timeout:
+            return out
+
+
+def test_a_set_whose_parent_never_answers_is_resent_tries_times_then_abandoned():
+    """A parent address that never answers (a host someone named as a spine) gets the set and `tries` resends,
+    not a stream for the job's life; the abandoned set gives its worker no result, not even a replay."""
+    leaf = _Leaf(tries=3)
+    try:
+        leaf.data(0)
+        leaf.run(300)     # 1 + 2 + 4 + 8 ms of timers: long over
+        up = received(leaf.parent)
+        c = leaf.counters(0)
+        assert len(up) == 4 and c["up_sent"] == 4 and c["up_resends"] == 3 and c["up_abandoned"] == 1, (len(up), c)
+        leaf.data(0)      # the worker's retransmission
+        leaf.run(30)
+        assert received(leaf.workers[0]) == [] and received(leaf.parent) == [], "an abandoned set was answered"
+        assert leaf.counters(0)["drop_incomplete"] == 1, leaf.counters(0)
+    finally:
+        leaf.close()
+
+
+@pytest.mark.parametrize("rto_ms, rto_max_ms, tries", [(1e-7, 50.0, 10), (2.0, float("inf"), 10), (2.0, 1e300, 10),
+                                                      (float("nan"), 50.0, 10), (2.0, float("nan"), 10),
+                                                      (2.0, 5.0, 10), (60.0, 50.0, 10), (2.0, 50.0, 0)])
+def test_a_parent_timer_out_of_bounds_is_refused(rto_ms, rto_max_ms, tries):
+    """A timer of 0 ns (or an infinite one, converted to anything) resent every waiting set on every pass of the
+    data plane, and sml_switch_run never returned: the C switch and the control plane refuse it."""
+    leaf = _Leaf()
+    try:
+        assert sw.lib.sml_switch_add_job(leaf.sw, 1, TOKEN, 1, 4, 64, sw.ffi.NULL, 0) == 0
+        rc = sw.lib.sml_switch_set_parent(leaf.sw, 1, IP, 9, 7, 0, TOKEN, sw.ffi.NULL, 0, rto_ms, rto_max_ms, tries)
+        assert rc == -1, f"sml_switch_set_parent took rto_ms={rto_ms}, rto_max_ms={rto_max_ms}, tries={tries}"
+    finally:
+        leaf.close()
+    if tries:
+        with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
+            with pytest.raises(ConfigError, match="rto_ms <= rto_max_ms"):
+                server.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent={
+                    "address": "127.0.0.1:9", "ports": [9], "job": 1, "rank": 0, "token": TOKEN, "rto_ms": rto_ms,
+                    "rto_max_ms": rto_max_ms})
+            assert server.status()["jobs"] == {}
+
+
+def test_json_infinity_as_a_parent_timer_is_refused_over_the_control_port():
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            conn.sendall(b'{"op": "register", "token": 1, "workers": [["127.0.0.1", 9]], "slots": 4, "elems": 64, '
+                         b'"parent": {"address": "127.0.0.1:9", "ports": [9], "job": 1, "rank": 0, "token": 1, '
+                         b'"rto_ms": 2, "rto_max_ms": Infinity}}\n')
+            answer = json.loads(conn.makefile("rb").readline())
+        assert answer["ok"] is False and "rto_max_ms" in answer["error"], answer
+        assert server.status()["jobs"] == {}
+
+
+@pytest.mark.parametrize("address", ["224.0.0.1", "255.255.255.255", "0.0.0.0", "240.1.2.3"])
+def test_a_parent_that_is_not_a_unicast_address_is_refused(address):
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
+        with pytest.raises(ConfigError, match="unicast"):
+            server.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent={
+                "address": f"{address}:9", "ports": [9], "job": 1, "rank": 0, "token": TOKEN})
+        assert server.status()["jobs"] == {}
+
+
+def test_a_parent_that_does_not_confirm_the_job_is_refused_and_sent_nothing():
+    """Amplification: whoever registers a leaf job named any host as its parent, and the leaf sent (and resent)
+    every complete set there. Now the parent's control port must confirm the job first: a UDP socket (no
+    control port), a switch without that job, or with another token, or without that rank, is refused."""
+    victim = _udp()
+    host, port = victim.getsockname()
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as leaf, sw.SwitchServer("127.0.0.1", 0, slots=64) as spine:
+        good = _keyless_spine(spine)
+        for parent in [{"address": f"{host}:{port}", "ports": [port], "job": 0, "rank": 0, "token": TOKEN},
+                       dict(good, job=(good["job"] + 1) % sw.MAX_JOBS), dict(good, token=TOKEN + 1)]:
+            with pytest.raises(ConfigError, match="did not confirm"):
+                leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent=parent)
+        assert leaf.status()["jobs"] == {} and received(victim) == []
+        leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent=dict(good))   # the spine's job, its rank 0
+    victim.close()
+    keyed_leaf, keyed_spine = switches(2)
+    try:   # a keyed spine: the request is signed with the spine job's key as the leaf's rank, which must exist
+        nonce = auth.new_nonce()
+        key = auth.job_key(KEY, nonce)
+        job = keyed_spine.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, nonce, key)["job"]
+        parent = {"address": keyed_spine.address, "ports": [keyed_spine.port], "job": job, "token": TOKEN,
+                  "nonce": nonce, "authenticated": True, "check": auth.key_check(key)}
+        with pytest.raises(ConfigError, match="did not confirm"):
+            n = auth.new_nonce()
+            keyed_leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, n, auth.job_key(KEY, n),
+                                parent=dict(parent, rank=1))
+        n = auth.new_nonce()
+        keyed_leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, n, auth.job_key(KEY, n), parent=dict(parent, rank=0))
+    finally:
+        stop([keyed_leaf, keyed_spine])
+
+
+def test_stop_never_frees_a_switch_whose_thread_still_runs(caplog):
+    """A data-plane thread that does not return within stop()'s wait: its C switch is left allocated (and an
+    error logged) rather than freed under it."""
+    server = sw.SwitchServer("127.0.0.1", 0, slots=64).start()
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, name="commlib-switch-data-stuck", daemon=True)
+    stuck.start()
+    server._threads.append(stuck)
+    (shard,) = server._shards
+    try:
+        server.stop()
+        assert server._leaked == [shard], "stop() freed the C switch of a thread still running"
+        assert sw.lib.sml_switch_free_slots(shard[1]) == 64      # still a switch
+        assert "still running" in caplog.text, caplog.text
+    finally:
+        release.set()
+        stuck.join()
+        sw.lib.sml_switch_free(shard[1])
+        shard[0].close()
+
+
+def test_a_parents_result_goes_to_the_leaf_job_whose_checks_it_passes():
+    """Two leaf jobs of one switch name the same parent job: the result for the second (its token) is not the
+    first's drop, it reaches the second's worker."""
+    leaf = _Leaf(tokens=(1, TOKEN), tries=50)
+    try:
+        leaf.data(1)
+        leaf.run(20)
+        (up, *_) = received(leaf.parent)
+        _, _, job, rank, packet_id, pool, exp, code, token, _ = sw.HEADER.unpack(up[:sw.HDR_LEN])
+        result = sw.pack_header(sw.lib.SML_RESULT, sw.lib.SML_SIZE_JOB | sw.lib.SML_F_STAMP, job, rank, packet_id, pool,
+                                exp, token, code) + up[sw.HDR_LEN:] + bytes(sw.lib.SML_STAMP_LEN)
+        leaf.parent.sendto(result, leaf.sock.getsockname())
+        leaf.run(20)
+        down = [p for p in received(leaf.workers[1]) if p[0] == sw.lib.SML_RESULT]
+        assert len(down) == 1 and down[0][sw.HDR_LEN:sw.HDR_LEN + 4 * 64] == np.arange(64, dtype=">i4").tobytes(), \
+            f"the second leaf job's worker got {len(down)} results (the first job took the parent's result)"
+        assert leaf.counters(0)["drop_token"] == 1 and leaf.counters(1)["up_results"] == 1
+    finally:
+        leaf.close()
+
+
+def _keyless_spine(server, ranks=2):
+    """A job of `ranks` ranks on a keyless switch `server`; the parent of a leaf of it, as rank 0."""
+    job = server.register(TOKEN, [["127.0.0.1", 9 + r] for r in range(ranks)], WINDOW, ELEMS)["job"]
+    return {"address": server.address, "ports": [server.port], "job": job, "rank": 0, "token": TOKEN}
+
+
+def test_two_leaf_jobs_of_one_parent_job_are_refused():
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as leaf, sw.SwitchServer("127.0.0.1", 0, slots=64) as spine:
+        parent = _keyless_spine(spine)
+        leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent=dict(parent))
+        with pytest.raises(control.Refused, match=f"another job on this switch is a leaf of job #{parent['job']}"):
+            leaf.register(TOKEN, [["127.0.0.1", 10]], WINDOW, ELEMS, parent=dict(parent, rank=1))
+        assert len(leaf.status()["jobs"]) == 1
+
+
+def test_an_authenticated_leaf_job_needs_an_authenticated_parent():
+    (leaf,) = switches(1)
+    try:
+        nonce = auth.new_nonce()
+        with pytest.raises(ConfigError, match="its parent's is not"):
+            leaf.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, nonce, auth.job_key(KEY, nonce), parent={
+                "address": "127.0.0.1:9", "ports": [9], "job": 3, "rank": 0, "token": TOKEN})
+        assert leaf.status()["jobs"] == {}
+    finally:
+        leaf.stop()
+
+
+def test_a_parent_the_c_switch_refuses_unregisters_the_job(monkeypatch):
+    class Lib:   # the C switch's answer when the job could not be made a leaf
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def sml_switch_set_parent(*args):
+            return -1
+    real = sw.lib
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as server, sw.SwitchServer("127.0.0.1", 0, slots=64) as spine:
+        parent = _keyless_spine(spine)
+        monkeypatch.setattr(sw, "lib", Lib())
+        with pytest.raises(ConfigError, match="could not make the job a leaf"):
+            server.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent=parent)
+        monkeypatch.setattr(sw, "lib", real)
+        assert server.status()["jobs"] == {} and real.sml_switch_free_slots(server._shards[0][1]) == 64
 
 
 # -- the backend ---------------------------------------------------------------------------------------

@@ -87,7 +87,8 @@
  * MACed under the parent job's key with the DATA nonce of the leaf's rank: a worker packet in all but
  * its sender. The set then waits: its workers' retransmissions are dropped (drop_incomplete; never
  * added twice), and the leaf resends the identical packet on its own timer (up_rto, doubling up to
- * up_rto_max) until the parent's RESULT for that id comes back; it then holds the job's sum, which
+ * up_rto_max) until the parent's RESULT for that id comes back (at most `tries` times: a set whose parent never answers
+ * is abandoned, so a parent address is never flooded for the job's life); it then holds the job's sum, which
  * the leaf sends to every worker of its own job (and replays to retransmissions, as on one switch).
  * The parent's RESULT is checked as a worker checks one (MAC under the parent key, its id the set's
  * round), so a replayed or forged one is dropped (drop_bad_mac, drop_late). Workers quantize for the
@@ -110,6 +111,11 @@
 #define SML_MAX_JOBS 256
 #define SML_MAX_SLOTS 32768
 #define SML_EXP_NONE (-128)
+/* A leaf's upward resend timer (sml_switch_set_parent): bounds that keep the timer a timer. */
+#define SML_UP_RTO_MIN_US 50            /* the first resend's timer, at least */
+#define SML_UP_RTO_FLOOR_US 10000        /* the doubled timer's cap, at least */
+#define SML_UP_RTO_MAX_US 60000000       /* either, at most */
+#define SML_UP_MAX_TRIES 100000
 
 #define SML_DATA 1
 #define SML_RESULT 2
@@ -152,7 +158,7 @@ typedef struct sml_counters {
     uint64_t queue_ns, proc_ns;
     /* a leaf's upward stream (0 without a parent): partial sums sent to the parent, resent on the
      * leaf's timer, and the parent's results taken */
-    uint64_t up_sent, up_resends, up_results;
+    uint64_t up_sent, up_resends, up_results, up_abandoned;
     /* concurrency (the IMC'20 study's Figure 7b; per job, 0 in slot groups): ranks_per_ms[k] = the
      * milliseconds (by packet arrival) in which the switch got accepted packets of exactly k ranks;
      * a millisecond is counted once a packet of a later one arrives */
@@ -203,9 +209,14 @@ int sml_switch_remove_job(sml_switch *sw, int job);
  * `rank` of the parent's job `parent_job` with `token` (the parent's token check), MACed under key (the
  * parent job's stream key, SML_KEY_LEN bytes, or NULL when the parent's job has none; mac: the parent job's
  * MAC algorithm, TP_MAC_*); resent after
- * rto_ms, doubling up to rto_max_ms. Before the job's first packet. 0, or -1 for a bad argument. */
+ * rto_ms, doubling up to rto_max_ms (SML_UP_RTO_MIN_US <= 1000 rto_ms <= 1000 rto_max_ms, SML_UP_RTO_FLOOR_US
+ * <= 1000 rto_max_ms <= SML_UP_RTO_MAX_US; NaN refused), at most `tries` times (1..SML_UP_MAX_TRIES): then the set is
+ * abandoned (up_abandoned) and its workers time out. Before the job's first packet. 0, or -1 for a bad
+ * argument or a job that is not active or has a parent already. A RESULT from a parent is offered to
+ * each leaf job of that parent job until one takes it. */
 int sml_switch_set_parent(sml_switch *sw, int job, uint32_t ipv4, uint16_t port, int parent_job, int rank,
-                          uint32_t token, const uint8_t *key, int mac, double rto_ms, double rto_max_ms);
+                          uint32_t token, const uint8_t *key, int mac, double rto_ms, double rto_max_ms,
+                          uint32_t tries);
 uint32_t sml_switch_free_slots(sml_switch *sw);
 /* Drop simulator: probabilities of dropping a packet on ingress / a result on egress, and of
  * duplicating a packet (on ingress and on egress). */

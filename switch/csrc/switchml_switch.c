@@ -37,10 +37,12 @@ typedef struct {
     uint8_t nf;          /* the nonfinite region holds flags */
     uint32_t queue_ns, proc_ns;   /* the round's share of the switch, summed over its contributions (the stamp) */
     uint8_t up;          /* a leaf's set: UP_WAIT from completion until the parent's result (switchml.h) */
+    uint32_t up_tries;   /* its resends so far */
     uint64_t up_deadline, up_rto;   /* its resend time and timer, ns */
 } slot_set;
 
 #define UP_WAIT 1
+#define UP_ABANDONED 2   /* resent `tries` times unanswered: no result; its workers time out */
 
 /* A leaf job's parent (switchml.h: hierarchy). */
 typedef struct {
@@ -50,6 +52,7 @@ typedef struct {
     uint32_t token;
     tp_mac *mac;         /* under the parent job's key; NULL: its packets carry no MAC */
     uint64_t rto, rto_max;
+    uint32_t tries;      /* resends of a set before it is abandoned */
 } parent_t;
 
 typedef struct {
@@ -69,6 +72,7 @@ typedef struct {
     sml_counters *groups;
     uint64_t ms_now, ms_ranks;   /* the millisecond of the last accepted packet, the ranks seen in it */
     parent_t up;
+    uint64_t up_next;    /* no later than the earliest resend time of its waiting sets, ns (UINT64_MAX: none) */
 } job_t;
 
 struct sml_switch {
@@ -192,9 +196,14 @@ int sml_switch_set_addr(sml_switch *sw, int job, int rank, uint32_t ipv4, uint16
 }
 
 int sml_switch_set_parent(sml_switch *sw, int job, uint32_t ipv4, uint16_t port, int parent_job, int rank,
-                          uint32_t token, const uint8_t *key, int mac_alg, double rto_ms, double rto_max_ms) {
+                          uint32_t token, const uint8_t *key, int mac_alg, double rto_ms, double rto_max_ms,
+                          uint32_t tries) {
+    /* written so that NaN fails every bound: a timer of 0 (or an infinite one, converted to anything) would
+     * resend every waiting set on every pass of the data-plane loop */
     if (job < 0 || job >= SML_MAX_JOBS || parent_job < 0 || parent_job >= SML_MAX_JOBS || rank < 0 ||
-        rank >= SML_MAX_WORKERS || !(rto_ms > 0) || rto_max_ms < rto_ms)
+        rank >= SML_MAX_WORKERS || !(rto_ms * 1000 >= SML_UP_RTO_MIN_US && rto_ms <= rto_max_ms &&
+        rto_max_ms * 1000 >= SML_UP_RTO_FLOOR_US && rto_max_ms * 1000 <= SML_UP_RTO_MAX_US) || tries < 1 ||
+        tries > SML_UP_MAX_TRIES)
         return -1;
     tp_mac *mac = key ? tp_mac_new(key, SML_MAC_LABEL, mac_alg) : NULL;
     if (key && !mac) return -1;
@@ -212,6 +221,8 @@ int sml_switch_set_parent(sml_switch *sw, int job, uint32_t ipv4, uint16_t port,
         up->mac = mac;
         up->rto = (uint64_t)(rto_ms * 1e6);
         up->rto_max = (uint64_t)(rto_max_ms * 1e6);
+        up->tries = tries;
+        j->up_next = UINT64_MAX;
         up->active = 1;
         mac = NULL;
         rc = 0;
@@ -405,17 +416,26 @@ static void multicast(sml_switch *sw, job_t *j, const slot_set *s, const int32_t
     }
 }
 
-/* A RESULT from a leaf job's parent: checked as a worker checks one (switchml.h), it completes the
- * waiting set with the job's sum, which goes to the leaf's workers. */
+static int parent_result(sml_switch *sw, job_t *j, const uint8_t *p, size_t len);
+
+/* A RESULT from a leaf job's parent: offered to each job whose parent it comes from until one takes it
+ * (a job registered with another's parent must not make the other's results its drops). */
 static void from_parent(sml_switch *sw, const uint8_t *p, size_t len, const struct sockaddr_in *from) {
-    job_t *j = NULL;
-    for (int k = 0; k < SML_MAX_JOBS && !j; k++) {
-        job_t *c = &sw->jobs[k];
-        if (c->active && c->up.active && c->up.job == p[2] && c->up.addr.sin_addr.s_addr == from->sin_addr.s_addr &&
-            c->up.addr.sin_port == from->sin_port)
-            j = c;
+    int found = 0;
+    for (int k = 0; k < SML_MAX_JOBS; k++) {
+        job_t *j = &sw->jobs[k];
+        if (j->active && j->up.active && j->up.job == p[2] && j->up.addr.sin_addr.s_addr == from->sin_addr.s_addr &&
+            j->up.addr.sin_port == from->sin_port) {
+            found = 1;
+            if (parent_result(sw, j, p, len)) return;
+        }
     }
-    if (!j) { sw->g.drop_type++; return; }
+    if (!found) sw->g.drop_type++;
+}
+
+/* Checked as a worker checks a result (switchml.h), it completes the waiting set with the job's sum,
+ * which goes to the leaf's workers. 1: taken (or dropped by the simulator), 0: not this job's (counted). */
+static int parent_result(sml_switch *sw, job_t *j, const uint8_t *p, size_t len) {
     const parent_t *up = &j->up;
     unsigned flags = p[1], code = flags & SML_F_SIZE;
     uint32_t elems = sml_size_elems(code, j->elems);
@@ -426,7 +446,7 @@ static void from_parent(sml_switch *sw, const uint8_t *p, size_t len, const stru
     if (!(flags & SML_F_STAMP) || len != body + (up->mac ? SML_SEQ_LEN + SML_MAC_LEN : 0) || (elems && elems != j->elems)) {
         j->c.drop_malformed++;
         gc->drop_malformed++;
-        return;
+        return 0;
     }
     uint64_t id = sml_id_near(tp_rd32(p + 4), j->newest);   /* the MAC covers all 64 bits */
     if (up->mac) {
@@ -435,19 +455,19 @@ static void from_parent(sml_switch *sw, const uint8_t *p, size_t len, const stru
         if (!(flags & SML_F_MAC) || !sml_signed(up->mac, p, body + SML_SEQ_LEN, id, nonce)) {
             j->c.drop_bad_mac++;
             gc->drop_bad_mac++;
-            return;
+            return 0;
         }
     }
     /* no rank check: a multicast result names the rank that completed the round, not this leaf */
-    if (tp_rd32(p + 12) != up->token) { j->c.drop_token++; gc->drop_token++; return; }
-    if (slot >= j->nslots) { j->c.drop_malformed++; gc->drop_malformed++; return; }
-    if (sw->p_in > 0 && rnd(sw) < sw->p_in) { j->c.drop_sim_ingress++; gc->drop_sim_ingress++; return; }
+    if (tp_rd32(p + 12) != up->token) { j->c.drop_token++; gc->drop_token++; return 0; }
+    if (slot >= j->nslots) { j->c.drop_malformed++; gc->drop_malformed++; return 0; }
+    if (sw->p_in > 0 && rnd(sw) < sw->p_in) { j->c.drop_sim_ingress++; gc->drop_sim_ingress++; return 1; }
     size_t idx = (size_t)slot * 2 + set;
     slot_set *s = &j->sets[idx];
     if (s->up != UP_WAIT || s->pkt_id != id || code != s->size) {   /* a duplicate, or of a round gone */
         j->c.drop_late++;
         gc->drop_late++;
-        return;
+        return 0;
     }
     int32_t *vals = j->values + idx * j->elems;
     uint8_t *nfr = j->nfreg + idx * j->elems;
@@ -462,27 +482,43 @@ static void from_parent(sml_switch *sw, const uint8_t *p, size_t len, const stru
     uint8_t in[SML_HDR_LEN];   /* what the leaf's result echoes: its own job, token and round */
     header(in, SML_DATA, 0, (uint8_t)(j - sw->jobs), 0, s, slot, set, j->token);
     multicast(sw, j, s, vals, nfr, in, gc);
+    return 1;
 }
 
-/* Resend the partial sums whose parent's result is overdue (identical packets), each on a doubled timer. */
+#define UP_SCAN_NS 1000000   /* a job's waiting sets are scanned at most once per ms (a scan is 2 x its slots) */
+
+/* Resend the partial sums whose parent's result is overdue (identical packets), each on a doubled timer,
+ * `tries` times at most: then the set is abandoned (its workers time out, naming the parent). Only the
+ * jobs with a set due are scanned. */
 static void resend_up(sml_switch *sw, uint64_t now) {
-    uint64_t next = UINT64_MAX;
+    uint64_t next_up = UINT64_MAX;
     for (int k = 0; k < SML_MAX_JOBS; k++) {
         job_t *j = &sw->jobs[k];
         if (!j->active || !j->up.active) continue;
-        for (uint32_t i = 0; i < 2 * j->nslots; i++) {
-            slot_set *s = &j->sets[i];
-            if (s->up != UP_WAIT) continue;
-            if (s->up_deadline <= now) {
-                s->up_rto = s->up_rto * 2 < j->up.rto_max ? s->up_rto * 2 : j->up.rto_max;
-                s->up_deadline = now + s->up_rto;
-                j->c.up_resends++;
-                send_up(sw, j, s, i / 2, i % 2);
+        if (j->up_next <= now) {
+            uint64_t next = UINT64_MAX;
+            for (uint32_t i = 0; i < 2 * j->nslots; i++) {
+                slot_set *s = &j->sets[i];
+                if (s->up != UP_WAIT) continue;
+                if (s->up_deadline <= now) {
+                    if (s->up_tries >= j->up.tries) {
+                        s->up = UP_ABANDONED;
+                        j->c.up_abandoned++;
+                        continue;
+                    }
+                    s->up_tries++;
+                    s->up_rto = s->up_rto < j->up.rto_max / 2 ? s->up_rto * 2 : j->up.rto_max;
+                    s->up_deadline = now + s->up_rto;
+                    j->c.up_resends++;
+                    send_up(sw, j, s, i / 2, i % 2);
+                }
+                if (s->up_deadline < next) next = s->up_deadline;
             }
-            if (s->up_deadline < next) next = s->up_deadline;
+            j->up_next = next == UINT64_MAX ? next : next > now + UP_SCAN_NS ? next : now + UP_SCAN_NS;
         }
+        if (j->up_next < next_up) next_up = j->up_next;
     }
-    sw->next_up = next;
+    sw->next_up = next_up;
 }
 
 static void nack(sml_switch *sw, const uint8_t *in, const struct sockaddr_in *from) {
@@ -619,14 +655,16 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
         s->proc_ns = tp_add_sat32(s->proc_ns, tp_now_ns() - t_in);
         if (s->countdown == 0 && j->up.active) {   /* a leaf's partial sum: up to the parent, then wait */
             s->up = UP_WAIT;
+            s->up_tries = 0;
             s->up_rto = j->up.rto;
             s->up_deadline = t_in + s->up_rto;
+            if (s->up_deadline < j->up_next) j->up_next = s->up_deadline;
             if (s->up_deadline < sw->next_up) sw->next_up = s->up_deadline;
             send_up(sw, j, s, slot, set);
         } else if (s->countdown == 0) {
             multicast(sw, j, s, vals, nfr, p, gc);
         }
-    } else if (s->countdown == 0 && s->up != UP_WAIT) {  /* retransmission to a complete slot: unicast replay */
+    } else if (s->countdown == 0 && s->up == 0) {  /* retransmission to a complete slot: unicast replay */
         uint8_t *out = take_buffer(sw, sml_pkt_max(j->elems));
         size_t rlen = build_result(j, s, vals, nfr, p, out);
         j->c.replays++;
@@ -668,6 +706,7 @@ static long serve(sml_switch *sw, int max_ms) {
                 tp_txq_flush(&sw->tx);
                 sw->arena_used = 0;
                 pthread_mutex_unlock(&sw->mu);
+                if (t0 >= deadline) return handled;   /* due timers never keep the caller from stopping it */
                 continue;
             }
             if (t0 >= deadline) return handled;

@@ -215,7 +215,7 @@ def _omr_mac(rig, header, payload):
 
 class _LeafRig:
     """A C switch whose job 0 (2 ranks, 4 slots of 64 values) is a leaf: rank 1 of job 7 of a parent at a
-    third loopback socket, whose results the fuzzer sends."""
+    third loopback socket, whose results the fuzzer sends; job 1 a decoy leaf of the same parent job."""
     PARENT_JOB = 7
 
     def __init__(self):
@@ -227,7 +227,12 @@ class _LeafRig:
         for rank, s in enumerate(self.ranks):
             lib.sml_switch_set_addr(self.sw, 0, rank, ip, s.getsockname()[1])
         assert lib.sml_switch_set_parent(self.sw, 0, ip, self.parent.getsockname()[1], self.PARENT_JOB, 1, TOKEN,
-                                         JOB_KEY, MAC, 1.0, 4.0) == 0
+                                         JOB_KEY, MAC, 1.0, 10.0, 1000) == 0
+        # a decoy: job 1, another leaf of the same parent job (no MAC, another token), is offered every result too
+        assert lib.sml_switch_add_job(self.sw, 1, TOKEN + 1, 1, 4, 64, ffi.NULL, 0) == 0
+        lib.sml_switch_set_addr(self.sw, 1, 0, ip, self.ranks[0].getsockname()[1])
+        assert lib.sml_switch_set_parent(self.sw, 1, ip, self.parent.getsockname()[1], self.PARENT_JOB, 0, TOKEN + 1,
+                                         ffi.NULL, MAC, 0.05, 10.0, 3) == 0
         self.address = self.sock.getsockname()
         self.seq = 0
 
