@@ -195,12 +195,13 @@ def placed(environ=None):
 
 
 def world_group():
-    """torch.distributed's default process group object, or None: the same object, the same world
-    (cheaper to compare on every call than asking the group its rank and size)."""
+    """What identifies torch.distributed's default process group: None when there is none, else
+    ("up", its object). Equal, the same world: cheaper to compare on every call than asking the
+    group its rank and size."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
-    return dist.group.WORLD
+    return ("up", dist.group.WORLD)
 
 
 def check_world(ctx):
