@@ -421,6 +421,7 @@ def test_a_parent_that_does_not_confirm_the_job_is_refused_and_sent_nothing():
         stop([keyed_leaf, keyed_spine])
 
 
+@pytest.mark.long   # a switch that dies or a thread that outlives its stop: waits on purpose
 def test_stop_never_frees_a_switch_whose_thread_still_runs(caplog):
     """A data-plane thread that does not return within stop()'s wait: its C switch is left allocated (and an
     error logged) rather than freed under it."""
@@ -571,6 +572,7 @@ def test_backend_two_levels_equal_one_switch(tmp_path, streams):
         stop(leaves + [spine])
 
 
+@pytest.mark.long   # a switch that dies or a thread that outlives its stop: waits on purpose
 @pytest.mark.parametrize("victim", ["spine", "leaf"])
 def test_a_switch_killed_mid_job_fails_every_rank_naming_it(tmp_path, victim):
     """Three commlib-switch processes; after a first allreduce the spine (or leaf 1) is killed: every rank

@@ -4,10 +4,7 @@ and ChaCha20-Poly1305 from OpenSSL, chosen per job by rank 0 and bound into the 
 Each is checked against the `cryptography` package's; a packet MACed under one is refused by a job of
 the other (no downgrade); both give bit-identical sums end to end (switchml and omnireduce, under
 simulated loss), the portable one forced on a CPU with AES-NI; the fuzz targets run with each."""
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +19,7 @@ from commlib.errors import ConfigError
 from commlib.settings import Settings
 from commlib.switch import auth, packet_mac
 from commlib.testing import LocalGroup
+from helpers import fuzz
 
 sw = sml.sw
 if sw.lib is None:   # not built: a failure of the suite, never a quiet skip
@@ -217,15 +215,11 @@ def test_a_two_level_job_macs_its_partial_sums_with_the_jobs_algorithm(tmp_path)
 
 
 # -- the fuzz targets with each algorithm (tests/fuzz/targets.py: COMMLIB_FUZZ_MAC) ---------------
-RUN = Path(__file__).resolve().parent / "fuzz" / "run.py"
 
-
+@pytest.mark.long   # the ASan + UBSan build, as test_fuzz's packet targets
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("algorithm", [AES, CHACHA])
 @pytest.mark.parametrize("target", ["switch_packets", "switch_leaf_packets", "aggregator_packets"])
 def test_packet_fuzz_targets_under_asan_with_each_algorithm(tmp_path, target, algorithm):
-    out = subprocess.run([sys.executable, str(RUN), target, "--sanitized", "-runs=800", "-max_total_time=30",
-                          f"-artifact_prefix={tmp_path}/"], capture_output=True, text=True, timeout=240, cwd=tmp_path,
-                         env=dict(os.environ, COMMLIB_FUZZ_MAC=algorithm))
-    log = out.stdout + out.stderr
-    assert out.returncode == 0 and "Done 800 runs" in log, log[-3000:]
+    rc, log = fuzz(tmp_path, target, "--sanitized", "-runs=800", "-max_total_time=30", env={"COMMLIB_FUZZ_MAC": algorithm})
+    assert rc == 0 and "Done 800 runs" in log, log[-3000:]
