@@ -46,13 +46,17 @@ def submit(client, *names):
     client.submit([{"name": name, "choices": [[None, "ring"]]} for name in names])
 
 
+QUIET_S = 0.3   # after an event, this long with no other ends the wait (a batch's events come within a cycle or two)
+
+
 def events(client, seconds):
-    """What the client received within `seconds`, up to the first error: ('go', names) and
-    ('error', kind, message)."""
+    """What the client received within `seconds` (or until QUIET_S passed with nothing after the last
+    event), up to the first error: ('go', names) and ('error', kind, message)."""
     got, deadline = [], time.monotonic() + seconds
     while time.monotonic() < deadline:
+        wait = deadline - time.monotonic()
         try:
-            msg = client.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            msg = client.events.get(timeout=max(0.0, min(wait, QUIET_S) if got else wait))
         except Exception:   # queue.Empty: nothing more
             break
         got.append(("go", sorted(release.name for release in msg["batch"])) if msg["t"] == "go"

@@ -182,6 +182,7 @@ def test_a_rank_that_fails_and_exits_gives_the_others_its_error_at_once(tmp_path
 
 
 @multiprocess
+@pytest.mark.long   # a variant: test_controller checks names that never pair up in a second
 def test_parameter_names_that_differ_between_ranks_are_a_mismatch_at_once(tmp_path):
     """The last rank calls its layer `tail`, the others `head` (same shapes): once every rank waits
     for names the others never submit, every rank gets a Mismatch naming the tensors and ranks,

@@ -67,7 +67,8 @@ def test_distributed_optimizer_sum_and_several_backward_passes():
     check_optimizer(out, 2, 1e-5, "ring:None", engine="horovod")
 
 
-@pytest.mark.parametrize("compression, tolerance", [("hvd.fp16", 2e-3), ("fp16", 2e-3), ("powersgd(rank=4)", 0.05)])
+@pytest.mark.parametrize("compression, tolerance", [("hvd.fp16", 2e-3), ("fp16", 2e-3),
+                                                     pytest.param("powersgd(rank=4)", 0.05, marks=pytest.mark.long)])
 def test_distributed_optimizer_with_compression(compression, tolerance):
     out = horovodrun(2, "torch_optimizer.py", "*=ring", compression, timeout=240)
     check_optimizer(out, 2, tolerance, "ring:fp16" if "fp16" in compression else "ring:powersgd")

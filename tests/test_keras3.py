@@ -49,6 +49,7 @@ def check(out, backend, algorithm, tolerance):
     return r
 
 
+@pytest.mark.long   # a variant: mpirun where torchrun stays
 def test_fit_under_mpirun_matches_single_process_large_batch():
     check(_mpirun(SCRIPT, "*=ring", env={"KERAS_BACKEND": "tensorflow"}), "tensorflow", "ring", 1e-5)
 

@@ -196,6 +196,7 @@ def test_jobs_without_keepalives_expire_and_free_their_slots():
         assert server.drops.snapshot()["jobs_expired"] == 1
 
 
+@pytest.mark.long   # a rank that dies: waits out the switch's expiry on purpose
 def test_a_dead_rank_ends_its_switchml_job(tmp_path):
     """Rank 0 dying left its job registered for good (128 slots per crash). Now every rank keeps the
     job alive and any silent rank ends it; the others learn it at their next tensor."""
