@@ -19,7 +19,7 @@ from commlib.errors import ConfigError
 from commlib.settings import Settings
 from commlib.switch import auth, packet_mac
 from commlib.testing import LocalGroup
-from helpers import fuzz
+from helpers import fuzz, run_backends
 
 sw = sml.sw
 if sw.lib is None:   # not built: a failure of the suite, never a quiet skip
@@ -131,20 +131,6 @@ def _error(backend_class, ctx):
 
 
 # -- end to end: the sums are bit-identical under either algorithm -------------------------------
-def _run(backend_class, n, work, **kw):
-    group = LocalGroup(n, Settings({"timeout_s": 20.0, **kw}))
-
-    def main(ctx):
-        backend = backend_class(ctx)
-        backend.start()
-        try:
-            return work(ctx.rank, backend)
-        finally:
-            backend.close()
-
-    return group.run(main, 90.0)
-
-
 def _inputs(rank, i, size):
     rng = np.random.default_rng(100 * i + rank)
     if i % 2:
@@ -162,7 +148,7 @@ def test_switchml_sums_are_bit_identical_under_both_algorithms_and_loss():
     setting decides), 5% loss and duplication on the embedded switch: the same bytes on every rank."""
     outs = {}
     for mac in (AES, CHACHA):
-        outs[mac] = _run(sml.SwitchMLBackend, 3, _work, packet_mac=mac, switch_window=16, switch_packet_elems=1001,
+        outs[mac] = run_backends(3, sml.SwitchMLBackend, _work, packet_mac=mac, switch_window=16, switch_packet_elems=1001,
                          switch_drop_probability=0.05, switch_duplicate_probability=0.05,
                          switch_retransmit_ms=1.0, switch_retransmit_max_ms=20.0)
         assert {used for _, used in outs[mac]} == {mac}, f"the job ran {[u for _, u in outs[mac]]}, not {mac}"
@@ -176,7 +162,7 @@ def test_omnireduce_sums_are_bit_identical_under_both_algorithms_and_loss(mode):
     """omnireduce likewise (its own loss and duplication simulator), exact: integer-valued inputs."""
     outs = {}
     for mac in (AES, CHACHA):
-        outs[mac] = _run(om.OmniReduceBackend, 3, _work, packet_mac=mac, omnireduce_mode=mode,
+        outs[mac] = run_backends(3, om.OmniReduceBackend, _work, packet_mac=mac, omnireduce_mode=mode,
                          omnireduce_block_size=256, omnireduce_columns=8, omnireduce_sim_loss=0.05,
                          omnireduce_sim_dup=0.05, omnireduce_retransmit_ms=3.0, omnireduce_num_aggregators=2)
         assert {used for _, used in outs[mac]} == {mac}
@@ -198,7 +184,7 @@ def test_a_two_level_job_macs_its_partial_sums_with_the_jobs_algorithm(tmp_path)
             sums = [backend.allreduce(_inputs(rank, i, size), f"t{i}") for i, size in enumerate([3000, 257])]
             switches = backend.switch_counters()["switches"].values()   # its leaf's and the spine's
             return sums, backend.stats()["packet_mac"], [c["counters"] for c in switches]
-        outs = {mac: _run(sml.SwitchMLBackend, 4, work, packet_mac=mac, switch_key_file=key_file,
+        outs = {mac: run_backends(4, sml.SwitchMLBackend, work, packet_mac=mac, switch_key_file=key_file,
                           switch_addr=",".join(s.address for s in leaves), switch_spine=spine.address,
                           switch_placement="0,1,1,0", switch_packet_elems=256, switch_window=8)
                 for mac in (AES, CHACHA)}
