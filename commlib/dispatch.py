@@ -145,9 +145,9 @@ class Dispatcher:
     def plan(self, name, staged, algorithm=None, compression=None, policy=None, op="sum", remember=True):
         """(Plan, compressor object or None) for a tensor. `algorithm`/`compression` given by the
         caller win over the policy; `policy` (a Policy) replaces commlib.init's for this tensor.
-        A dense tensor's plan that no measurement decides is remembered (unless `remember` is off: an
-        unnamed call, whose name never comes again): the same tensor at the next step costs a lookup
-        (a model's hundreds of parameters, every step). The plan carries this rank's report of the
+        A dense tensor's plan is remembered (unless `remember` is off: an unnamed call, whose name never
+        comes again): the same tensor at the next step costs a lookup (a model's hundreds of parameters,
+        every step), and a density measurement where its choices depend on one. The plan carries this rank's report of the
         tensor's last run where `auto` asked for one."""
         plan, compressor = self._known(name, staged, algorithm, compression, policy, op, remember)
         report = self.reports.take(name)
@@ -159,9 +159,9 @@ class Dispatcher:
             key = (name, staged.shape, staged.dtype_name, algorithm, policy, op)   # the key holds the policy: no id reuse
             known = self._plans.get(key)
             if known is not None:
-                return known, None
+                return (known if known.density is None else self._measured(known, staged)), None
         plan, compressor = self._plan(name, staged, algorithm, compression, policy, op)
-        if key is not None and compressor is None and plan.density is None:
+        if key is not None and compressor is None and plan.rows is None:
             if len(self._plans) >= PLANS_KEPT:   # a program that makes up names: keep it bounded
                 self._plans.pop(next(iter(self._plans)))
             self._plans[key] = plan
@@ -188,9 +188,14 @@ class Dispatcher:
         choices += self._dense(algorithm or "auto", meta)
         if len(choices) == 1:
             return Plan(choices), None
-        sparse = next(alg for alg in (a for _, a in choices) if self.backends[alg].sparse)
+        return self._measured(Plan(choices), staged), None
+
+    def _measured(self, plan, staged):
+        """A dense plan whose choices depend on the density, with this step's (the choices are remembered,
+        the density measured anew: it changes step to step)."""
+        sparse = next(alg for _, alg in plan.choices if self.backends[alg].sparse)
         density = self.backends[sparse].density(staged.array)
-        return Plan(choices, density=density, side=side_of(choices, density)), None
+        return replace(plan, density=density, side=side_of(plan.choices, density))
 
     def backend(self, name):
         """The running backend of that name, or the error that says why there is none."""
