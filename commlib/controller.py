@@ -539,6 +539,8 @@ class ControllerClient:
                 return
             if msg["t"] == "go":
                 msg = self._expand(msg)
+                if not msg["batch"]:   # evictions only: the cache took them, nothing to run
+                    continue
             if msg["t"] == "gathered":
                 with self._cond:
                     self._gathered[msg["key"]] = msg
