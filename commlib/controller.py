@@ -268,8 +268,7 @@ class ControllerServer:
             for bit in _bits(pending):
                 self._submit(other, self._cache[bit]["metas"][other])
         for name in list(self._pending):
-            if name in self._pending:
-                self._complete_ready(name)
+            self._complete_ready(name)
 
     def _hit(self, rank, bits):
         """A rank submitted the tensors of these bits with the metadata they were cached with."""
@@ -578,9 +577,9 @@ class ControllerClient:
                     self._outbox_cond.wait(delay)
                     continue
                 try:
-                    self._flush()
+                    self._flush()   # empties the outbox before it sends
                 except OSError:   # the reader sees the lost connection and fails what is in flight
-                    self._outbox = {"metas": [], "hits": 0}
+                    pass
 
     def _expand(self, msg):
         """A go's Releases: its batch, then the cached releases of its hits (bit order, the same on every rank)."""

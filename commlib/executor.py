@@ -162,6 +162,11 @@ class Executor:
             self.joining = Handle("join", None)
             return self.joining
 
+    def _take_join(self):
+        """This rank's join handle, taken (the lock held): whoever takes it resolves it."""
+        joining, self.joining = self.joining, None
+        return joining
+
     def end_join(self, handle):
         """This rank's commlib.join returned or failed: a later one may start."""
         with self._lock:
@@ -182,7 +187,7 @@ class Executor:
                 self.broken = self.broken or error   # the first fatal error is the cause
                 names = list(self._entries)
             entries = [self._entries.pop(n) for n in names if n in self._entries]
-            joining, self.joining = (self.joining, None) if self.broken else (None, self.joining)
+            joining = self._take_join() if self.broken else None   # a fatal error ends a join too
         for entry in entries:
             entry.handle.set(error=error)
         if joining is not None:
@@ -199,7 +204,7 @@ class Executor:
                     self._execute(msg["batch"], msg.get("fusion"))   # [Release]; autotune's threshold
                 elif msg["t"] == "joined":
                     with self._lock:
-                        joining, self.joining = self.joining, None
+                        joining = self._take_join()
                     if joining is not None:
                         joining.set(result=msg["last"])
                 elif msg["t"] == "error" and self.ctx.rank not in msg.get("refused_by", ()):
