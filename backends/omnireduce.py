@@ -116,22 +116,30 @@ _MAX_TENSOR_STATS = 4096
 # -- sparse inputs ---------------------------------------------------------------------------------
 def block_mask(array, block=256, threshold=0.0):
     """uint8 per block: 1 when any |x| > threshold (NaN counts as non-zero)."""
+    return _scan(array, block, threshold)[0]
+
+
+def block_density(array, block=256, threshold=0.0):
+    """Fraction of blocks that omnireduce would send (OmniReduceBackend.density, for `auto`): one C call
+    and no numpy reduction, as each releases the GIL (costly on a busy rank, and `auto` measures every
+    dense tensor at every step)."""
+    mask, count = _scan(array, block, threshold)
+    return count / mask.size if mask.size else 0.0
+
+
+def _scan(array, block, threshold):
+    """(block mask, number of non-zero blocks)."""
     array = np.ascontiguousarray(array).reshape(-1)
     nblocks = -(-array.size // block)
     if lib is not None and array.dtype in _DTYPE_CODE:
         mask = np.empty(nblocks, dtype=np.uint8)
-        lib.cl_block_mask(ffi.from_buffer(array), array.size, int(array.dtype == I32), block, threshold,
-                          ffi.from_buffer(mask))
-        return mask
+        count = lib.cl_block_mask(ffi.from_buffer(array), array.size, int(array.dtype == I32), block, threshold,
+                                  ffi.from_buffer(mask))
+        return mask, count
     padded = np.zeros(nblocks * block, dtype=np.float64)
     padded[:array.size] = array
-    return (~(np.abs(padded.reshape(-1, block)) <= threshold)).any(axis=1).astype(np.uint8)
-
-
-def block_density(array, block=256, threshold=0.0):
-    """Fraction of blocks that omnireduce would send (OmniReduceBackend.density, for `auto`)."""
-    mask = block_mask(array, block, threshold)
-    return np.count_nonzero(mask) / mask.size if mask.size else 0.0   # not mask.mean(): 15x its cost on small tensors
+    mask = (~(np.abs(padded.reshape(-1, block)) <= threshold)).any(axis=1).astype(np.uint8)
+    return mask, int(np.count_nonzero(mask))
 
 
 def densify(values, indices, numel, dtype=None):

@@ -612,11 +612,12 @@ class ControllerClient:
         if self._lost:
             raise error_from(self._lost)
         with self._outbox_cond:
+            pending = self._outbox["metas"] or self._outbox["hits"]
             self._outbox["metas"] += full
             self._outbox["hits"] |= hits
             if time.monotonic() - self._last_send >= self.cycle_s:
                 self._flush()   # the first submission of a cycle goes at once: no added latency
-            else:
+            elif not pending:   # the sender sleeps until the cycle ends once it knows there is something
                 self._outbox_cond.notify()
 
     def exchange(self, key, value, timeout, ranks=None):

@@ -35,13 +35,12 @@ class Staged:
         elif self.torch:
             import torch
             self.device, self.dtype, self.shape = tensor.device, tensor.dtype, tuple(tensor.shape)
-            if tensor.is_complex() or tensor.dtype == torch.bool:
+            if tensor.dtype.is_complex or tensor.dtype == torch.bool:
                 raise InvalidTensor(f"dtype {tensor.dtype} cannot be reduced; use a float or integer dtype")
             self.dtype_name = str(tensor.dtype).replace("torch.", "")
             self.numel = tensor.numel()
-            self.nbytes = self.numel * tensor.element_size()
-            travel = torch.float32 if tensor.dtype == torch.bfloat16 else tensor.dtype
-            self.travel_dtype = torch.empty(0, dtype=travel).numpy().dtype
+            self.nbytes = self.numel * tensor.dtype.itemsize
+            self.travel_dtype = _travel_dtype(tensor.dtype)
             if tensor.is_sparse:
                 self.sparse = row_sparse.from_torch(tensor).coalesced()
         elif isinstance(tensor, np.ndarray):
@@ -61,7 +60,10 @@ class Staged:
         if not self.torch:
             return np.ascontiguousarray(self.tensor).reshape(-1)
         import torch
-        t = self.tensor.detach()
+        t = self.tensor
+        if t.device.type == "cpu" and not t.is_sparse and t.dtype != torch.bfloat16 and t.is_contiguous():
+            return np.asarray(_HostView(t, self.travel_dtype)) if self.numel else np.empty(0, self.travel_dtype)
+        t = t.detach()
         if t.is_sparse:
             t = t.to_dense()
         if t.dtype == torch.bfloat16:
@@ -96,8 +98,35 @@ class Staged:
         if not self.torch:
             return flat.astype(self.dtype, copy=False).reshape(self.shape)
         import torch
-        out = torch.from_numpy(np.ascontiguousarray(flat)).view(self.shape)
-        return out.to(device=self.device, dtype=self.dtype, non_blocking=False)
+        out = torch.from_numpy(np.ascontiguousarray(flat).reshape(self.shape))   # one torch call: see `array`
+        if out.dtype != self.dtype or self.device.type != "cpu":
+            out = out.to(device=self.device, dtype=self.dtype, non_blocking=False)
+        return out
+
+
+class _HostView:
+    """A contiguous CPU tensor's memory as numpy's array interface describes it; the array made from
+    it keeps the tensor alive (its base). Not .numpy() or DLPack: those are torch calls that release the
+    GIL, and taking it back behind a busy rank's other threads costs tens of us per tensor, more than
+    the rest of a submission."""
+
+    __slots__ = ("tensor", "__array_interface__")
+
+    def __init__(self, tensor, dtype):
+        self.tensor = tensor
+        self.__array_interface__ = {"data": (tensor.data_ptr(), False), "shape": (tensor.numel(),),
+                                    "typestr": dtype.str, "version": 3}
+
+
+_TRAVEL = {}   # torch dtype -> the numpy dtype it travels as
+
+
+def _travel_dtype(dtype):
+    travel = _TRAVEL.get(dtype)
+    if travel is None:
+        import torch
+        travel = _TRAVEL[dtype] = torch.empty(0, dtype=torch.float32 if dtype == torch.bfloat16 else dtype).numpy().dtype
+    return travel
 
 
 _ITEMSIZE = {"bfloat16": 2}   # torch dtypes numpy does not name

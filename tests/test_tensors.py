@@ -1,0 +1,55 @@
+"""Staged: a caller's tensor as the 1-D host array the backends reduce, and the result back."""
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from commlib.errors import InvalidTensor
+from commlib.tensors import Staged
+
+CASES = {
+    "2-d": lambda: torch.randn(3, 4),
+    "requires grad": lambda: torch.randn(5, requires_grad=True),
+    "empty": lambda: torch.zeros(2, 0),
+    "0-d": lambda: torch.tensor(3.0),
+    "sliced rows (contiguous, offset)": lambda: torch.randn(4, 4)[1:],
+    "transposed (not contiguous)": lambda: torch.randn(4, 4).t(),
+    "int64": lambda: torch.arange(6, dtype=torch.int64),
+    "float16": lambda: torch.randn(3, dtype=torch.float16),
+    "bfloat16": lambda: torch.randn(3, dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_host_array_holds_the_tensors_values_in_its_travel_dtype(case):
+    tensor = CASES[case]()
+    expected = tensor.detach().float() if tensor.dtype == torch.bfloat16 else tensor.detach()
+    array = Staged(tensor).array
+    assert array.ndim == 1 and array.dtype == expected.numpy().dtype, (array.dtype, tensor.dtype)
+    assert np.array_equal(array, expected.reshape(-1).numpy()), (array, tensor)
+
+
+def test_a_contiguous_cpu_tensor_is_viewed_not_copied_and_kept_alive_by_its_array():
+    tensor = torch.full((1000,), 7.0)
+    array = Staged(tensor).array
+    assert np.shares_memory(array, tensor.numpy())
+    del tensor
+    gc.collect()
+    torch.randn(1000)   # would reuse the memory if the array did not hold the tensor
+    assert (array == 7.0).all(), array[:5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.float64])
+def test_restore_gives_the_callers_dtype_and_shape(dtype):
+    tensor = torch.arange(12, dtype=dtype).reshape(3, 4)
+    staged = Staged(tensor)
+    out = staged.restore(staged.array * 2)
+    assert out.dtype == dtype and out.shape == tensor.shape, (out.dtype, out.shape)
+    assert torch.equal(out, tensor * 2), out
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool])
+def test_a_dtype_that_cannot_be_summed_is_refused_with_what_to_do(dtype):
+    with pytest.raises(InvalidTensor, match="use a float or integer dtype"):
+        Staged(torch.zeros(3, dtype=dtype))
