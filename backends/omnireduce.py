@@ -73,10 +73,11 @@ from commlib.tensors import Staged
 
 try:
     from commlib.switch import aggregator as agg, auth, control, packet_mac
+    from commlib import kernels
     from commlib._native import ffi, lib
     IMPORT_ERROR = ""
 except ImportError as exc:   # the C extension is not built
-    agg = ffi = lib = None
+    agg = ffi = lib = kernels = None
     IMPORT_ERROR = (f"the omnireduce C extension is not built ({exc}); build it with "
                     f"`python setup.py build_ext --inplace` (or `make develop`)")
 
@@ -120,9 +121,8 @@ def block_mask(array, block=256, threshold=0.0):
 
 
 def block_density(array, block=256, threshold=0.0):
-    """Fraction of blocks that omnireduce would send (OmniReduceBackend.density, for `auto`): one C call
-    and no numpy reduction, as each releases the GIL (costly on a busy rank, and `auto` measures every
-    dense tensor at every step)."""
+    """Fraction of blocks that omnireduce would send (OmniReduceBackend.density, for `auto`, which
+    measures every dense tensor at every step: one C call and no numpy reduction)."""
     mask, count = _scan(array, block, threshold)
     return count / mask.size if mask.size else 0.0
 
@@ -132,10 +132,7 @@ def _scan(array, block, threshold):
     array = np.ascontiguousarray(array).reshape(-1)
     nblocks = -(-array.size // block)
     if lib is not None and array.dtype in _DTYPE_CODE:
-        mask = np.empty(nblocks, dtype=np.uint8)
-        count = lib.cl_block_mask(ffi.from_buffer(array), array.size, int(array.dtype == I32), block, threshold,
-                                  ffi.from_buffer(mask))
-        return mask, count
+        return kernels.nonzero_blocks(array, block, threshold, int(array.dtype == I32))
     padded = np.zeros(nblocks * block, dtype=np.float64)
     padded[:array.size] = array
     mask = (~(np.abs(padded.reshape(-1, block)) <= threshold)).any(axis=1).astype(np.uint8)

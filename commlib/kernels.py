@@ -1,7 +1,11 @@
-"""numpy front of SwitchML's block exponents (commlib/csrc/kernels.h, in commlib._native): the
-worker's C loop quantizes with them. Inputs must be C-contiguous."""
+"""numpy front of the kernels the Python side calls (commlib/csrc/kernels.h, in commlib._native):
+SwitchML's block exponents (the worker's C loop quantizes with them) and OmniReduce's scan for
+non-zero blocks. Inputs must be C-contiguous."""
+import ctypes
+
 import numpy as np
 
+from commlib import _native
 from commlib._native import ffi, lib
 
 EXP_ZERO, EXP_MIN, EXP_MAX = lib.CL_EXP_ZERO, lib.CL_EXP_MIN, lib.CL_EXP_MAX
@@ -18,3 +22,22 @@ def block_exponents(x, block):
     bad = lib.cl_block_exponents(ffi.cast("float *", ffi.from_buffer(x)), x.size, block,
                                  ffi.cast("int8_t *", ffi.from_buffer(exps)))
     return exps, bad
+
+
+# cffi releases the GIL around every call. On a busy rank (the background thread, the controller's)
+# taking it back costs tens of us, more than scanning a small tensor: `auto` scans every dense tensor
+# at every step, so small scans go through ctypes.PyDLL, whose calls keep the GIL (the same library).
+_HELD = ctypes.PyDLL(_native.__file__).cl_block_mask
+_HELD.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t, ctypes.c_double, ctypes.c_void_p]
+_HELD.restype = ctypes.c_size_t
+HELD_MAX = 1 << 14   # values: a few us of scanning
+
+
+def nonzero_blocks(x, block, threshold, int32):
+    """(uint8 mask per block: any |x| > threshold, NaN counting; the number of such blocks)."""
+    mask = np.empty(nblocks(x.size, block), dtype=np.uint8)
+    if x.size <= HELD_MAX:
+        count = _HELD(x.ctypes.data, x.size, int32, block, threshold, mask.ctypes.data)
+    else:
+        count = lib.cl_block_mask(ffi.from_buffer(x), x.size, int32, block, threshold, ffi.from_buffer(mask))
+    return mask, count

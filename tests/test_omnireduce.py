@@ -484,7 +484,11 @@ def test_unreachable_aggregator_fails_registration_on_every_rank():
 
 
 # -- inputs, helpers, settings ----------------------------------------------------------------------
-def test_block_mask_and_density():
+@pytest.mark.parametrize("path", ["GIL held", "GIL released"])
+def test_block_mask_and_density(path, monkeypatch):
+    """Small scans keep the GIL (ctypes), large ones release it (cffi): the same masks."""
+    from commlib import kernels
+    monkeypatch.setattr(kernels, "HELD_MAX", 1 << 30 if path == "GIL held" else 0)
     x = np.zeros(1000, np.float32)
     x[3] = 1.0                  # block 0
     x[300] = np.nan             # block 1: NaN counts as non-zero
