@@ -193,9 +193,13 @@ class Dispatcher:
     def _measured(self, plan, staged):
         """A dense plan whose choices depend on the density, with this step's (the choices are remembered,
         the density measured anew: it changes step to step)."""
-        sparse = next(alg for _, alg in plan.choices if self.backends[alg].sparse)
-        density = self.backends[sparse].density(staged.array)
-        return replace(plan, density=density, side=side_of(plan.choices, density))
+        for _, algorithm in plan.choices:
+            if self.backends[algorithm].sparse:
+                break
+        density = self.backends[algorithm].density(staged.array)
+        # not dataclasses.replace: every dense tensor `auto` decides comes here at every step
+        return Plan(plan.choices, compression=plan.compression, density=density, side=side_of(plan.choices, density),
+                    note=plan.note, rows=plan.rows, report=plan.report)
 
     def backend(self, name):
         """The running backend of that name, or the error that says why there is none."""
