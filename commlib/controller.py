@@ -131,6 +131,7 @@ class ControllerServer:
         self._done = set()        # ranks that said bye
         self._left = set()        # ranks shutting down (they said leave): they submit nothing more
         self._last_submit = time.monotonic()
+        self._last_go = 0.0       # when the last batch went
         self._failed = False
         self._cache = []          # bit -> {"name", "release", "metas": {rank: meta}}, evicted ones kept
         self._bit_of = {}         # tensor name -> its live bit
@@ -201,7 +202,11 @@ class ControllerServer:
                                               f"to the controller; see that rank's output for the cause")
                     continue
                 self._handle(key.data, msg)
-            if time.monotonic() >= next_cycle and not self._failed:
+            now = time.monotonic()
+            # a batch goes when the cycle ends, or at once when none went for a cycle: a lone bucket (DDP's
+            # per backward) does not wait for the cycle, a stream of tensors still goes in batches
+            at_once = (self._ready or self._ready_bits) and now >= self._last_go + self.cycle_s
+            if (now >= next_cycle or at_once) and not self._failed:
                 self._release()
                 self._expire()
                 next_cycle = time.monotonic() + self.cycle_s
@@ -377,6 +382,7 @@ class ControllerServer:
             self._broadcast({"t": "go", "batch": [release.wire() for release in self._ready], "hits": format(self._ready_bits, "x"),
                              "evict": self._evicted, **tuned})
             self._ready, self._ready_bits, self._evicted = [], 0, []
+            self._last_go = time.monotonic()
         if len(self._joined) == self.size:   # after the last go: every joined rank ran its stand-ins
             self._broadcast({"t": "joined", "last": self._joined[-1]})
             self._joined = []

@@ -40,7 +40,7 @@ class Staged:
             self.dtype_name = str(tensor.dtype).replace("torch.", "")
             self.numel = tensor.numel()
             self.nbytes = self.numel * tensor.dtype.itemsize
-            self.travel_dtype = _travel_dtype(tensor.dtype)
+            self.travel_dtype = host_dtype(tensor.dtype)
             if tensor.is_sparse:
                 self.sparse = row_sparse.from_torch(tensor).coalesced()
         elif isinstance(tensor, np.ndarray):
@@ -61,8 +61,8 @@ class Staged:
             return np.ascontiguousarray(self.tensor).reshape(-1)
         import torch
         t = self.tensor
-        if t.device.type == "cpu" and not t.is_sparse and t.dtype != torch.bfloat16 and t.is_contiguous():
-            return np.asarray(_HostView(t, self.travel_dtype)) if self.numel else np.empty(0, self.travel_dtype)
+        if viewable(t):
+            return host_array(t)
         t = t.detach()
         if t.is_sparse:
             t = t.to_dense()
@@ -104,6 +104,19 @@ class Staged:
         return out
 
 
+def viewable(tensor):
+    """A torch tensor `host_array` can view: dense, contiguous, on the CPU, of a dtype numpy has."""
+    import torch
+    return tensor.device.type == "cpu" and not tensor.is_sparse and tensor.dtype != torch.bfloat16 and \
+        tensor.is_contiguous()
+
+
+def host_array(tensor):
+    """A `viewable` tensor's memory as a 1-D numpy array, without a torch call (see _HostView)."""
+    dtype = host_dtype(tensor.dtype)
+    return np.asarray(_HostView(tensor, dtype)) if tensor.numel() else np.empty(0, dtype)
+
+
 class _HostView:
     """A contiguous CPU tensor's memory as numpy's array interface describes it; the array made from
     it keeps the tensor alive (its base). Not .numpy() or DLPack: those are torch calls that release the
@@ -121,7 +134,8 @@ class _HostView:
 _TRAVEL = {}   # torch dtype -> the numpy dtype it travels as
 
 
-def _travel_dtype(dtype):
+def host_dtype(dtype):
+    """The numpy dtype a torch dtype travels as (bfloat16, which numpy lacks: float32)."""
     travel = _TRAVEL.get(dtype)
     if travel is None:
         import torch

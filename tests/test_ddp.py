@@ -271,9 +271,13 @@ def test_bucket_views_follow_the_buffer_and_refuse_what_they_cannot_split():
     params = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))]
     buffer = torch.arange(10.0)
     views = _views(buffer, params)
-    assert [v.shape for v in views] == [(2, 3), (4,)]
-    views[1].fill_(-1)   # views, not copies: results written into them land in the bucket
+    assert [tuple(v.shape) for v in views] == [(2, 3), (4,)]
+    views[1][...] = -1   # views, not copies: results written into them land in the bucket
     assert buffer[6:].tolist() == [-1.0] * 4
+    bf16 = torch.arange(10.0, dtype=torch.bfloat16)   # numpy has no bfloat16: torch views
+    torch_views = _views(bf16, params)
+    torch_views[0].fill_(-2)
+    assert [tuple(v.shape) for v in torch_views] == [(2, 3), (4,)] and bf16[:6].tolist() == [-2.0] * 6
     with pytest.raises(commlib.ConfigError, match="keep the buffer's length"):
         _views(torch.zeros(9), params)
     sparse = torch.zeros(2, 3).to_sparse()

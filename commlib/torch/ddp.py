@@ -15,6 +15,7 @@ as with its own hooks, and wrappers such as `fp16_compress_wrapper(ddp_comm_hook
 """
 import itertools
 
+import numpy as np
 import torch
 
 import commlib
@@ -22,6 +23,7 @@ from commlib.context import placed
 from commlib.errors import ConfigError
 from commlib.executor import fused
 from commlib.handles import when_all
+from commlib.tensors import host_array, host_dtype, viewable
 
 
 class CommlibState:
@@ -158,7 +160,14 @@ def _views(buffer, params):
     if sum(sizes) != buffer.numel():
         raise ConfigError(f"DDP bucket of {buffer.numel()} elements holds parameters of {sum(sizes)}; "
                           f"a hook wrapping this one must keep the buffer's length")
-    return [view.view(p.shape) for view, p in zip(buffer.split(sizes), params)]
+    if not viewable(buffer):
+        return [view.view(p.shape) for view, p in zip(buffer.split(sizes), params)]
+    # numpy views of a host bucket: slicing it in torch costs a GIL release per parameter (tensors._HostView)
+    flat, views, start = host_array(buffer), [], 0
+    for size, param in zip(sizes, params):
+        views.append(flat[start:start + size].reshape(param.shape))
+        start += size
+    return views
 
 
 def _complete_when_done(handles, views, buffer, future):
@@ -170,7 +179,10 @@ def _complete_when_done(handles, views, buffer, future):
             flat = _flat(results, buffer)
             if flat is None:   # not one piece of memory (several buckets, compressors): into the bucket
                 for view, result in zip(views, results):
-                    view.copy_(result)
+                    if torch.is_tensor(view):
+                        view.copy_(result)
+                    else:
+                        view[...] = result
                 flat = buffer
         except Exception as exc:   # Mismatch, CommTimeout, PeerFailure: raised where DDP waits
             future.set_exception(exc)
@@ -186,7 +198,12 @@ def _flat(results, buffer):
     A sparse bucket's result is its one reduced tensor; bfloat16, which numpy lacks, is copied."""
     if buffer.is_sparse:
         return results[0]
-    if buffer.device.type != "cpu" or buffer.dtype == torch.bfloat16 or any(r.dtype != buffer.dtype or r.device != buffer.device for r in results):
+    if not viewable(buffer):
         return None
-    flat = fused([r.numpy().reshape(-1) for r in results], writeable=True)
-    return None if flat is None or flat.size != buffer.numel() else torch.from_numpy(flat)
+    arrays = [r.reshape(-1) if isinstance(r, np.ndarray) else host_array(r) if viewable(r) else None for r in results]
+    if any(a is None or a.dtype != arrays[0].dtype for a in arrays):
+        return None
+    flat = fused(arrays, writeable=True)
+    if flat is None or flat.size != buffer.numel() or flat.dtype != host_dtype(buffer.dtype):
+        return None
+    return torch.from_numpy(flat)
