@@ -421,6 +421,36 @@ def test_a_parent_that_does_not_confirm_the_job_is_refused_and_sent_nothing():
         stop([keyed_leaf, keyed_spine])
 
 
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_leaf_the_job_did_not_announce_is_refused_by_the_spine(keyed):
+    """The spine's job announced its one leaf at 127.0.0.1; a switch on 127.0.0.2 (another host, on loopback)
+    that names the spine's job as its parent, with its number, token (and the daemon key), is refused by the
+    spine's answer to its probe, which names both addresses; it sends nothing. The announced leaf is confirmed."""
+    key = KEY if keyed else None
+    spine, leaf, stranger = [sw.SwitchServer(host, 0, slots=64, key=key).start()
+                             for host in ("127.0.0.1", "127.0.0.1", "127.0.0.2")]
+    try:
+        nonce = auth.new_nonce() if keyed else None
+        job = spine.register(TOKEN, [["127.0.0.1", leaf.port]], WINDOW, ELEMS, nonce,
+                             key and auth.job_key(KEY, nonce))["job"]
+        parent = {"address": spine.address, "ports": [spine.port], "job": job, "rank": 0, "token": TOKEN}
+        if keyed:
+            parent.update(nonce=nonce, authenticated=True, check=auth.key_check(auth.job_key(KEY, nonce)))
+
+        def leaf_job(switch, host):
+            n = auth.new_nonce() if keyed else None
+            return switch.register(TOKEN, [[host, 9]], WINDOW, ELEMS, n, key and auth.job_key(KEY, n),
+                                   parent=dict(parent))
+        with pytest.raises(ConfigError, match=rf"did not confirm job #{job} .*a leaf at 127\.0\.0\.2 asked to be "
+                                              rf"rank 0 of job #{job}, whose leaf the job announced at 127\.0\.0\.1"):
+            leaf_job(stranger, "127.0.0.2")
+        assert stranger.status()["jobs"] == {} and stranger.counters()["switch"]["pkts_sent"] == 0
+        assert spine.counters()["control"]["leaf_address"] == 1, spine.counters()["control"]
+        leaf_job(leaf, "127.0.0.1")
+    finally:
+        stop([stranger, leaf, spine])
+
+
 @pytest.mark.long   # a switch that dies or a thread that outlives its stop: waits on purpose
 def test_stop_never_frees_a_switch_whose_thread_still_runs(caplog):
     """A data-plane thread that does not return within stop()'s wait: its C switch is left allocated (and an
