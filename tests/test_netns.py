@@ -85,6 +85,65 @@ def test_switchml_across_two_switch_hosts_of_two_threads_each():
         assert seen["switch"]["pkts_recv"] == sum(s["pkts_recv"] for s in seen["shards"]) and seen["jobs"] == {}
 
 
+def _tree(cluster, key_file):
+    """Two leaf switches and a spine, each on its own host of `cluster`, keyed: {host: (process, address)}."""
+    return {host: cluster.start_switch(host, cwd=ROOT, extra=["--threads", "1", "--key-file", str(key_file)])
+            for host in ("l0", "l1", "spine")}
+
+
+def test_two_levels_across_hosts_give_one_switchs_bits(tmp_path):
+    """4 ranks on their own hosts stream to 2 leaf switches (2 ranks each: one per host, grouped by host), whose
+    partial sums go to a spine, each switch on its own host, keyed (the leaves MAC their sums under the spine's
+    job key): every float and int32 sum is the same job's through one of those switches, bit for bit."""
+    hosts = ["w0", "w1", "w2", "w3"]
+    key_file = tmp_path / "switch.key"
+    auth.write_key(str(key_file))
+    env = {"COMMLIB_SWITCH_KEY_FILE": str(key_file)}
+    with netem.Cluster(hosts + ["l0", "l1", "spine"], rate="1gbit", unshaped={"l0", "l1", "spine"}) as cluster:
+        tree = _tree(cluster, key_file)
+        leaves, spine = f"{tree['l0'][1]},{tree['l1'][1]}", tree["spine"][1]
+        try:
+            two = _run(cluster, hosts, "switchml_tree.py", "sums",
+                       env=dict(env, COMMLIB_SWITCH_ADDR=leaves, COMMLIB_SWITCH_SPINE=spine))
+            seen = {host: json.loads(subprocess.run(
+                ["ip", "netns", "exec", cluster.namespace("w0"), sys.executable, "-m", "commlib.switch", "counters",
+                 address, "--key-file", str(key_file)], capture_output=True, text=True, cwd=ROOT, timeout=30,
+                check=True).stdout)["switch"] for host, (_, address) in tree.items()}
+            one = _run(cluster, hosts, "switchml_tree.py", "sums", env=dict(env, COMMLIB_SWITCH_ADDR=tree["l0"][1]))
+        finally:
+            cluster.kill([proc for proc, _ in tree.values()])
+    two, one = results("\n".join(two), 4), results("\n".join(one), 4)
+    assert all(seen[host]["pkts_recv"] > 0 for host in tree), seen   # each switch took part
+    for rank, (a, b) in enumerate(zip(two, one)):
+        assert a["switch"] == f"{leaves},{spine}" and b["switch"] == tree["l0"][1] and a["authenticated"], (a, b)
+        for name, got in a["sums"].items():
+            assert got == b["sums"][name], f"rank {rank}, {name}: two levels {got}, one switch {b['sums'][name]}"
+            assert got == two[0]["sums"][name], f"ranks 0 and {rank} differ in {name}"
+            assert got.get("exact", True) and got.get("error_over_bound", 0) <= 1, (rank, name, got)
+
+
+def test_a_spine_killed_mid_job_fails_every_rank_naming_it(tmp_path):
+    """The tree above; after a first allreduce rank 0 kills the spine's process: every rank's next allreduce
+    fails within the timeout (10 s: the ranks' rendezvous shares it, on a loaded host; then the probe of the
+    tree's switches) with an error naming the spine."""
+    hosts = ["w0", "w1", "w2", "w3"]
+    key_file = tmp_path / "switch.key"
+    auth.write_key(str(key_file))
+    with netem.Cluster(hosts + ["l0", "l1", "spine"], rate="1gbit", unshaped={"l0", "l1", "spine"}) as cluster:
+        tree = _tree(cluster, key_file)
+        (victim, spine) = tree["spine"]
+        try:
+            outs = _run(cluster, hosts, "switchml_tree.py", "kill", str(victim.pid), env={
+                "COMMLIB_SWITCH_KEY_FILE": str(key_file), "COMMLIB_TIMEOUT_S": "10",
+                "COMMLIB_SWITCH_ADDR": f"{tree['l0'][1]},{tree['l1'][1]}", "COMMLIB_SWITCH_SPINE": spine})
+            assert victim.wait(10) == -9, "rank 0 did not kill the spine"
+        finally:
+            cluster.kill([proc for proc, _ in tree.values()])
+    for rank, seen in enumerate(results("\n".join(outs), 4)):
+        assert seen["error"] is not None and f"the spine switch at {spine}" in seen["error"], (rank, seen)
+        assert seen["seconds"] < 10 + 5, f"rank {rank} took {seen['seconds']:.1f}s to fail"
+
+
 def test_switchml_timers_do_not_fire_under_its_own_window_on_a_slow_link():
     """20 Mbit links: a window of 128 packets takes 55 ms to drain, a tensor of 300 values answers
     in about 1 ms. The first answers of a window come back before the queue it builds; were the
