@@ -185,6 +185,13 @@ class SwitchServer:
         if not 1 <= threads <= MAX_THREADS:
             raise ConfigError(f"threads={threads}: a switch runs 1..{MAX_THREADS} data-plane threads")
         self.threads = int(threads)
+        try:
+            listen = ipaddress.IPv4Address(host)
+        except ValueError:   # a name: bind() resolves it
+            listen = None
+        if listen is not None and (listen.is_multicast or net.is_broadcast(listen)):
+            raise ConfigError(f"host {listen}: a broadcast or multicast address; a switch listens on one of this "
+                              f"host's own addresses (or 0.0.0.0: all of them)")
         self.host, self.port, self.slots, self.slot_group = host, port, slots, max(1, slot_group)
         self.sim = (ingress, egress, duplicate, seed)
         self.run_ms = run_ms
@@ -491,12 +498,7 @@ class SwitchServer:
             raise ConfigError(f"parent {str(parent)[:200]}: one port per stream ({nstreams}), job 0..{MAX_JOBS - 1}, "
                               f"rank 0..{MAX_WORKERS - 1}, a 32-bit token, {lo} <= rto_ms <= rto_max_ms <= {hi} with "
                               f"rto_max_ms >= {floor}, 0 < timeout_s <= 3600")
-        try:
-            ip = ipaddress.IPv4Address(host)
-        except ValueError:
-            raise ConfigError(f"parent address {parent['address'][:60]}: not an IPv4 address") from None
-        if ip.is_multicast or ip.is_unspecified or ip.is_reserved:   # reserved: 240/4, the broadcast address too
-            raise ConfigError(f"parent address {ip}: a spine switch has a unicast IPv4 address")
+        net.unicast(host, "parent address")
         parent["tries"] = min(lib.SML_UP_MAX_TRIES, math.ceil(math.log2(rto_max / rto)) +
                               math.ceil(timeout * 1e3 / rto_max))
         job_key = None
@@ -663,6 +665,7 @@ def _ipv4_port(worker):
         raise ConfigError(f"worker address {str(worker)[:60]} is not [IPv4 address, port]") from None
     if not isinstance(port, int) or not 0 < port < 65536:
         raise ConfigError(f"worker address {host}:{port}: the port is not in 1..65535")
+    net.unicast(host, "worker address")   # results sent there must reach one host
     return ip, port
 
 

@@ -23,9 +23,9 @@ import pytest
 
 import commlib.backends.switchml as sml
 from commlib import kernels
-from commlib.errors import ConfigError, PeerFailure
+from commlib.errors import CommError, ConfigError, PeerFailure
 from commlib.settings import Settings
-from commlib.switch import auth, control
+from commlib.switch import auth, control, net
 from commlib.switch import switchml as sw
 from commlib.switch.relay import FaultRelay, Faults
 from commlib.testing import LocalGroup
@@ -380,13 +380,44 @@ def test_json_infinity_as_a_parent_timer_is_refused_over_the_control_port():
         assert server.status()["jobs"] == {}
 
 
-@pytest.mark.parametrize("address", ["224.0.0.1", "255.255.255.255", "0.0.0.0", "240.1.2.3"])
+LO_BROADCAST = "127.255.255.255"   # the directed broadcast of lo's subnet, 127.0.0.0/8: on every host
+
+
+@pytest.mark.parametrize("address", ["224.0.0.1", "255.255.255.255", "0.0.0.0", "240.1.2.3", LO_BROADCAST])
 def test_a_parent_that_is_not_a_unicast_address_is_refused(address):
     with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
         with pytest.raises(ConfigError, match="unicast"):
             server.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent={
                 "address": f"{address}:9", "ports": [9], "job": 1, "rank": 0, "token": TOKEN})
         assert server.status()["jobs"] == {}
+
+
+def test_the_broadcast_address_of_every_local_subnet_is_told_apart():
+    """net.is_broadcast against the interfaces' own broadcast addresses (psutil reads them apart from the kernel's
+    routes): each is one, no interface's own address is."""
+    psutil = pytest.importorskip("psutil")   # `make install` brings it
+    found = [(a.address, a.broadcast) for addrs in psutil.net_if_addrs().values() for a in addrs
+             if a.family == socket.AF_INET and a.broadcast]
+    for own, broadcast in found + [("127.0.0.1", LO_BROADCAST)]:
+        assert net.is_broadcast(broadcast) and not net.is_broadcast(own), (own, broadcast)
+
+
+@pytest.mark.parametrize("setting", ["switch_addr", "switch_spine"])
+def test_a_switch_at_a_broadcast_address_is_refused(setting):
+    """A job whose leaf or spine address is a subnet's broadcast fails its start with the reason (each of its
+    packets would go to every host there, or nowhere: the kernel refuses them), before any request."""
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as one, sw.SwitchServer("127.0.0.1", 0, slots=64) as other:
+        addresses = {"switch_addr": f"{one.address},{other.address}", "switch_spine": other.address}
+        addresses[setting] = f"{LO_BROADCAST}:{one.port}" if setting == "switch_spine" else \
+            f"{one.address},{LO_BROADCAST}:{other.port}"
+        with pytest.raises(CommError, match=f"switch address {LO_BROADCAST}:.*broadcast address of a subnet"):
+            _backend_run(2, lambda rank, backend: None, authenticate=False, **addresses)
+        assert one.status()["jobs"] == other.status()["jobs"] == {}
+
+
+def test_a_switch_does_not_listen_on_a_broadcast_address():
+    with pytest.raises(ConfigError, match="broadcast or multicast"):
+        sw.SwitchServer(LO_BROADCAST, 0, slots=64)
 
 
 def test_a_parent_that_does_not_confirm_the_job_is_refused_and_sent_nothing():

@@ -144,6 +144,36 @@ def test_a_spine_killed_mid_job_fails_every_rank_naming_it(tmp_path):
         assert seen["seconds"] < 10 + 5, f"rank {rank} took {seen['seconds']:.1f}s to fail"
 
 
+BROADCASTS = """
+import json
+from commlib.errors import ConfigError
+from commlib.switch import net, switchml as sw
+seen = {a: net.is_broadcast(a) for a in ("10.201.0.255", "10.201.0.2", "10.201.1.255")}
+with sw.SwitchServer("10.201.0.1", 0, slots=64) as leaf:
+    for what, parent, worker in (("parent", "10.201.0.255", "10.201.0.1"), ("worker", "10.201.0.2", "10.201.0.255")):
+        try:
+            leaf.register(1, [[worker, 9]], 4, 64, parent={"address": parent + ":9", "ports": [9], "job": 0,
+                                                           "rank": 0, "token": 1})
+        except ConfigError as exc:
+            seen[what] = str(exc)
+print(json.dumps(seen))
+"""
+
+
+def test_the_broadcast_address_of_a_hosts_subnet_is_refused():
+    """On a host of 10.201.0.0/24: 10.201.0.255 is its subnet's broadcast, a neighbour's address and another
+    subnet's .255 are not; a leaf refuses it as its parent and as a rank's address."""
+    with netem.Cluster(["w0", "w1"], rate="1gbit") as cluster:
+        out = subprocess.run(["ip", "netns", "exec", cluster.namespace("w0"), sys.executable, "-c", BROADCASTS],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen.pop("10.201.0.255") and not seen.pop("10.201.0.2") and not seen.pop("10.201.1.255"), seen
+    assert seen == {what: f"{what} address 10.201.0.255: the broadcast address of a subnet of this host, not a "
+                          f"unicast one (its packets would go to every host there); give the address of one host"
+                    for what in ("parent", "worker")}, seen
+
+
 def test_switchml_timers_do_not_fire_under_its_own_window_on_a_slow_link():
     """20 Mbit links: a window of 128 packets takes 55 ms to drain, a tensor of 300 values answers
     in about 1 ms. The first answers of a window come back before the queue it builds; were the
