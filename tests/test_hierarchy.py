@@ -299,15 +299,23 @@ class _Leaf:
             assert sw.lib.sml_switch_set_parent(self.sw, job, IP, self.parent.getsockname()[1], self.PARENT_JOB, job,
                                                 token, sw.ffi.NULL, 0, rto_ms, rto_max_ms, tries) == 0
 
-    def data(self, job, token=TOKEN):
-        """Job `job`'s one rank sends packet 0 (slot 0, set 0): the set completes and goes up."""
-        header = sw.pack_header(sw.lib.SML_DATA, sw.lib.SML_SIZE_JOB, job, 0, 0, 0, 0, token)
+    def data(self, job, token=TOKEN, packet=0):
+        """Job `job`'s one rank sends `packet` (slot packet % 4 and its set): the set completes and goes up."""
+        pool = packet % 4 | (packet // 4 % 2) << 15
+        header = sw.pack_header(sw.lib.SML_DATA, sw.lib.SML_SIZE_JOB, job, 0, packet, pool, 0, token)
         self.workers[job].sendto(header + np.arange(self.ELEMS, dtype=">i4").tobytes(), self.sock.getsockname())
 
     def run(self, ms):
         end = time.monotonic() + ms / 1e3
         while time.monotonic() < end:
             assert sw.lib.sml_switch_run(self.sw, 5) >= 0
+
+    def answer(self, up):
+        """The parent's result to the packet `up` the leaf sent it: the same values."""
+        _, _, job, rank, packet_id, pool, exp, code, token, _ = sw.HEADER.unpack(up[:sw.HDR_LEN])
+        result = sw.pack_header(sw.lib.SML_RESULT, sw.lib.SML_SIZE_JOB | sw.lib.SML_F_STAMP, job, rank, packet_id,
+                                pool, exp, token, code) + up[sw.HDR_LEN:] + bytes(sw.lib.SML_STAMP_LEN)
+        self.parent.sendto(result, self.sock.getsockname())
 
     def counters(self, job):
         c = sw.ffi.new("sml_counters *")
@@ -343,6 +351,35 @@ def test_a_set_whose_parent_never_answers_is_resent_tries_times_then_abandoned()
         leaf.run(30)
         assert received(leaf.workers[0]) == [] and received(leaf.parent) == [], "an abandoned set was answered"
         assert leaf.counters(0)["drop_incomplete"] == 1, leaf.counters(0)
+    finally:
+        leaf.close()
+
+
+def test_a_leafs_timer_follows_its_parents_round_trip():
+    """A parent that answers each window of 4 sets 40 ms after they went up, the leaf's timer at 1 ms doubling
+    to 200 ms: a timer found short backs the next window's off, until one window's answers come before it; from
+    then on the timer follows the round trip (the spine's wait for the other leaves, a queue on the link) and no
+    set is resent. A timer that did not follow it resent every set 5 times (at 1, 3, 7, 15 and 31 ms)."""
+    leaf = _Leaf(tries=50, rto_ms=1.0, rto_max_ms=200.0)
+    leaf.parent.settimeout(0.002)
+    leaf.workers[0].settimeout(0.002)
+    try:
+        resent = []
+        for window in range(14):
+            for packet in range(4 * window, 4 * window + 4):
+                leaf.data(0, packet=packet)
+            leaf.run(40)
+            firsts = {}
+            for up in received(leaf.parent):     # the sets and their resends: each set answered once
+                firsts.setdefault(up[8:10], up)
+            assert len(firsts) == 4, f"window {window}: {len(firsts)} sets went up"
+            for up in firsts.values():
+                leaf.answer(up)
+            leaf.run(5)
+            assert len(received(leaf.workers[0])) == 4, f"window {window}: the worker lacks results"
+            resent.append(leaf.counters(0)["up_resends"] - sum(resent))
+        assert sum(resent[:4]) >= 4, f"the timer started short but fired little: {resent}"
+        assert sum(resent[-8:]) <= 1, f"resends per window of 4 sets, after the first: {resent}"
     finally:
         leaf.close()
 
@@ -512,10 +549,7 @@ def test_a_parents_result_goes_to_the_leaf_job_whose_checks_it_passes():
         leaf.data(1)
         leaf.run(20)
         (up, *_) = received(leaf.parent)
-        _, _, job, rank, packet_id, pool, exp, code, token, _ = sw.HEADER.unpack(up[:sw.HDR_LEN])
-        result = sw.pack_header(sw.lib.SML_RESULT, sw.lib.SML_SIZE_JOB | sw.lib.SML_F_STAMP, job, rank, packet_id, pool,
-                                exp, token, code) + up[sw.HDR_LEN:] + bytes(sw.lib.SML_STAMP_LEN)
-        leaf.parent.sendto(result, leaf.sock.getsockname())
+        leaf.answer(up)
         leaf.run(20)
         down = [p for p in received(leaf.workers[1]) if p[0] == sw.lib.SML_RESULT]
         assert len(down) == 1 and down[0][sw.HDR_LEN:sw.HDR_LEN + 4 * 64] == np.arange(64, dtype=">i4").tobytes(), \

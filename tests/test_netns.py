@@ -194,6 +194,28 @@ def test_switchml_timers_do_not_fire_under_its_own_window_on_a_slow_link():
         assert seen["resends"] <= 0.05 * seen["sent"], f"rank {rank} resent {seen['resends']} of {seen['sent']} packets"
 
 
+def test_a_leafs_timer_does_not_fire_under_its_windows_on_a_slow_link():
+    """Two levels, the spine's link at 20 Mbit: each leaf's window of 64 partial sums queues there behind the
+    other leaf's (about 55 ms a round trip) while the leaves' timers start at 5 ms. The leaves' timers follow
+    the round trip as the workers' do: after the first tensors nearly nothing is resent upward (a timer that
+    stayed at 5 ms, doubling, resent about 3 in 4 of the partial sums)."""
+    hosts = ["w0", "w1"]
+    with netem.Cluster(hosts + ["l0", "l1", "spine"], rate="20mbit", unshaped={"w0", "w1", "l0", "l1"}) as cluster:
+        tree = {host: cluster.start_switch(host, cwd=ROOT, extra=["--threads", "1"]) for host in ("l0", "l1", "spine")}
+        try:
+            outs = _run(cluster, hosts, "switchml_slow_link.py", env={
+                "COMMLIB_SWITCH_ADDR": f"{tree['l0'][1]},{tree['l1'][1]}", "COMMLIB_SWITCH_SPINE": tree["spine"][1],
+                "COMMLIB_AUTHENTICATE": "0", "COMMLIB_SWITCH_PACKET_ELEMS": "256", "COMMLIB_SWITCH_WINDOW": "64"})
+        finally:
+            cluster.kill([proc for proc, _ in tree.values()])
+    ranks = results("\n".join(outs), 2)
+    up = ranks[0]
+    assert up["up_sent"] >= 2 * 8 * 4 * 128, up   # both leaves, 8 steps of 4 x 128 packets
+    assert up["up_resends"] <= 0.05 * up["up_sent"], f"the leaves resent {up['up_resends']} of {up['up_sent']} sums"
+    for rank, seen in enumerate(ranks):
+        assert seen["resends"] <= 0.05 * seen["sent"], f"rank {rank} resent {seen['resends']} of {seen['sent']} packets"
+
+
 @pytest.mark.parametrize("mode", ["colocated", "dedicated"])
 def test_omnireduce_across_hosts(mode, tmp_path):
     hosts = ["w0", "w1", "w2"]
