@@ -280,6 +280,11 @@ class SwitchMLBackend(Backend):
                               f"streams to (each takes one slot or more): raise COMMLIB_SWITCH_WINDOW")
         plan = []
         for address in addresses:
+            host, _ = parse_address(address, "switch address")
+            try:
+                net.unicast(socket.gethostbyname(host), f"switch address {address}, at")
+            except socket.gaierror:   # status() says it cannot reach it
+                pass
             status = sw.SwitchClient(address, min(s.timeout_s, 30.0)).status()
             ports = status.get("ports") or [None]   # a switch of one thread
             plan.append((address, [None] + ports[1:self._streams_per_switch()]))

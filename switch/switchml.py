@@ -28,6 +28,8 @@ are under its own stream key (auth.stream_key), so two streams never share a non
         w of the W slots x 2 sets; on a switch with a daemon key, the job's packets carry MACs under
         auth.stream_key(auth.job_key(key, N), i) unless "authenticate" is false)
     {"op": "keepalive", "job": n, "rank": r}        rank r of the job lives (every rank, every expiry_s / 4)
+    {"op": "leaf", "job": n, "rank": r, "token": t} a leaf's probe of its parent (SwitchServer._confirm):
+                                                    confirmed only from the address registered for rank r
     {"op": "unregister", "job": n, "rank": r}       frees the job's slots (any rank that ends)
     {"op": "counters", "job": n}                    per-job and per-slot-group counters
     {"op": "counters"}                              switch-wide counters, control drops, every job
@@ -183,6 +185,13 @@ class SwitchServer:
         if not 1 <= threads <= MAX_THREADS:
             raise ConfigError(f"threads={threads}: a switch runs 1..{MAX_THREADS} data-plane threads")
         self.threads = int(threads)
+        try:
+            listen = ipaddress.IPv4Address(host)
+        except ValueError:   # a name: bind() resolves it
+            listen = None
+        if listen is not None and (listen.is_multicast or net.is_broadcast(listen)):
+            raise ConfigError(f"host {listen}: a broadcast or multicast address; a switch listens on one of this "
+                              f"host's own addresses (or 0.0.0.0: all of them)")
         self.host, self.port, self.slots, self.slot_group = host, port, slots, max(1, slot_group)
         self.sim = (ingress, egress, duplicate, seed)
         self.run_ms = run_ms
@@ -327,8 +336,10 @@ class SwitchServer:
                                  authenticate=request.get("authenticate", True) is not False,
                                  streams="streams" in request, parent=request.get("parent"),
                                  mac=request.get("packet_mac", packet_mac.PORTABLE))
-        if op in ("unregister", "keepalive") or (op == "counters" and request.get("job") is not None):
+        if op in ("unregister", "keepalive", "leaf") or (op == "counters" and request.get("job") is not None):
             job = self._job(request)
+            if op == "leaf":
+                return self._leaf(job, request, source)
             if op == "unregister":
                 return self.unregister(job.number, job.token)
             if op == "keepalive":
@@ -349,6 +360,23 @@ class SwitchServer:
             return self.status()
         raise ValueError(f"unknown op {str(op)[:40]!r}; use register, keepalive, unregister, counters, simulate "
                          f"or status")
+
+    def _leaf(self, job, request, source):
+        """Confirm a leaf's probe (SwitchServer._confirm) of `job`, whose rank request["rank"] it is to be:
+        the job's token, that rank, and the probe from the address the job registered for that rank, where
+        the data plane takes that rank's packets from. A switch elsewhere naming this job as its parent (an
+        attacker's, a misconfigured one) is refused: its partial sums would never be taken."""
+        rank = request.get("rank")
+        if request.get("token") != job.token:
+            raise control.Refused("bad_token", f"job #{job.number} with that token is not registered on this switch")
+        if not isinstance(rank, int) or rank not in job.alive:
+            raise ConfigError(f"job #{job.number} has no rank {str(rank)[:20]} (its leaves are 0..{len(job.alive) - 1})")
+        announced = sorted({stream[rank][0] for stream in job.workers})
+        if source is not None and source not in announced:
+            raise control.Refused("leaf_address", f"a leaf at {source} asked to be rank {rank} of job #{job.number}, "
+                                                  f"whose leaf the job announced at {', '.join(announced)}: start "
+                                                  f"that leaf switch on the address COMMLIB_SWITCH_ADDR names")
+        return {"job": job.number, "rank": rank}
 
     def _authenticate(self, request, key, sender, what):
         """Refuse `request` unless it is signed with `key` and its seq is fresh for `sender`."""
@@ -470,12 +498,7 @@ class SwitchServer:
             raise ConfigError(f"parent {str(parent)[:200]}: one port per stream ({nstreams}), job 0..{MAX_JOBS - 1}, "
                               f"rank 0..{MAX_WORKERS - 1}, a 32-bit token, {lo} <= rto_ms <= rto_max_ms <= {hi} with "
                               f"rto_max_ms >= {floor}, 0 < timeout_s <= 3600")
-        try:
-            ip = ipaddress.IPv4Address(host)
-        except ValueError:
-            raise ConfigError(f"parent address {parent['address'][:60]}: not an IPv4 address") from None
-        if ip.is_multicast or ip.is_unspecified or ip.is_reserved:   # reserved: 240/4, the broadcast address too
-            raise ConfigError(f"parent address {ip}: a spine switch has a unicast IPv4 address")
+        net.unicast(host, "parent address")
         parent["tries"] = min(lib.SML_UP_MAX_TRIES, math.ceil(math.log2(rto_max / rto)) +
                               math.ceil(timeout * 1e3 / rto_max))
         job_key = None
@@ -496,10 +519,11 @@ class SwitchServer:
 
     def _confirm(self, parent, job_key):
         """Refuse a parent whose control port does not confirm its job: a switch there serving job parent["job"]
-        with parent["token"] and (on a keyed switch: the request is signed with that job's key as rank
-        parent["rank"]) that rank. Before it a leaf sends nothing, so no one names an arbitrary host as a
-        parent to have the leaf's sets sent there. parent["control"]: its control address where its data
-        address is not (a relay)."""
+        with parent["token"] and that rank (on a keyed switch: the request is signed with that job's key as
+        rank parent["rank"]), registered at the address this probe comes from (_leaf). Before it a leaf sends
+        nothing, so no one names an arbitrary host as a parent to have the leaf's sets sent there, and a leaf
+        the job did not announce is refused at once rather than its sets dropped. parent["control"]: its
+        control address where its data address is not (a relay)."""
         address = parent.get("control", parent["address"])
         try:
             host, port = parse_address(address, "parent control address")
@@ -509,12 +533,13 @@ class SwitchServer:
         if job_key is None and self.key is not None and parent.get("nonce") is not None:   # a keyed spine's job
             job_key = auth.job_key(self.key, auth.check_nonce(parent["nonce"]))            # whose packets are not
         client = SwitchClient(f"{host}:{port}", CONFIRM_TIMEOUT_S, key=job_key,
-                              rank=parent["rank"] if job_key is not None else None)
+                              source=None if self.host in ("", "0.0.0.0") else self.host)   # from the leaf's address
         try:
-            client.counters(parent["job"], parent["token"])
+            client.request("leaf", job=parent["job"], rank=parent["rank"], token=parent["token"])
         except CommError as exc:
             raise ConfigError(f"the parent switch at {address} did not confirm job #{parent['job']} with that token "
-                              f"and rank {parent['rank']} ({exc}); register the job on the spine first") from None
+                              f"and rank {parent['rank']} ({exc}); register the job on the spine first, with this "
+                              f"leaf's address as that rank's") from None
 
     def _free(self):
         return self.slots - sum(job.slots for job in self._jobs.values())
@@ -640,19 +665,21 @@ def _ipv4_port(worker):
         raise ConfigError(f"worker address {str(worker)[:60]} is not [IPv4 address, port]") from None
     if not isinstance(port, int) or not 0 < port < 65536:
         raise ConfigError(f"worker address {host}:{port}: the port is not in 1..65535")
+    net.unicast(host, "worker address")   # results sent there must reach one host
     return ip, port
 
 
 class SwitchClient:
     """The control plane seen from a job or a user: one TCP request per call. key: the job key (a
     rank, with its `rank`) or the daemon key (an operator) that signs every request; None for a
-    switch without a key."""
+    switch without a key. source: the local address the requests leave from (a leaf's probe: its own)."""
 
-    def __init__(self, address, timeout=10.0, key=None, rank=None):
+    def __init__(self, address, timeout=10.0, key=None, rank=None, source=None):
         self.address = address if isinstance(address, str) else f"{address[0]}:{address[1]}"
         self.host, self.port = parse_address(self.address, "switch address")
         self.timeout = timeout
         self.rank = rank
+        self.source = None if source is None else (source, 0)   # the local address requests leave from
         self._sign = auth.Signer(key) if key is not None else None
         # one request at a time: two threads' requests (keepalive, counters) must reach the switch in
         # the order of their seq, or the later-signed one arriving first makes the other a "replay"
@@ -663,7 +690,8 @@ class SwitchClient:
         if self.rank is not None:
             message.setdefault("rank", self.rank)
         try:
-            with self._lock, socket.create_connection((self.host, self.port), timeout=self.timeout) as sock:
+            with self._lock, socket.create_connection((self.host, self.port), timeout=self.timeout,
+                                                      source_address=self.source) as sock:
                 if self._sign is not None and op != "status":
                     message = self._sign(message)
                 sock.sendall(control.encode(message))

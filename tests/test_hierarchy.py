@@ -23,9 +23,9 @@ import pytest
 
 import commlib.backends.switchml as sml
 from commlib import kernels
-from commlib.errors import ConfigError, PeerFailure
+from commlib.errors import CommError, ConfigError, PeerFailure
 from commlib.settings import Settings
-from commlib.switch import auth, control
+from commlib.switch import auth, control, net
 from commlib.switch import switchml as sw
 from commlib.switch.relay import FaultRelay, Faults
 from commlib.testing import LocalGroup
@@ -299,15 +299,23 @@ class _Leaf:
             assert sw.lib.sml_switch_set_parent(self.sw, job, IP, self.parent.getsockname()[1], self.PARENT_JOB, job,
                                                 token, sw.ffi.NULL, 0, rto_ms, rto_max_ms, tries) == 0
 
-    def data(self, job, token=TOKEN):
-        """Job `job`'s one rank sends packet 0 (slot 0, set 0): the set completes and goes up."""
-        header = sw.pack_header(sw.lib.SML_DATA, sw.lib.SML_SIZE_JOB, job, 0, 0, 0, 0, token)
+    def data(self, job, token=TOKEN, packet=0):
+        """Job `job`'s one rank sends `packet` (slot packet % 4 and its set): the set completes and goes up."""
+        pool = packet % 4 | (packet // 4 % 2) << 15
+        header = sw.pack_header(sw.lib.SML_DATA, sw.lib.SML_SIZE_JOB, job, 0, packet, pool, 0, token)
         self.workers[job].sendto(header + np.arange(self.ELEMS, dtype=">i4").tobytes(), self.sock.getsockname())
 
     def run(self, ms):
         end = time.monotonic() + ms / 1e3
         while time.monotonic() < end:
             assert sw.lib.sml_switch_run(self.sw, 5) >= 0
+
+    def answer(self, up):
+        """The parent's result to the packet `up` the leaf sent it: the same values."""
+        _, _, job, rank, packet_id, pool, exp, code, token, _ = sw.HEADER.unpack(up[:sw.HDR_LEN])
+        result = sw.pack_header(sw.lib.SML_RESULT, sw.lib.SML_SIZE_JOB | sw.lib.SML_F_STAMP, job, rank, packet_id,
+                                pool, exp, token, code) + up[sw.HDR_LEN:] + bytes(sw.lib.SML_STAMP_LEN)
+        self.parent.sendto(result, self.sock.getsockname())
 
     def counters(self, job):
         c = sw.ffi.new("sml_counters *")
@@ -347,6 +355,35 @@ def test_a_set_whose_parent_never_answers_is_resent_tries_times_then_abandoned()
         leaf.close()
 
 
+def test_a_leafs_timer_follows_its_parents_round_trip():
+    """A parent that answers each window of 4 sets 40 ms after they went up, the leaf's timer at 1 ms doubling
+    to 200 ms: a timer found short backs the next window's off, until one window's answers come before it; from
+    then on the timer follows the round trip (the spine's wait for the other leaves, a queue on the link) and no
+    set is resent. A timer that did not follow it resent every set 5 times (at 1, 3, 7, 15 and 31 ms)."""
+    leaf = _Leaf(tries=50, rto_ms=1.0, rto_max_ms=200.0)
+    leaf.parent.settimeout(0.002)
+    leaf.workers[0].settimeout(0.002)
+    try:
+        resent = []
+        for window in range(14):
+            for packet in range(4 * window, 4 * window + 4):
+                leaf.data(0, packet=packet)
+            leaf.run(40)
+            firsts = {}
+            for up in received(leaf.parent):     # the sets and their resends: each set answered once
+                firsts.setdefault(up[8:10], up)
+            assert len(firsts) == 4, f"window {window}: {len(firsts)} sets went up"
+            for up in firsts.values():
+                leaf.answer(up)
+            leaf.run(5)
+            assert len(received(leaf.workers[0])) == 4, f"window {window}: the worker lacks results"
+            resent.append(leaf.counters(0)["up_resends"] - sum(resent))
+        assert sum(resent[:4]) >= 4, f"the timer started short but fired little: {resent}"
+        assert sum(resent[-8:]) <= 1, f"resends per window of 4 sets, after the first: {resent}"
+    finally:
+        leaf.close()
+
+
 @pytest.mark.parametrize("rto_ms, rto_max_ms, tries", [(1e-7, 50.0, 10), (2.0, float("inf"), 10), (2.0, 1e300, 10),
                                                       (float("nan"), 50.0, 10), (2.0, float("nan"), 10),
                                                       (2.0, 5.0, 10), (60.0, 50.0, 10), (2.0, 50.0, 0)])
@@ -380,13 +417,44 @@ def test_json_infinity_as_a_parent_timer_is_refused_over_the_control_port():
         assert server.status()["jobs"] == {}
 
 
-@pytest.mark.parametrize("address", ["224.0.0.1", "255.255.255.255", "0.0.0.0", "240.1.2.3"])
+LO_BROADCAST = "127.255.255.255"   # the directed broadcast of lo's subnet, 127.0.0.0/8: on every host
+
+
+@pytest.mark.parametrize("address", ["224.0.0.1", "255.255.255.255", "0.0.0.0", "240.1.2.3", LO_BROADCAST])
 def test_a_parent_that_is_not_a_unicast_address_is_refused(address):
     with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
         with pytest.raises(ConfigError, match="unicast"):
             server.register(TOKEN, [["127.0.0.1", 9]], WINDOW, ELEMS, parent={
                 "address": f"{address}:9", "ports": [9], "job": 1, "rank": 0, "token": TOKEN})
         assert server.status()["jobs"] == {}
+
+
+def test_the_broadcast_address_of_every_local_subnet_is_told_apart():
+    """net.is_broadcast against the interfaces' own broadcast addresses (psutil reads them apart from the kernel's
+    routes): each is one, no interface's own address is."""
+    psutil = pytest.importorskip("psutil")   # `make install` brings it
+    found = [(a.address, a.broadcast) for addrs in psutil.net_if_addrs().values() for a in addrs
+             if a.family == socket.AF_INET and a.broadcast]
+    for own, broadcast in found + [("127.0.0.1", LO_BROADCAST)]:
+        assert net.is_broadcast(broadcast) and not net.is_broadcast(own), (own, broadcast)
+
+
+@pytest.mark.parametrize("setting", ["switch_addr", "switch_spine"])
+def test_a_switch_at_a_broadcast_address_is_refused(setting):
+    """A job whose leaf or spine address is a subnet's broadcast fails its start with the reason (each of its
+    packets would go to every host there, or nowhere: the kernel refuses them), before any request."""
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as one, sw.SwitchServer("127.0.0.1", 0, slots=64) as other:
+        addresses = {"switch_addr": f"{one.address},{other.address}", "switch_spine": other.address}
+        addresses[setting] = f"{LO_BROADCAST}:{one.port}" if setting == "switch_spine" else \
+            f"{one.address},{LO_BROADCAST}:{other.port}"
+        with pytest.raises(CommError, match=f"switch address {LO_BROADCAST}:.*broadcast address of a subnet"):
+            _backend_run(2, lambda rank, backend: None, authenticate=False, **addresses)
+        assert one.status()["jobs"] == other.status()["jobs"] == {}
+
+
+def test_a_switch_does_not_listen_on_a_broadcast_address():
+    with pytest.raises(ConfigError, match="broadcast or multicast"):
+        sw.SwitchServer(LO_BROADCAST, 0, slots=64)
 
 
 def test_a_parent_that_does_not_confirm_the_job_is_refused_and_sent_nothing():
@@ -421,6 +489,36 @@ def test_a_parent_that_does_not_confirm_the_job_is_refused_and_sent_nothing():
         stop([keyed_leaf, keyed_spine])
 
 
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_leaf_the_job_did_not_announce_is_refused_by_the_spine(keyed):
+    """The spine's job announced its one leaf at 127.0.0.1; a switch on 127.0.0.2 (another host, on loopback)
+    that names the spine's job as its parent, with its number, token (and the daemon key), is refused by the
+    spine's answer to its probe, which names both addresses; it sends nothing. The announced leaf is confirmed."""
+    key = KEY if keyed else None
+    spine, leaf, stranger = [sw.SwitchServer(host, 0, slots=64, key=key).start()
+                             for host in ("127.0.0.1", "127.0.0.1", "127.0.0.2")]
+    try:
+        nonce = auth.new_nonce() if keyed else None
+        job = spine.register(TOKEN, [["127.0.0.1", leaf.port]], WINDOW, ELEMS, nonce,
+                             key and auth.job_key(KEY, nonce))["job"]
+        parent = {"address": spine.address, "ports": [spine.port], "job": job, "rank": 0, "token": TOKEN}
+        if keyed:
+            parent.update(nonce=nonce, authenticated=True, check=auth.key_check(auth.job_key(KEY, nonce)))
+
+        def leaf_job(switch, host):
+            n = auth.new_nonce() if keyed else None
+            return switch.register(TOKEN, [[host, 9]], WINDOW, ELEMS, n, key and auth.job_key(KEY, n),
+                                   parent=dict(parent))
+        with pytest.raises(ConfigError, match=rf"did not confirm job #{job} .*a leaf at 127\.0\.0\.2 asked to be "
+                                              rf"rank 0 of job #{job}, whose leaf the job announced at 127\.0\.0\.1"):
+            leaf_job(stranger, "127.0.0.2")
+        assert stranger.status()["jobs"] == {} and stranger.counters()["switch"]["pkts_sent"] == 0
+        assert spine.counters()["control"]["leaf_address"] == 1, spine.counters()["control"]
+        leaf_job(leaf, "127.0.0.1")
+    finally:
+        stop([stranger, leaf, spine])
+
+
 @pytest.mark.long   # a switch that dies or a thread that outlives its stop: waits on purpose
 def test_stop_never_frees_a_switch_whose_thread_still_runs(caplog):
     """A data-plane thread that does not return within stop()'s wait: its C switch is left allocated (and an
@@ -451,10 +549,7 @@ def test_a_parents_result_goes_to_the_leaf_job_whose_checks_it_passes():
         leaf.data(1)
         leaf.run(20)
         (up, *_) = received(leaf.parent)
-        _, _, job, rank, packet_id, pool, exp, code, token, _ = sw.HEADER.unpack(up[:sw.HDR_LEN])
-        result = sw.pack_header(sw.lib.SML_RESULT, sw.lib.SML_SIZE_JOB | sw.lib.SML_F_STAMP, job, rank, packet_id, pool,
-                                exp, token, code) + up[sw.HDR_LEN:] + bytes(sw.lib.SML_STAMP_LEN)
-        leaf.parent.sendto(result, leaf.sock.getsockname())
+        leaf.answer(up)
         leaf.run(20)
         down = [p for p in received(leaf.workers[1]) if p[0] == sw.lib.SML_RESULT]
         assert len(down) == 1 and down[0][sw.HDR_LEN:sw.HDR_LEN + 4 * 64] == np.arange(64, dtype=">i4").tobytes(), \

@@ -85,6 +85,95 @@ def test_switchml_across_two_switch_hosts_of_two_threads_each():
         assert seen["switch"]["pkts_recv"] == sum(s["pkts_recv"] for s in seen["shards"]) and seen["jobs"] == {}
 
 
+def _tree(cluster, key_file):
+    """Two leaf switches and a spine, each on its own host of `cluster`, keyed: {host: (process, address)}."""
+    return {host: cluster.start_switch(host, cwd=ROOT, extra=["--threads", "1", "--key-file", str(key_file)])
+            for host in ("l0", "l1", "spine")}
+
+
+def test_two_levels_across_hosts_give_one_switchs_bits(tmp_path):
+    """4 ranks on their own hosts stream to 2 leaf switches (2 ranks each: one per host, grouped by host), whose
+    partial sums go to a spine, each switch on its own host, keyed (the leaves MAC their sums under the spine's
+    job key): every float and int32 sum is the same job's through one of those switches, bit for bit."""
+    hosts = ["w0", "w1", "w2", "w3"]
+    key_file = tmp_path / "switch.key"
+    auth.write_key(str(key_file))
+    env = {"COMMLIB_SWITCH_KEY_FILE": str(key_file)}
+    with netem.Cluster(hosts + ["l0", "l1", "spine"], rate="1gbit", unshaped={"l0", "l1", "spine"}) as cluster:
+        tree = _tree(cluster, key_file)
+        leaves, spine = f"{tree['l0'][1]},{tree['l1'][1]}", tree["spine"][1]
+        try:
+            two = _run(cluster, hosts, "switchml_tree.py", "sums",
+                       env=dict(env, COMMLIB_SWITCH_ADDR=leaves, COMMLIB_SWITCH_SPINE=spine))
+            seen = {host: json.loads(subprocess.run(
+                ["ip", "netns", "exec", cluster.namespace("w0"), sys.executable, "-m", "commlib.switch", "counters",
+                 address, "--key-file", str(key_file)], capture_output=True, text=True, cwd=ROOT, timeout=30,
+                check=True).stdout)["switch"] for host, (_, address) in tree.items()}
+            one = _run(cluster, hosts, "switchml_tree.py", "sums", env=dict(env, COMMLIB_SWITCH_ADDR=tree["l0"][1]))
+        finally:
+            cluster.kill([proc for proc, _ in tree.values()])
+    two, one = results("\n".join(two), 4), results("\n".join(one), 4)
+    assert all(seen[host]["pkts_recv"] > 0 for host in tree), seen   # each switch took part
+    for rank, (a, b) in enumerate(zip(two, one)):
+        assert a["switch"] == f"{leaves},{spine}" and b["switch"] == tree["l0"][1] and a["authenticated"], (a, b)
+        for name, got in a["sums"].items():
+            assert got == b["sums"][name], f"rank {rank}, {name}: two levels {got}, one switch {b['sums'][name]}"
+            assert got == two[0]["sums"][name], f"ranks 0 and {rank} differ in {name}"
+            assert got.get("exact", True) and got.get("error_over_bound", 0) <= 1, (rank, name, got)
+
+
+def test_a_spine_killed_mid_job_fails_every_rank_naming_it(tmp_path):
+    """The tree above; after a first allreduce rank 0 kills the spine's process: every rank's next allreduce
+    fails within the timeout (10 s: the ranks' rendezvous shares it, on a loaded host; then the probe of the
+    tree's switches) with an error naming the spine."""
+    hosts = ["w0", "w1", "w2", "w3"]
+    key_file = tmp_path / "switch.key"
+    auth.write_key(str(key_file))
+    with netem.Cluster(hosts + ["l0", "l1", "spine"], rate="1gbit", unshaped={"l0", "l1", "spine"}) as cluster:
+        tree = _tree(cluster, key_file)
+        (victim, spine) = tree["spine"]
+        try:
+            outs = _run(cluster, hosts, "switchml_tree.py", "kill", str(victim.pid), env={
+                "COMMLIB_SWITCH_KEY_FILE": str(key_file), "COMMLIB_TIMEOUT_S": "10",
+                "COMMLIB_SWITCH_ADDR": f"{tree['l0'][1]},{tree['l1'][1]}", "COMMLIB_SWITCH_SPINE": spine})
+            assert victim.wait(10) == -9, "rank 0 did not kill the spine"
+        finally:
+            cluster.kill([proc for proc, _ in tree.values()])
+    for rank, seen in enumerate(results("\n".join(outs), 4)):
+        assert seen["error"] is not None and f"the spine switch at {spine}" in seen["error"], (rank, seen)
+        assert seen["seconds"] < 10 + 5, f"rank {rank} took {seen['seconds']:.1f}s to fail"
+
+
+BROADCASTS = """
+import json
+from commlib.errors import ConfigError
+from commlib.switch import net, switchml as sw
+seen = {a: net.is_broadcast(a) for a in ("10.201.0.255", "10.201.0.2", "10.201.1.255")}
+with sw.SwitchServer("10.201.0.1", 0, slots=64) as leaf:
+    for what, parent, worker in (("parent", "10.201.0.255", "10.201.0.1"), ("worker", "10.201.0.2", "10.201.0.255")):
+        try:
+            leaf.register(1, [[worker, 9]], 4, 64, parent={"address": parent + ":9", "ports": [9], "job": 0,
+                                                           "rank": 0, "token": 1})
+        except ConfigError as exc:
+            seen[what] = str(exc)
+print(json.dumps(seen))
+"""
+
+
+def test_the_broadcast_address_of_a_hosts_subnet_is_refused():
+    """On a host of 10.201.0.0/24: 10.201.0.255 is its subnet's broadcast, a neighbour's address and another
+    subnet's .255 are not; a leaf refuses it as its parent and as a rank's address."""
+    with netem.Cluster(["w0", "w1"], rate="1gbit") as cluster:
+        out = subprocess.run(["ip", "netns", "exec", cluster.namespace("w0"), sys.executable, "-c", BROADCASTS],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen.pop("10.201.0.255") and not seen.pop("10.201.0.2") and not seen.pop("10.201.1.255"), seen
+    assert seen == {what: f"{what} address 10.201.0.255: the broadcast address of a subnet of this host, not a "
+                          f"unicast one (its packets would go to every host there); give the address of one host"
+                    for what in ("parent", "worker")}, seen
+
+
 def test_switchml_timers_do_not_fire_under_its_own_window_on_a_slow_link():
     """20 Mbit links: a window of 128 packets takes 55 ms to drain, a tensor of 300 values answers
     in about 1 ms. The first answers of a window come back before the queue it builds; were the
@@ -102,6 +191,28 @@ def test_switchml_timers_do_not_fire_under_its_own_window_on_a_slow_link():
             cluster.kill([switch])
     for rank, seen in enumerate(results("\n".join(outs), 2)):
         assert seen["received"] > 8 * 4 * 128, seen
+        assert seen["resends"] <= 0.05 * seen["sent"], f"rank {rank} resent {seen['resends']} of {seen['sent']} packets"
+
+
+def test_a_leafs_timer_does_not_fire_under_its_windows_on_a_slow_link():
+    """Two levels, the spine's link at 20 Mbit: each leaf's window of 64 partial sums queues there behind the
+    other leaf's (about 55 ms a round trip) while the leaves' timers start at 5 ms. The leaves' timers follow
+    the round trip as the workers' do: after the first tensors nearly nothing is resent upward (a timer that
+    stayed at 5 ms, doubling, resent about 3 in 4 of the partial sums)."""
+    hosts = ["w0", "w1"]
+    with netem.Cluster(hosts + ["l0", "l1", "spine"], rate="20mbit", unshaped={"w0", "w1", "l0", "l1"}) as cluster:
+        tree = {host: cluster.start_switch(host, cwd=ROOT, extra=["--threads", "1"]) for host in ("l0", "l1", "spine")}
+        try:
+            outs = _run(cluster, hosts, "switchml_slow_link.py", env={
+                "COMMLIB_SWITCH_ADDR": f"{tree['l0'][1]},{tree['l1'][1]}", "COMMLIB_SWITCH_SPINE": tree["spine"][1],
+                "COMMLIB_AUTHENTICATE": "0", "COMMLIB_SWITCH_PACKET_ELEMS": "256", "COMMLIB_SWITCH_WINDOW": "64"})
+        finally:
+            cluster.kill([proc for proc, _ in tree.values()])
+    ranks = results("\n".join(outs), 2)
+    up = ranks[0]
+    assert up["up_sent"] >= 2 * 8 * 4 * 128, up   # both leaves, 8 steps of 4 x 128 packets
+    assert up["up_resends"] <= 0.05 * up["up_sent"], f"the leaves resent {up['up_resends']} of {up['up_sent']} sums"
+    for rank, seen in enumerate(ranks):
         assert seen["resends"] <= 0.05 * seen["sent"], f"rank {rank} resent {seen['resends']} of {seen['sent']} packets"
 
 

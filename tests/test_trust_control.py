@@ -175,6 +175,16 @@ def test_limits_per_job_and_per_source(keyed_switch):
         many.stop()
 
 
+@pytest.mark.parametrize("address", ["127.255.255.255", "224.0.0.1", "255.255.255.255", "0.0.0.0"])
+def test_a_worker_at_a_broadcast_or_multicast_address_is_refused(address):
+    """A registration naming a broadcast (127.255.255.255: lo's subnet's) or multicast address as a rank's
+    would have the switch send that rank's results to many hosts, or none: it is refused, over the wire too."""
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
+        with pytest.raises(ConfigError, match=f"worker address {address}: .*unicast"):
+            sw.SwitchClient(server.address).register(1, [["127.0.0.1", 9], [address, 9]], 4, 64)
+        assert server.status()["jobs"] == {}
+
+
 def test_jobs_without_keepalives_expire_and_free_their_slots():
     key = auth.new_key()
     with sw.SwitchServer("127.0.0.1", 0, slots=64, key=key, job_expiry_s=2.0) as server:

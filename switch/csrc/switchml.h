@@ -208,8 +208,10 @@ int sml_switch_remove_job(sml_switch *sw, int job);
 /* Make job `job` a leaf: its complete sets go to the parent switch at ipv4:port (host order) as rank
  * `rank` of the parent's job `parent_job` with `token` (the parent's token check), MACed under key (the
  * parent job's stream key, SML_KEY_LEN bytes, or NULL when the parent's job has none; mac: the parent job's
- * MAC algorithm, TP_MAC_*); resent after
- * rto_ms, doubling up to rto_max_ms (SML_UP_RTO_MIN_US <= 1000 rto_ms <= 1000 rto_max_ms, SML_UP_RTO_FLOOR_US
+ * MAC algorithm, TP_MAC_*); resent on a timer
+ * that follows the parent's measured round trip (transport.h's tp_rtt, as a worker's: its results, which
+ * include the spine's wait for the other leaves) within [rto_ms, rto_max_ms], doubling on each resend of a
+ * set (SML_UP_RTO_MIN_US <= 1000 rto_ms <= 1000 rto_max_ms, SML_UP_RTO_FLOOR_US
  * <= 1000 rto_max_ms <= SML_UP_RTO_MAX_US; NaN refused), at most `tries` times (1..SML_UP_MAX_TRIES): then the set is
  * abandoned (up_abandoned) and its workers time out. Before the job's first packet. 0, or -1 for a bad
  * argument or a job that is not active or has a parent already. A RESULT from a parent is offered to

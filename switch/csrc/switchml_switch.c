@@ -39,6 +39,7 @@ typedef struct {
     uint8_t up;          /* a leaf's set: UP_WAIT from completion until the parent's result (switchml.h) */
     uint32_t up_tries;   /* its resends so far */
     uint64_t up_deadline, up_rto;   /* its resend time and timer, ns */
+    uint64_t up_sent, up_resent;    /* its first send and last resend (0: none), ns: the parent's round trip */
 } slot_set;
 
 #define UP_WAIT 1
@@ -51,8 +52,11 @@ typedef struct {
     uint8_t job, rank;
     uint32_t token;
     tp_mac *mac;         /* under the parent job's key; NULL: its packets carry no MAC */
-    uint64_t rto, rto_max;
+    tp_rtt rtt;          /* the parent's round trip, as a worker's (transport.h): rtt.rto, within [rto, rto_max],
+                          * is a new set's timer, so a spine waiting for a slower leaf or a queue on the link
+                          * fires no resend */
     uint32_t tries;      /* resends of a set before it is abandoned */
+    uint32_t waiting;    /* sets waiting for its result: the samples of one round trip */
 } parent_t;
 
 typedef struct {
@@ -219,9 +223,9 @@ int sml_switch_set_parent(sml_switch *sw, int job, uint32_t ipv4, uint16_t port,
         up->rank = (uint8_t)rank;
         up->token = token;
         up->mac = mac;
-        up->rto = (uint64_t)(rto_ms * 1e6);
-        up->rto_max = (uint64_t)(rto_max_ms * 1e6);
+        tp_rtt_init(&up->rtt, (uint64_t)(rto_ms * 1e6), (uint64_t)(rto_max_ms * 1e6));
         up->tries = tries;
+        up->waiting = 0;
         j->up_next = UINT64_MAX;
         up->active = 1;
         mac = NULL;
@@ -418,6 +422,12 @@ static void multicast(sml_switch *sw, job_t *j, const slot_set *s, const int32_t
 
 static int parent_result(sml_switch *sw, job_t *j, const uint8_t *p, size_t len);
 
+/* A leaf's set leaves UP_WAIT (its result, abandoned, or reused by a new round) for `to`. */
+static void up_leave(job_t *j, slot_set *s, uint8_t to) {
+    if (s->up == UP_WAIT && j->up.waiting) j->up.waiting--;
+    s->up = to;
+}
+
 /* A RESULT from a leaf job's parent: offered to each job whose parent it comes from until one takes it
  * (a job registered with another's parent must not make the other's results its drops). */
 static void from_parent(sml_switch *sw, const uint8_t *p, size_t len, const struct sockaddr_in *from) {
@@ -436,7 +446,7 @@ static void from_parent(sml_switch *sw, const uint8_t *p, size_t len, const stru
 /* Checked as a worker checks a result (switchml.h), it completes the waiting set with the job's sum,
  * which goes to the leaf's workers. 1: taken (or dropped by the simulator), 0: not this job's (counted). */
 static int parent_result(sml_switch *sw, job_t *j, const uint8_t *p, size_t len) {
-    const parent_t *up = &j->up;
+    parent_t *up = &j->up;
     unsigned flags = p[1], code = flags & SML_F_SIZE;
     uint32_t elems = sml_size_elems(code, j->elems);
     size_t body = SML_HDR_LEN + 4 * (size_t)elems + ((flags & SML_F_NONFINITE) ? elems : 0) + SML_STAMP_LEN;
@@ -477,7 +487,8 @@ static int parent_result(sml_switch *sw, job_t *j, const uint8_t *p, size_t len)
     if (s->nf) memcpy(nfr, p + SML_HDR_LEN + 4 * (size_t)elems, elems);
     s->queue_ns = tp_add_sat32(s->queue_ns, tp_rd32(p + body - SML_STAMP_LEN));   /* the parent's share too */
     s->proc_ns = tp_add_sat32(s->proc_ns, tp_rd32(p + body - 4));
-    s->up = 0;
+    tp_rtt_answer(&up->rtt, s->up_sent, s->up_resent, tp_now_ns(), up->waiting);
+    up_leave(j, s, 0);
     j->c.up_results++;
     uint8_t in[SML_HDR_LEN];   /* what the leaf's result echoes: its own job, token and round */
     header(in, SML_DATA, 0, (uint8_t)(j - sw->jobs), 0, s, slot, set, j->token);
@@ -502,12 +513,14 @@ static void resend_up(sml_switch *sw, uint64_t now) {
                 if (s->up != UP_WAIT) continue;
                 if (s->up_deadline <= now) {
                     if (s->up_tries >= j->up.tries) {
-                        s->up = UP_ABANDONED;
+                        up_leave(j, s, UP_ABANDONED);
                         j->c.up_abandoned++;
                         continue;
                     }
                     s->up_tries++;
-                    s->up_rto = s->up_rto < j->up.rto_max / 2 ? s->up_rto * 2 : j->up.rto_max;
+                    s->up_rto = s->up_rto < j->up.rtt.max / 2 ? s->up_rto * 2 : j->up.rtt.max;
+                    tp_rtt_backoff(&j->up.rtt, s->up_sent, now);
+                    s->up_resent = now;
                     s->up_deadline = now + s->up_rto;
                     j->c.up_resends++;
                     send_up(sw, j, s, i / 2, i % 2);
@@ -637,7 +650,7 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
             if (has_nf) memcpy(nfr, pl + 4 * elems, elems);
             s->countdown = (uint32_t)j->nworkers - 1;
             s->queue_ns = s->proc_ns = 0;
-            s->up = 0;
+            up_leave(j, s, 0);
         } else {  /* later contribution: int32 sum (wrapping), max exponent, OR of the flags */
             cl_be_add(vals, pl, elems);
             if (exp > s->exp) s->exp = exp;
@@ -655,8 +668,11 @@ static void process(sml_switch *sw, const uint8_t *p, size_t len, const struct s
         s->proc_ns = tp_add_sat32(s->proc_ns, tp_now_ns() - t_in);
         if (s->countdown == 0 && j->up.active) {   /* a leaf's partial sum: up to the parent, then wait */
             s->up = UP_WAIT;
+            j->up.waiting++;
             s->up_tries = 0;
-            s->up_rto = j->up.rto;
+            s->up_rto = j->up.rtt.rto;
+            s->up_sent = t_in;
+            s->up_resent = 0;
             s->up_deadline = t_in + s->up_rto;
             if (s->up_deadline < j->up_next) j->up_next = s->up_deadline;
             if (s->up_deadline < sw->next_up) sw->next_up = s->up_deadline;
