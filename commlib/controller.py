@@ -132,6 +132,7 @@ class ControllerServer:
         self._left = set()        # ranks shutting down (they said leave): they submit nothing more
         self._last_submit = time.monotonic()
         self._last_go = 0.0       # when the last batch went
+        self._burst = 0.0         # when submissions came again after a cycle without any
         self._failed = False
         self._cache = []          # bit -> {"name", "release", "metas": {rank: meta}}, evicted ones kept
         self._bit_of = {}         # tensor name -> its live bit
@@ -203,9 +204,9 @@ class ControllerServer:
                     continue
                 self._handle(key.data, msg)
             now = time.monotonic()
-            # a batch goes when the cycle ends, or at once when none went for a cycle: a lone bucket (DDP's
-            # per backward) does not wait for the cycle, a stream of tensors still goes in batches
-            at_once = (self._ready or self._ready_bits) and now >= self._last_go + self.cycle_s
+            # a batch goes when the cycle ends, or at once when it is the first of a burst of submissions: a
+            # lone bucket (DDP's, once per backward) does not wait for the cycle, a stream still goes in batches
+            at_once = (self._ready or self._ready_bits) and self._last_go < self._burst
             if (now >= next_cycle or at_once) and not self._failed:
                 self._release()
                 self._expire()
@@ -214,7 +215,10 @@ class ControllerServer:
     def _handle(self, rank, msg):
         kind = msg["t"]
         if kind == "submit":
-            self._last_submit = time.monotonic()
+            now = time.monotonic()
+            if now - self._last_submit >= self.cycle_s:
+                self._burst = now
+            self._last_submit = now
             for meta in msg["metas"]:
                 bit = self._bit_of.get(meta["name"])
                 if bit is not None:   # this rank's metadata changed: every rank negotiates it anew

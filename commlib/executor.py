@@ -283,8 +283,10 @@ class Executor:
             run = self._run_rows if rows else self._run_dense
         results = run(bucket, backend, name, phases)
         end = time.monotonic()
+        shared = {"bucket": name, "fused_with": len(bucket) - 1, "run_s": end - start,   # the bucket's, once
+                  "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True), **phases.server()}
         for entry, result in zip(bucket, results):
-            self._record(entry, name, start, end, len(bucket), phases)
+            self._record(entry, shared, start, end, phases)
             entry.handle.set(result=result)
 
     def _run_dense(self, bucket, backend, name, phases):
@@ -363,14 +365,12 @@ class Executor:
             if counts is not None:
                 self.timeline.counts(entry.name, counts[0], counts[1].reshape(-1))
 
-    def _record(self, entry, bucket, start, end, fused, phases):
+    def _record(self, entry, shared, start, end, phases):
         t = entry.times
         self.records[entry.record] = {
             "algorithm": entry.algorithm, "compression": entry.plan.compression, "dtype": entry.staged.dtype_name,
-            "nbytes": entry.staged.nbytes, "density": entry.density, "bucket": bucket, "fused_with": fused - 1,
-            "negotiate_s": t["go"] - t["enqueue"], "queue_s": start - t["go"], "run_s": end - start,
-            "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True),
-            **phases.server(), "note": entry.plan.note}
+            "nbytes": entry.staged.nbytes, "density": entry.density, "negotiate_s": t["go"] - t["enqueue"],
+            "queue_s": start - t["go"], **shared, "note": entry.plan.note}
         if entry.rows is not None:   # row-sparse: rows sent by this rank and in the union, the model's estimate
             self.records[entry.record].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate,
                                             skew=entry.skew)
@@ -380,7 +380,7 @@ class Executor:
             for *_, comm, args in phases.spans:
                 if comm:   # the study's table of candidates (commlib.analyze)
                     args["auto"] = entry.auto
-        self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, fused - 1)
+        self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, shared["fused_with"])
 
 
 def collective(backend):

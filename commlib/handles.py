@@ -23,18 +23,24 @@ def when_all(handles, fn):
 class Handle:
     """The result of an asynchronous allreduce: `synchronize(handle)` or `poll(handle)`."""
 
-    __slots__ = ("name", "_event", "_result", "_error", "_timeout", "_then", "_callbacks", "_lock")
+    __slots__ = ("name", "_latch", "_set", "_result", "_error", "_timeout", "_then", "_callbacks", "_lock")
 
     def __init__(self, name, timeout):
         self.name, self._timeout = name, timeout
-        self._event = threading.Event()
+        # a lock held until the result is in, not a threading.Event (a Condition and a deque per tensor):
+        # a waiter acquires it and passes it on
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        self._set = False
         self._result = self._error = self._then = None
         self._callbacks, self._lock = [], threading.Lock()
 
     def set(self, result=None, error=None):
         with self._lock:
             self._result, self._error = result, error
-            self._event.set()
+            if not self._set:
+                self._set = True
+                self._latch.release()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn(self)
@@ -43,7 +49,7 @@ class Handle:
         """fn(handle) once the result or error is in: now if it is, else on the thread that sets it
         (commlib's background thread: keep fn short, as torch's Future.then callbacks)."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._set:
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -54,10 +60,18 @@ class Handle:
 
     def done(self, wait_s=0.0):
         """True when the result or error is in (waiting up to wait_s for it)."""
-        return self._event.wait(wait_s) if wait_s else self._event.is_set()
+        return self._set or (wait_s > 0 and self._wait(wait_s))
+
+    def _wait(self, timeout):
+        if self._set:
+            return True
+        if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        self._latch.release()   # the next waiter's turn
+        return True
 
     def wait(self):
-        if not self._event.wait(self._timeout):
+        if not self._wait(self._timeout):
             raise CommTimeout(f"tensor {self.name!r} got no result within {self._timeout:.0f}s; "
                               f"a peer, the switch or an aggregator is stuck (see the other ranks' output)")
         if self._error is not None:
