@@ -79,17 +79,21 @@ void tp_mac_free(tp_mac *m) {
     free(m);
 }
 
-int tp_mac_tag(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, const void *b, size_t blen, uint8_t *tag) {
-    int out;
-    if (EVP_EncryptInit_ex(m->ctx, NULL, NULL, NULL, nonce) <= 0 ||
-        (alen && EVP_EncryptUpdate(m->ctx, NULL, &out, a, (int)alen) <= 0) ||    /* out NULL: associated data */
-        (blen && EVP_EncryptUpdate(m->ctx, NULL, &out, b, (int)blen) <= 0) ||
-        EVP_EncryptFinal_ex(m->ctx, tag, &out) <= 0 ||
+int tp_mac_tagv(tp_mac *m, const uint8_t *nonce, const tp_part *parts, int nparts, uint8_t *tag) {
+    int out, ok = EVP_EncryptInit_ex(m->ctx, NULL, NULL, NULL, nonce) > 0;
+    for (int i = 0; ok && i < nparts; i++)   /* out NULL: associated data */
+        ok = !parts[i].len || EVP_EncryptUpdate(m->ctx, NULL, &out, parts[i].p, (int)parts[i].len) > 0;
+    if (!ok || EVP_EncryptFinal_ex(m->ctx, tag, &out) <= 0 ||
         EVP_CIPHER_CTX_ctrl(m->ctx, EVP_CTRL_AEAD_GET_TAG, TP_TAG_LEN, tag) <= 0) {
         memset(tag, 0, TP_TAG_LEN);
         return -1;
     }
     return 0;
+}
+
+int tp_mac_tag(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, const void *b, size_t blen, uint8_t *tag) {
+    tp_part parts[2] = {{a, alen}, {b, blen}};
+    return tp_mac_tagv(m, nonce, parts, 2, tag);
 }
 
 int tp_mac_check(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, const void *b, size_t blen,
