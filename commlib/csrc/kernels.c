@@ -166,11 +166,14 @@ AVX2 static inline __m256i bswap_mask(void) {
                             3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12);
 }
 
+#define PREFETCH_AHEAD 2048   /* bytes: the tensor streams from memory, a packet's block at a time */
+
 AVX2 static void quantize_avx2(const float *x, size_t n, double f, uint8_t *be) {
     __m256d fv = _mm256_set1_pd(f);
     __m256i swap = bswap_mask();
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {   /* cvtpd_epi32 rounds to nearest even, as lrint does */
+        _mm_prefetch((const char *)(x + i) + PREFETCH_AHEAD, _MM_HINT_T0);
         __m256 v = _mm256_loadu_ps(x + i);
         __m128i lo = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), fv));
         __m128i hi = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), fv));
@@ -185,6 +188,7 @@ AVX2 static void dequantize_avx2(const uint8_t *be, size_t n, double inv, float 
     __m256i swap = bswap_mask();
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
+        _mm_prefetch((const char *)(out + i) + PREFETCH_AHEAD, _MM_HINT_T0);
         __m256i q = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(be + 4 * i)), swap);
         __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(q)), iv));
         __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(q, 1)), iv));
