@@ -22,6 +22,9 @@
 #include <sys/socket.h>
 
 #define RX_BATCH 32
+#define RX_BATCH_BYTES (256u << 10)   /* a batch's bytes, about: small packets come 32 per call, a job's large
+                                       * ones fewer, so that what the kernel copied in is still in cache when
+                                       * it is processed (32 packets of 32 KiB cost the switch 10% more CPU) */
 #define RX_BUF TP_GRO_BUF  /* without GRO too: any datagram (jobs choose their packet sizes) */
 #define TX_CAP 8192
 #define ARENA (4u << 20)    /* bytes of result packets waiting to be sent */
@@ -777,6 +780,11 @@ static long serve(sml_switch *sw, int max_ms) {
             if (r <= 0 && t1 < sw->next_up) return handled;  /* timeout (or a signal): let the caller look around */
             continue;
         }
+        size_t bytes = 0;
+        for (int i = 0; i < n; i++) bytes += sw->rx.seg_len[i];
+        size_t per_msg = sw->rx.nmsg ? bytes / (size_t)sw->rx.nmsg : 0;
+        sw->rx.want = per_msg ? RX_BATCH_BYTES / per_msg : RX_BATCH;   /* the next call's, by this one's */
+        if (sw->rx.want < 2) sw->rx.want = 2;
         pthread_mutex_lock(&sw->mu);
         sw->g.batches++;
         sw->g.pkts_recv += sw->rx.truncated;   /* larger than any packet */

@@ -415,8 +415,9 @@ int tp_rxq_recv(tp_rxq *q, int timeout_ms) {
         if (pr == 0) return 0;
     }
     int r;
+    size_t vlen = q->want && q->want < q->nmsgs ? q->want : q->nmsgs;
     for (;;) {
-        for (size_t i = 0; i < q->nmsgs; i++) {
+        for (size_t i = 0; i < vlen; i++) {
             struct msghdr *h = &q->msgs[i].msg_hdr;
             h->msg_name = &q->from[i];
             h->msg_namelen = sizeof q->from[i];
@@ -424,7 +425,7 @@ int tp_rxq_recv(tp_rxq *q, int timeout_ms) {
             h->msg_controllen = RX_CTL_LEN;
             h->msg_flags = 0;
         }
-        r = recvmmsg(q->fd, q->msgs, (unsigned)q->nmsgs, MSG_DONTWAIT, NULL);
+        r = recvmmsg(q->fd, q->msgs, (unsigned)vlen, MSG_DONTWAIT, NULL);
         if (r >= 0) break;
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;

@@ -288,6 +288,8 @@ typedef struct {
     struct iovec *iov;
     struct sockaddr_in *from;
     char *ctl;
+    size_t want;                         /* messages per call, at most nmsgs (0: nmsgs): a caller may bound a
+                                          * batch's bytes, which it then processes from cache */
     int nmsg, nseg;                      /* of the last call: messages, segments */
     const uint8_t **seg;
     uint32_t *seg_len;
