@@ -339,7 +339,22 @@ static uint8_t *take_buffer(sml_switch *sw, size_t len) {
     return p;
 }
 
-/* A packet to send in up to three pieces: header and trailer copied into the queue, the payload referenced
+/* How many copies of a packet go out: the drop simulator's egress losses (0) and duplicates (2). */
+static int egress_copies(sml_switch *sw, sml_counters *jc, sml_counters *gc) {
+    if (sw->p_out > 0 && rnd(sw) < sw->p_out) {
+        jc->drop_sim_egress++;
+        gc->drop_sim_egress++;
+        return 0;
+    }
+    if (sw->p_dup > 0 && rnd(sw) < sw->p_dup) {
+        jc->dup_sim++;
+        gc->dup_sim++;
+        return 2;
+    }
+    return 1;
+}
+
+/* A packet to send in three pieces: header and trailer copied into the queue, the payload referenced
  * (valid until the queue is sent). */
 typedef struct {
     uint8_t hdr[SML_HDR_LEN];
@@ -350,35 +365,16 @@ typedef struct {
 
 static void emit_pkt(sml_switch *sw, const pkt_t *pk, const struct sockaddr_in *to, sml_counters *jc,
                      sml_counters *gc) {
-    if (sw->p_out > 0 && rnd(sw) < sw->p_out) {
-        jc->drop_sim_egress++;
-        gc->drop_sim_egress++;
-        return;
-    }
-    int copies = (sw->p_dup > 0 && rnd(sw) < sw->p_dup) ? 2 : 1;
-    if (copies == 2) {
-        jc->dup_sim++;
-        gc->dup_sim++;
-    }
-    for (int k = 0; k < copies; k++) {
+    for (int k = egress_copies(sw, jc, gc); k > 0; k--) {
         tp_txq_add(&sw->tx, to, pk->hdr, SML_HDR_LEN, pk->payload, (uint32_t)pk->plen);
         tp_txq_trailer(&sw->tx, pk->trailer, (uint32_t)pk->tlen);
     }
 }
 
+/* A packet built whole in the arena. */
 static void emit(sml_switch *sw, uint8_t *buf, size_t len, const struct sockaddr_in *to, sml_counters *jc,
                  sml_counters *gc) {
-    if (sw->p_out > 0 && rnd(sw) < sw->p_out) {
-        jc->drop_sim_egress++;
-        gc->drop_sim_egress++;
-        return;
-    }
-    int copies = (sw->p_dup > 0 && rnd(sw) < sw->p_dup) ? 2 : 1;
-    if (copies == 2) {
-        jc->dup_sim++;
-        gc->dup_sim++;
-    }
-    for (int k = 0; k < copies; k++) tp_txq_add(&sw->tx, to, NULL, 0, buf, (uint32_t)len);
+    for (int k = egress_copies(sw, jc, gc); k > 0; k--) tp_txq_add(&sw->tx, to, NULL, 0, buf, (uint32_t)len);
 }
 
 /* A sealed header (switchml.h) of a packet about (slot, set)'s round. */
