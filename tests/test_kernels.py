@@ -107,15 +107,17 @@ def test_big_endian_lanes_same_bits_scalar_and_vector(levels, n):
     wire = src.astype(">i4").tobytes()
 
     def lanes():
-        loaded, added, stored = np.zeros(n, np.int32), acc.copy(), np.zeros(4 * n, np.uint8)
+        loaded, stored = np.zeros(n, np.int32), np.zeros(4 * n, np.uint8)
+        added_be = np.frombuffer(acc.astype(">i4").tobytes(), np.uint8).copy()   # the switch's sums, in wire order
         lib.cl_be_load(_ptr(loaded, "int32_t *"), wire, n)
-        lib.cl_be_add(_ptr(added, "int32_t *"), wire, n)
         lib.cl_be_store(_ptr(stored, "uint8_t *"), _ptr(src, "int32_t *"), n)
-        return loaded.tobytes(), added.tobytes(), stored.tobytes()
+        lib.cl_be_add_be(_ptr(added_be, "uint8_t *"), wire, n)
+        return loaded.tobytes(), stored.tobytes(), added_be.tobytes()
 
     scalar, vector = levels(lanes)
     assert scalar == vector
-    assert scalar == (src.tobytes(), (acc.astype(np.int64) + src).astype(np.int32).tobytes(), wire)
+    total = (acc.astype(np.int64) + src).astype(np.int32)
+    assert scalar == (src.tobytes(), wire, total.astype(">i4").tobytes())
 
 
 @pytest.mark.parametrize("n, block", [(0, 8), (9, 8), (1000, 333), (20000, 8192), (4096, 256)])

@@ -323,3 +323,32 @@ def test_one_control_format_for_the_switch_and_the_aggregators(switch):
     finally:
         sock.close()
         agg.close()
+
+
+def test_results_queued_in_one_batch_keep_their_rounds_sums():
+    """The switch sends a result from its set's sums (switchml_switch.c: build_result) once the batch is
+    done, so a later round of that set in the same batch must not change what the queued result carries:
+    the packets reach the switch before it runs, so its first receive takes them all in one batch."""
+    from commlib._native import ffi, lib
+    srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    srv.bind(("127.0.0.1", 0))
+    rank = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rank.bind(("127.0.0.1", 0))
+    rank.settimeout(1.0)
+    switch = ffi.gc(lib.sml_switch_new(srv.fileno(), 16, 4, 0), lib.sml_switch_free)
+    try:
+        assert lib.sml_switch_add_job(switch, 3, TOKEN, 1, 2, E, ffi.NULL, 0) == 0
+        assert lib.sml_switch_set_addr(switch, 3, 0, 0x7F000001, rank.getsockname()[1]) == 0
+        rounds = range(1, 11)   # one rank: each packet completes its round, the next one starts anew
+        for pkt in rounds:
+            rank.sendto(data(3, 0, pkt, 1, 0, vals(pkt)), srv.getsockname())
+            if pkt == 5:        # a retransmission: the replay is sent from the sums too
+                rank.sendto(data(3, 0, pkt, 1, 0, vals(pkt)), srv.getsockname())
+        time.sleep(0.05)
+        assert lib.sml_switch_run(switch, 20) == len(rounds) + 1
+        got = [parse(rank.recv(4096)) for _ in range(len(rounds) + 1)]
+        assert [r["pkt"] for r in got] == [1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10]
+        assert all(r["values"] == vals(r["pkt"]) for r in got), [r["pkt"] for r in got if r["values"] != vals(r["pkt"])]
+    finally:
+        srv.close()
+        rank.close()

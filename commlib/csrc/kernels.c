@@ -65,12 +65,12 @@ BODY void be_load(int32_t *restrict dst, const uint8_t *restrict src, size_t n) 
     for (size_t i = 0; i < n; i++) dst[i] = (int32_t)rd32(src + 4 * i);
 }
 
-BODY void be_add(int32_t *restrict dst, const uint8_t *restrict src, size_t n) {
-    for (size_t i = 0; i < n; i++) dst[i] = (int32_t)((uint32_t)dst[i] + rd32(src + 4 * i));
-}
-
 BODY void be_store(uint8_t *restrict dst, const int32_t *restrict src, size_t n) {
     for (size_t i = 0; i < n; i++) wr32(dst + 4 * i, (uint32_t)src[i]);
+}
+
+BODY void be_add_be(uint8_t *restrict dst, const uint8_t *restrict src, size_t n) {
+    for (size_t i = 0; i < n; i++) wr32(dst + 4 * i, rd32(dst + 4 * i) + rd32(src + 4 * i));
 }
 
 /* OmniReduce's scan, per block: whether any element is non-zero (bits & keep: 0x7fffffff ignores a
@@ -136,8 +136,8 @@ BODY void dequantize_tail(const uint8_t *be, size_t from, size_t n, double inv, 
 /* ---- the two builds ------------------------------------------------------------------------- */
 static uint32_t absmax_scalar(const float *x, size_t n) { return absmax_bits(x, n); }
 static void be_load_scalar(int32_t *d, const uint8_t *s, size_t n) { be_load(d, s, n); }
-static void be_add_scalar(int32_t *d, const uint8_t *s, size_t n) { be_add(d, s, n); }
 static void be_store_scalar(uint8_t *d, const int32_t *s, size_t n) { be_store(d, s, n); }
+static void be_add_be_scalar(uint8_t *d, const uint8_t *s, size_t n) { be_add_be(d, s, n); }
 static int any_bits_scalar(const uint8_t *x, size_t n, uint32_t keep) { return any_bits(x, n, keep); }
 static int any_above_f32_scalar(const float *x, size_t n, float t) { return any_above_f32(x, n, t); }
 static int any_above_i32_scalar(const int32_t *x, size_t n, double t) { return any_above_i32(x, n, t); }
@@ -150,8 +150,8 @@ static void checksum_words_scalar(const uint8_t *p, size_t w, uint32_t i, uint32
 #if CL_X86
 AVX2 static uint32_t absmax_avx2(const float *x, size_t n) { return absmax_bits(x, n); }
 AVX2 static void be_load_avx2(int32_t *d, const uint8_t *s, size_t n) { be_load(d, s, n); }
-AVX2 static void be_add_avx2(int32_t *d, const uint8_t *s, size_t n) { be_add(d, s, n); }
 AVX2 static void be_store_avx2(uint8_t *d, const int32_t *s, size_t n) { be_store(d, s, n); }
+AVX2 static void be_add_be_avx2(uint8_t *d, const uint8_t *s, size_t n) { be_add_be(d, s, n); }
 AVX2 static int any_bits_avx2(const uint8_t *x, size_t n, uint32_t keep) { return any_bits(x, n, keep); }
 AVX2 static int any_above_f32_avx2(const float *x, size_t n, float t) { return any_above_f32(x, n, t); }
 AVX2 static int any_above_i32_avx2(const int32_t *x, size_t n, double t) { return any_above_i32(x, n, t); }
@@ -166,11 +166,14 @@ AVX2 static inline __m256i bswap_mask(void) {
                             3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12);
 }
 
+#define PREFETCH_AHEAD 2048   /* bytes: the tensor streams from memory, a packet's block at a time */
+
 AVX2 static void quantize_avx2(const float *x, size_t n, double f, uint8_t *be) {
     __m256d fv = _mm256_set1_pd(f);
     __m256i swap = bswap_mask();
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {   /* cvtpd_epi32 rounds to nearest even, as lrint does */
+        _mm_prefetch((const char *)(x + i) + PREFETCH_AHEAD, _MM_HINT_T0);
         __m256 v = _mm256_loadu_ps(x + i);
         __m128i lo = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)), fv));
         __m128i hi = _mm256_cvtpd_epi32(_mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)), fv));
@@ -185,6 +188,7 @@ AVX2 static void dequantize_avx2(const uint8_t *be, size_t n, double inv, float 
     __m256i swap = bswap_mask();
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
+        _mm_prefetch((const char *)(out + i) + PREFETCH_AHEAD, _MM_HINT_T0);
         __m256i q = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(be + 4 * i)), swap);
         __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(q)), iv));
         __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(q, 1)), iv));
@@ -234,8 +238,8 @@ void cl_dequantize_be(const uint8_t *be, size_t n, int8_t exp, int nworkers, flo
 }
 
 void cl_be_load(int32_t *dst, const uint8_t *src, size_t n) { PICK(be_load, dst, src, n); }
-void cl_be_add(int32_t *dst, const uint8_t *src, size_t n) { PICK(be_add, dst, src, n); }
 void cl_be_store(uint8_t *dst, const int32_t *src, size_t n) { PICK(be_store, dst, src, n); }
+void cl_be_add_be(uint8_t *dst, const uint8_t *src, size_t n) { PICK(be_add_be, dst, src, n); }
 
 size_t cl_block_mask(const void *x, size_t n, int int32, size_t block, double threshold, uint8_t *mask) {
     size_t count = 0;

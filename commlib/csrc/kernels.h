@@ -1,5 +1,5 @@
 /* The per-element kernels of the data paths: SwitchML's block exponents and quantization, and
- * big-endian int32 lanes (the worker's packets, the switch's aggregation); OmniReduce's non-zero-block
+ * big-endian int32 lanes (the worker's packets, the switch's aggregation in wire order); OmniReduce's non-zero-block
  * scan and its aggregators' sums; the transport's checksum.
  *
  * Block quantization follows SwitchML: a block of floats with exponent e (max|x| < 2^e) is
@@ -30,8 +30,10 @@ void cl_dequantize_be(const uint8_t *be, size_t n, int8_t exp, int nworkers, flo
 
 /* Big-endian int32 lanes. */
 void cl_be_load(int32_t *dst, const uint8_t *src, size_t n);    /* dst[i] = be32(src + 4i) */
-void cl_be_add(int32_t *dst, const uint8_t *src, size_t n);     /* dst[i] += be32(src + 4i), wrapping */
 void cl_be_store(uint8_t *dst, const int32_t *src, size_t n);   /* be32(dst + 4i) = src[i] */
+/* be32(dst + 4i) += be32(src + 4i), wrapping: the switch keeps its sums in wire order, so a result's
+ * payload is the slot's memory itself (sent from there, no conversion) */
+void cl_be_add_be(uint8_t *dst, const uint8_t *src, size_t n);
 
 /* OmniReduce: which blocks of `block` elements (the last one may be partial) have any |x| > threshold
  * (NaN counts; threshold 0: any bit but a float's sign bit, so -0.0 is zero): mask[b] = 0/1; returns

@@ -79,17 +79,21 @@ void tp_mac_free(tp_mac *m) {
     free(m);
 }
 
-int tp_mac_tag(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, const void *b, size_t blen, uint8_t *tag) {
-    int out;
-    if (EVP_EncryptInit_ex(m->ctx, NULL, NULL, NULL, nonce) <= 0 ||
-        (alen && EVP_EncryptUpdate(m->ctx, NULL, &out, a, (int)alen) <= 0) ||    /* out NULL: associated data */
-        (blen && EVP_EncryptUpdate(m->ctx, NULL, &out, b, (int)blen) <= 0) ||
-        EVP_EncryptFinal_ex(m->ctx, tag, &out) <= 0 ||
+int tp_mac_tagv(tp_mac *m, const uint8_t *nonce, const tp_part *parts, int nparts, uint8_t *tag) {
+    int out, ok = EVP_EncryptInit_ex(m->ctx, NULL, NULL, NULL, nonce) > 0;
+    for (int i = 0; ok && i < nparts; i++)   /* out NULL: associated data */
+        ok = !parts[i].len || EVP_EncryptUpdate(m->ctx, NULL, &out, parts[i].p, (int)parts[i].len) > 0;
+    if (!ok || EVP_EncryptFinal_ex(m->ctx, tag, &out) <= 0 ||
         EVP_CIPHER_CTX_ctrl(m->ctx, EVP_CTRL_AEAD_GET_TAG, TP_TAG_LEN, tag) <= 0) {
         memset(tag, 0, TP_TAG_LEN);
         return -1;
     }
     return 0;
+}
+
+int tp_mac_tag(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, const void *b, size_t blen, uint8_t *tag) {
+    tp_part parts[2] = {{a, alen}, {b, blen}};
+    return tp_mac_tagv(m, nonce, parts, 2, tag);
 }
 
 int tp_mac_check(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, const void *b, size_t blen,
@@ -411,8 +415,9 @@ int tp_rxq_recv(tp_rxq *q, int timeout_ms) {
         if (pr == 0) return 0;
     }
     int r;
+    size_t vlen = q->want && q->want < q->nmsgs ? q->want : q->nmsgs;
     for (;;) {
-        for (size_t i = 0; i < q->nmsgs; i++) {
+        for (size_t i = 0; i < vlen; i++) {
             struct msghdr *h = &q->msgs[i].msg_hdr;
             h->msg_name = &q->from[i];
             h->msg_namelen = sizeof q->from[i];
@@ -420,7 +425,7 @@ int tp_rxq_recv(tp_rxq *q, int timeout_ms) {
             h->msg_controllen = RX_CTL_LEN;
             h->msg_flags = 0;
         }
-        r = recvmmsg(q->fd, q->msgs, (unsigned)q->nmsgs, MSG_DONTWAIT, NULL);
+        r = recvmmsg(q->fd, q->msgs, (unsigned)vlen, MSG_DONTWAIT, NULL);
         if (r >= 0) break;
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;

@@ -75,6 +75,11 @@ int tp_mac_check(tp_mac *m, const uint8_t *nonce, const void *a, size_t alen, co
 
 #include "kernels.h"
 
+/* The MAC of a message in pieces (a packet sent from several buffers): the same tag as tp_mac_tag of
+ * their concatenation. 0, or -1 if OpenSSL failed. */
+typedef struct { const void *p; size_t len; } tp_part;
+int tp_mac_tagv(tp_mac *m, const uint8_t *nonce, const tp_part *parts, int nparts, uint8_t *tag);
+
 /* ---- clocks, byte order, random numbers ---------------------------------------------------- */
 static inline uint64_t tp_now_ns(void) {
     struct timespec ts;
@@ -283,6 +288,8 @@ typedef struct {
     struct iovec *iov;
     struct sockaddr_in *from;
     char *ctl;
+    size_t want;                         /* messages per call, at most nmsgs (0: nmsgs): a caller may bound a
+                                          * batch's bytes, which it then processes from cache */
     int nmsg, nseg;                      /* of the last call: messages, segments */
     const uint8_t **seg;
     uint32_t *seg_len;
