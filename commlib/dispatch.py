@@ -193,10 +193,14 @@ class Dispatcher:
     def _measured(self, plan, staged):
         """A dense plan whose choices depend on the density, with this step's (the choices are remembered,
         the density measured anew: it changes step to step)."""
-        for _, algorithm in plan.choices:
-            if self.backends[algorithm].sparse:
-                break
-        density = self.backends[algorithm].density(staged.array)
+        # the sparse choice's own measure; for a density rule among dense algorithms only, that of a
+        # sparse algorithm running in the job (the block density the rules speak of)
+        measure = next((alg for _, alg in plan.choices if self.backends[alg].sparse), None) or \
+            next((alg for alg, backend in self.backends.items() if backend.sparse), None)
+        if measure is None:
+            raise ConfigError(f"a density rule ({plan.choices}) needs the block density a sparse algorithm "
+                              f"(omnireduce) measures, and none runs here: {self.unavailable.get('omnireduce')}")
+        density = self.backends[measure].density(staged.array)
         # not dataclasses.replace: every dense tensor `auto` decides comes here at every step
         return Plan(plan.choices, compression=plan.compression, density=density, side=side_of(plan.choices, density),
                     note=plan.note, rows=plan.rows, report=plan.report)

@@ -1,7 +1,10 @@
 """Handles: what an asynchronous allreduce returns, resolved by the background thread."""
 import threading
+import time
 
 from commlib.errors import CommTimeout
+
+WAIT_SLICE_S = 1.0
 
 
 def when_all(handles, fn):
@@ -60,14 +63,20 @@ class Handle:
 
     def done(self, wait_s=0.0):
         """True when the result or error is in (waiting up to wait_s for it)."""
-        return self._set or (wait_s > 0 and self._wait(wait_s))
+        return self._set or (bool(wait_s) and self._wait(wait_s))
 
     def _wait(self, timeout):
-        if self._set:
-            return True
-        if not self._latch.acquire(timeout=-1 if timeout is None else timeout):
-            return False
-        self._latch.release()   # the next waiter's turn
+        """Whether the result came within `timeout` seconds (None: however long it takes). The latch is
+        taken in slices: a waiter interrupted between taking and passing it on (Ctrl-C) delays the
+        others by one slice at most, never strands them."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._set:
+            left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            if self._latch.acquire(timeout=left):
+                self._latch.release()   # the next waiter's turn
+                return True
         return True
 
     def wait(self):

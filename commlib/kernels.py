@@ -34,7 +34,11 @@ HELD_MAX = 1 << 14   # values: a few us of scanning
 
 
 def nonzero_blocks(x, block, threshold, int32):
-    """(uint8 mask per block: any |x| > threshold, NaN counting; the number of such blocks)."""
+    """(uint8 mask per block: any |x| > threshold, NaN counting; the number of such blocks). x: a
+    C-contiguous float32 array, or int32 with int32 set."""
+    if x.dtype != (np.int32 if int32 else np.float32) or not x.flags.c_contiguous or block < 1:
+        raise ValueError(f"nonzero_blocks takes a C-contiguous {'int32' if int32 else 'float32'} array and "
+                         f"block >= 1, not a {'' if x.flags.c_contiguous else 'strided '}{x.dtype} array, block {block}")
     mask = np.empty(nblocks(x.size, block), dtype=np.uint8)
     if x.size <= HELD_MAX:
         count = _HELD(x.ctypes.data, x.size, int32, block, threshold, mask.ctypes.data)

@@ -60,10 +60,7 @@ class Staged:
         if not self.torch:
             return np.ascontiguousarray(self.tensor).reshape(-1)
         import torch
-        t = self.tensor
-        if viewable(t):
-            return host_array(t)
-        t = t.detach()
+        t = self.tensor.detach()
         if t.is_sparse:
             t = t.to_dense()
         if t.dtype == torch.bfloat16:
@@ -72,7 +69,10 @@ class Staged:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
             host.copy_(t)   # synchronous: the host copy is complete when it returns
             t = host
-        return t.contiguous().view(-1).numpy()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        # .numpy(), not a view by address: the tensor cannot be resized while the backends read it
+        return t.resolve_neg().numpy().reshape(-1) if t.is_neg() else t.numpy().reshape(-1)
 
     def _densified(self):
         out = np.zeros((self.sparse.nrows, self.sparse.width), dtype=self.travel_dtype)
@@ -105,14 +105,17 @@ class Staged:
 
 
 def viewable(tensor):
-    """A torch tensor `host_array` can view: dense, contiguous, on the CPU, of a dtype numpy has."""
+    """A torch tensor `host_array` can view: dense, contiguous, with memory on the CPU (not a ZeroTensor
+    or a FakeTensor), of a dtype numpy has, its values as stored (no negative bit)."""
     import torch
     return tensor.device.type == "cpu" and not tensor.is_sparse and tensor.dtype != torch.bfloat16 and \
-        tensor.is_contiguous()
+        tensor.is_contiguous() and not tensor.is_neg() and (tensor.data_ptr() != 0 or tensor.numel() == 0)
 
 
 def host_array(tensor):
-    """A `viewable` tensor's memory as a 1-D numpy array, without a torch call (see _HostView)."""
+    """A `viewable` tensor's memory as a 1-D numpy array, without a torch call (see _HostView). The
+    array keeps the tensor object alive, not its memory if it is resized: the caller owns the tensor
+    for as long as the array is used (a DDP bucket, a measurement made at once)."""
     dtype = host_dtype(tensor.dtype)
     return np.asarray(_HostView(tensor, dtype)) if tensor.numel() else np.empty(0, dtype)
 

@@ -366,10 +366,10 @@ class SwitchServer:
         the job's token, that rank, and the probe from the address the job registered for that rank, where
         the data plane takes that rank's packets from. A switch elsewhere naming this job as its parent (an
         attacker's, a misconfigured one) is refused: its partial sums would never be taken."""
-        rank = request.get("rank")
-        if request.get("token") != job.token:
+        rank, token = request.get("rank"), request.get("token")
+        if type(token) is not int or token != job.token:   # JSON's 4660.0 and true are not the token 4660 and 1
             raise control.Refused("bad_token", f"job #{job.number} with that token is not registered on this switch")
-        if not isinstance(rank, int) or rank not in job.alive:
+        if type(rank) is not int or rank not in job.alive:
             raise ConfigError(f"job #{job.number} has no rank {str(rank)[:20]} (its leaves are 0..{len(job.alive) - 1})")
         announced = sorted({stream[rank][0] for stream in job.workers})
         if source is not None and source not in announced:
@@ -398,7 +398,7 @@ class SwitchServer:
             return job
         if auth.verify(job.key, request):
             rank = request.get("rank")
-            if not isinstance(rank, int) or rank not in job.alive:
+            if type(rank) is not int or type(request.get("token")) is not int or rank not in job.alive:
                 raise ValueError(f"rank {rank!r} is not a rank of job #{number}")
             sender = (number, job.nonce, rank)
         elif auth.verify(self.key, request):
@@ -537,6 +537,9 @@ class SwitchServer:
         try:
             client.request("leaf", job=parent["job"], rank=parent["rank"], token=parent["token"])
         except CommError as exc:
+            if "unknown op 'leaf'" in str(exc):
+                raise ConfigError(f"the parent switch at {address} runs an older commlib, which cannot confirm a "
+                                  f"leaf: run the same commlib version on the spine and its leaves") from None
             raise ConfigError(f"the parent switch at {address} did not confirm job #{parent['job']} with that token "
                               f"and rank {parent['rank']} ({exc}); register the job on the spine first, with this "
                               f"leaf's address as that rank's") from None

@@ -62,6 +62,13 @@ def test_caller_and_policy_choices():
     assert plan(d, np.zeros(8, np.float32), "emb.users", policy=other)[0].algorithm == "switchml"
 
 
+def test_a_density_rule_among_dense_algorithms_is_measured_by_the_sparse_one_running():
+    p, _ = plan(dispatcher(policy="*[density<0.1]=ring;*=switchml"), np.zeros(8, np.float32))
+    assert p.choices == ((0.1, "ring"), (None, "switchml")) and p.density == 0.01 and p.side == 0, p
+    with pytest.raises(ConfigError, match="needs the block density a sparse algorithm"):
+        plan(dispatcher(("ring", "switchml"), policy="*[density<0.1]=ring;*=switchml"), np.zeros(8, np.float32))
+
+
 def test_compressors_ride_the_first_running_carrier_of_their_payload():
     d = dispatcher()
     assert plan(d, np.zeros(8, np.float32), compression="topk(ratio=0.5)")[0].algorithm == "omnireduce"

@@ -504,6 +504,14 @@ def test_block_mask_and_density(path, monkeypatch):
     assert om.block_mask(np.array([0, 0, 2], np.float64), 2).tolist() == [0, 1]   # numpy fallback
 
 
+@pytest.mark.parametrize("array, int32, block", [(np.zeros(8, np.float32)[::2], 0, 2), (np.zeros(8, np.float64), 0, 2),
+                                                 (np.zeros(8, np.float32), 1, 2), (np.zeros(8, np.float32), 0, 0)])
+def test_the_scan_refuses_what_it_would_misread(array, int32, block):
+    from commlib import kernels
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernels.nonzero_blocks(array, block, 0.0, int32)
+
+
 def test_density_with_the_backends_own_block_and_threshold():
     """What the core's `auto` policy reads: the fraction of blocks this backend would send."""
     x = np.zeros(64, np.float32)

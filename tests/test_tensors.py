@@ -53,3 +53,19 @@ def test_restore_gives_the_callers_dtype_and_shape(dtype):
 def test_a_dtype_that_cannot_be_summed_is_refused_with_what_to_do(dtype):
     with pytest.raises(InvalidTensor, match="use a float or integer dtype"):
         Staged(torch.zeros(3, dtype=dtype))
+
+
+def test_a_tensor_cannot_be_resized_while_its_array_is_read():
+    """The backends read `array` on the background thread: resizing the caller's tensor meanwhile
+    would free that memory under them (torch refuses it, as for any tensor numpy views)."""
+    tensor = torch.ones(1000)
+    array = Staged(tensor).array
+    with pytest.raises(RuntimeError, match="not resizable"):
+        tensor.resize_(1 << 22)
+    assert (array == 1.0).all()
+
+
+def test_values_behind_a_negative_bit_are_read_as_the_tensor_holds_them():
+    tensor = torch._neg_view(torch.arange(4.0))
+    staged = Staged(tensor)
+    assert staged.array.tolist() == [-0.0, -1.0, -2.0, -3.0], staged.array
