@@ -60,10 +60,11 @@ class PowerSGD(Compressor):
     def initial_q(self, m, name, step):
         """This step's orthonormal (cols, rank) Q: last step's (warm start), else drawn from a generator
         seeded by (seed, name): identical on every rank, as it must be since the P's of all ranks are summed."""
+        rank = min(self.rank, *m.shape)   # as PyTorch's hook: no more columns than the matrix has rank
         q = self.qs.get(name) if self.warm_start else None
-        if q is None or q.shape != (m.shape[1], self.rank):
+        if q is None or q.shape != (m.shape[1], rank):
             g = self.generator(name, "cpu", shared=True, step=0 if self.warm_start else step)
-            q = torch.randn(m.shape[1], self.rank, generator=g, dtype=torch.float64)
+            q = torch.randn(m.shape[1], rank, generator=g, dtype=torch.float64)
         return orthogonalize(q.to(m), self.orthogonalization_epsilon)
 
     # GRACE's single-rank compress/decompress: payload (P, Q) for a compressed matrix, else the tensor

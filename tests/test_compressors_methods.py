@@ -57,6 +57,19 @@ def test_powersgd_bucket_is_two_allreduces_and_equals_tensor_by_tensor():
                                                                 ("allreduce", 4 * (30 + 8))]
 
 
+def test_powersgd_rank_above_a_matrix_side_is_that_side_as_in_pytorch():
+    """rank=8 on a 4x16 matrix (compressed at min_compression_rate=0.01): a rank-4 approximation,
+    which is the matrix itself (PyTorch's hook clamps the same way); it failed on a shape error."""
+    inputs = torch.randn(2, 4, 16, generator=gen(9))
+    comps = [C.build("powersgd", {"rank": 8, "min_compression_rate": 0.01}) for _ in range(2)]
+
+    def rank_main(rank, comm):
+        return comps[rank].reduce_bucket([inputs[rank]], ["w"], comm, True)[0]
+
+    for out in run_ranks(2, rank_main, group=LocalGroup(2, algorithm="ring")):
+        assert out.shape == (4, 16) and torch.allclose(out, inputs.mean(0), atol=1e-5), (out - inputs.mean(0)).abs().max()
+
+
 def test_fp16_carries_powersgd_collectives():
     """fp16(powersgd(rank=1)), like DDP's fp16_compress_wrapper(powerSGD_hook): the P and Q
     allreduces travel as float16, and the result is PowerSGD's within fp16 rounding."""
