@@ -283,8 +283,9 @@ class Executor:
             run = self._run_rows if rows else self._run_dense
         results = run(bucket, backend, name, phases)
         end = time.monotonic()
+        nbytes = sum(entry.staged.nbytes for entry in bucket)
         for entry, result in zip(bucket, results):
-            self._record(entry, name, start, end, len(bucket), phases)
+            self._record(entry, name, start, end, len(bucket), phases, nbytes)
             entry.handle.set(result=result)
 
     def _run_dense(self, bucket, backend, name, phases):
@@ -363,7 +364,7 @@ class Executor:
             if counts is not None:
                 self.timeline.counts(entry.name, counts[0], counts[1].reshape(-1))
 
-    def _record(self, entry, bucket, start, end, fused, phases):
+    def _record(self, entry, bucket, start, end, fused, phases, bucket_bytes):
         t = entry.times
         self.records[entry.record] = {
             "algorithm": entry.algorithm, "compression": entry.plan.compression, "dtype": entry.staged.dtype_name,
@@ -376,8 +377,10 @@ class Executor:
                                             skew=entry.skew)
         if entry.auto is not None:   # `auto` measures: its trial or choice; this run's time goes to rank 0 with the next submission
             self.records[entry.record]["auto"] = entry.auto
-            self.dispatcher.reports.ran(entry.name, entry.auto, end - start)
-            for *_, comm, args in phases.spans:
+            # its share of the bucket's time by bytes: fused with others or alone, a tensor costs alike
+            share = entry.staged.nbytes / bucket_bytes if bucket_bytes else 1.0
+            self.dispatcher.reports.ran(entry.name, entry.auto, (end - start) * share)
+            for *_, comm, args in (phases.spans if self.timeline.active else ()):
                 if comm:   # the study's table of candidates (commlib.analyze)
                     args["auto"] = entry.auto
         self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, fused - 1)

@@ -25,7 +25,7 @@ define("auto_revisit", 500, "policy 'auto': runs of a tensor after which its gro
 define("auto_drift", 1.5, "policy 'auto': five runs in a row this many times slower than the kept "
        "candidate's measured time try the candidates again")
 
-WARMUP = 1   # runs of each candidate not counted: first calls set up state (buffers, hot sets)
+WARMUP = 1   # rounds of each candidate not counted: first calls set up state (buffers, hot sets)
 SLOW_RUNS = 5   # in a row: a shared machine's stalls last a step or two
 SLACK_S = 0.005   # a slow run is also this much slower: small tensors' times vary by milliseconds with the load
 
@@ -54,10 +54,11 @@ class Trials:
             return None
         return state.choice, state.shown(self.revisit)
 
-    def choose(self, group, ranked):
-        """(algorithm, what commlib.records() shows of it) for a release `kept` left open: `ranked`
-        the candidates best first as the model ranks them, [(algorithm, cost)]. The next trial of the
-        group, formed anew when it is new or was checked."""
+    def choose(self, group, ranked, name=None):
+        """(algorithm, what commlib.records() shows of it) for a release of tensor `name` that `kept` left
+        open: `ranked` the candidates best first as the model ranks them, [(algorithm, cost)]. The
+        candidate of the group's round (a new round when `name` comes again, or is None), formed anew
+        when the group is new or was checked."""
         state = self._groups.get(group)
         if state is None or state.checked is not None:
             best = ranked[0][1]
@@ -71,10 +72,15 @@ class Trials:
             state = self._groups[group] = _Group(candidates)
             if state.choice is not None:
                 return state.choice, state.shown(self.revisit)
-        algorithm = min(state.candidates, key=lambda a: (state.given[a], state.candidates.index(a)))
-        state.given[algorithm] += 1
+        if name is None or name in state.named or state.current is None:   # the next round, the next candidate
+            state.current = min(state.candidates, key=lambda a: (state.given[a], state.candidates.index(a)))
+            state.given[state.current] += 1
+            state.named = set()
+        state.named.add(name)
+        algorithm = state.current
         self._ids += 1
-        state.pending[self._ids] = algorithm
+        # the round it counts for (None: a warm-up round, not counted)
+        state.pending[self._ids] = (algorithm, state.given[algorithm]) if state.given[algorithm] > WARMUP else None
         return algorithm, {"trial": self._ids, "candidates": state.candidates, "times": state.medians()}
 
     def _heard(self, state, reports):
@@ -86,18 +92,21 @@ class Trials:
             return None
         if "trial" not in sent[0]:
             return max(r["seconds"] for r in sent) if state.choice is not None else None
-        algorithm = state.pending.pop(sent[0]["trial"], None)
-        if algorithm is not None and len(sent) == len(reports) and all(r.get("trial") == sent[0]["trial"] for r in sent):
-            state.times[algorithm].append(max(r["seconds"] for r in sent))
+        trial = state.pending.pop(sent[0]["trial"], None)   # None too for a warm-up round's
+        if trial is not None and len(sent) == len(reports) and all(r.get("trial") == sent[0]["trial"] for r in sent):
+            state.times[trial[0]].append(max(r["seconds"] for r in sent))
+            state.heard[trial[0]].add(trial[1])
         return None
 
 
 class _Group:
     def __init__(self, candidates):
         self.candidates = candidates
-        self.times = {a: [] for a in candidates}   # the slowest rank's seconds per trial, warm-up included
-        self.given = dict.fromkeys(candidates, 0)  # trial releases handed out
-        self.pending = {}                          # trial id -> its candidate, until reported
+        self.times = {a: [] for a in candidates}   # the slowest rank's seconds per trial, after its warm-up rounds
+        self.heard = {a: set() for a in candidates}   # the rounds those came from
+        self.given = dict.fromkeys(candidates, 0)  # rounds handed out
+        self.current, self.named = None, set()     # the round's candidate, the names released in it
+        self.pending = {}                          # trial id -> its candidate (None: warm-up), until reported
         self.choice = candidates[0] if len(candidates) == 1 else None
         self.expect = None
         self.checked = None   # the seconds of a check of the kept choice: formed anew at the next release
@@ -108,12 +117,12 @@ class _Group:
                 "revisit": revisit}
 
     def medians(self):
-        return {a: statistics.median(t[WARMUP:]) for a, t in self.times.items() if len(t) > WARMUP}
+        return {a: statistics.median(t) for a, t in self.times.items() if t}
 
     def decide(self, samples):
-        """Keep the fastest once every candidate has its samples (or, when reports go missing, after
-        three times the releases that needed; none measured: the model's best)."""
-        enough = all(len(t) >= WARMUP + samples for t in self.times.values())
+        """Keep the fastest once every candidate was measured in `samples` rounds (or, when reports go
+        missing, after three times the rounds that needed; none measured: the model's best)."""
+        enough = all(len(rounds) >= samples for rounds in self.heard.values())
         if not enough and min(self.given.values()) < 3 * (WARMUP + samples):
             return False
         medians = self.medians()

@@ -152,3 +152,59 @@ def test_trials_and_choices_are_the_same_on_every_rank_a_slow_candidate_loses_dr
     assert trials["a"] == steps[-1]["records"]["a"]["auto"], (trials, steps[-1])
     table = analyze.format_trials(trials)
     assert "*toy_slow" in table and "toy_fast 3" in table, table   # ~300 ms once it turned slow
+
+
+def test_dense_candidates_are_ranked_by_their_bytes_and_tried_by_round_one_round_per_step():
+    """A round: every release of the group until a name comes again, all with one candidate (they
+    fuse as they will once one is kept)."""
+    trials = Trials(margin=4.0, samples=1, revisit=100)
+    choices = [[TRAFFIC, "switchml"], [TRAFFIC, "ring"]]
+
+    def meta(nbytes_floats, report=None, dtype="float32"):
+        return {"choices": choices, "shape": [nbytes_floats], "dtype": dtype, "side": 0, "rows": None,
+                "report": report}
+
+    got = [settle_release(name, [meta(1000), meta(1000)], trials) for name in ("a", "b", "a", "b")]
+    assert [r.algorithm for r in got] == ["switchml", "switchml", "ring", "ring"], got
+    assert all("trial" in r.auto for r in got) and got[0].estimate is None, got
+    other = settle_release("c", [meta(100_000), meta(100_000)], trials)   # another size band: its own group
+    assert other.algorithm == "switchml" and other.auto["trial"] != got[-1].auto["trial"], other
+    four = settle_release("d", [meta(10, dtype="float16")] * 4, trials)
+    assert four.auto["candidates"] == ["switchml", "ring"], four   # with 4 ranks the switch moves fewer bytes
+    assert settle_release("a", [meta(1000), meta(1000)]).algorithm == "switchml", "no trials: the first"
+
+
+@pytest.mark.multiprocess
+def test_dense_auto_tries_switchml_and_the_ring_on_the_same_steps_keeps_the_faster_caches_it_and_retries_on_drift():
+    """2 ranks (tests/workers/auto_dense.py): the ring sleeps until step FLIP, then switchml does.
+    The group of 'w.0' and 'w.1' tries both a step at a time, keeps switchml, is released from the
+    cache until it drifts, then tries both again and keeps the ring. A tensor a policy rule or the
+    caller names is never tried."""
+    env = {"COMMLIB_AUTO_TRIAL_SAMPLES": "2", "COMMLIB_AUTO_DRIFT": "3"}
+    results = spawn(2, "auto_dense.py", timeout=120, env=env).check().results()
+    steps, flip, slow_s = results[0]["steps"], results[0]["flip"], results[0]["slow_s"]
+    for i, (mine, theirs) in enumerate(zip(steps, results[1]["steps"])):
+        assert mine["records"] == theirs["records"], f"step {i}: rank 0 and rank 1 differ"
+        assert all(mine["exact"].values()), f"step {i}: a result is not the sum: {mine['exact']}"
+        assert mine["records"]["named.w"] == {"algorithm": "ring", "auto": None}, f"step {i}: a rule's choice: {mine}"
+        assert mine["records"]["caller.w"] == {"algorithm": "switchml", "auto": None}, f"step {i}: the caller's: {mine}"
+        w0, w1 = ((r["algorithm"], "trial" in r["auto"]) for r in (mine["records"]["w.0"], mine["records"]["w.1"]))
+        assert w0 == w1, f"step {i}: one group, one round: the same candidate {mine}"
+
+    def auto(i):
+        return steps[i]["records"]["w.0"]["auto"]
+
+    tried = [steps[i]["records"]["w.0"]["algorithm"] for i in range(len(steps)) if "trial" in auto(i)]
+    rounds = 2 * (WARMUP + 2)
+    assert tried[:rounds] == ["switchml", "ring"] * (WARMUP + 2), f"in carriers order, a step each: {tried}"
+    assert auto(flip - 1)["choice"] == "switchml" and auto(flip - 1)["times"]["ring"] >= slow_s / 2, auto(flip - 1)
+    kept_at = next(i for i in range(len(steps)) if "choice" in auto(i))
+    assert kept_at <= rounds + 1, f"kept once the last round's reports came: step {kept_at}"
+    full = [s["full"] for s in steps]
+    assert full[flip - 1]["w.0"] == full[kept_at + 1]["w.0"], f"the kept choice comes from the cache: {full}"
+    assert (full[-1]["named.w"], full[-1]["caller.w"]) == (full[0]["named.w"], full[0]["caller.w"]), \
+        f"named ones: negotiated in full on the first step only: {full}"
+    retried = [i for i in range(flip, len(steps)) if "trial" in auto(i)]
+    assert retried, "switchml turned slow and was never tried again"
+    assert auto(len(steps) - 1)["choice"] == "ring", f"after the drift the ring wins: {auto(len(steps) - 1)}"
+    assert full[-1]["w.0"] == full[-2]["w.0"], f"cached again: {full[-2:]}"
