@@ -14,6 +14,11 @@ densest rank's density. A rank submits only which side of the bounds it lies on 
 controller takes the max over ranks: the same choice), so a tensor whose side stays the same
 submits the same metadata step after step, which the controller's response cache keeps.
 
+A dense tensor under `auto` (no rule or caller naming an algorithm) lists the dense carriers that run
+and take it as ("traffic", algorithm) choices after the sparse carrier's density bound: the
+controller picks among them (`_settle_dense`): the one measured fastest on early steps for its group
+(dtype, size band; commlib.trials), or the one under trial on this release.
+
 Row-sparse tensors (torch sparse COO gradients, commlib.sparse.RowSparse) travel as (rows, values):
 `auto` lists the row carriers and the best dense algorithm as ("traffic", algorithm) choices, each
 rank adds what it measured (its rows, a sketch of them), and the controller takes the algorithm

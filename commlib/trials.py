@@ -1,17 +1,24 @@
 """Trials: `auto` measures what the traffic model only estimates.
 
 For each group of tensors `auto` decides together (the payload kind, its candidates, the size band,
-for row-sparse tensors the band of the densest rank's row density), the candidates that the model
-ranks within `auto_trial_margin` of the best are tried in turn, one release at a time: the
-controller (rank 0's settle, `Trials.choose`) picks each release's algorithm, so every rank runs the
-same candidate on the same step by construction. A release under trial carries an id; every rank
-measures its run and reports (id, seconds) in the metadata it submits next for that name
-(`Reports`), and rank 0 keeps the slowest rank's time. Once every candidate has
-`auto_trial_samples` times (after one warm-up run each) the fastest by median is kept; its releases
-carry that time, and a rank reports again after `auto_revisit` runs, or when five runs in a row
-took `auto_drift` times longer: the group is then tried anew, less the candidates measured
-`auto_trial_margin` times slower than the kept one now runs (they sit that round out). A settled release no longer depends on
-the controller's state, so the response cache may keep it.
+for row-sparse tensors the band of the densest rank's row density, for dense ones the dtype), the
+candidates that the model ranks within `auto_trial_margin` of the best are tried in turn, a round
+at a time: a round is every release of the group until a name comes again (a training step's
+tensors of that group), and all of them run the round's candidate, so they fuse as they will once
+one is kept. The controller (rank 0's settle, `Trials.choose`) picks each round's candidate, so every
+rank runs the same candidate on the same step by construction. Dense tensors' candidates are the
+dense carriers that run and take the tensor (switchml, the ring), ranked by Backend.dense_traffic;
+a block-sparse one goes to the sparse carrier by its density bound, untried.
+
+A release under trial carries an id; every rank measures its run and reports (id, seconds) in the
+metadata it submits next for that name (`Reports`), and rank 0 keeps the slowest rank's time. A
+run's seconds are the tensor's share by bytes of its bucket's time (a row-sparse tensor travels
+alone: the whole), so a tensor costs alike fused or alone. Once every candidate was measured in
+`auto_trial_samples` rounds (after one warm-up round each) the fastest by median is kept; its
+releases carry that time, and a rank reports again after `auto_revisit` runs, or when five runs in
+a row took `auto_drift` times longer: the group is then tried anew, less the candidates measured
+`auto_trial_margin` times slower than the kept one now runs (they sit that round out). A settled
+release no longer depends on the controller's state, so the response cache may keep it.
 """
 import statistics
 
@@ -19,8 +26,8 @@ from commlib.settings import define
 
 define("auto_trial_margin", 4.0, "policy 'auto': candidates the traffic model ranks within this factor of the "
        "best are tried on early steps and the fastest measured is kept")
-define("auto_trial_samples", 3, "policy 'auto': measured runs per candidate (after one warm-up run) before "
-       "the fastest is kept; 0: no trials, the traffic model alone decides")
+define("auto_trial_samples", 3, "policy 'auto': measured rounds (steps) per candidate (after one warm-up round) "
+       "before the fastest is kept; 0: no trials, the traffic model (dense: the first dense carrier) decides")
 define("auto_revisit", 500, "policy 'auto': runs of a tensor after which its group's candidates are tried again")
 define("auto_drift", 1.5, "policy 'auto': five runs in a row this many times slower than the kept "
        "candidate's measured time try the candidates again")
