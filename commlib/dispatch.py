@@ -81,6 +81,8 @@ def settle_release(name, metas, trials=None):
 
 
 def _settle_metas(name, metas, trials):
+    if metas[0].get("once"):   # an unnamed call's name never comes again, nor its run's report: the model decides
+        trials = None
     choices = metas[0]["choices"]
     bound, algorithm = choices[max(_side(meta, choices) for meta in metas)]
     if bound != TRAFFIC:   # a density rule, or a plan with one choice

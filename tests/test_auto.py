@@ -172,6 +172,8 @@ def test_dense_candidates_are_ranked_by_their_bytes_and_tried_by_round_one_round
     four = settle_release("d", [meta(10, dtype="float16")] * 4, trials)
     assert four.auto["candidates"] == ["switchml", "ring"], four   # with 4 ranks the switch moves fewer bytes
     assert settle_release("a", [meta(1000), meta(1000)]).algorithm == "switchml", "no trials: the first"
+    once = settle_release("noname.7", [dict(meta(1000), once=True)] * 2, trials)
+    assert (once.algorithm, once.auto) == ("switchml", None), f"an unnamed call never reports: not tried {once}"
 
 
 @pytest.mark.multiprocess
