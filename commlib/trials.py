@@ -11,11 +11,15 @@ dense carriers that run and take the tensor (switchml, the ring), ranked by Back
 a block-sparse one goes to the sparse carrier by its density bound, untried.
 
 A release under trial carries an id; every rank measures its run and reports (id, seconds) in the
-metadata it submits next for that name (`Reports`), and rank 0 keeps the slowest rank's time. A
+metadata it submits next for that name (`Reports`). Rank 0 ranks the candidates by the quickest
+rank's time: a collective ends alike on every rank, so that is the time from the last rank's
+arrival to the end, what the candidate adds to a step, where the others' also hold the wait for
+the last (the ranks' skew, the same whichever runs: noise that once kept switchml over a ring twice
+as fast for 4 MiB tensors on loopback); drift is checked against the slowest rank's. A
 run's seconds are the tensor's share by bytes of its bucket's time (a row-sparse tensor travels
 alone: the whole), so a tensor costs alike fused or alone. Once every candidate was measured in
 `auto_trial_samples` rounds (after one warm-up round each) the fastest by median is kept; its
-releases carry that time, and a rank reports again after `auto_revisit` runs, or when five runs in
+releases carry its slowest rank's median time, and a rank reports again after `auto_revisit` runs, or when five runs in
 a row took `auto_drift` times longer: the group is then tried anew, less the candidates measured
 `auto_trial_margin` times slower than the kept one now runs (they sit that round out). A settled
 release no longer depends on the controller's state, so the response cache may keep it.
@@ -91,8 +95,8 @@ class Trials:
         return algorithm, {"trial": self._ids, "candidates": state.candidates, "times": state.medians()}
 
     def _heard(self, state, reports):
-        """Take the ranks' reports: a trial's time (kept only when every rank reported it: the slowest
-        rank's), or a check of the kept choice (due, or drifted), which starts the trials anew: then
+        """Take the ranks' reports: a trial's times (kept only when every rank reported it: the quickest
+        and the slowest rank's), or a check of the kept choice (due, or drifted), which starts the trials anew: then
         the seconds its slowest rank took, else None."""
         sent = [r for r in reports if r]
         if not sent:
@@ -101,7 +105,8 @@ class Trials:
             return max(r["seconds"] for r in sent) if state.choice is not None else None
         trial = state.pending.pop(sent[0]["trial"], None)   # None too for a warm-up round's
         if trial is not None and len(sent) == len(reports) and all(r.get("trial") == sent[0]["trial"] for r in sent):
-            state.times[trial[0]].append(max(r["seconds"] for r in sent))
+            state.times[trial[0]].append(min(r["seconds"] for r in sent))
+            state.slowest[trial[0]].append(max(r["seconds"] for r in sent))
             state.heard[trial[0]].add(trial[1])
         return None
 
@@ -109,7 +114,8 @@ class Trials:
 class _Group:
     def __init__(self, candidates):
         self.candidates = candidates
-        self.times = {a: [] for a in candidates}   # the slowest rank's seconds per trial, after its warm-up rounds
+        self.times = {a: [] for a in candidates}   # the quickest rank's seconds per trial, after its warm-up rounds
+        self.slowest = {a: [] for a in candidates}   # the slowest rank's
         self.heard = {a: set() for a in candidates}   # the rounds those came from
         self.given = dict.fromkeys(candidates, 0)  # rounds handed out
         self.current, self.named = None, set()     # the round's candidate, the names released in it
@@ -134,7 +140,7 @@ class _Group:
             return False
         medians = self.medians()
         self.choice = min(medians, key=medians.get) if medians else self.candidates[0]
-        self.expect = medians.get(self.choice)
+        self.expect = statistics.median(self.slowest[self.choice]) if self.choice in medians else None
         self.pending.clear()
         return True
 
