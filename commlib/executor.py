@@ -1,8 +1,9 @@
 """The executor: one background thread runs what the controller released, in its order.
 
 Every rank receives the same `go` batches in the same order, so every rank fuses them alike:
-consecutive tensors with the same fusion key (same algorithm and dtype, or the same compressor
-object, same op and scaling) become one bucket of at most `fusion_threshold` bytes. A dense
+a batch's tensors with the same fusion key (same algorithm and dtype, or the same compressor
+object, same op and scaling), taken together in the order each key first comes (`grouped`),
+become buckets of at most `fusion_threshold` bytes. A dense
 bucket is one backend allreduce of the concatenated buffer; a compressed bucket is one
 `Compressor.reduce_bucket` (one collective per payload dtype). Results are scaled, split back,
 recorded, and handed to the callers' handles.
@@ -236,7 +237,7 @@ class Executor:
                     entry.algorithm, entry.times["go"] = release.algorithm, now
                     entry.estimate, entry.counts, entry.auto = release.estimate, release.counts, release.auto
                     entries.append(entry)
-        for bucket in fuse(entries, fusion_threshold or self.ctx.settings.fusion_threshold):
+        for bucket in fuse(grouped(entries), fusion_threshold or self.ctx.settings.fusion_threshold):
             try:
                 self._run(bucket)
             except Exception as exc:
@@ -422,6 +423,16 @@ def fused(arrays, writeable=False):
         return first
     total = sum(a.size for a in arrays)
     return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,), writeable=writeable)
+
+
+def grouped(entries):
+    """A batch's entries, those of one fusion key together in the order each key first comes: a batch
+    that mixes algorithms (a policy by name or size, `auto`'s choice per size band) fuses into a
+    bucket per key, not one per run of equal keys. Every rank holds the same batch: the same order."""
+    keys = {}
+    for entry in entries:
+        keys.setdefault(entry.fusion_key(), []).append(entry)
+    return entries if len(keys) < 2 else [entry for same in keys.values() for entry in same]
 
 
 def fuse(entries, threshold):
