@@ -11,18 +11,18 @@ dense carriers that run and take the tensor (switchml, the ring), ranked by Back
 a block-sparse one goes to the sparse carrier by its density bound, untried.
 
 A release under trial carries an id; every rank measures its run and reports (id, seconds) in the
-metadata it submits next for that name (`Reports`). Rank 0 ranks the candidates by the quickest
-rank's time: a collective ends alike on every rank, so that is the time from the last rank's
-arrival to the end, what the candidate adds to a step, where the others' also hold the wait for
-the last (the ranks' skew, the same whichever runs: noise that once kept switchml over a ring twice
-as fast for 4 MiB tensors on loopback); drift is checked against the slowest rank's. A
-run's seconds are the tensor's share by bytes of its bucket's time (a row-sparse tensor travels
-alone: the whole), so a tensor costs alike fused or alone. Once every candidate was measured in
-`auto_trial_samples` rounds (after one warm-up round each) the fastest by median is kept; its
-releases carry its slowest rank's median time, and a rank reports again after `auto_revisit` runs, or when five runs in
-a row took `auto_drift` times longer: the group is then tried anew, less the candidates measured
-`auto_trial_margin` times slower than the kept one now runs (they sit that round out). A settled
-release no longer depends on the controller's state, so the response cache may keep it.
+metadata it submits next for that name (`Reports`). A run's seconds are the tensor's share by bytes
+of its bucket's time (a row-sparse tensor travels alone: the whole), so a tensor costs alike fused
+or alone. Rank 0 ranks the candidates by the quickest rank's time: a collective ends alike on every
+rank, so that is the time from the last rank's arrival to the end, what the candidate adds to a
+step; the other ranks' times also hold their wait for the last one, the same whichever candidate
+runs (with the slowest rank's, 8 tensors of 4 MiB on loopback kept switchml over a ring twice as
+fast). Once every candidate was measured in `auto_trial_samples` rounds (after one warm-up round
+each) the fastest by median is kept; its releases carry its slowest rank's median time, and a rank
+reports again after `auto_revisit` runs, or when five runs in a row took `auto_drift` times longer
+than that: the group is then tried anew, less the candidates measured `auto_trial_margin` times
+slower than the kept one now runs (they sit that round out). A settled release no longer depends on
+the controller's state, so the response cache may keep it.
 """
 import statistics
 
