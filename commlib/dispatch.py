@@ -14,6 +14,11 @@ densest rank's density. A rank submits only which side of the bounds it lies on 
 controller takes the max over ranks: the same choice), so a tensor whose side stays the same
 submits the same metadata step after step, which the controller's response cache keeps.
 
+A dense tensor under `auto` (no rule or caller naming an algorithm) lists the dense carriers that run
+and take it as ("traffic", algorithm) choices after the sparse carrier's density bound: the
+controller picks among them (`_settle_dense`): the one measured fastest on early steps for its group
+(dtype, size band; commlib.trials), or the one under trial on this release.
+
 Row-sparse tensors (torch sparse COO gradients, commlib.sparse.RowSparse) travel as (rows, values):
 `auto` lists the row carriers and the best dense algorithm as ("traffic", algorithm) choices, each
 rank adds what it measured (its rows, a sketch of them), and the controller takes the algorithm
@@ -33,6 +38,7 @@ from commlib import compressors, sparse, traffic
 from commlib.backends import TensorMeta, carriers, registry
 from commlib.errors import BackendUnavailable, ConfigError, InvalidTensor
 from commlib.release import Release
+from commlib.tensors import nbytes as tensor_bytes
 from commlib.trials import Reports, Trials
 
 TRAFFIC = "traffic"   # the bound of choices the traffic model settles
@@ -68,18 +74,22 @@ def settle_release(name, metas, trials=None):
     """The controller's release of a tensor every rank submitted (metas in rank order): its name,
     the algorithm, for traffic choices the model's estimate, and with `trials` (commlib.trials.Trials)
     the candidate measured fastest, or the one under trial on this release."""
-    algorithm, estimate, auto = _settle_metas(metas, trials)
+    algorithm, estimate, auto = _settle_metas(name, metas, trials)
     rows = all(meta.get("rows") for meta in metas)   # row-sparse: every rank's row count, for the allgather
     return Release(name, algorithm, estimate, [meta["rows"]["rows"] for meta in metas] if rows else None,
                    auto=auto)
 
 
-def _settle_metas(metas, trials):
+def _settle_metas(name, metas, trials):
+    if metas[0].get("once"):   # an unnamed call's name never comes again, nor its run's report: the model decides
+        trials = None
     choices = metas[0]["choices"]
     bound, algorithm = choices[max(_side(meta, choices) for meta in metas)]
     if bound != TRAFFIC:   # a density rule, or a plan with one choice
         return algorithm, None, None
     weighed = [algorithm for bound, algorithm in choices if bound == TRAFFIC]
+    if not metas[0].get("rows"):
+        return _settle_dense(name, weighed, metas, trials)
     stats = [meta["rows"] for meta in metas]
     if trials is not None:
         group = _group(weighed, stats)
@@ -90,8 +100,25 @@ def _settle_metas(metas, trials):
     if trials is None:
         return estimate["choice"], estimate, None
     ranked = sorted(((a, max(estimate[a]["up"], estimate[a]["down"])) for a in weighed), key=lambda ac: ac[1])
-    algorithm, auto = trials.choose(group, ranked)
+    algorithm, auto = trials.choose(group, ranked, name)
     return algorithm, estimate, auto
+
+
+def _settle_dense(name, weighed, metas, trials):
+    """A dense tensor's dense candidates (`auto`, Dispatcher._dense): the one kept or under trial, ranked
+    by each one's bytes per worker (Backend.dense_traffic; equal costs in carriers order). The group:
+    the same candidates, dtype and size (powers of 4 of its bytes)."""
+    if trials is None:
+        return weighed[0], None, None
+    first = metas[0]
+    nbytes = tensor_bytes(first["shape"], first["dtype"])
+    group = ("dense", tuple(weighed), first["dtype"], round(math.log(max(nbytes, 1), 4)))
+    kept = trials.kept(group, [meta.get("report") for meta in metas])
+    if kept is not None:
+        return kept[0], None, kept[1]
+    ranked = sorted(((a, registry()[a].dense_traffic(nbytes, len(metas))) for a in weighed), key=lambda ac: ac[1])
+    algorithm, auto = trials.choose(group, ranked, name)
+    return algorithm, None, auto
 
 
 def _group(weighed, stats):
@@ -239,9 +266,10 @@ class Dispatcher:
         if not dense:
             raise InvalidTensor(f"tensor {meta.name!r}: no algorithm here reduces {meta.dtype}; "
                                 f"cast it to float32, float64 or an int dtype")
-        if sparse:
-            return ((self.settings.auto_sparse_density, sparse[0]), (None, dense[0]))
-        return ((None, dense[0]),)
+        below = ((self.settings.auto_sparse_density, sparse[0]),) if sparse else ()
+        if len(dense) > 1 and self.settings.auto_trial_samples > 0:   # measured: the controller picks (_settle_dense)
+            return below + tuple((TRAFFIC, name) for name in dense)
+        return below + ((None, dense[0]),)
 
     def _explicit(self, name, meta):
         backend = self.backend(name)

@@ -1,8 +1,9 @@
 """The executor: one background thread runs what the controller released, in its order.
 
 Every rank receives the same `go` batches in the same order, so every rank fuses them alike:
-consecutive tensors with the same fusion key (same algorithm and dtype, or the same compressor
-object, same op and scaling) become one bucket of at most `fusion_threshold` bytes. A dense
+a batch's tensors with the same fusion key (same algorithm and dtype, or the same compressor
+object, same op and scaling), taken together in the order each key first comes (`grouped`),
+become buckets of at most `fusion_threshold` bytes. A dense
 bucket is one backend allreduce of the concatenated buffer; a compressed bucket is one
 `Compressor.reduce_bucket` (one collective per payload dtype). Results are scaled, split back,
 recorded, and handed to the callers' handles.
@@ -236,7 +237,7 @@ class Executor:
                     entry.algorithm, entry.times["go"] = release.algorithm, now
                     entry.estimate, entry.counts, entry.auto = release.estimate, release.counts, release.auto
                     entries.append(entry)
-        for bucket in fuse(entries, fusion_threshold or self.ctx.settings.fusion_threshold):
+        for bucket in fuse(grouped(entries), fusion_threshold or self.ctx.settings.fusion_threshold):
             try:
                 self._run(bucket)
             except Exception as exc:
@@ -285,8 +286,9 @@ class Executor:
         end = time.monotonic()
         shared = {"bucket": name, "fused_with": len(bucket) - 1, "run_s": end - start,   # the bucket's, once
                   "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True), **phases.server()}
+        nbytes = sum(entry.staged.nbytes for entry in bucket)
         for entry, result in zip(bucket, results):
-            self._record(entry, shared, start, end, phases)
+            self._record(entry, shared, start, end, phases, nbytes)
             entry.handle.set(result=result)
 
     def _run_dense(self, bucket, backend, name, phases):
@@ -365,7 +367,7 @@ class Executor:
             if counts is not None:
                 self.timeline.counts(entry.name, counts[0], counts[1].reshape(-1))
 
-    def _record(self, entry, shared, start, end, phases):
+    def _record(self, entry, shared, start, end, phases, bucket_bytes):
         t = entry.times
         self.records[entry.record] = {
             "algorithm": entry.algorithm, "compression": entry.plan.compression, "dtype": entry.staged.dtype_name,
@@ -376,8 +378,10 @@ class Executor:
                                             skew=entry.skew)
         if entry.auto is not None:   # `auto` measures: its trial or choice; this run's time goes to rank 0 with the next submission
             self.records[entry.record]["auto"] = entry.auto
-            self.dispatcher.reports.ran(entry.name, entry.auto, end - start)
-            for *_, comm, args in phases.spans:
+            # its share of the bucket's time by bytes: fused with others or alone, a tensor costs alike
+            share = entry.staged.nbytes / bucket_bytes if bucket_bytes else 1.0
+            self.dispatcher.reports.ran(entry.name, entry.auto, (end - start) * share)
+            for *_, comm, args in (phases.spans if self.timeline.active else ()):
                 if comm:   # the study's table of candidates (commlib.analyze)
                     args["auto"] = entry.auto
         self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, shared["fused_with"])
@@ -419,6 +423,16 @@ def fused(arrays, writeable=False):
         return first
     total = sum(a.size for a in arrays)
     return np.lib.stride_tricks.as_strided(first, shape=(total,), strides=(first.itemsize,), writeable=writeable)
+
+
+def grouped(entries):
+    """A batch's entries, those of one fusion key together in the order each key first comes: a batch
+    that mixes algorithms (a policy by name or size, `auto`'s choice per size band) fuses into a
+    bucket per key, not one per run of equal keys. Every rank holds the same batch: the same order."""
+    keys = {}
+    for entry in entries:
+        keys.setdefault(entry.fusion_key(), []).append(entry)
+    return entries if len(keys) < 2 else [entry for same in keys.values() for entry in same]
 
 
 def fuse(entries, threshold):

@@ -1,16 +1,27 @@
 """Trials: `auto` measures what the traffic model only estimates.
 
 For each group of tensors `auto` decides together (the payload kind, its candidates, the size band,
-for row-sparse tensors the band of the densest rank's row density), the candidates that the model
-ranks within `auto_trial_margin` of the best are tried in turn, one release at a time: the
-controller (rank 0's settle, `Trials.choose`) picks each release's algorithm, so every rank runs the
-same candidate on the same step by construction. A release under trial carries an id; every rank
-measures its run and reports (id, seconds) in the metadata it submits next for that name
-(`Reports`), and rank 0 keeps the slowest rank's time. Once every candidate has
-`auto_trial_samples` times (after one warm-up run each) the fastest by median is kept; its releases
-carry that time, and a rank reports again after `auto_revisit` runs, or when five runs in a row
-took `auto_drift` times longer: the group is then tried anew, less the candidates measured
-`auto_trial_margin` times slower than the kept one now runs (they sit that round out). A settled release no longer depends on
+for row-sparse tensors the band of the densest rank's row density, for dense ones the dtype), the
+candidates that the model ranks within `auto_trial_margin` of the best are tried in turn, a round
+at a time: a round is every release of the group until a name comes again (a training step's
+tensors of that group), and all of them run the round's candidate, so they fuse as they will once
+one is kept. The controller (rank 0's settle, `Trials.choose`) picks each round's candidate, so every
+rank runs the same candidate on the same step by construction. Dense tensors' candidates are the
+dense carriers that run and take the tensor (switchml, the ring), ranked by Backend.dense_traffic;
+a block-sparse one goes to the sparse carrier by its density bound, untried.
+
+A release under trial carries an id; every rank measures its run and reports (id, seconds) in the
+metadata it submits next for that name (`Reports`). A run's seconds are the tensor's share by bytes
+of its bucket's time (a row-sparse tensor travels alone: the whole), so a tensor costs alike fused
+or alone. Rank 0 ranks the candidates by the quickest rank's time: a collective ends alike on every
+rank, so that is the time from the last rank's arrival to the end, what the candidate adds to a
+step; the other ranks' times also hold their wait for the last one, the same whichever candidate
+runs (with the slowest rank's, 8 tensors of 4 MiB on loopback kept switchml over a ring twice as
+fast). Once every candidate was measured in `auto_trial_samples` rounds (after one warm-up round
+each) the fastest by median is kept; its releases carry its slowest rank's median time, and a rank
+reports again after `auto_revisit` runs, or when five runs in a row took `auto_drift` times longer
+than that: the group is then tried anew, less the candidates measured `auto_trial_margin` times
+slower than the kept one now runs (they sit that round out). A settled release no longer depends on
 the controller's state, so the response cache may keep it.
 """
 import statistics
@@ -19,13 +30,13 @@ from commlib.settings import define
 
 define("auto_trial_margin", 4.0, "policy 'auto': candidates the traffic model ranks within this factor of the "
        "best are tried on early steps and the fastest measured is kept")
-define("auto_trial_samples", 3, "policy 'auto': measured runs per candidate (after one warm-up run) before "
-       "the fastest is kept; 0: no trials, the traffic model alone decides")
+define("auto_trial_samples", 3, "policy 'auto': measured rounds (steps) per candidate (after one warm-up round) "
+       "before the fastest is kept; 0: no trials, the traffic model (dense: the first dense carrier) decides")
 define("auto_revisit", 500, "policy 'auto': runs of a tensor after which its group's candidates are tried again")
 define("auto_drift", 1.5, "policy 'auto': five runs in a row this many times slower than the kept "
        "candidate's measured time try the candidates again")
 
-WARMUP = 1   # runs of each candidate not counted: first calls set up state (buffers, hot sets)
+WARMUP = 1   # rounds of each candidate not counted: first calls set up state (buffers, hot sets)
 SLOW_RUNS = 5   # in a row: a shared machine's stalls last a step or two
 SLACK_S = 0.005   # a slow run is also this much slower: small tensors' times vary by milliseconds with the load
 
@@ -54,10 +65,11 @@ class Trials:
             return None
         return state.choice, state.shown(self.revisit)
 
-    def choose(self, group, ranked):
-        """(algorithm, what commlib.records() shows of it) for a release `kept` left open: `ranked`
-        the candidates best first as the model ranks them, [(algorithm, cost)]. The next trial of the
-        group, formed anew when it is new or was checked."""
+    def choose(self, group, ranked, name=None):
+        """(algorithm, what commlib.records() shows of it) for a release of tensor `name` that `kept` left
+        open: `ranked` the candidates best first as the model ranks them, [(algorithm, cost)]. The
+        candidate of the group's round (a new round when `name` comes again, or is None), formed anew
+        when the group is new or was checked."""
         state = self._groups.get(group)
         if state is None or state.checked is not None:
             best = ranked[0][1]
@@ -71,33 +83,43 @@ class Trials:
             state = self._groups[group] = _Group(candidates)
             if state.choice is not None:
                 return state.choice, state.shown(self.revisit)
-        algorithm = min(state.candidates, key=lambda a: (state.given[a], state.candidates.index(a)))
-        state.given[algorithm] += 1
+        if name is None or name in state.named or state.current is None:   # the next round, the next candidate
+            state.current = min(state.candidates, key=lambda a: (state.given[a], state.candidates.index(a)))
+            state.given[state.current] += 1
+            state.named = set()
+        state.named.add(name)
+        algorithm = state.current
         self._ids += 1
-        state.pending[self._ids] = algorithm
+        # the round it counts for (None: a warm-up round, not counted)
+        state.pending[self._ids] = (algorithm, state.given[algorithm]) if state.given[algorithm] > WARMUP else None
         return algorithm, {"trial": self._ids, "candidates": state.candidates, "times": state.medians()}
 
     def _heard(self, state, reports):
-        """Take the ranks' reports: a trial's time (kept only when every rank reported it: the slowest
-        rank's), or a check of the kept choice (due, or drifted), which starts the trials anew: then
+        """Take the ranks' reports: a trial's times (kept only when every rank reported it: the quickest
+        and the slowest rank's), or a check of the kept choice (due, or drifted), which starts the trials anew: then
         the seconds its slowest rank took, else None."""
         sent = [r for r in reports if r]
         if not sent:
             return None
         if "trial" not in sent[0]:
             return max(r["seconds"] for r in sent) if state.choice is not None else None
-        algorithm = state.pending.pop(sent[0]["trial"], None)
-        if algorithm is not None and len(sent) == len(reports) and all(r.get("trial") == sent[0]["trial"] for r in sent):
-            state.times[algorithm].append(max(r["seconds"] for r in sent))
+        trial = state.pending.pop(sent[0]["trial"], None)   # None too for a warm-up round's
+        if trial is not None and len(sent) == len(reports) and all(r.get("trial") == sent[0]["trial"] for r in sent):
+            state.times[trial[0]].append(min(r["seconds"] for r in sent))
+            state.slowest[trial[0]].append(max(r["seconds"] for r in sent))
+            state.heard[trial[0]].add(trial[1])
         return None
 
 
 class _Group:
     def __init__(self, candidates):
         self.candidates = candidates
-        self.times = {a: [] for a in candidates}   # the slowest rank's seconds per trial, warm-up included
-        self.given = dict.fromkeys(candidates, 0)  # trial releases handed out
-        self.pending = {}                          # trial id -> its candidate, until reported
+        self.times = {a: [] for a in candidates}   # the quickest rank's seconds per trial, after its warm-up rounds
+        self.slowest = {a: [] for a in candidates}   # the slowest rank's
+        self.heard = {a: set() for a in candidates}   # the rounds those came from
+        self.given = dict.fromkeys(candidates, 0)  # rounds handed out
+        self.current, self.named = None, set()     # the round's candidate, the names released in it
+        self.pending = {}                          # trial id -> its candidate (None: warm-up), until reported
         self.choice = candidates[0] if len(candidates) == 1 else None
         self.expect = None
         self.checked = None   # the seconds of a check of the kept choice: formed anew at the next release
@@ -108,17 +130,17 @@ class _Group:
                 "revisit": revisit}
 
     def medians(self):
-        return {a: statistics.median(t[WARMUP:]) for a, t in self.times.items() if len(t) > WARMUP}
+        return {a: statistics.median(t) for a, t in self.times.items() if t}
 
     def decide(self, samples):
-        """Keep the fastest once every candidate has its samples (or, when reports go missing, after
-        three times the releases that needed; none measured: the model's best)."""
-        enough = all(len(t) >= WARMUP + samples for t in self.times.values())
+        """Keep the fastest once every candidate was measured in `samples` rounds (or, when reports go
+        missing, after three times the rounds that needed; none measured: the model's best)."""
+        enough = all(len(rounds) >= samples for rounds in self.heard.values())
         if not enough and min(self.given.values()) < 3 * (WARMUP + samples):
             return False
         medians = self.medians()
         self.choice = min(medians, key=medians.get) if medians else self.candidates[0]
-        self.expect = medians.get(self.choice)
+        self.expect = statistics.median(self.slowest[self.choice]) if self.choice in medians else None
         self.pending.clear()
         return True
 

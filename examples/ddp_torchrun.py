@@ -6,7 +6,7 @@
 torchrun's environment gives rank, size and local rank; commlib's ring is a gloo group of the
 same rendezvous as DDP's, and the embedded SwitchML switch and OmniReduce aggregators start on
 loopback with no configuration (all ranks are local). The default policy, `*=auto`, sends dense
-gradients to the switch.
+gradients to the switch or the ring, whichever it measured faster on the first steps.
 """
 import argparse
 import datetime

@@ -214,19 +214,19 @@ def test_commlib_powersgd_reaches_pytorch_powersgd_loss(tmp_path):
 
 @multiprocess
 @pytest.mark.parametrize("policy, used", [
-    (None, "[('switchml', None)]"),
+    (None, "[('ring', None)]|[('switchml', None)]"),   # auto keeps the one measured faster
     pytest.param("*.weight=fp16;*=ring", "[('ring', 'fp16(seed=0, algorithm=None, memory=none)'), ('ring', None)]",
                  marks=pytest.mark.long)])
-def test_torchrun_example_trains_through_the_embedded_switch(policy, used):
+def test_torchrun_example_trains_through_commlib(policy, used):
     """examples/ddp_torchrun.py under the real torchrun: no configuration, dense gradients go to
-    the embedded switch (`auto`), every step's bucket through commlib, the loss falls; with a
-    compressor in the policy too."""
+    the embedded switch or the ring (`auto`, whichever it measured faster), every step's bucket
+    through commlib, the loss falls; with a compressor in the policy too."""
     args = ["--steps", "40"] + (["--policy", policy] if policy else [])
     out = torchrun(2, "examples/ddp_torchrun.py", *args, timeout=300)
     assert out.returncode == 0, out.stdout
     losses = [float(v) for v in re.findall(r"step \d+: loss ([\d.]+)", out.stdout)]
     assert len(losses) == 5 and losses[-1] < 0.5 * losses[0], out.stdout
-    assert f"40 steps, 40 buckets through commlib: {used}" in out.stdout, out.stdout
+    assert any(f"40 steps, 40 buckets through commlib: {one}" in out.stdout for one in used.split("|")), out.stdout
 
 
 @pytest.mark.long

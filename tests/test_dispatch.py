@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from commlib import ConfigError, InvalidTensor, Policy
-from commlib.dispatch import Dispatcher
+from commlib.dispatch import TRAFFIC, Dispatcher
 from commlib.errors import BackendUnavailable
 from commlib.settings import Settings
 from commlib.tensors import Staged
@@ -19,10 +19,11 @@ class FakeBackend:
         return np.dtype(meta.dtype) in self.dtypes
 
     def density(self, array):
-        return self._density
+        return self._density if self.sparse else None   # a dense algorithm measures nothing (Backend.density)
 
 
-def dispatcher(names=("ring", "switchml", "omnireduce", "allgather"), policy="", unavailable=None, **backends):
+def dispatcher(names=("ring", "switchml", "omnireduce", "allgather"), policy="", unavailable=None, samples=3,
+               **backends):
     made = {"ring": FakeBackend("ring", ("float16", "float32", "float64", "int32")),
             "switchml": FakeBackend("switchml"), "omnireduce": FakeBackend("omnireduce", sparse=True, density=0.01),
             "allgather": FakeBackend("allgather")}
@@ -30,24 +31,27 @@ def dispatcher(names=("ring", "switchml", "omnireduce", "allgather"), policy="",
     running = {name: made[name] for name in names}
     why = {name: "not started in this test" for name in made if name not in running}
     return Dispatcher(running, dict(why, **(unavailable or {})), Policy.parse(policy),
-                      Settings({"auto_sparse_density": 0.25}, environ={}))
+                      Settings({"auto_sparse_density": 0.25, "auto_trial_samples": samples}, environ={}))
 
 
 def plan(d, array, name="w", **kwargs):
     return d.plan(name, Staged(array), **kwargs)
 
 
-def test_auto_is_density_settled_between_the_sparse_and_the_best_dense_algorithm():
+def test_auto_is_density_settled_between_the_sparse_and_the_measured_dense_algorithms():
     p, compressor = plan(dispatcher(), np.zeros(8, np.float32))
     assert compressor is None
-    assert p.choices == ((0.25, "omnireduce"), (None, "switchml")) and p.density == 0.01 and p.algorithm is None
-
-
-def test_auto_without_a_sparse_algorithm_is_decided_locally():
+    assert p.choices == ((0.25, "omnireduce"), (TRAFFIC, "switchml"), (TRAFFIC, "ring")) and p.density == 0.01 \
+        and p.algorithm is None and p.side == 0
     p, _ = plan(dispatcher(("ring", "switchml")), np.zeros(8, np.float32))
-    assert p.choices == ((None, "switchml"),) and p.algorithm == "switchml" and p.density is None
+    assert p.choices == ((TRAFFIC, "switchml"), (TRAFFIC, "ring")) and p.density is None and p.side == 0
+
+
+def test_auto_with_one_dense_algorithm_or_no_trials_is_decided_locally():
     p, _ = plan(dispatcher(), np.zeros(8, np.float64))    # only the ring takes float64
     assert p.algorithm == "ring"
+    p, _ = plan(dispatcher(("ring", "switchml"), samples=0), np.zeros(8, np.float32))
+    assert p.choices == ((None, "switchml"),) and p.algorithm == "switchml" and p.density is None
 
 
 def test_caller_and_policy_choices():

@@ -1,0 +1,61 @@
+"""`auto` measures dense tensors: switchml and the ring are tried in turn. The ring sleeps SLOW_S per
+call until step FLIP, then switchml does. 'w.0' and 'w.1' (one group: the same dtype and size
+band) are reduced every step under `auto`; 'named.w' goes to the ring by a policy rule and
+'caller.w' to switchml by the caller's algorithm=. Reports, per step, what commlib.records() shows
+of each tensor, whether each result is the sum, and on rank 0 the full submissions its controller
+handled per name."""
+import time
+
+import numpy as np
+
+import commlib
+from commlib.api import runtime
+from commlib.backends.ring import RingBackend
+from commlib.backends.switchml import SwitchMLBackend
+from commlib.testing import report
+
+STEPS, FLIP, SLOW_S = 30, 12, 0.05
+slow = "ring"
+
+
+def sleeping(cls):
+    """cls.allreduce, SLOW_S late while `slow` names it."""
+    allreduce = cls.allreduce
+
+    def late(self, array, name, *args):
+        if slow == cls.name:
+            time.sleep(SLOW_S)
+        return allreduce(self, array, name, *args)
+    cls.allreduce = late
+
+
+sleeping(RingBackend)
+sleeping(SwitchMLBackend)
+commlib.init(policy="named.*=ring;*=auto")
+rank, size = commlib.rank(), commlib.size()
+server = runtime()._server
+full = {}
+if server is not None:   # count the full submissions rank 0's controller handles, per name
+    submit_one = server._submit
+    server._submit = lambda r, meta: (full.__setitem__(meta["name"], full.get(meta["name"], 0) + 1),
+                                      submit_one(r, meta))
+
+
+def tensor(step, r, i):
+    return np.arange(1000, dtype=np.float32) * (r + 1) + step + i   # small integers: exact in any order
+
+
+names = ["w.0", "w.1", "named.w", "caller.w"]
+steps = []
+for step in range(STEPS):
+    slow = "ring" if step < FLIP else "switchml"
+    handles = [commlib.allreduce_async(tensor(step, rank, i), name=name, op=commlib.Sum,
+                                       algorithm="switchml" if name == "caller.w" else None)
+               for i, name in enumerate(names)]
+    exact = {name: bool(np.array_equal(commlib.synchronize(h), sum(tensor(step, r, i) for r in range(size))))
+             for i, (name, h) in enumerate(zip(names, handles))}
+    records = commlib.records()
+    steps.append({"records": {name: {"algorithm": records[name]["algorithm"], "auto": records[name].get("auto")}
+                              for name in names}, "exact": exact, "full": dict(full)})
+report(rank=rank, steps=steps, flip=FLIP, slow_s=SLOW_S)
+commlib.shutdown()
