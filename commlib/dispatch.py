@@ -213,7 +213,7 @@ class Dispatcher:
             return self._rows(meta, staged.sparse, algorithm or "auto", bounded), None
         choices = tuple((bound, self._explicit(alg, meta)) for bound, alg in bounded)
         choices += self._dense(algorithm or "auto", meta)
-        if len(choices) == 1:
+        if all(bound in (None, TRAFFIC) for bound, _ in choices):   # no density bound: nothing to measure
             return Plan(choices), None
         return self._measured(Plan(choices), staged), None
 
