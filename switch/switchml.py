@@ -398,7 +398,7 @@ class SwitchServer:
             return job
         if auth.verify(job.key, request):
             rank = request.get("rank")
-            if type(rank) is not int or type(request.get("token")) is not int or rank not in job.alive:
+            if type(rank) is not int or rank not in job.alive:   # JSON's true is not rank 1
                 raise ValueError(f"rank {rank!r} is not a rank of job #{number}")
             sender = (number, job.nonce, rank)
         elif auth.verify(self.key, request):
