@@ -1,7 +1,8 @@
 """The embedded-default job: data-parallel training of a small MLP on a learnable synthetic task,
 through Horovod's DistributedOptimizer with commlib doing the communication. No configuration:
-`make demo` runs it with 4 local workers under horovodrun; the policy (default `auto`) sends
-dense gradients to a local software switch (SwitchML) when one can run here, else the ring.
+`make demo` runs it with 4 local workers under horovodrun; the policy (default `auto`) tries the
+dense gradients on a local software switch (SwitchML, embedded in rank 0) and on the ring over the
+first steps and keeps the faster (on one host, often the ring: see the closing lines).
 
     horovodrun -np 4 -H localhost:4 --gloo python -m commlib.demo [--steps 60] [--policy '*=ring']
 """
@@ -65,8 +66,12 @@ def main(argv=None):
         tail = torch.tensor(rates[len(rates) // 5:])   # after warm-up
         print(f"Img/sec per CPU: {tail.mean():.1f} +-{1.96 * tail.std():.1f}")
         print(f"Total img/sec on {hvd.size()} CPU(s): {hvd.size() * tail.mean():.1f} +-{1.96 * tail.std() * hvd.size() ** 0.5:.1f}")
-        used = sorted({(r["algorithm"], r["compression"] or "none") for r in commlib.records().values()})
+        records = commlib.records().values()
+        used = sorted({(r["algorithm"], r["compression"] or "none") for r in records})
         print("Algorithms used: " + ", ".join(f"{a} ({c})" for a, c in used))
+        for measured in {repr(r["auto"]["times"]): r["auto"] for r in records if (r.get("auto") or {}).get("times")}.values():
+            times = ", ".join(f"{a} {1000 * t:.2f} ms" for a, t in sorted(measured["times"].items()))
+            print(f"auto measured {times} per tensor and kept {measured['choice']}")
     commlib.shutdown()
 
 

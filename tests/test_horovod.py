@@ -80,12 +80,14 @@ def test_switchml_optimizer_within_quantization_bound():
 
 @pytest.mark.long
 def test_demo_trains_through_the_local_switch_and_loss_decreases():
-    """`make demo`: 4 workers, no configuration, the embedded switch carries the dense gradients."""
+    """`make demo`: 4 workers, no configuration; the embedded switch carries dense gradients (kept by
+    `auto`, or measured against the ring on the first steps)."""
     out = horovodrun(4, "-m commlib.demo", "--steps", "60", timeout=240)
     assert out.returncode == 0, out.stdout
     losses = [float(v) for v in re.findall(r"Iter #\d+: loss ([\d.]+)", out.stdout)]
     assert len(losses) >= 4 and losses[-1] < 0.7 * losses[0], out.stdout
-    assert "Total img/sec on 4 CPU(s)" in out.stdout and "Algorithms used: switchml (none)" in out.stdout, out.stdout
+    assert "Total img/sec on 4 CPU(s)" in out.stdout, out.stdout
+    assert re.search(r"Algorithms used: .*switchml|auto measured .*switchml \d", out.stdout), out.stdout
 
 
 BEFORE_INIT = """

@@ -34,7 +34,8 @@ class CommlibState:
     1. ``policy`` (a commlib.Policy or its text; default: what ``commlib.init`` was given) picks
        the algorithm and compressor per parameter name, e.g.
        ``"embedding.*=omnireduce;*.weight=powersgd(rank=4);*=switchml"``. Start from the default
-       ``*=auto`` (sparse tensors to omnireduce, dense ones to switchml, else ring), read
+       ``*=auto`` (sparse tensors to omnireduce; dense ones to switchml or the ring, whichever its
+       trials on the first steps measure faster), read
        ``commlib.records()`` to see what each parameter went through, then pin rules.
     2. ``algorithm`` / ``compression`` force one choice for every parameter, the policy aside
        (``compression="powersgd(rank=1)"`` is PyTorch's ``powerSGD_hook`` with commlib's
