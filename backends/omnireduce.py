@@ -515,10 +515,8 @@ class OmniReduceBackend(Backend):
         # the others may still need replays from our aggregator: wait until every rank is done
         try:
             self.ctx.exchange(f"{self._prefix}/close", None, timeout=1.0 if self._broken else None)
-            done = True
         except CommError as exc:
             log.warning("omnireduce rank %d: closing without the others (%s)", self.rank, exc)
-            done = False
         if self.mode == "dedicated" and self._sock is not None:   # without the others too: the job is over
             agg.deregister(self._sock, self._aggregators, self._job_hash, self._epoch, self.rank, self._sign)
         self._release()
