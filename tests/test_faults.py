@@ -87,13 +87,15 @@ def test_switchml_bit_identical_under_reordering_jitter_loss_duplication(n, elem
 @pytest.mark.parametrize("elems", [0, 256])
 def test_switchml_reordering_alone(elems):
     """Reordering without loss: the late packets are the originals, held back past their timer, so
-    the late copy of a packet reaches its slot after the slot moved on (SwitchML's failure mode
-    without per-slot versions)."""
+    the late copy of a packet reaches its slot after its resend (SwitchML's failure mode without
+    per-slot versions; a clean run counts neither late drops nor replays)."""
     clean, _, _ = run_switchml(2, NONE, elems=elems)
     faulty, relayed, switch = run_switchml(2, REORDER, seed=5, elems=elems)
     assert_identical(faulty, clean, 2)
     assert relayed["up"]["reordered"] > 0
-    assert switch["drop_late"] > 0, switch   # the late copies reached reused slots and were refused
+    # the late copies met their slot either reused (refused as late) or still holding their finished
+    # round (answered with its result again): which one depends on the host's timing, both keep the bits
+    assert switch["drop_late"] + switch["replays"] > 0, switch
 
 
 def test_switchml_through_two_switches_bit_identical_under_faults(tmp_path):
