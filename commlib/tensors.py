@@ -114,8 +114,8 @@ def viewable(tensor):
 
 def host_array(tensor):
     """A `viewable` tensor's memory as a 1-D numpy array, without a torch call (see _HostView). The
-    array keeps the tensor object alive, not its memory if it is resized: the caller owns the tensor
-    for as long as the array is used (a DDP bucket, a measurement made at once)."""
+    array keeps the tensor object alive, not its memory if it is resized: for memory its owner does not
+    resize while the array is used (a DDP bucket); a caller's tensor goes through Staged.array."""
     dtype = host_dtype(tensor.dtype)
     return np.asarray(_HostView(tensor, dtype)) if tensor.numel() else np.empty(0, dtype)
 

@@ -202,9 +202,9 @@ def _flat(results, buffer):
     if not viewable(buffer):
         return None
     arrays = [r.reshape(-1) if isinstance(r, np.ndarray) else host_array(r) if viewable(r) else None for r in results]
-    if any(a is None or a.dtype != arrays[0].dtype for a in arrays):
+    if any(a is None for a in arrays):
         return None
-    flat = fused(arrays, writeable=True)
+    flat = fused(arrays, writeable=True)   # None unless one dtype, back to back
     if flat is None or flat.size != buffer.numel() or flat.dtype != host_dtype(buffer.dtype):
         return None
     return torch.from_numpy(flat)

@@ -48,14 +48,6 @@ static inline void sml_nonce(uint8_t *nonce, uint8_t type, uint8_t rank, uint64_
     tp_wr32(nonce + 8, (uint32_t)counter);
 }
 
-/* Write the MAC of the packet's `len` bytes (SML_F_MAC set in its flags) after them. */
-static inline void sml_sign(tp_mac *m, uint8_t *p, size_t len, uint64_t id, const uint8_t *nonce) {
-    uint8_t prefix[8];
-    tp_wr32(prefix, (uint32_t)(id >> 32));
-    tp_wr32(prefix + 4, (uint32_t)id);
-    tp_mac_tag(m, nonce, prefix, sizeof prefix, p, len, p + len);
-}
-
 /* The MAC of a packet sent in three pieces (header, payload, trailer: a result sent from the slot's
  * memory), the same as sml_sign's of their concatenation; written to tag. */
 static inline void sml_sign_parts(tp_mac *m, const uint8_t *hdr, size_t hlen, const uint8_t *payload, size_t plen,
@@ -65,6 +57,11 @@ static inline void sml_sign_parts(tp_mac *m, const uint8_t *hdr, size_t hlen, co
     tp_wr32(prefix + 4, (uint32_t)id);
     tp_part parts[4] = {{prefix, sizeof prefix}, {hdr, hlen}, {payload, plen}, {trailer, tlen}};
     tp_mac_tagv(m, nonce, parts, 4, tag);
+}
+
+/* Write the MAC of the packet's `len` bytes (SML_F_MAC set in its flags) after them. */
+static inline void sml_sign(tp_mac *m, uint8_t *p, size_t len, uint64_t id, const uint8_t *nonce) {
+    sml_sign_parts(m, p, len, NULL, 0, NULL, 0, id, nonce, p + len);
 }
 
 /* Whether the MAC at p + len is that of the packet's `len` bytes before it. */
