@@ -36,6 +36,7 @@ allreduce, and what the second level adds to each.
 Results: benchmarks/results/switchml.json (and RESULTS.md).
 """
 import argparse
+import math
 import statistics
 import subprocess
 import sys
@@ -203,8 +204,9 @@ def line_rate(worker_ns, switch_ns, n, rates=(10, 25, 100)):
     """What the measured CPU costs mean on a fast network: the link rate (Gbit/s of float32
     gradients) one core of each role feeds, and the cores per role for each of `rates` Gbit/s per
     worker. worker_ns: a worker's CPU ns per element; switch_ns: the switch's per element of one
-    contribution, which serves n workers' contributions."""
-    worker_gbps, switch_gbps = 32 / worker_ns, 32 / switch_ns
+    contribution, which serves n workers' contributions. A cost too small to be seen (a run shorter
+    than the clock's grain) gives nan, not a division by zero."""
+    worker_gbps, switch_gbps = (32 / ns if ns > 0 else math.nan for ns in (worker_ns, switch_ns))
     return {"worker_core_gbps": worker_gbps, "switch_core_gbps": switch_gbps,
             "switch_core_gbps_per_worker": switch_gbps / n,
             "cores": {str(r): {"worker": r / worker_gbps, "switch": n * r / switch_gbps} for r in rates}}
