@@ -24,6 +24,7 @@ class Staged:
         self.tensor = tensor
         self.torch = _is_torch(tensor)
         self.sparse = None   # coalesced RowSparse for sparse inputs
+        self._memory = None  # (address, numel) of a torch tensor `array` views by address
         if isinstance(tensor, row_sparse.RowSparse):
             self.sparse = tensor.coalesced()
             self.shape, self.dtype = tensor.shape, tensor.values.dtype
@@ -60,6 +61,9 @@ class Staged:
         if not self.torch:
             return np.ascontiguousarray(self.tensor).reshape(-1)
         import torch
+        if viewable(self.tensor):   # the caller's own memory, viewed without a torch call
+            self._memory = (self.tensor.data_ptr(), self.tensor.numel())
+            return host_array(self.tensor)
         t = self.tensor.detach()
         if t.is_sparse:
             t = t.to_dense()
@@ -71,8 +75,14 @@ class Staged:
             t = host
         if not t.is_contiguous():
             t = t.contiguous()
-        # .numpy(), not a view by address: the tensor cannot be resized while the backends read it
-        return t.resolve_neg().numpy().reshape(-1) if t.is_neg() else t.numpy().reshape(-1)
+        return t.resolve_neg().numpy().reshape(-1) if _negative(t) else t.numpy().reshape(-1)
+
+    def moved(self):
+        """Whether the caller's tensor, viewed by address (`array`), was resized since, so that its
+        memory may be gone. Like Horovod, commlib holds a tensor in flight and reads it where it lies:
+        it must not be resized (nor written) until its handle completes; the executor asks this
+        before a backend reads it."""
+        return self._memory is not None and (self.tensor.data_ptr(), self.tensor.numel()) != self._memory
 
     def _densified(self):
         out = np.zeros((self.sparse.nrows, self.sparse.width), dtype=self.travel_dtype)
@@ -109,13 +119,21 @@ def viewable(tensor):
     or a FakeTensor), of a dtype numpy has, its values as stored (no negative bit)."""
     import torch
     return tensor.device.type == "cpu" and not tensor.is_sparse and tensor.dtype != torch.bfloat16 and \
-        tensor.is_contiguous() and not tensor.is_neg() and (tensor.data_ptr() != 0 or tensor.numel() == 0)
+        tensor.is_contiguous() and not _negative(tensor) and (tensor.data_ptr() != 0 or tensor.numel() == 0)
+
+
+def _negative(tensor):
+    """tensor.is_neg(), asked of its dispatch keys where torch has them: is_neg releases the GIL (see
+    _HostView), the dispatch keys do not."""
+    import torch
+    keys = getattr(torch._C, "_dispatch_keys", None)
+    return keys(tensor).has(torch._C.DispatchKey.Negative) if keys else tensor.is_neg()
 
 
 def host_array(tensor):
     """A `viewable` tensor's memory as a 1-D numpy array, without a torch call (see _HostView). The
     array keeps the tensor object alive, not its memory if it is resized: for memory its owner does not
-    resize while the array is used (a DDP bucket); a caller's tensor goes through Staged.array."""
+    resize while the array is used (a DDP bucket), or whose size is checked before use (Staged.moved)."""
     dtype = host_dtype(tensor.dtype)
     return np.asarray(_HostView(tensor, dtype)) if tensor.numel() else np.empty(0, dtype)
 

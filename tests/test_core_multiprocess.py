@@ -30,6 +30,15 @@ def test_tensor_refused_on_one_rank_fails_every_rank_at_once():
         assert result["everyone"] == "InvalidTensor" and result["again"] == [3.0] * 4, result
 
 
+def test_a_tensor_resized_in_flight_fails_its_own_rank_and_the_job_goes_on():
+    results = spawn(n := 3, "errors.py", "resized", timeout=90).check().results()
+    assert results[0]["error"] == "InvalidTensor" and "resized while in flight" in results[0]["message"], results[0]
+    for result in results[1:]:
+        assert result["sum"] == [sum(range(2, n + 1))], f"rank 0 should count as zeros: {result}"
+    for result in results:
+        assert result["after"] == [float(n)] * 4, f"the job should go on: {result}"
+
+
 @pytest.mark.long
 def test_rank_that_never_calls_times_out_everywhere():
     results = spawn(3, "errors.py", "timeout", timeout=90).check().results()

@@ -55,14 +55,16 @@ def test_a_dtype_that_cannot_be_summed_is_refused_with_what_to_do(dtype):
         Staged(torch.zeros(3, dtype=dtype))
 
 
-def test_a_tensor_cannot_be_resized_while_its_array_is_read():
-    """The backends read `array` on the background thread: resizing the caller's tensor meanwhile
-    would free that memory under them (torch refuses it, as for any tensor numpy views)."""
+def test_a_resized_tensor_is_noticed_and_its_array_is_left_alone():
+    """The backends read `array` on the background thread: the executor asks `moved` first, and a
+    caller's tensor is left as resizable as it was (no .numpy(), which pins its size for good)."""
     tensor = torch.ones(1000)
-    array = Staged(tensor).array
-    with pytest.raises(RuntimeError, match="not resizable"):
-        tensor.resize_(1 << 22)
-    assert (array == 1.0).all()
+    staged = Staged(tensor)
+    staged.array
+    assert not staged.moved()
+    tensor.resize_(1 << 22)
+    assert staged.moved()
+    tensor.resize_(10)   # still resizable after commlib saw it
 
 
 def test_values_behind_a_negative_bit_are_read_as_the_tensor_holds_them():
