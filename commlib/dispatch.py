@@ -266,7 +266,8 @@ class Dispatcher:
         if not dense:
             raise InvalidTensor(f"tensor {meta.name!r}: no algorithm here reduces {meta.dtype}; "
                                 f"cast it to float32, float64 or an int dtype")
-        below = ((self.settings.auto_sparse_density, sparse[0]),) if sparse else ()
+        measured = sparse and meta.nbytes >= self.settings.auto_sparse_min_bytes   # see auto_sparse_min_bytes
+        below = ((self.settings.auto_sparse_density, sparse[0]),) if measured else ()
         if len(dense) > 1 and self.settings.auto_trial_samples > 0:   # measured: the controller picks (_settle_dense)
             return below + tuple((TRAFFIC, name) for name in dense)
         return below + ((None, dense[0]),)

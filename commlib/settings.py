@@ -108,5 +108,7 @@ define("controller_host", "", "address rank 0 binds the controller to (default: 
        per_rank=True)
 define("ring_engine", "auto", "engine for the ring backend: auto, gloo, horovod, horovod_tensorflow, mpi, torch or local")
 define("auto_sparse_density", 0.25, "policy 'auto': tensors whose block density is below this go to omnireduce")
+define("auto_sparse_min_bytes", 64 * 1024, "policy 'auto': smaller tensors are not measured for density and stay "
+       "dense (their zero blocks save less than a collective of their own costs)")
 define("timeline", "", "path of a Chrome trace (chrome://tracing) of every tensor's stages; '{rank}' in the path "
        "gives one file per rank, else rank 0 writes it", per_rank=True)

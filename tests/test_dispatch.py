@@ -38,11 +38,16 @@ def plan(d, array, name="w", **kwargs):
     return d.plan(name, Staged(array), **kwargs)
 
 
+BIG = 1 << 14   # float32 values: auto_sparse_min_bytes, the smallest tensor `auto` measures for density
+
+
 def test_auto_is_density_settled_between_the_sparse_and_the_measured_dense_algorithms():
-    p, compressor = plan(dispatcher(), np.zeros(8, np.float32))
+    p, compressor = plan(dispatcher(), np.zeros(BIG, np.float32))
     assert compressor is None
     assert p.choices == ((0.25, "omnireduce"), (TRAFFIC, "switchml"), (TRAFFIC, "ring")) and p.density == 0.01 \
         and p.algorithm is None and p.side == 0
+    p, _ = plan(dispatcher(), np.zeros(BIG - 1, np.float32), name="small")   # its zero blocks save too little
+    assert p.choices == ((TRAFFIC, "switchml"), (TRAFFIC, "ring")) and p.density is None, p
     p, _ = plan(dispatcher(("ring", "switchml")), np.zeros(8, np.float32))
     assert p.choices == ((TRAFFIC, "switchml"), (TRAFFIC, "ring")) and p.density is None and p.side is None
 
@@ -133,7 +138,7 @@ def test_a_plan_no_measurement_decides_is_remembered_per_tensor_and_the_rest_is_
     assert plan(d, np.zeros(9, np.float32))[0] is not first        # another shape: planned anew
     assert plan(d, np.zeros(8, np.float32), algorithm="ring")[0].algorithm == "ring"
     measured = dispatcher()                                        # auto with omnireduce: density decides
-    assert plan(measured, np.zeros(8, np.float32))[0] is not plan(measured, np.zeros(8, np.float32))[0]
+    assert plan(measured, np.zeros(BIG, np.float32))[0] is not plan(measured, np.zeros(BIG, np.float32))[0]
     kept = len(d._plans)
     plan(d, np.zeros(8, np.float32), name="once", remember=False)  # an unnamed call: its name never comes again
     assert len(d._plans) == kept
