@@ -386,13 +386,13 @@ def horovod_built():
     return subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode == 0
 
 
-def launch(nprocs, script, *args, timeout=600, env=None):
+def launch(nprocs, script, *args, timeout=600, env=None, horovod=True):
     """Run `script` on nprocs local ranks and return the payloads they emit(): under horovodrun
-    (Gloo) when Horovod is built, so the ring peer is Horovod's own allreduce, else as plain
+    (Gloo) when Horovod is built (and `horovod`), so the ring peer is Horovod's own allreduce, else as plain
     processes with torchrun's environment (the core's ring then runs on torch.distributed's Gloo).
     A launch that outlives `timeout` has its process groups killed and waited for, and raises."""
     env = {"TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
-    if horovod_built():
+    if horovod and horovod_built():
         ranks = [horovodrun(nprocs, str(script), *args, timeout=timeout, env=env)]
     else:
         ranks = spawn(nprocs, str(script), *args, timeout=timeout, env=env)
