@@ -133,6 +133,7 @@ class ControllerServer:
         self._last_submit = time.monotonic()
         self._last_go = 0.0       # when the last batch went
         self._burst = 0.0         # when submissions came again after a cycle without any
+        self._hurried = False     # a rank waits for what it submitted since the last batch went
         self._failed = False
         self._cache = []          # bit -> {"name", "release", "metas": {rank: meta}}, evicted ones kept
         self._bit_of = {}         # tensor name -> its live bit
@@ -204,9 +205,11 @@ class ControllerServer:
                     continue
                 self._handle(key.data, msg)
             now = time.monotonic()
-            # a batch goes when the cycle ends, or at once when it is the first of a burst of submissions: a
-            # lone bucket (DDP's, once per backward) does not wait for the cycle, a stream still goes in batches
-            at_once = (self._ready or self._ready_bits) and self._last_go < self._burst
+            # a batch goes when the cycle ends, or at once when it is the first of a burst of submissions
+            # (a lone bucket, DDP's first of a backward, does not wait for the cycle; a stream still goes in
+            # batches) or when a rank waits for what it submitted (ControllerClient.hurry: a caller's wait,
+            # DDP's last bucket)
+            at_once = (self._ready or self._ready_bits) and (self._last_go < self._burst or self._hurried)
             if (now >= next_cycle or at_once) and not self._failed:
                 self._release()
                 self._expire()
@@ -226,6 +229,7 @@ class ControllerServer:
                 self._submit(rank, meta)
             if msg.get("hits"):
                 self._hit(rank, int(msg["hits"], 16))
+            self._hurried = self._hurried or msg.get("hurry") is True
         elif kind == "gather":   # among every rank, or among msg["ranks"] only (a process set forming)
             among = msg.get("ranks") or list(range(self.size))
             entry = self._gathers.setdefault(msg["key"], {"values": {}, "since": time.monotonic(), "among": among})
@@ -386,7 +390,7 @@ class ControllerServer:
             self._broadcast({"t": "go", "batch": [release.wire() for release in self._ready], "hits": format(self._ready_bits, "x"),
                              "evict": self._evicted, **tuned})
             self._ready, self._ready_bits, self._evicted = [], 0, []
-            self._last_go = time.monotonic()
+            self._last_go, self._hurried = time.monotonic(), False
         if len(self._joined) == self.size:   # after the last go: every joined rank ran its stand-ins
             self._broadcast({"t": "joined", "last": self._joined[-1]})
             self._joined = []
@@ -499,6 +503,7 @@ class ControllerClient:
         # submissions within a cycle travel as one message (Horovod: one request list per cycle)
         self._outbox = {"metas": [], "hits": 0}
         self._outbox_cond = threading.Condition(self._send_lock)
+        self._hurried = False   # a waiter hurried what was submitted so far (hurry)
         self._last_send = 0.0
         self._sock = self._connect(tuple(address), timeout_s)
         send_msg(self._sock, {"t": "hello", "rank": rank})
@@ -568,14 +573,26 @@ class ControllerClient:
             self._flush()   # what this rank submitted reaches the controller before what it says next
             send_msg(self._sock, msg)
 
-    def _flush(self):
-        """Send the submissions waiting in the outbox (the send lock held)."""
+    def _flush(self, hurry=False):
+        """Send the submissions waiting in the outbox (the send lock held); `hurry`: a caller waits
+        for them, so the controller releases them at once, not at the end of its cycle."""
         box = self._outbox
-        if box["metas"] or box["hits"]:
+        if box["metas"] or box["hits"] or hurry:
             self._outbox = {"metas": [], "hits": 0}
             hits = {"hits": format(box["hits"], "x")} if box["hits"] else {}
-            send_msg(self._sock, {"t": "submit", "metas": box["metas"], **hits})
+            send_msg(self._sock, {"t": "submit", "metas": box["metas"], **hits, **({"hurry": True} if hurry else {})})
         self._last_send = time.monotonic()
+
+    def hurry(self):
+        """A caller is about to wait (Handle.hurry): what the outbox holds for the cycle goes now, and
+        the controller is told to release at once (once per submission: many waiters, one message)."""
+        with self._outbox_cond:
+            if not self._hurried:
+                self._hurried = True
+                try:
+                    self._flush(hurry=True)
+                except OSError:   # the reader sees the lost connection and fails what is in flight
+                    pass
 
     def _send_batches(self):
         """Sends the outbox at most once per cycle while submissions keep coming."""
@@ -622,6 +639,7 @@ class ControllerClient:
         if self._lost:
             raise error_from(self._lost)
         with self._outbox_cond:
+            self._hurried = False   # a waiter hurries these anew
             pending = self._outbox["metas"] or self._outbox["hits"]
             self._outbox["metas"] += full
             self._outbox["hits"] |= hits

@@ -26,10 +26,13 @@ def when_all(handles, fn):
 class Handle:
     """The result of an asynchronous allreduce: `synchronize(handle)` or `poll(handle)`."""
 
-    __slots__ = ("name", "_latch", "_set", "_result", "_error", "_timeout", "_then", "_callbacks", "_lock")
+    __slots__ = ("name", "_latch", "_set", "_result", "_error", "_timeout", "_then", "_callbacks", "_lock",
+                 "_on_wait")
 
-    def __init__(self, name, timeout):
-        self.name, self._timeout = name, timeout
+    def __init__(self, name, timeout, on_wait=None):
+        """on_wait: called (without arguments) when a caller is about to wait for the result, which
+        is not in yet: the client sends what it holds for the cycle at once (see hurry)."""
+        self.name, self._timeout, self._on_wait = name, timeout, on_wait
         # a lock held until the result is in, not a threading.Event (a Condition and a deque per tensor):
         # a waiter acquires it and passes it on
         self._latch = threading.Lock()
@@ -61,6 +64,12 @@ class Handle:
         """Apply fn to the result once, when the caller first waits for it."""
         self._then = fn
 
+    def hurry(self):
+        """Its caller waits for it next (a waiter, or DDP's last bucket of a backward): what the
+        client holds back to send once per cycle goes now, and the controller releases it at once."""
+        if self._on_wait is not None and not self._set:
+            self._on_wait()
+
     def done(self, wait_s=0.0):
         """True when the result or error is in (waiting up to wait_s for it)."""
         return self._set or (bool(wait_s) and self._wait(wait_s))
@@ -70,6 +79,7 @@ class Handle:
         taken in slices: a waiter interrupted between taking and passing it on (Ctrl-C) delays the
         others by one slice at most, never strands them."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        self.hurry()
         while not self._set:
             left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
             if left <= 0:

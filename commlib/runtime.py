@@ -86,7 +86,7 @@ class Runtime:
                 metas.append({"name": name, "error": {"kind": type(exc).__name__, "message": str(exc)}})
                 refused = refused or exc
                 continue
-            handle = Handle(name, s.negotiation_timeout_s + 3 * s.timeout_s + 10)
+            handle = Handle(name, s.negotiation_timeout_s + 3 * s.timeout_s + 10, self.client.hurry)
             entries.append(Entry(staged, name, op_name, plan, compressor, prescale, postscale, handle,
                                  None if named else UNNAMED))
             metas.append({"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op_name,

@@ -21,12 +21,13 @@ def job():
     stop_job(server, clients)
 
 
-def start_job():
-    server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=20.0, cycle_time_ms=1.0, negotiation_timeout_s=60.0)
+def start_job(cycle_ms=1.0):
+    server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=20.0, cycle_time_ms=cycle_ms,
+                              negotiation_timeout_s=60.0)
     clients = [None, None]
 
     def connect(rank):
-        clients[rank] = ControllerClient(server.address, rank, 20.0)
+        clients[rank] = ControllerClient(server.address, rank, 20.0, cycle_ms)
 
     threads = [threading.Thread(target=connect, args=(rank,)) for rank in range(2)]
     for thread in threads:
@@ -80,6 +81,21 @@ def test_names_submitted_in_other_orders_pair_up(job):
     for rank, client in enumerate(clients):
         got = events(client, 2.0)
         assert released(got) == ["a", "b"] and all(e[0] == "go" for e in got), f"rank {rank} got {got}"
+
+
+def test_what_a_waiting_caller_submitted_goes_and_is_released_at_once_not_at_the_cycles_end():
+    server, clients = start_job(cycle_ms=3000.0)
+    try:
+        start = time.monotonic()
+        for client in clients:
+            submit(client, "a")   # released when the controller's 3 s cycle ends...
+            client.hurry()        # ...or at once, when a caller waits for it (Handle.hurry)
+        for rank, client in enumerate(clients):
+            msg = client.events.get(timeout=5.0)
+            assert [r.name for r in msg["batch"]] == ["a"], f"rank {rank} got {msg}"
+        assert time.monotonic() - start < 1.0, "released at the cycle's end, not when the callers waited"
+    finally:
+        stop_job(server, clients)
 
 
 def test_a_slow_rank_with_nothing_pending_is_waited_for(job):

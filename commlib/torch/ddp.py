@@ -139,8 +139,9 @@ def ddp_comm_hook(state, bucket):
         return result
     state.buckets_reduced += 1
     state.bytes_reduced += buffer.numel() * buffer.element_size()
-    if bucket.is_last():
+    if bucket.is_last():   # DDP waits for the buckets next: what the client holds back goes now
         state.iteration += 1
+        handles[-1].hurry()
     _complete_when_done(handles, views, buffer, future)
     return result
 
