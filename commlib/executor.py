@@ -17,7 +17,7 @@ import numpy as np
 
 from commlib import compressors, sparse
 from commlib.dispatch import Plan
-from commlib.errors import CommError, ConfigError, InvalidTensor, error_from
+from commlib.errors import CommError, ConfigError, error_from
 from commlib.handles import Handle
 from commlib.tensors import Staged, nbytes as tensor_bytes, numeric_dtype
 
@@ -289,14 +289,11 @@ class Executor:
         nbytes = sum(entry.staged.nbytes for entry in bucket)
         for entry, result in zip(bucket, results):
             self._record(entry, shared, start, end, phases, nbytes)
-            if isinstance(result, InvalidTensor):
-                entry.handle.set(error=result)
-            else:
-                entry.handle.set(result=result)
+            entry.handle.set(result=result)
 
     def _run_dense(self, bucket, backend, name, phases):
         first = bucket[0]
-        arrays = [_readable(e.staged) for e in bucket]
+        arrays = [e.staged.array for e in bucket]
         buf = fused(arrays)
         if buf is None:
             buf = np.concatenate(arrays)
@@ -315,7 +312,7 @@ class Executor:
             out = scaled(out, scale, inplace=not np.may_share_memory(out, buf))
             phases.mark("SCALE")
         parts = np.split(out, np.cumsum([a.size for a in arrays])[:-1]) if len(bucket) > 1 else [out]
-        results = [_resized(e.staged) if e.staged.moved() else e.staged.restore(part) for e, part in zip(bucket, parts)]
+        results = [e.staged.restore(part) for e, part in zip(bucket, parts)]
         phases.mark("RESTORE")
         return results
 
@@ -410,18 +407,6 @@ def scaled(array, factor, inplace=False):
         return array
     wide = np.promote_types(array.dtype, np.float32) if array.dtype.kind == "f" else np.float64
     return (array.astype(wide, copy=False) * factor).astype(array.dtype)
-
-
-def _readable(staged):
-    """A tensor's host array, or zeros of its size where the caller resized it in flight (its memory
-    may be gone): the other ranks' collective goes on, this rank's handle gets the error (_resized)."""
-    array = staged.array
-    return np.zeros_like(array) if staged.moved() else array
-
-
-def _resized(staged):
-    return InvalidTensor(f"tensor of shape {list(staged.shape)} was resized while in flight; it was reduced as "
-                         f"zeros on this rank: wait for its handle before changing it")
 
 
 def fused(arrays, writeable=False):

@@ -149,7 +149,7 @@ class Runtime:
                               f"or use Sum or Average")
         staged = Staged(tensor)   # op=Average on integers truncates toward zero, as Horovod's (executor.scaled)
         if staged.torch and staged.device.type == "cpu":
-            staged.array   # viewed now: torch refuses to resize a tensor numpy views while it is in flight
+            staged.array   # now, on the caller's thread: copied, or viewed and then never resized (Staged.array)
         plan, compressor = self.dispatcher.plan(name, staged, algorithm, compression, policy, op, remember=named)
         if compressor is not None and not named:
             raise ConfigError(f"compressed tensors need a name= that is the same at every step: error feedback "

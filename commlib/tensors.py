@@ -1,7 +1,9 @@
 """numpy arrays and torch tensors in, the same type, device, dtype and shape out.
 
-Backends only see contiguous 1-D numpy arrays on the host. torch CPU tensors are viewed without
-a copy; CUDA tensors are staged through pinned host memory; bfloat16, which numpy lacks, travels
+Backends only see contiguous 1-D numpy arrays on the host, read on the background thread. A small
+torch CPU tensor is copied at submission, read by address (a torch call releases the GIL, and
+taking it back behind a busy rank's threads costs more than the copy); a larger one is viewed
+without a copy through .numpy(), after which torch refuses to resize it; CUDA tensors are staged through pinned host memory; bfloat16, which numpy lacks, travels
 as float32. torch sparse COO tensors (and commlib.sparse.RowSparse) are held as coalesced
 (rows, values), `sparse`, which the sparse algorithms reduce without densifying; only a compressor
 or a dense fallback asks for the dense `array`. The host array is made
@@ -14,6 +16,8 @@ import numpy as np
 from commlib import sparse as row_sparse
 from commlib.errors import InvalidTensor
 
+COPY_MAX = 1 << 16   # bytes: torch CPU tensors up to this size are copied at submission (see above)
+
 
 class Staged:
     """A tensor's description (for the policy and negotiation) and, on demand, its host view."""
@@ -24,7 +28,6 @@ class Staged:
         self.tensor = tensor
         self.torch = _is_torch(tensor)
         self.sparse = None   # coalesced RowSparse for sparse inputs
-        self._memory = None  # (address, numel) of a torch tensor `array` views by address
         if isinstance(tensor, row_sparse.RowSparse):
             self.sparse = tensor.coalesced()
             self.shape, self.dtype = tensor.shape, tensor.values.dtype
@@ -61,9 +64,8 @@ class Staged:
         if not self.torch:
             return np.ascontiguousarray(self.tensor).reshape(-1)
         import torch
-        if viewable(self.tensor):   # the caller's own memory, viewed without a torch call
-            self._memory = (self.tensor.data_ptr(), self.tensor.numel())
-            return host_array(self.tensor)
+        if viewable(self.tensor) and self.nbytes <= COPY_MAX:   # read now, on the caller's thread: no torch call
+            return host_array(self.tensor).copy()
         t = self.tensor.detach()
         if t.is_sparse:
             t = t.to_dense()
@@ -75,14 +77,8 @@ class Staged:
             t = host
         if not t.is_contiguous():
             t = t.contiguous()
+        # .numpy(): torch then refuses to resize the tensor (for good), whose memory the backends read later
         return t.resolve_neg().numpy().reshape(-1) if _negative(t) else t.numpy().reshape(-1)
-
-    def moved(self):
-        """Whether the caller's tensor, viewed by address (`array`), was resized since, so that its
-        memory may be gone. Like Horovod, commlib holds a tensor in flight and reads it where it lies:
-        it must not be resized (nor written) until its handle completes; the executor asks this
-        before a backend reads it."""
-        return self._memory is not None and (self.tensor.data_ptr(), self.tensor.numel()) != self._memory
 
     def _densified(self):
         out = np.zeros((self.sparse.nrows, self.sparse.width), dtype=self.travel_dtype)
@@ -133,7 +129,7 @@ def _negative(tensor):
 def host_array(tensor):
     """A `viewable` tensor's memory as a 1-D numpy array, without a torch call (see _HostView). The
     array keeps the tensor object alive, not its memory if it is resized: for memory its owner does not
-    resize while the array is used (a DDP bucket), or whose size is checked before use (Staged.moved)."""
+    resize while the array is used (a DDP bucket), or read at once (Staged.array's copy)."""
     dtype = host_dtype(tensor.dtype)
     return np.asarray(_HostView(tensor, dtype)) if tensor.numel() else np.empty(0, dtype)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from commlib.errors import InvalidTensor
-from commlib.tensors import Staged
+from commlib.tensors import COPY_MAX, Staged
 
 CASES = {
     "2-d": lambda: torch.randn(3, 4),
@@ -30,13 +30,13 @@ def test_the_host_array_holds_the_tensors_values_in_its_travel_dtype(case):
     assert np.array_equal(array, expected.reshape(-1).numpy()), (array, tensor)
 
 
-def test_a_contiguous_cpu_tensor_is_viewed_not_copied_and_kept_alive_by_its_array():
-    tensor = torch.full((1000,), 7.0)
+def test_a_large_cpu_tensor_is_viewed_not_copied_and_kept_alive_by_its_array():
+    tensor = torch.full((COPY_MAX,), 7.0)
     array = Staged(tensor).array
     assert np.shares_memory(array, tensor.numpy())
     del tensor
     gc.collect()
-    torch.randn(1000)   # would reuse the memory if the array did not hold the tensor
+    torch.randn(COPY_MAX)   # would reuse the memory if the array did not hold the tensor
     assert (array == 7.0).all(), array[:5]
 
 
@@ -55,16 +55,19 @@ def test_a_dtype_that_cannot_be_summed_is_refused_with_what_to_do(dtype):
         Staged(torch.zeros(3, dtype=dtype))
 
 
-def test_a_resized_tensor_is_noticed_and_its_array_is_left_alone():
-    """The backends read `array` on the background thread: the executor asks `moved` first, and a
-    caller's tensor is left as resizable as it was (no .numpy(), which pins its size for good)."""
-    tensor = torch.ones(1000)
-    staged = Staged(tensor)
-    staged.array
-    assert not staged.moved()
-    tensor.resize_(1 << 22)
-    assert staged.moved()
-    tensor.resize_(10)   # still resizable after commlib saw it
+def test_a_tensor_cannot_pull_its_memory_from_under_the_backends():
+    """The backends read `array` on the background thread: a small tensor's is a copy made at once
+    (its caller may resize it after), a larger one's a view whose tensor torch refuses to resize."""
+    small = torch.ones(COPY_MAX // 4)
+    copied = Staged(small).array
+    assert copied.ctypes.data != small.data_ptr()   # (not .numpy(): that would pin its size)
+    small.resize_(1 << 22)
+    assert (copied == 1.0).all()
+    large = torch.ones(COPY_MAX)
+    viewed = Staged(large).array
+    with pytest.raises(RuntimeError, match="not resizable"):
+        large.resize_(1 << 22)
+    assert (viewed == 1.0).all()
 
 
 def test_values_behind_a_negative_bit_are_read_as_the_tensor_holds_them():

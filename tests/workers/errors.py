@@ -8,8 +8,8 @@ settings: rank 1 has another fusion_threshold -> Mismatch at init on every rank 
 refused:  rank 1's tensor is refused before it is submitted (a bool tensor) -> the same
           InvalidTensor on every rank at once (default timeouts), and the job goes on; a tensor
           refused on every rank can be submitted again under its name at once.
-resized:  rank 0 resizes its torch tensor while it is in flight (rank 1 submits a second later) ->
-          InvalidTensor on rank 0 saying so; rank 0 counts as zeros, the others get their sum; the job goes on.
+resized:  every rank resizes its tensors while they are in flight: a small one may be (its values were
+          copied at submission), a large one torch refuses to resize; every sum is exact.
 noinit:   (under horovodrun) rank 1 joins Horovod but never calls commlib.init() -> CommTimeout at
           init on the others, within the timeout, instead of waiting forever in Horovod's broadcast.
 """
@@ -78,16 +78,17 @@ elif mode == "timeout":
         attempt(r, lambda: commlib.allreduce(np.ones(4, np.float32), name="late"))
 elif mode == "resized":
     import torch
-    tensor = torch.full((1000,), float(r + 1))
-    if r == 0:
-        handle = commlib.allreduce_async(tensor, name="resized", op=commlib.Sum)
-        tensor.resize_(1 << 20)   # its memory moves while the tensor waits for rank 1
-        seen = outcome(lambda: commlib.synchronize(handle))
-    else:
-        time.sleep(1.0)
-        seen = dict(error=None, sum=sorted(set(commlib.allreduce(tensor, name="resized", op=commlib.Sum).tolist())))
-    after = commlib.allreduce(np.ones(4, np.float32), name="after", op=commlib.Sum)
-    report(rank=r, after=after.tolist(), **seen)
+    small, large = torch.full((1000,), float(r + 1)), torch.full((1 << 20,), float(r + 1))
+    handles = [commlib.allreduce_async(small, name="small", op=commlib.Sum),
+               commlib.allreduce_async(large, name="large", op=commlib.Sum)]
+    small.resize_(1 << 20)   # allowed: what the backends read was copied at submission
+    try:
+        large.resize_(1 << 22)
+        refused = "resized"
+    except RuntimeError as exc:   # its memory is what the backends read
+        refused = str(exc)
+    sums = [sorted(set(commlib.synchronize(h).tolist())) for h in handles]
+    report(rank=r, sums=sums, refused=refused)
 elif mode == "dead":
     if r == 1:
         os._exit(3)
