@@ -218,6 +218,9 @@ class ControllerServer:
     def _handle(self, rank, msg):
         kind = msg["t"]
         if kind == "submit":
+            self._hurried = self._hurried or msg.get("hurry") is True
+            if not msg["metas"] and not msg.get("hits"):   # a hurry alone: no submission to count
+                return
             now = time.monotonic()
             if now - self._last_submit >= self.cycle_s:
                 self._burst = now
@@ -229,7 +232,6 @@ class ControllerServer:
                 self._submit(rank, meta)
             if msg.get("hits"):
                 self._hit(rank, int(msg["hits"], 16))
-            self._hurried = self._hurried or msg.get("hurry") is True
         elif kind == "gather":   # among every rank, or among msg["ranks"] only (a process set forming)
             among = msg.get("ranks") or list(range(self.size))
             entry = self._gathers.setdefault(msg["key"], {"values": {}, "since": time.monotonic(), "among": among})
@@ -585,7 +587,8 @@ class ControllerClient:
 
     def hurry(self):
         """A caller is about to wait (Handle.hurry): what the outbox holds for the cycle goes now, and
-        the controller is told to release at once (once per submission: many waiters, one message)."""
+        the controller is told to release at once (at most one message per submission, however many
+        wait: alone, an empty one, when the submission went before)."""
         with self._outbox_cond:
             if not self._hurried:
                 self._hurried = True
