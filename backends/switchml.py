@@ -68,6 +68,7 @@ import numpy as np
 from commlib import kernels
 from commlib.backends import Backend, keys, register
 from commlib.backends.base import server_share
+from commlib.buffers import POOL
 from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor,
                             PeerFailure)
 from commlib.settings import define
@@ -431,7 +432,7 @@ class SwitchMLBackend(Backend):
                                 f"use algorithm='ring'")
         if dtype == F16:   # float32 holds every float16 exactly; the sum stays float32 so that a sum
             return self.allreduce(array.astype(F32), name)   # beyond 65504 is averaged before the core rounds it
-        out = np.empty_like(array)
+        out = POOL.empty(array.size, dtype)
         if array.size == 0:
             return out
         if self._broken is not None:

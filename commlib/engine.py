@@ -20,6 +20,7 @@ import urllib.request
 
 import numpy as np
 
+from commlib.buffers import POOL
 from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFailure
 from commlib.net import primary_ip
 
@@ -139,7 +140,7 @@ class MPIEngine(Engine):
         return MPIEngine(self.comm.Create_group(self.comm.Get_group().Incl(list(ranks))))
 
     def allreduce(self, array, name, op="sum"):
-        out = np.array(array, copy=True)
+        out = POOL.copy(array)   # the reduction happens in place: a copy, in memory used before
         mpi_op = {"sum": self.MPI.SUM, "min": self.MPI.MIN, "max": self.MPI.MAX, "product": self.MPI.PROD}[op]
         self.comm.Allreduce(self.MPI.IN_PLACE, out, op=mpi_op)
         return out
@@ -182,7 +183,7 @@ class TorchEngine(Engine):
 
     def allreduce(self, array, name, op="sum"):
         import torch
-        out = torch.from_numpy(np.array(array, copy=True))
+        out = torch.from_numpy(POOL.copy(array))
         self.dist.all_reduce(out, op=reduce_op(op), group=self.group)
         return out.numpy()
 
@@ -240,7 +241,7 @@ class GlooEngine(Engine):
         import torch.distributed as dist
         options = dist.AllreduceOptions()
         options.reduceOp = reduce_op(op)
-        out = torch.from_numpy(np.array(array, copy=True))
+        out = torch.from_numpy(POOL.copy(array))
         self.group.allreduce([out], options).wait()
         return out.numpy()
 

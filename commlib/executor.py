@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from commlib import compressors, sparse
+from commlib.buffers import POOL
 from commlib.dispatch import Plan
 from commlib.errors import CommError, ConfigError, error_from
 from commlib.handles import Handle
@@ -296,7 +297,7 @@ class Executor:
         arrays = [e.staged.array for e in bucket]
         buf = fused(arrays)
         if buf is None:
-            buf = np.concatenate(arrays)
+            buf = POOL.concatenate(arrays)
             phases.mark("FUSE")
         if first.prescale != 1.0:
             buf = scaled(buf, first.prescale)
