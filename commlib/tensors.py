@@ -9,6 +9,7 @@ as float32. torch sparse COO tensors (and commlib.sparse.RowSparse) are held as 
 or a dense fallback asks for the dense `array`. The host array is made
 only when asked for: a compressor works on the caller's tensor where it lives.
 """
+import ctypes
 from functools import cached_property
 
 import numpy as np
@@ -64,8 +65,8 @@ class Staged:
         if not self.torch:
             return np.ascontiguousarray(self.tensor).reshape(-1)
         import torch
-        if viewable(self.tensor) and self.nbytes <= COPY_MAX:   # read now, on the caller's thread: no torch call
-            return host_array(self.tensor).copy()
+        if viewable(self.tensor) and self.nbytes <= COPY_MAX:   # read now, on the caller's thread
+            return _copied(self.tensor)
         t = self.tensor.detach()
         if t.is_sparse:
             t = t.to_dense()
@@ -132,6 +133,19 @@ def host_array(tensor):
     resize while the array is used (a DDP bucket), or read at once (Staged.array's copy)."""
     dtype = host_dtype(tensor.dtype)
     return np.asarray(_HostView(tensor, dtype)) if tensor.numel() else np.empty(0, dtype)
+
+
+def _copied(tensor):
+    """A `viewable` tensor's values, copied by address with the GIL held: a torch call, or numpy's own
+    copy of more than a few hundred values, releases it (see _HostView)."""
+    out = np.empty(tensor.numel(), host_dtype(tensor.dtype))
+    if out.size:
+        _memcpy(out.ctypes.data, tensor.data_ptr(), out.nbytes)
+    return out
+
+
+_memcpy = ctypes.pythonapi.memcpy   # libc's, through ctypes.pythonapi: its calls keep the GIL
+_memcpy.argtypes, _memcpy.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
 
 
 class _HostView:
