@@ -3,11 +3,12 @@
 Backends only see contiguous 1-D numpy arrays on the host, read on the background thread. A small
 torch CPU tensor is copied at submission, read by address (a torch call releases the GIL, and
 taking it back behind a busy rank's threads costs more than the copy); a larger one is viewed
-without a copy through .numpy(), after which torch refuses to resize it; CUDA tensors are staged through pinned host memory; bfloat16, which numpy lacks, travels
-as float32. torch sparse COO tensors (and commlib.sparse.RowSparse) are held as coalesced
-(rows, values), `sparse`, which the sparse algorithms reduce without densifying; only a compressor
-or a dense fallback asks for the dense `array`. The host array is made
-only when asked for: a compressor works on the caller's tensor where it lives.
+without a copy through .numpy(), after which torch refuses to resize it; CUDA tensors are staged
+through pinned host memory; bfloat16, which numpy lacks, travels as float32. torch sparse COO
+tensors (and commlib.sparse.RowSparse) are held as coalesced (rows, values), `sparse`, which the
+sparse algorithms reduce without densifying; only a compressor or a dense fallback asks for the
+dense `array`. The host array is made only when asked for: a compressor works on the caller's
+tensor where it lives.
 """
 import ctypes
 from functools import cached_property
@@ -144,7 +145,7 @@ def _copied(tensor):
     return out
 
 
-_memcpy = ctypes.pythonapi.memcpy   # libc's, through ctypes.pythonapi: its calls keep the GIL
+_memcpy = ctypes.PyDLL(None).memcpy   # libc's; a PyDLL's calls keep the GIL
 _memcpy.argtypes, _memcpy.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
 
 
