@@ -48,13 +48,18 @@ static inline void sml_nonce(uint8_t *nonce, uint8_t type, uint8_t rank, uint64_
     tp_wr32(nonce + 8, (uint32_t)counter);
 }
 
+/* The 64-bit packet id as the MAC's input starts with it (the wire carries its low 32 bits). */
+static inline void sml_id_prefix(uint8_t prefix[8], uint64_t id) {
+    tp_wr32(prefix, (uint32_t)(id >> 32));
+    tp_wr32(prefix + 4, (uint32_t)id);
+}
+
 /* The MAC of a packet sent in three pieces (header, payload, trailer: a result sent from the slot's
  * memory), the same as sml_sign's of their concatenation; written to tag. */
 static inline void sml_sign_parts(tp_mac *m, const uint8_t *hdr, size_t hlen, const uint8_t *payload, size_t plen,
                                   const uint8_t *trailer, size_t tlen, uint64_t id, const uint8_t *nonce, uint8_t *tag) {
     uint8_t prefix[8];
-    tp_wr32(prefix, (uint32_t)(id >> 32));
-    tp_wr32(prefix + 4, (uint32_t)id);
+    sml_id_prefix(prefix, id);
     tp_part parts[4] = {{prefix, sizeof prefix}, {hdr, hlen}, {payload, plen}, {trailer, tlen}};
     tp_mac_tagv(m, nonce, parts, 4, tag);
 }
@@ -67,8 +72,7 @@ static inline void sml_sign(tp_mac *m, uint8_t *p, size_t len, uint64_t id, cons
 /* Whether the MAC at p + len is that of the packet's `len` bytes before it. */
 static inline int sml_signed(tp_mac *m, const uint8_t *p, size_t len, uint64_t id, const uint8_t *nonce) {
     uint8_t prefix[8];
-    tp_wr32(prefix, (uint32_t)(id >> 32));
-    tp_wr32(prefix + 4, (uint32_t)id);
+    sml_id_prefix(prefix, id);
     return tp_mac_check(m, nonce, prefix, sizeof prefix, p, len, p + len);
 }
 
