@@ -148,7 +148,7 @@ class Runtime:
             raise ConfigError(f"tensor {name!r}: op={op} is not differentiable here; reduce tensor.detach(), "
                               f"or use Sum or Average")
         staged = Staged(tensor)   # op=Average on integers truncates toward zero, as Horovod's (executor.scaled)
-        if staged.torch and staged.device.type == "cpu":
+        if staged.torch and staged.sparse is None and staged.device.type == "cpu":   # (a sparse one is never densified)
             staged.array   # now, on the caller's thread: copied, or viewed and then never resized (Staged.array)
         plan, compressor = self.dispatcher.plan(name, staged, algorithm, compression, policy, op, remember=named)
         if compressor is not None and not named:
