@@ -151,7 +151,7 @@ def worker(args):
             model, optimizer = job["model"], job["optimizer"]
             for step in range(first, last):
                 inputs, targets = job["batch"](step)
-                hvd.allreduce(torch.zeros(1), name=f"{label}.sync.{step}")   # every rank starts the step together
+                common.unspun(hvd, torch.zeros(1), f"{label}.sync.{step}")   # every rank starts the step together
                 with common.Probe(rt.backends if job["how"][0] == "commlib" else None) as probe:
                     start = time.perf_counter()
                     optimizer.zero_grad()
@@ -159,7 +159,7 @@ def worker(args):
                     loss.backward()
                     optimizer.step()
                     elapsed = time.perf_counter() - start
-                job["losses"].append(hvd.allreduce(loss.detach(), name=f"{label}.loss.{step}").item())
+                job["losses"].append(common.unspun(hvd, loss.detach(), f"{label}.loss.{step}").item())
                 if step >= args.warmup:
                     job["rates"].append(args.batch / elapsed)
                     job["tx_bytes"].append(probe.tx_bytes)

@@ -381,6 +381,16 @@ def switch_job(args, script, configs, forwarded=("steps", "warmup", "batch", "hi
     return cluster_result(ranks, echo=True)
 
 
+def unspun(hvd, tensor, name, poll_s=0.0005):
+    """hvd.allreduce for the benchmarks' own bookkeeping (a step's start, its loss): Horovod's
+    synchronize spins (WaitAndClear yields in a loop), and a rank that arrived first would spin
+    while the others still run their timed step; several ranks share this host's cores."""
+    handle = hvd.allreduce_async(tensor, name=name)
+    while not hvd.poll(handle):
+        time.sleep(poll_s)
+    return hvd.synchronize(handle)
+
+
 def horovod_built():
     """Horovod with its torch ops is installed (tried in a child process, so this one stays light)."""
     return subprocess.run([sys.executable, "-c", "import horovod.torch"], capture_output=True).returncode == 0
