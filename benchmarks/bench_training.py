@@ -125,23 +125,26 @@ def worker(args):
     rt = runtime()
     workloads = models(args, torch)
     jobs = {}
-    for workload, label, how in configs(args):
+    for index, (workload, label, how) in enumerate(configs(args)):
         build, batch, loss_fn, lr, momentum = workloads[workload]
         torch.manual_seed(0)
         model = build()
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        # commlib keeps state per tensor name (plans, auto's trials and their reports, hot sets): each
+        # configuration's model is a model of its own, so its names are too ("embedding.weight#3" still
+        # matches the policies' "embedding.*")
+        names = [(f"{name}#{index}", p) for name, p in model.named_parameters()]
         if how[0] == "horovod":
             kwargs = dict(how[1])
             if kwargs.get("compression") == "fp16":
                 kwargs["compression"] = hvd.Compression.fp16
             optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), **kwargs)
         else:
-            optimizer = cl.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), policy=how[1],
-                                                compression=how[2])
+            optimizer = cl.DistributedOptimizer(optimizer, named_parameters=names, policy=how[1], compression=how[2])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         jobs[label] = {"workload": workload, "how": how, "model": model, "optimizer": optimizer, "batch": batch,
                        "loss_fn": loss_fn, "rates": [], "losses": [], "algorithms": set(), "breakdowns": [],
-                       "tx_bytes": []}
+                       "tx_bytes": [], "names": [name for name, _ in names]}
     # --rounds > 1 interleaves the configurations (A B C A B C ...) so that the shared machine's drift
     # falls on all of them alike; each keeps its own model and optimizer across rounds
     total = args.warmup + args.steps
@@ -165,14 +168,13 @@ def worker(args):
                     job["tx_bytes"].append(probe.tx_bytes)
                     if job["how"][0] == "commlib":
                         job["breakdowns"].append(common.step_breakdown(
-                            commlib.records(), [name for name, _ in model.named_parameters()], probe.server_s))
-            records = commlib.records()   # by name: the last configuration's, so read right after its steps
+                            commlib.records(), job["names"], probe.server_s))
+            records = commlib.records()   # by name (a Horovod configuration's have none)
             job["algorithms"] |= {records[name]["algorithm"] + (":" + records[name]["compression"].split("(")[0]
                                                                 if records[name]["compression"] else "")
-                                  for name, _ in model.named_parameters() if name in records}
-            if job["how"][0] == "commlib":   # auto's candidates, times, choice (Horovod's jobs share the names)
-                job["trials"] = {name: records[name]["auto"] for name, _ in model.named_parameters()
-                                 if records.get(name, {}).get("auto")}
+                                  for name in job["names"] if name in records}
+            job["trials"] = {name.rpartition("#")[0]: records[name]["auto"] for name in job["names"]   # auto's
+                             if records.get(name, {}).get("auto")}
     out = {}
     for label, job in jobs.items():
         rates, model = job["rates"], job["model"]
