@@ -21,7 +21,7 @@ transfer time by its mean round time on its own clock (a window keeps many round
 shares of a round, not the sum of overlapping rounds, make the split). See commlib.executor.Phases.
 
 and `auto`'s trials (commlib.trials): per tensor, the candidates, their measured times (the
-the median on the rank that arrived last) and the one kept. It writes PNG plots after the IMC'20 study of a production parameter server: CDFs of transfer time
+median on the rank that arrived last) and the one kept. It writes PNG plots after the IMC'20 study of a production parameter server: CDFs of transfer time
 per algorithm, the stacked breakdown (its Figure 5), concurrency (its Figure 7b: per millisecond, how
 many ranks' packets reached the switch, from its ms_ranks_k counters, and how many ranks were inside
 a collective, from the workers' spans) and, when the trace holds per-row update counts of

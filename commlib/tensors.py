@@ -66,7 +66,7 @@ class Staged:
         if not self.torch:
             return np.ascontiguousarray(self.tensor).reshape(-1)
         import torch
-        if viewable(self.tensor) and self.nbytes <= COPY_MAX:   # read now, on the caller's thread
+        if self.nbytes <= COPY_MAX and viewable(self.tensor):   # read now, on the caller's thread
             return _copied(self.tensor)
         t = self.tensor.detach()
         if t.is_sparse:
@@ -131,7 +131,7 @@ def _negative(tensor):
 def host_array(tensor):
     """A `viewable` tensor's memory as a 1-D numpy array, without a torch call (see _HostView). The
     array keeps the tensor object alive, not its memory if it is resized: for memory its owner does not
-    resize while the array is used (a DDP bucket), or read at once (Staged.array's copy)."""
+    resize while the array is used (a DDP bucket); a caller's tensor goes through Staged.array."""
     dtype = host_dtype(tensor.dtype)
     return np.asarray(_HostView(tensor, dtype)) if tensor.numel() else np.empty(0, dtype)
 
