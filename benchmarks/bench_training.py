@@ -143,7 +143,7 @@ def worker(args):
             optimizer = cl.DistributedOptimizer(optimizer, named_parameters=names, policy=how[1], compression=how[2])
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         jobs[label] = {"workload": workload, "how": how, "model": model, "optimizer": optimizer, "batch": batch,
-                       "loss_fn": loss_fn, "rates": [], "losses": [], "algorithms": set(), "breakdowns": [],
+                       "loss_fn": loss_fn, "rates": [], "elapsed": [], "losses": [], "algorithms": set(), "breakdowns": [],
                        "tx_bytes": [], "names": [name for name, _ in names]}
     # --rounds > 1 interleaves the configurations (A B C A B C ...) so that the shared machine's drift
     # falls on all of them alike; each keeps its own model and optimizer across rounds
@@ -163,6 +163,7 @@ def worker(args):
                     optimizer.step()
                     elapsed = time.perf_counter() - start
                 job["losses"].append(common.unspun(hvd, loss.detach(), f"{label}.loss.{step}").item())
+                job["elapsed"].append(elapsed)
                 if step >= args.warmup:
                     job["rates"].append(args.batch / elapsed)
                     job["tx_bytes"].append(probe.tx_bytes)
@@ -190,6 +191,7 @@ def worker(args):
             print(f"Total img/sec on {hvd.size()} CPU(s): {hvd.size() * mean:.1f} +-{1.96 * std * hvd.size() ** 0.5:.1f}",
                   flush=True)
             out[label] = {"workload": job["workload"], "parameters": params, "rates": rates, "losses": job["losses"],
+                          "all_steps_s": job["elapsed"],
                           "commlib_algorithms": sorted(job["algorithms"]) if job["how"][0] == "commlib" else [],
                           "breakdowns": job["breakdowns"], "tx_bytes": job["tx_bytes"], "auto_trials": job.get("trials")}
     if hvd.rank() == 0:
@@ -265,7 +267,9 @@ def _plot(results, title, suite):
 
 
 def main(argv=None):
-    parser = common.training_arguments(__doc__, steps=30)
+    parser = common.training_arguments(__doc__, steps=30, warmup=None,
+                                       warmup_help="untimed steps (default 10, as Horovod's synthetic benchmark; "
+                                                   "quick 2): `auto` tries its candidates in them")
     parser.add_argument("--vocab", type=int, default=None, help="embedding rows (default 400000; quick 20000)")
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the sparse model's ids")
     parser.add_argument("--workload", choices=("all", "dense", "sparse"), default="all")
@@ -275,6 +279,7 @@ def main(argv=None):
     parser.add_argument("--hotcold-rule", default="traffic", help="commlib hotcold: 'traffic' or 'share'")
     args = common.parse_training_arguments(parser, argv)
     args.vocab = args.vocab or (20000 if args.quick else 400000)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
     if args.worker:
         return worker(args)
     ok, why = netem.available()
@@ -291,12 +296,14 @@ def main(argv=None):
         r["size"] = n
         total = statistics.fmean(r["rates"]) * n
         median = statistics.median(r["rates"]) * n   # robust to the shared machine's stalls
-        baseline.setdefault(workload, (total, median))
+        every = args.batch * n * len(r["all_steps_s"]) / sum(r["all_steps_s"])   # with the warm-up: auto's trials
+        baseline.setdefault(workload, (total, median, every))
         r["total_samples_per_s"], r["median_samples_per_s"] = total, median
         losses = r["losses"]
         bottleneck(r, args, n, how)
         rows.append(f"| {workload} | {label} | {r['parameters']:,} | {total:.0f} | {total / baseline[workload][0]:.2f}x | "
                     f"{median:.0f} | {median / baseline[workload][1]:.2f}x | "
+                    f"{every:.0f} | {every / baseline[workload][2]:.2f}x | "
                     f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | "
                     f"{', '.join(r['commlib_algorithms']) or '-'} | {r['bottleneck']} |")
     from commlib import analyze   # the table of auto's trials
@@ -309,11 +316,13 @@ def main(argv=None):
                 "Samples/s = mean over the timed steps x workers (the Horovod synthetic-benchmark figure); ratios "
                 "against the first configuration of each model, measured in the same job. The loss is the mean "
                 "over ranks at the first step and over the last three.\n\n"
-                "Median: the median step's rate x workers. " + common.BOTTLENECK_RULE + " Here the row's time is the "
+                "Median: the median step's rate x workers. With warm-up: samples over the time of every step, the untimed "
+                "ones too, where `auto` tries its candidates (a job of a few dozen steps pays them all; a long job, "
+                "once per `auto_revisit` runs). " + common.BOTTLENECK_RULE + " Here the row's time is the "
                 "median step; the server is named aggregators where the policy sends tensors to omnireduce.\n\n"
                 "| model | configuration | parameters | samples/s | vs first | median samples/s | vs first (median) | "
-                "loss first -> last | commlib algorithms | bottleneck |\n"
-                "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+                "with warm-up | vs first (with warm-up) | loss first -> last | commlib algorithms | bottleneck |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
                 + "".join(f"\n\n{label}, " + analyze.format_trials(results[label]["auto_trials"])
                           for _, label, _ in configs(args) if results[label].get("auto_trials"))
                 + f"\n\n![training](results/{suite}.png)\n")

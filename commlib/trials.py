@@ -18,7 +18,8 @@ rank, so that is the time from the last rank's arrival to the end, what the cand
 step; the other ranks' times also hold their wait for the last one, the same whichever candidate
 runs (with the slowest rank's, 8 tensors of 4 MiB on loopback kept switchml over a ring twice as
 fast). Once every candidate was measured in `auto_trial_samples` rounds (after one warm-up round
-each) the fastest by median is kept; its releases carry its slowest rank's median time, and a rank
+each) the fastest by median is kept; a candidate whose median is already `auto_trial_drop` times the
+best one's is tried no more (a candidate ten times slower costs a step per round it runs); its releases carry its slowest rank's median time, and a rank
 reports again after `auto_revisit` runs, or when five runs in a row took `auto_drift` times longer
 than that: the group is then tried anew, less the candidates measured `auto_trial_margin` times
 slower than the kept one now runs (they sit that round out). A settled release no longer depends on
@@ -32,6 +33,8 @@ define("auto_trial_margin", 4.0, "policy 'auto': candidates the traffic model ra
        "best are tried on early steps and the fastest measured is kept")
 define("auto_trial_samples", 3, "policy 'auto': measured rounds (steps) per candidate (after one warm-up round) "
        "before the fastest is kept; 0: no trials, the traffic model (dense: the first dense carrier) decides")
+define("auto_trial_drop", 2.0, "policy 'auto': a candidate that measured this many times slower than the best "
+       "so far is tried no more (0: every candidate runs all its rounds)")
 define("auto_revisit", 500, "policy 'auto': runs of a tensor after which its group's candidates are tried again")
 define("auto_drift", 1.5, "policy 'auto': five runs in a row this many times slower than the kept "
        "candidate's measured time try the candidates again")
@@ -44,14 +47,15 @@ SLACK_S = 0.005   # a slow run is also this much slower: small tensors' times va
 class Trials:
     """Rank 0's record of every group's candidates, their measured times and the choice."""
 
-    def __init__(self, margin, samples, revisit):
-        self.margin, self.samples, self.revisit = margin, samples, revisit
+    def __init__(self, margin, samples, revisit, drop=0.0):
+        self.margin, self.samples, self.revisit, self.drop = margin, samples, revisit, drop
         self._groups = {}
         self._ids = 0
 
     @classmethod
     def of(cls, settings):
-        return cls(settings.auto_trial_margin, settings.auto_trial_samples, settings.auto_revisit)
+        return cls(settings.auto_trial_margin, settings.auto_trial_samples, settings.auto_revisit,
+                   settings.auto_trial_drop)
 
     def kept(self, group, reports):
         """Take every rank's report of its last run of a tensor of `group` (None where it has none).
@@ -84,7 +88,7 @@ class Trials:
             if state.choice is not None:
                 return state.choice, state.shown(self.revisit)
         if name is None or name in state.named or state.current is None:   # the next round, the next candidate
-            state.current = min(state.candidates, key=lambda a: (state.given[a], state.candidates.index(a)))
+            state.current = min(state.running(), key=lambda a: (state.given[a], state.candidates.index(a)))
             state.given[state.current] += 1
             state.named = set()
         state.named.add(name)
@@ -108,6 +112,8 @@ class Trials:
             state.times[trial[0]].append(min(r["seconds"] for r in sent))
             state.slowest[trial[0]].append(max(r["seconds"] for r in sent))
             state.heard[trial[0]].add(trial[1])
+            if self.drop:
+                state.prune(self.drop)
         return None
 
 
@@ -122,6 +128,7 @@ class _Group:
         self.pending = {}                          # trial id -> its candidate (None: warm-up), until reported
         self.choice = candidates[0] if len(candidates) == 1 else None
         self.expect = None
+        self.dropped = set()   # measured `drop` times slower than the best: no more rounds
         self.checked = None   # the seconds of a check of the kept choice: formed anew at the next release
 
     def shown(self, revisit):
@@ -132,14 +139,23 @@ class _Group:
     def medians(self):
         return {a: statistics.median(t) for a, t in self.times.items() if t}
 
+    def running(self):
+        return [a for a in self.candidates if a not in self.dropped]
+
+    def prune(self, drop):
+        medians = self.medians()
+        best = min(medians.values())
+        self.dropped |= {a for a, median in medians.items() if median > drop * best}
+
     def decide(self, samples):
         """Keep the fastest once every candidate was measured in `samples` rounds (or, when reports go
         missing, after three times the rounds that needed; none measured: the model's best)."""
-        enough = all(len(rounds) >= samples for rounds in self.heard.values())
-        if not enough and min(self.given.values()) < 3 * (WARMUP + samples):
+        running = self.running()
+        enough = all(len(self.heard[a]) >= samples for a in running)
+        if not enough and min(self.given[a] for a in running) < 3 * (WARMUP + samples):
             return False
         medians = self.medians()
-        self.choice = min(medians, key=medians.get) if medians else self.candidates[0]
+        self.choice = min(medians, key=medians.get) if medians else running[0]
         self.expect = statistics.median(self.slowest[self.choice]) if self.choice in medians else None
         self.pending.clear()
         return True
