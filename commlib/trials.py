@@ -143,9 +143,13 @@ class _Group:
         return [a for a in self.candidates if a not in self.dropped]
 
     def prune(self, drop):
+        """Drop the running candidates measured `drop` times slower than the best running one (never
+        that one: some candidate always runs)."""
         medians = self.medians()
-        best = min(medians.values())
-        self.dropped |= {a for a, median in medians.items() if median > drop * best}
+        measured = [a for a in self.running() if a in medians]
+        if measured:
+            best = min(measured, key=medians.get)
+            self.dropped |= {a for a in measured if a != best and medians[a] > drop * medians[best]}
 
     def decide(self, samples):
         """Keep the fastest once every candidate was measured in `samples` rounds (or, when reports go

@@ -52,6 +52,13 @@ def test_a_candidate_measured_drop_times_slower_than_the_best_runs_no_more_round
     assert tried == ["allgather", "omnireduce", "hotcold"] * 2 + ["allgather", "hotcold"] * 2, \
         f"omnireduce warms up, is measured once and sits the other rounds out: {tried}"
     assert got[-1][1]["choice"] == "allgather" and got[-1][1]["times"]["omnireduce"] == 0.1, got[-1]
+    trials = Trials(margin=4.0, samples=3, revisit=100, drop=0.5)   # below 1: every other one drops
+    got = run(trials, [times, times], 14)
+    assert got[-1][1]["choice"] == "allgather", f"the best running candidate is never dropped: {got[-1]}"
+    runs = {"allgather": [0.01, 0.01, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], "omnireduce": [0.03] * 8, "hotcold": [0.2] * 8}
+    trials = Trials(margin=4.0, samples=3, revisit=100, drop=2.0)   # the best slows down after a dropped one's sample
+    got = run(trials, [lambda a: runs[a].pop(0), lambda a: runs[a][0]], 14)
+    assert got[-1][1]["choice"] == "omnireduce", f"a dropped candidate's time still counts: {got[-1]}"
 
 
 def test_a_trial_not_every_rank_reported_is_not_counted():
