@@ -288,9 +288,10 @@ class Executor:
         shared = {"bucket": name, "fused_with": len(bucket) - 1, "run_s": end - start,   # the bucket's, once
                   "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True), **phases.server()}
         nbytes = sum(entry.staged.nbytes for entry in bucket)
+        deferred = run == self._run_dense   # host arrays, restored on the caller's thread (Handle.set)
         for entry, result in zip(bucket, results):
             self._record(entry, shared, start, end, phases, nbytes)
-            entry.handle.set(result=result)
+            entry.handle.set(result=result, restore=entry.staged.restore if deferred else None)
 
     def _run_dense(self, bucket, backend, name, phases):
         first = bucket[0]
@@ -312,10 +313,12 @@ class Executor:
         if scale != 1.0:
             out = scaled(out, scale, inplace=not np.may_share_memory(out, buf))
             phases.mark("SCALE")
-        parts = np.split(out, np.cumsum([a.size for a in arrays])[:-1]) if len(bucket) > 1 else [out]
-        results = [e.staged.restore(part) for e, part in zip(bucket, parts)]
+        parts, start = [], 0   # slices, not np.split: it costs microseconds per part
+        for a in arrays:
+            parts.append(out[start:start + a.size])
+            start += a.size
         phases.mark("RESTORE")
-        return results
+        return parts   # each restored on the thread that waits for it (Handle.set)
 
     def _run_rows(self, bucket, backend, name, phases):
         """A row-sparse tensor: its (rows, values) summed by the backend, a sparse result."""
@@ -429,21 +432,26 @@ def fused(arrays, writeable=False):
 def grouped(entries):
     """A batch's entries, those of one fusion key together in the order each key first comes: a batch
     that mixes algorithms (a policy by name or size, `auto`'s choice per size band) fuses into a
-    bucket per key, not one per run of equal keys. Every rank holds the same batch: the same order."""
+    bucket per key, not one per run of equal keys. Every rank holds the same batch: the same order.
+    (key, entry) pairs: a key is computed once per entry."""
     keys = {}
     for entry in entries:
-        keys.setdefault(entry.fusion_key(), []).append(entry)
-    return entries if len(keys) < 2 else [entry for same in keys.values() for entry in same]
+        key = entry.fusion_key()
+        keys.setdefault(key, []).append((key, entry))
+    return [keyed for same in keys.values() for keyed in same]
 
 
-def fuse(entries, threshold):
-    """Consecutive entries with the same fusion key, each bucket at most `threshold` bytes."""
-    bucket, size = [], 0
-    for entry in entries:
+def fuse(keyed, threshold):
+    """Consecutive entries with the same fusion key ((key, entry) pairs), each bucket at most
+    `threshold` bytes."""
+    bucket, size, bucket_key = [], 0, None
+    for key, entry in keyed:
         nbytes = entry.staged.nbytes
-        if bucket and (entry.fusion_key() != bucket[0].fusion_key() or size + nbytes > threshold):
+        if bucket and (key != bucket_key or size + nbytes > threshold):
             yield bucket
             bucket, size = [], 0
+        if not bucket:
+            bucket_key = key
         bucket.append(entry)
         size += nbytes
     if bucket:

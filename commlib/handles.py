@@ -26,8 +26,8 @@ def when_all(handles, fn):
 class Handle:
     """The result of an asynchronous allreduce: `synchronize(handle)` or `poll(handle)`."""
 
-    __slots__ = ("name", "_latch", "_set", "_result", "_error", "_timeout", "_then", "_callbacks", "_lock",
-                 "_on_wait")
+    __slots__ = ("name", "_latch", "_set", "_result", "_error", "_timeout", "_restore", "_then", "_callbacks",
+                 "_lock", "_on_wait")
 
     def __init__(self, name, timeout, on_wait=None):
         """on_wait: called (without arguments) when a caller is about to wait for the result, which
@@ -38,12 +38,15 @@ class Handle:
         self._latch = threading.Lock()
         self._latch.acquire()
         self._set = False
-        self._result = self._error = self._then = None
+        self._result = self._error = self._restore = self._then = None
         self._callbacks, self._lock = [], threading.Lock()
 
-    def set(self, result=None, error=None):
+    def set(self, result=None, error=None, restore=None):
+        """restore: applied to `result` once, on the thread that first waits for it: a torch call
+        releases the GIL, and taking it back behind a busy caller costs commlib's background thread
+        tens of us per tensor; the caller, about to wait, pays it cheaply (see tensors._HostView)."""
         with self._lock:
-            self._result, self._error = result, error
+            self._result, self._error, self._restore = result, error, restore
             if not self._set:
                 self._set = True
                 self._latch.release()
@@ -89,12 +92,20 @@ class Handle:
                 return True
         return True
 
-    def wait(self):
+    def wait(self, restored=True):
+        """The result, or its error. restored=False: the backend's host array while its restore is
+        pending (commlib's own callbacks that only read it: no torch call), else the result."""
         if not self._wait(self._timeout):
             raise CommTimeout(f"tensor {self.name!r} got no result within {self._timeout:.0f}s; "
                               f"a peer, the switch or an aggregator is stuck (see the other ranks' output)")
         if self._error is not None:
             raise self._error.with_traceback(None)   # one error may fail many handles: no piling tracebacks
-        if self._then is not None:
-            self._result, self._then = self._then(self._result), None
+        if not restored:
+            return self._result
+        if self._restore is not None or self._then is not None:
+            with self._lock:   # once, however many threads wait
+                if self._restore is not None:
+                    self._result, self._restore = self._restore(self._result), None
+                if self._then is not None:
+                    self._result, self._then = self._then(self._result), None
         return self._result

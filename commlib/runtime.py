@@ -77,7 +77,7 @@ class Runtime:
             raise self.executor.broken
         s = self.settings
         entries, metas, refused = [], [], None
-        for tensor, name in zip(tensors, names):
+        for index, (tensor, name) in enumerate(zip(tensors, names)):
             named, name = name is not None, name or f"{UNNAMED}.{next(self._names)}"   # unique while in flight
             try:
                 staged, op_name, plan, compressor = self._plan(tensor, name, named, op, algorithm, compression,
@@ -89,11 +89,16 @@ class Runtime:
             handle = Handle(name, s.negotiation_timeout_s + 3 * s.timeout_s + 10, self.client.hurry)
             entries.append(Entry(staged, name, op_name, plan, compressor, prescale, postscale, handle,
                                  None if named else UNNAMED))
-            metas.append({"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op_name,
-                          "choices": plan.choices, "compression": plan.compression, "side": plan.side,
-                          "prescale": prescale, "postscale": postscale, "rows": plan.rows, "report": plan.report,
-                          # an unnamed call's name is never submitted again: not worth a cache bit
-                          **({} if named else {"once": True})})
+            meta = {"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op_name,
+                    "choices": plan.choices, "compression": plan.compression, "side": plan.side,
+                    "prescale": prescale, "postscale": postscale, "rows": plan.rows, "report": plan.report}
+            if not named:   # an unnamed call's name is never submitted again: not worth a cache bit
+                meta["once"] = True
+            if len(tensors) > 1:   # its place in the group, the order the group is released and fused in: a
+                # new order is negotiated anew (DDP rebuilds its buckets after the first step; their
+                # parameters' views then fuse in place, and the result is the bucket without a copy)
+                meta["index"] = index
+            metas.append(meta)
         self.executor.track(entries)
         try:
             self.client.submit(metas)
@@ -148,7 +153,7 @@ class Runtime:
             raise ConfigError(f"tensor {name!r}: op={op} is not differentiable here; reduce tensor.detach(), "
                               f"or use Sum or Average")
         staged = Staged(tensor)   # op=Average on integers truncates toward zero, as Horovod's (executor.scaled)
-        if staged.torch and staged.sparse is None and staged.device.type == "cpu":   # (a sparse one is never densified)
+        if staged.torch and staged.sparse is None and staged.cpu:   # (a sparse one is never densified)
             staged.array   # now, on the caller's thread: copied, or viewed and then never resized (Staged.array)
         plan, compressor = self.dispatcher.plan(name, staged, algorithm, compression, policy, op, remember=named)
         if compressor is not None and not named:

@@ -75,7 +75,11 @@ class Settings:
             else:
                 value = setting.default
             values[name] = value
+        self._take(values)
+
+    def _take(self, values):
         self._values = values
+        self.__dict__.update(values)   # plain attributes: read on every tensor, __getattr__ costs 10x
 
     def __getattr__(self, name):
         try:
@@ -86,7 +90,7 @@ class Settings:
     def replaced(self, **values):
         """A copy with these values (a process set's job: the parent's switch, its own controller)."""
         copy = object.__new__(Settings)
-        copy._values = dict(self._values, **values)
+        copy._take(dict(self._values, **values))
         return copy
 
     def as_dict(self):

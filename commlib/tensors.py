@@ -11,7 +11,8 @@ dense `array`. The host array is made only when asked for: a compressor works on
 tensor where it lives.
 """
 import ctypes
-from functools import cached_property
+import sys
+from functools import cache, cached_property
 
 import numpy as np
 
@@ -39,14 +40,10 @@ class Staged:
             self.numel = int(np.prod(self.shape, dtype=np.int64))
             self.nbytes = self.numel * self.dtype.itemsize
         elif self.torch:
-            import torch
-            self.device, self.dtype, self.shape = tensor.device, tensor.dtype, tuple(tensor.shape)
-            if tensor.dtype.is_complex or tensor.dtype == torch.bool:
-                raise InvalidTensor(f"dtype {tensor.dtype} cannot be reduced; use a float or integer dtype")
-            self.dtype_name = str(tensor.dtype).replace("torch.", "")
+            self.dtype, self.shape, self.cpu = tensor.dtype, tensor.shape, tensor.is_cpu   # torch.Size: a tuple
+            self.dtype_name, self.travel_dtype, itemsize = _torch_dtype(tensor.dtype)
             self.numel = tensor.numel()
-            self.nbytes = self.numel * tensor.dtype.itemsize
-            self.travel_dtype = host_dtype(tensor.dtype)
+            self.nbytes = self.numel * itemsize
             if tensor.is_sparse:
                 self.sparse = row_sparse.from_torch(tensor).coalesced()
         elif isinstance(tensor, np.ndarray):
@@ -59,15 +56,19 @@ class Staged:
             raise InvalidTensor(f"commlib reduces numpy arrays and torch tensors, not {type(tensor).__name__}")
 
     @cached_property
+    def device(self):
+        return self.tensor.device
+
+    @cached_property
     def array(self):
         """The contiguous 1-D host array of `travel_dtype` the backends reduce."""
         if self.sparse is not None and not self.torch:
             return self._densified()
         if not self.torch:
             return np.ascontiguousarray(self.tensor).reshape(-1)
-        import torch
         if self.nbytes <= COPY_MAX and viewable(self.tensor):   # read now, on the caller's thread
-            return _copied(self.tensor)
+            return _copied(self.tensor, self.numel, self.travel_dtype)
+        import torch
         t = self.tensor.detach()
         if t.is_sparse:
             t = t.to_dense()
@@ -80,7 +81,7 @@ class Staged:
         if not t.is_contiguous():
             t = t.contiguous()
         # .numpy(): torch then refuses to resize the tensor (for good), whose memory the backends read later
-        return t.resolve_neg().numpy().reshape(-1) if _negative(t) else t.numpy().reshape(-1)
+        return t.resolve_neg().numpy().reshape(-1) if _negative()(t) else t.numpy().reshape(-1)
 
     def _densified(self):
         out = np.zeros((self.sparse.nrows, self.sparse.width), dtype=self.travel_dtype)
@@ -107,25 +108,35 @@ class Staged:
             return flat.astype(self.dtype, copy=False).reshape(self.shape)
         import torch
         out = torch.from_numpy(np.ascontiguousarray(flat).reshape(self.shape))   # one torch call: see `array`
-        if out.dtype != self.dtype or self.device.type != "cpu":
+        if out.dtype != self.dtype or not self.cpu:
             out = out.to(device=self.device, dtype=self.dtype, non_blocking=False)
         return out
 
 
 def viewable(tensor):
     """A torch tensor `host_array` can view: dense, contiguous, with memory on the CPU (not a ZeroTensor
-    or a FakeTensor), of a dtype numpy has, its values as stored (no negative bit)."""
+    or a FakeTensor), of a dtype numpy has, its values as stored (no negative bit). Only attributes
+    that keep the GIL (see _HostView): is_cpu, not tensor.device (which costs more than a small copy)."""
+    return tensor.is_cpu and not tensor.is_sparse and tensor.dtype is not _bfloat16() and \
+        tensor.is_contiguous() and not _negative()(tensor) and (tensor.data_ptr() != 0 or tensor.numel() == 0)
+
+
+@cache
+def _bfloat16():
     import torch
-    return tensor.device.type == "cpu" and not tensor.is_sparse and tensor.dtype != torch.bfloat16 and \
-        tensor.is_contiguous() and not _negative(tensor) and (tensor.data_ptr() != 0 or tensor.numel() == 0)
+    return torch.bfloat16
 
 
-def _negative(tensor):
-    """tensor.is_neg(), asked of its dispatch keys where torch has them: is_neg releases the GIL (see
-    _HostView), the dispatch keys do not."""
+@cache
+def _negative():
+    """tensor -> tensor.is_neg(), asked of its dispatch keys where torch has them: is_neg releases the
+    GIL (see _HostView), the dispatch keys do not."""
     import torch
     keys = getattr(torch._C, "_dispatch_keys", None)
-    return keys(tensor).has(torch._C.DispatchKey.Negative) if keys else tensor.is_neg()
+    if keys is None:
+        return lambda tensor: tensor.is_neg()
+    negative = torch._C.DispatchKey.Negative
+    return lambda tensor: keys(tensor).has(negative)
 
 
 def host_array(tensor):
@@ -136,10 +147,10 @@ def host_array(tensor):
     return np.asarray(_HostView(tensor, dtype)) if tensor.numel() else np.empty(0, dtype)
 
 
-def _copied(tensor):
-    """A `viewable` tensor's values, copied by address with the GIL held: a torch call, or numpy's own
-    copy of more than a few hundred values, releases it (see _HostView)."""
-    out = np.empty(tensor.numel(), host_dtype(tensor.dtype))
+def _copied(tensor, numel, dtype):
+    """A `viewable` tensor's `numel` values (of numpy `dtype`), copied by address with the GIL held: a
+    torch call, or numpy's own copy of more than a few hundred values, releases it (see _HostView)."""
+    out = np.empty(numel, dtype)
     if out.size:
         _memcpy(out.ctypes.data, tensor.data_ptr(), out.nbytes)
     return out
@@ -175,6 +186,20 @@ def host_dtype(dtype):
     return travel
 
 
+_DTYPES = {}   # torch dtype -> (its name, the numpy dtype it travels as, its itemsize)
+
+
+def _torch_dtype(dtype):
+    """(name, travel dtype, itemsize) of a torch dtype commlib reduces, else an InvalidTensor."""
+    known = _DTYPES.get(dtype)
+    if known is None:
+        import torch
+        if dtype.is_complex or dtype == torch.bool:
+            raise InvalidTensor(f"dtype {dtype} cannot be reduced; use a float or integer dtype")
+        known = _DTYPES[dtype] = (str(dtype).replace("torch.", ""), host_dtype(dtype), dtype.itemsize)
+    return known
+
+
 _ITEMSIZE = {"bfloat16": 2}   # torch dtypes numpy does not name
 
 
@@ -199,8 +224,5 @@ def nbytes(shape, dtype_name):
 
 
 def _is_torch(tensor):
-    try:
-        import torch
-    except ImportError:
-        return False
-    return isinstance(tensor, torch.Tensor)
+    torch = sys.modules.get("torch")   # a torch tensor exists only once torch was imported
+    return torch is not None and isinstance(tensor, torch.Tensor)

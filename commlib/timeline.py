@@ -9,7 +9,8 @@ as a worker's own clock can split it):
     SCALE       prescale / postscale                                              | worker processing
     COMPRESS    a compressor's work before and between its collectives            |
     DECOMPRESS  ... and after the last one                                        |
-    RESTORE     splitting the result and copying it back into the caller's type  /
+    RESTORE     splitting the result (and a sparse one into the caller's type;    /
+                a dense one's is made on the thread that waits for it)
     <ALGORITHM> each collective of the algorithm (network + switch/aggregators), with its bytes and,
                 where the algorithm can tell (switchml), `busy_s`: its own processing inside, and
                 where it has a server that stamps its results (switchml, omnireduce) the rest split

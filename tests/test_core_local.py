@@ -200,3 +200,20 @@ def test_grouped_allreduce_is_released_and_fused_together(runtime):
     assert {commlib.records()[f"g{i}"]["fused_with"] for i in range(6)} == {5}   # one collective
     with pytest.raises(commlib.ConfigError, match="2 tensors but 1 names"):
         commlib.grouped_allreduce(tensors[:2], ["only"])
+
+
+def test_a_grouped_call_fuses_in_its_order_a_new_order_is_negotiated_anew(runtime):
+    """A DDP bucket's parameters are views of one buffer; DDP reorders them after its first step.
+    In the call's order they fuse in place (no copy) and come back as slices of one result."""
+    def views(order):
+        flat = np.arange(12, dtype=np.float32)
+        return flat, [flat[3 * i:3 * i + 3] for i in range(4)], [f"v{i}" for i in order]
+
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [3, 2, 1, 0]):
+        flat, parts, names = views(order)
+        handles = commlib.grouped_allreduce_async(parts, names, op=commlib.Sum)
+        raw = [h.wait(restored=False) for h in handles]
+        assert [r.tolist() for r in raw] == [p.tolist() for p in parts], (order, raw)
+        assert all(raw[i + 1].ctypes.data == raw[i].ctypes.data + 12 for i in range(3)), \
+            f"{order}: the results are not back to back in the call's order"
+        assert commlib.records()[names[0]]["bucket"] == f"{names[0]}+3", commlib.records()[names[0]]

@@ -38,3 +38,18 @@ def test_a_handle_that_never_resolves_times_out_naming_its_tensor():
         assert "layer.weight" in str(exc), exc
     else:
         raise AssertionError("wait() returned without a result")
+
+
+def test_a_result_is_restored_once_on_the_first_thread_that_waits_and_raw_until_then():
+    import threading
+
+    handle, calls = Handle("t", 5.0), []
+    handle.set(result=[1, 2], restore=lambda raw: calls.append(threading.current_thread().name) or tuple(raw))
+    assert handle.wait(restored=False) == [1, 2] and calls == [], "the backend's result, not restored"
+    waiters = [threading.Thread(target=handle.wait, name=f"waiter{i}") for i in range(3)]
+    for waiter in waiters:
+        waiter.start()
+    for waiter in waiters:
+        waiter.join(5.0)
+    assert handle.wait() == (1, 2) and len(calls) == 1 and calls[0].startswith("waiter"), calls
+    assert handle.wait(restored=False) == (1, 2), "once restored, the result"

@@ -177,10 +177,10 @@ def _complete_when_done(handles, views, buffer, future):
     (handles.when_all), so neither the hook nor a thread of its own waits."""
     def done():
         try:
-            results = [handle.wait() for handle in handles]   # all resolved: no wait
-            flat = _flat(results, buffer)
+            # all resolved: no wait; host arrays as they came, no torch call per parameter (Handle.set)
+            flat = _flat([handle.wait(restored=False) for handle in handles], buffer)
             if flat is None:   # not one piece of memory (several buckets, compressors): into the bucket
-                for view, result in zip(views, results):
+                for view, result in zip(views, [handle.wait() for handle in handles]):
                     if torch.is_tensor(view):
                         view.copy_(result)
                     else:
