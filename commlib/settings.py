@@ -39,6 +39,8 @@ _DEFINED = {}
 def define(name, default, help, per_rank=False):
     """Declare a setting (idempotent for identical re-definitions). Settings must be equal on
     every rank (commlib.init checks) unless per_rank=True."""
+    if name.startswith("_") or hasattr(Settings, name):   # values are attributes of a Settings: no shadowing
+        raise ConfigError(f"setting {name!r} would hide Settings.{name}; choose another name")
     setting = Setting(name, default, help, per_rank)
     if _DEFINED.get(name, setting) != setting:
         raise ConfigError(f"setting {name!r} is defined twice with different defaults")
@@ -82,6 +84,8 @@ class Settings:
         self.__dict__.update(values)   # plain attributes: read on every tensor, __getattr__ costs 10x
 
     def __getattr__(self, name):
+        if name.startswith("_"):   # copy and pickle look for __reduce_ex__ and the like before _values exists
+            raise AttributeError(name)
         try:
             return self._values[name]
         except KeyError:

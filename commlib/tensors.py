@@ -10,6 +10,7 @@ sparse algorithms reduce without densifying; only a compressor or a dense fallba
 dense `array`. The host array is made only when asked for: a compressor works on the caller's
 tensor where it lives.
 """
+import contextlib
 import ctypes
 import sys
 from functools import cache, cached_property
@@ -103,14 +104,28 @@ class Staged:
         return row_sparse.to_torch(rows, values, self.shape, k, self.dtype, self.device)
 
     def restore(self, flat):
-        """The reduced 1-D host array back in the caller's type, dtype, device and shape."""
+        """The reduced 1-D host array back in the caller's type, dtype, device and shape. It runs on the
+        thread that first waits (Handle.set), maybe inside its inference_mode or a dispatch mode
+        (FakeTensorMode while tracing): the result is made as on commlib's own thread, outside them."""
         if not self.torch:
             return flat.astype(self.dtype, copy=False).reshape(self.shape)
         import torch
-        out = torch.from_numpy(np.ascontiguousarray(flat).reshape(self.shape))   # one torch call: see `array`
-        if out.dtype != self.dtype or not self.cpu:
-            out = out.to(device=self.device, dtype=self.dtype, non_blocking=False)
+        with _plain(torch):
+            out = torch.from_numpy(np.ascontiguousarray(flat).reshape(self.shape))   # one torch call: see `array`
+            if out.dtype != self.dtype or not self.cpu:
+                out = out.to(device=self.device, dtype=self.dtype, non_blocking=False)
         return out
+
+
+def _plain(torch):
+    """A context without the calling thread's inference mode and dispatch modes (none: nothing to do)."""
+    if not torch.is_inference_mode_enabled() and not torch._C._len_torch_dispatch_stack():
+        return contextlib.nullcontext()
+    from torch.utils._python_dispatch import _disable_current_modes
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(_disable_current_modes())
+    return stack
 
 
 def viewable(tensor):

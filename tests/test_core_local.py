@@ -202,6 +202,21 @@ def test_grouped_allreduce_is_released_and_fused_together(runtime):
         commlib.grouped_allreduce(tensors[:2], ["only"])
 
 
+def test_a_result_waited_for_inside_inference_mode_or_a_fake_mode_is_a_plain_tensor(runtime):
+    """The result is made on the thread that waits (Handle.set): not inside that thread's modes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    handle = commlib.allreduce_async(torch.arange(4.0), name="inference", op=commlib.Sum)
+    with torch.inference_mode():
+        out = commlib.synchronize(handle)
+    assert not out.is_inference(), "an inference tensor: in-place updates outside inference_mode would fail"
+    out.add_(1)
+    handle = commlib.allreduce_async(torch.arange(4.0), name="fake", op=commlib.Sum)
+    with FakeTensorMode():
+        inside = commlib.synchronize(handle)
+    assert type(inside) is torch.Tensor and commlib.synchronize(handle).tolist() == [0.0, 1.0, 2.0, 3.0], inside
+
+
 def test_a_grouped_call_fuses_in_its_order_a_new_order_is_negotiated_anew(runtime):
     """A DDP bucket's parameters are views of one buffer; DDP reorders them after its first step.
     In the call's order they fuse in place (no copy) and come back as slices of one result."""

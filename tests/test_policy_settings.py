@@ -5,7 +5,7 @@ from commlib import ConfigError, Policy, Rule
 from commlib.controller import check_agreement
 from commlib.dispatch import settle
 from commlib.policy import Choice, parse_bytes
-from commlib.settings import Settings
+from commlib.settings import Settings, define
 
 
 def test_policy_text_rules_in_order():
@@ -59,6 +59,17 @@ def test_settings_environment_beats_keyword_beats_default(caplog):
         Settings({"timout_s": 2})
     with pytest.raises(ConfigError, match="COMMLIB_FUSION_THRESHOLD"):
         Settings(environ={"COMMLIB_FUSION_THRESHOLD": "big"})
+
+
+def test_settings_are_attributes_that_copy_and_never_hide_a_method():
+    import copy
+    import pickle
+
+    settings = Settings({"timeout_s": 2}, environ={}).replaced(cycle_time_ms=3.0)
+    for twin in (copy.copy(settings), copy.deepcopy(settings), pickle.loads(pickle.dumps(settings))):
+        assert (twin.timeout_s, twin.cycle_time_ms) == (2, 3.0), twin
+    with pytest.raises(ConfigError, match="would hide Settings.replaced"):
+        define("replaced", 1, "a setting named like a method")
 
 
 def _meta(**kw):
