@@ -42,6 +42,7 @@ from commlib.tensors import nbytes as tensor_bytes
 from commlib.trials import Reports, Trials
 
 TRAFFIC = "traffic"   # the bound of choices the traffic model settles
+SMALL_BYTES = 1 << 16   # `auto`: dense tensors below this size are tried and kept together (_settle_dense)
 
 
 PLANS_KEPT = 4096
@@ -107,12 +108,15 @@ def _settle_metas(name, metas, trials):
 def _settle_dense(name, weighed, metas, trials):
     """A dense tensor's dense candidates (`auto`, Dispatcher._dense): the one kept or under trial, ranked
     by each one's bytes per worker (Backend.dense_traffic; equal costs in carriers order). The group:
-    the same candidates, dtype and size (powers of 4 of its bytes)."""
+    the same candidates, dtype and size (powers of 4 of its bytes; every tensor under SMALL_BYTES one
+    band: their buckets' time is mostly per-collective latency, and a step whose small tensors took
+    two algorithms runs twice the collectives)."""
     if trials is None:
         return weighed[0], None, None
     first = metas[0]
     nbytes = tensor_bytes(first["shape"], first["dtype"])
-    group = ("dense", tuple(weighed), first["dtype"], round(math.log(max(nbytes, 1), 4)))
+    band = "small" if nbytes < SMALL_BYTES else round(math.log(nbytes, 4))
+    group = ("dense", tuple(weighed), first["dtype"], band)
     kept = trials.kept(group, [meta.get("report") for meta in metas])
     if kept is not None:
         return kept[0], None, kept[1]
