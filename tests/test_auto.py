@@ -184,6 +184,8 @@ def test_dense_candidates_are_ranked_by_their_bytes_and_tried_by_round_one_round
     got = [settle_release(name, [meta(1000), meta(1000)], trials) for name in ("a", "b", "a", "b")]
     assert [r.algorithm for r in got] == ["switchml", "switchml", "ring", "ring"], got
     assert all("trial" in r.auto for r in got) and got[0].estimate is None, got
+    tiny = settle_release("e", [meta(16), meta(16)], trials)   # under 64 KiB: one group, whatever the size
+    assert tiny.algorithm == "ring" and "trial" in tiny.auto, f"small tensors are tried together: {tiny}"
     other = settle_release("c", [meta(100_000), meta(100_000)], trials)   # another size band: its own group
     assert other.algorithm == "switchml" and other.auto["trial"] != got[-1].auto["trial"], other
     four = settle_release("d", [meta(10, dtype="float16")] * 4, trials)
