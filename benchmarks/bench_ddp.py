@@ -30,26 +30,31 @@ CONFIGS = ["ddp default", "commlib switchml", "commlib auto", "commlib switchml,
 
 # -- inside each rank (its own namespace) -------------------------------------------------------------
 def register(label, model, net):
-    """Give the DDP model `label`'s comm hook."""
+    """Give the DDP model `label`'s comm hook; the names commlib reduces its parameters under (none
+    for PyTorch's own hooks)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
     import commlib.torch as cl
     if label == "ddp default":
-        return
+        return []
     if label == "pytorch powersgd":
         state = powersgd.PowerSGDState(process_group=dist.group.WORLD, matrix_approximation_rank=POWERSGD_RANK,
                                        start_powerSGD_iter=POWERSGD_START, use_error_feedback=True, warm_start=True)
         model.register_comm_hook(state, powersgd.powerSGD_hook)
-    elif label == "commlib powersgd":
+        return []
+    if label == "commlib powersgd":
         spec = f"powersgd(rank={POWERSGD_RANK},start_iter={POWERSGD_START})"
-        model.register_comm_hook(cl.CommlibState(net.named_parameters(), algorithm="ring", compression=spec),
-                                 cl.ddp_comm_hook)
+        state, hook = cl.CommlibState(net.named_parameters(), algorithm="ring", compression=spec), cl.ddp_comm_hook
     elif label == "commlib switchml, one buffer per bucket":
-        model.register_comm_hook(cl.CommlibState(net.named_parameters(), algorithm="switchml"), bucket_hook)
+        state, hook = cl.CommlibState(net.named_parameters(), algorithm="switchml"), bucket_hook
     else:
         policy = {"commlib switchml": "*=switchml", "commlib auto": "*=auto"}[label]
-        model.register_comm_hook(cl.CommlibState(net.named_parameters(), policy=policy), cl.ddp_comm_hook)
+        state, hook = cl.CommlibState(net.named_parameters(), policy=policy), cl.ddp_comm_hook
+    model.register_comm_hook(state, hook)
+    if hook is bucket_hook:   # its records: one per bucket, at most one bucket per parameter
+        return [f"ddp.bucket.{i}" for i in range(len(state.names))]
+    return list(state.names.values())   # prefixed after the first state: each configuration's records apart
 
 
 def bucket_hook(state, bucket):
@@ -80,7 +85,7 @@ def worker(args):
     rt = runtime()
     gen = torch.Generator().manual_seed(1234)                 # the teacher: the same on every rank
     teacher = torch.randn(args.features, 10, generator=gen)
-    runs = {}
+    runs, names = {}, {}
     for label in CONFIGS:
         torch.manual_seed(0)
         h = args.hidden
@@ -90,7 +95,7 @@ def worker(args):
         # callback, in another order on each rank when there are several buckets (a collective
         # mismatch): both PowerSGD configurations get the model in one bucket
         model = DDP(net, bucket_cap_mb=64) if "powersgd" in label else DDP(net)
-        register(label, model, net)
+        names[label] = register(label, model, net)
         runs[label] = (net, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), [], [], [], [])
     # the configurations take turns step by step, so a change of load on this shared machine
     # falls on all of them alike
@@ -113,16 +118,18 @@ def worker(args):
                 rates.append(args.batch / elapsed)
                 sent.append(probe.tx_bytes)
                 if label.startswith("commlib"):
-                    breakdowns.append(common.step_breakdown(commlib.records(), [n for n, _ in net.named_parameters()],
-                                                            probe.server_s))
+                    breakdowns.append(common.step_breakdown(commlib.records(), names[label], probe.server_s))
     out = {}
     for label, (net, model, optimizer, rates, losses, breakdowns, sent) in runs.items():
         if rank == 0:
             total = size * statistics.fmean(rates)
             print(f"{label}: {total:.1f} samples/s on {size} workers, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
                   flush=True)
+        records = commlib.records()
         out[label] = {"parameters": sum(p.numel() for p in net.parameters()), "rates": rates, "losses": losses,
-                      "breakdowns": breakdowns, "tx_bytes": sent}
+                      "breakdowns": breakdowns, "tx_bytes": sent,
+                      "auto_trials": {name: records[name]["auto"] for name in names[label]   # auto's
+                                      if records.get(name, {}).get("auto")}}
     if rank == 0:
         common.emit({"size": size, "results": out})
     commlib.shutdown()
@@ -138,38 +145,49 @@ def _plot(results, title):
 
 
 def main(argv=None):
-    parser = common.training_arguments(__doc__, steps=20, warmup=POWERSGD_START + 1,
-                                       warmup_help="untimed steps (past PowerSGD's start)")
+    parser = common.training_arguments(__doc__, steps=20, warmup=None,
+                                       warmup_help="untimed steps (default 10, as Horovod's synthetic benchmark; "
+                                                   f"quick {POWERSGD_START + 1}: past PowerSGD's start): `auto` "
+                                                   "tries its candidates in them")
     args = common.parse_training_arguments(parser, argv)
+    args.warmup = args.warmup if args.warmup is not None else (POWERSGD_START + 1 if args.quick else 10)
     if args.worker:
         return worker(args)
     payload = common.switch_job(args, Path(__file__), len(CONFIGS))
     n, results = payload["size"], payload["results"]
     baseline = statistics.fmean(results[CONFIGS[0]]["rates"]) * n
+    median_baseline = statistics.median(results[CONFIGS[0]]["rates"]) * n
     rows = []
     for label in CONFIGS:
         r = results[label]
-        total = statistics.fmean(r["rates"]) * n
+        total, median = statistics.fmean(r["rates"]) * n, statistics.median(r["rates"]) * n
         r["total_samples_per_s"], r["vs_ddp_default"] = total, total / baseline
+        r["median_samples_per_s"] = median
         losses = r["losses"]
         step_s = args.batch * n / total
         r["link"] = statistics.median(r["tx_bytes"]) * 8 / (common.rate_bps(args.rate) * step_s)
         r["bottleneck"] = common.bottleneck(step_s, r["breakdowns"], r["link"],
                                             unmeasured="n/a: DDP's own allreduce")
-        rows.append(f"| {label} | {total:.0f} | {total / baseline:.2f}x | "
+        rows.append(f"| {label} | {total:.0f} | {total / baseline:.2f}x | {median:.0f} | {median / median_baseline:.2f}x | "
                     f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | {r['bottleneck']} |")
     title = (f"DDP, {n} emulated hosts, links {args.rate} each way, MLP {results[CONFIGS[0]]['parameters']:,} "
              f"parameters, batch {args.batch} per worker, {args.steps} timed steps after {args.warmup}")
     _plot(results, title)
+    from commlib import analyze   # the table of auto's trials
     markdown = (f"{title}. Samples/s = mean over the timed steps x workers; ratios against DDP's default "
                 "allreduce (gloo ring) in the same job. PowerSGD: rank 4, plain allreduce for the first "
                 f"{POWERSGD_START} steps, error feedback and warm start, PyTorch's hook vs commlib's over the ring, both "
                 "with the model in one DDP bucket (PyTorch's hook on gloo mismatches collectives with several). "
                 "The loss is the mean over ranks at the first step and over the last three. "
                 + common.BOTTLENECK_RULE + "\n\n"
-                "| configuration | samples/s | vs DDP default | loss first -> last | bottleneck |\n"
-                "|---|---|---|---|---|\n"
-                + "\n".join(rows) + "\n\n![ddp](results/ddp.png)\n")
+                "Median: the median step's rate x workers.\n\n"
+                "| configuration | samples/s | vs DDP default | median samples/s | vs DDP default (median) | "
+                "loss first -> last | bottleneck |\n"
+                "|---|---|---|---|---|---|---|\n"
+                + "\n".join(rows)
+                + "".join(f"\n\n{label}, " + analyze.format_trials(results[label]["auto_trials"])
+                          for label in CONFIGS if results[label].get("auto_trials"))
+                + "\n\n![ddp](results/ddp.png)\n")
     settings = common.training_settings(args)
     common.save("ddp", settings, results, markdown)
     print(markdown)
