@@ -145,12 +145,10 @@ def _plot(results, title):
 
 
 def main(argv=None):
-    parser = common.training_arguments(__doc__, steps=20, warmup=None,
-                                       warmup_help="untimed steps (default 10, as Horovod's synthetic benchmark; "
-                                                   f"quick {POWERSGD_START + 1}: past PowerSGD's start): `auto` "
-                                                   "tries its candidates in them")
+    parser = common.training_arguments(__doc__, steps=20, warmup=common.WARMUP_STEPS, quick_warmup=POWERSGD_START + 1,
+                                       warmup_help="untimed steps, as Horovod's synthetic benchmark (quick: past "
+                                                   "PowerSGD's start): `auto` tries its candidates in them")
     args = common.parse_training_arguments(parser, argv)
-    args.warmup = args.warmup if args.warmup is not None else (POWERSGD_START + 1 if args.quick else 10)
     if args.worker:
         return worker(args)
     payload = common.switch_job(args, Path(__file__), len(CONFIGS))

@@ -267,9 +267,9 @@ def _plot(results, title, suite):
 
 
 def main(argv=None):
-    parser = common.training_arguments(__doc__, steps=30, warmup=None,
-                                       warmup_help="untimed steps (default 10, as Horovod's synthetic benchmark; "
-                                                   "quick 2): `auto` tries its candidates in them")
+    parser = common.training_arguments(__doc__, steps=30, warmup=common.WARMUP_STEPS, quick_warmup=2,
+                                       warmup_help="untimed steps, as Horovod's synthetic benchmark: `auto` "
+                                                   "tries its candidates in them")
     parser.add_argument("--vocab", type=int, default=None, help="embedding rows (default 400000; quick 20000)")
     parser.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the sparse model's ids")
     parser.add_argument("--workload", choices=("all", "dense", "sparse"), default="all")
@@ -279,7 +279,6 @@ def main(argv=None):
     parser.add_argument("--hotcold-rule", default="traffic", help="commlib hotcold: 'traffic' or 'share'")
     args = common.parse_training_arguments(parser, argv)
     args.vocab = args.vocab or (20000 if args.quick else 400000)
-    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
     if args.worker:
         return worker(args)
     ok, why = netem.available()

@@ -265,21 +265,27 @@ def titled(fig, title, width=110):
     fig.suptitle("\n".join(textwrap.wrap(title, width)), fontsize=8)
 
 
-def training_arguments(description, steps, warmup=2, warmup_help="untimed steps"):
+WARMUP_STEPS = 10   # untimed steps, as Horovod's synthetic benchmark (--num-warmup-batches): auto's trials fall in them
+
+
+def training_arguments(description, steps, warmup=2, warmup_help="untimed steps", quick_warmup=None):
     """The options the emulated-network training benchmarks share (bench_training, bench_ddp,
-    bench_tf); a benchmark adds its own, then parses with parse_training_arguments."""
+    bench_tf); a benchmark adds its own, then parses with parse_training_arguments. `quick_warmup`:
+    --quick's warm-up steps, when fewer than `warmup`."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small model, few steps: well under 2 minutes")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--rate", default="500mbit", help="each worker link, both directions (tc tbf)")
     parser.add_argument("--steps", type=int, default=None, help=f"timed steps per configuration (default {steps})")
-    parser.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+    parser.add_argument("--warmup", type=int, default=None, help=f"{warmup_help} (default {warmup}"
+                        + (f"; quick {quick_warmup})" if quick_warmup is not None else ")"))
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=None, help="MLP width (default 2048; quick 256)")
     parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.set_defaults(default_steps=steps)
+    parser.set_defaults(default_steps=steps, default_warmup=warmup,
+                        quick_warmup=warmup if quick_warmup is None else quick_warmup)
     return parser
 
 
@@ -295,6 +301,8 @@ def parse_training_arguments(parser, argv):
     """Parsed options with the quick/full defaults filled in."""
     args = parser.parse_args(argv)
     args.steps = args.steps or (3 if args.quick else args.default_steps)
+    if args.warmup is None:
+        args.warmup = args.quick_warmup if args.quick else args.default_warmup
     args.hidden = args.hidden or (256 if args.quick else 2048)
     return args
 
