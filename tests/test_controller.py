@@ -98,6 +98,23 @@ def test_what_a_waiting_caller_submitted_goes_and_is_released_at_once_not_at_the
         stop_job(server, clients)
 
 
+def test_a_callers_burst_of_submissions_goes_in_one_message_and_is_released_as_one_batch():
+    """A caller submitting a step's tensors holds the GIL: the sender thread, or its wait (hurry),
+    sends them; none goes ahead alone to make a bucket of its own."""
+    server, clients = start_job(cycle_ms=3000.0)
+    names = [f"t{i}" for i in range(10)]
+    try:
+        for client in clients:
+            for name in names:
+                submit(client, name)
+            client.hurry()
+        for rank, client in enumerate(clients):
+            msg = client.events.get(timeout=5.0)
+            assert sorted(r.name for r in msg["batch"]) == names, f"rank {rank}: a first batch of {msg['batch']}"
+    finally:
+        stop_job(server, clients)
+
+
 def test_a_slow_rank_with_nothing_pending_is_waited_for(job):
     _, clients = job
     submit(clients[0], "a")
