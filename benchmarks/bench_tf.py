@@ -198,11 +198,12 @@ def main(argv=None):
     n, results = payload["size"], payload["results"]
     labels = list(CONFIGS)
     baseline = statistics.fmean(results[labels[0]]["rates"]) * n
+    median_baseline = statistics.median(results[labels[0]]["rates"]) * n
     rows = []
     for label in labels:
         r = results[label]
-        total = statistics.fmean(r["rates"]) * n
-        r["total_samples_per_s"], r["vs_horovod"] = total, total / baseline
+        total, step_median = statistics.fmean(r["rates"]) * n, statistics.median(r["rates"]) * n
+        r["total_samples_per_s"], r["vs_horovod"], r["median_samples_per_s"] = total, total / baseline, step_median
         losses = r["losses"]
         reduction = 1e3 * statistics.median(r["reduction_s"])
         if CONFIGS[label]:
@@ -218,7 +219,8 @@ def main(argv=None):
         r["link"] = statistics.median(r["tx_bytes"]) * 8 / (common.rate_bps(args.rate) * step_s)
         r["bottleneck"] = common.bottleneck(step_s, r["breakdowns"], r["link"],
                                             unmeasured="n/a: Horovod's allreduce")
-        rows.append(f"| {label} | {total:.0f} | {total / baseline:.2f}x | "
+        rows.append(f"| {label} | {total:.0f} | {total / baseline:.2f}x | {step_median:.0f} | "
+                    f"{step_median / median_baseline:.2f}x | "
                     f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | {r['max_loss_diff_vs_horovod']:.1e} | "
                     f"{reduction:.1f} | {inside} | "
                     f"{boundary} | {', '.join(r['commlib_algorithms']) or '-'} | {r['bottleneck']} |")
@@ -234,10 +236,12 @@ def main(argv=None):
                 "reduction); commlib allreduce = the median time commlib's submit-all/synchronize-all took inside "
                 "the one tf.numpy_function; boundary = per step, reduction minus commlib allreduce (median, and "
                 "p10 for a quiet step): handing the gradients to Python as numpy arrays and the results back into "
-                "TF tensors (outside commlib's records: the workers' share). " + common.BOTTLENECK_RULE + "\n\n"
-                "| configuration | samples/s | vs horovod | loss first -> last | max loss diff vs horovod | reduction ms | "
-                "commlib allreduce ms | boundary ms/step | commlib algorithms | bottleneck |\n"
-                "|---|---|---|---|---|---|---|---|---|---|\n"
+                "TF tensors (outside commlib's records: the workers' share). Median: the median step's rate x "
+                "workers. " + common.BOTTLENECK_RULE + "\n\n"
+                "| configuration | samples/s | vs horovod | median samples/s | vs horovod (median) | loss first -> last | "
+                "max loss diff vs horovod | reduction ms | commlib allreduce ms | boundary ms/step | commlib algorithms | "
+                "bottleneck |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
                 + "\n".join(rows) + "\n\n![tf](results/tf.png)\n")
     settings = common.training_settings(args)
     common.save("tf", settings, results, markdown)
