@@ -1,7 +1,8 @@
 """`auto` measures dense tensors: switchml and the ring are tried in turn. The ring sleeps SLOW_S per
 call until step FLIP, then switchml does. 'w.0' and 'w.1' (one group: the same dtype and size
 band) are reduced every step under `auto`; 'named.w' goes to the ring by a policy rule and
-'caller.w' to switchml by the caller's algorithm=. Reports, per step, what commlib.records() shows
+'caller.w' to switchml by the caller's algorithm=. 'named.w' is float64: it never fuses with the
+trial's ring bucket, whose sleep would otherwise be shared by three tensors' bytes, not two. Reports, per step, what commlib.records() shows
 of each tensor, whether each result is the sum, and on rank 0 the full submissions its controller
 handled per name."""
 import time
@@ -36,7 +37,8 @@ full = full_submissions()   # per name, on rank 0
 
 
 def tensor(step, r, i):
-    return np.arange(1000, dtype=np.float32) * (r + 1) + step + i   # small integers: exact in any order
+    dtype = np.float64 if names[i] == "named.w" else np.float32
+    return np.arange(1000, dtype=dtype) * (r + 1) + step + i   # small integers: exact in any order
 
 
 names = ["w.0", "w.1", "named.w", "caller.w"]
