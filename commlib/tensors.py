@@ -189,40 +189,26 @@ class _HostView:
                                     "typestr": dtype.str, "version": 3}
 
 
-_TRAVEL = {}   # torch dtype -> the numpy dtype it travels as
-
-
+@cache
 def host_dtype(dtype):
     """The numpy dtype a torch dtype travels as (bfloat16, which numpy lacks: float32)."""
-    travel = _TRAVEL.get(dtype)
-    if travel is None:
-        import torch
-        travel = _TRAVEL[dtype] = torch.empty(0, dtype=torch.float32 if dtype == torch.bfloat16 else dtype).numpy().dtype
-    return travel
+    import torch
+    return torch.empty(0, dtype=torch.float32 if dtype == torch.bfloat16 else dtype).numpy().dtype
 
 
-_NAMES = {}   # numpy dtype -> its name (numpy computes dtype.name anew at every read: 1.6 us)
-
-
+@cache
 def _name(dtype):
-    name = _NAMES.get(dtype)
-    if name is None:
-        name = _NAMES[dtype] = dtype.name
-    return name
+    """A numpy dtype's name (numpy computes dtype.name anew at every read: 1.6 us)."""
+    return dtype.name
 
 
-_DTYPES = {}   # torch dtype -> (its name, the numpy dtype it travels as, its itemsize)
-
-
+@cache
 def _torch_dtype(dtype):
     """(name, travel dtype, itemsize) of a torch dtype commlib reduces, else an InvalidTensor."""
-    known = _DTYPES.get(dtype)
-    if known is None:
-        import torch
-        if dtype.is_complex or dtype == torch.bool:
-            raise InvalidTensor(f"dtype {dtype} cannot be reduced; use a float or integer dtype")
-        known = _DTYPES[dtype] = (str(dtype).replace("torch.", ""), host_dtype(dtype), dtype.itemsize)
-    return known
+    import torch
+    if dtype.is_complex or dtype == torch.bool:
+        raise InvalidTensor(f"dtype {dtype} cannot be reduced; use a float or integer dtype")
+    return str(dtype).replace("torch.", ""), host_dtype(dtype), dtype.itemsize
 
 
 _ITEMSIZE = {"bfloat16": 2}   # torch dtypes numpy does not name
