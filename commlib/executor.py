@@ -278,20 +278,17 @@ class Executor:
         backend = self.dispatcher.backend(first.algorithm)
         start = time.monotonic()
         phases = Phases(start)
-        if first.compressor is not None:
-            run = self._run_compressed
-        else:
-            rows = first.staged.sparse is not None and first.op in (Sum, Average)
-            run = self._run_rows if rows else self._run_dense
+        rows = first.staged.sparse is not None and first.op in (Sum, Average)
+        dense = first.compressor is None and not rows   # host arrays, restored on the caller's thread (Handle.set)
+        run = self._run_dense if dense else self._run_rows if first.compressor is None else self._run_compressed
         results = run(bucket, backend, name, phases)
         end = time.monotonic()
         shared = {"bucket": name, "fused_with": len(bucket) - 1, "run_s": end - start,   # the bucket's, once
                   "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True), **phases.server()}
         nbytes = sum(entry.staged.nbytes for entry in bucket)
-        deferred = run == self._run_dense   # host arrays, restored on the caller's thread (Handle.set)
         for entry, result in zip(bucket, results):
             self._record(entry, shared, start, end, phases, nbytes)
-            entry.handle.set(result=result, restore=entry.staged.restore if deferred else None)
+            entry.handle.set(result=result, restore=entry.staged.restore if dense else None)
 
     def _run_dense(self, bucket, backend, name, phases):
         first = bucket[0]
