@@ -4,8 +4,8 @@ N emulated hosts (benchmarks/netem.py, every worker link shaped to --rate each w
 torch.distributed job as torchrun would start it (rank 0's store, gloo), a commlib-switch on an
 unshaped host. Every configuration trains the dense MLP of bench_training.py from the same start
 in the same processes, the configurations taking turns step by step:
-  DDP default (gloo ring allreduce), commlib's hook with switchml, `auto`, and switchml on one
-  buffer per bucket (the alternative design: the bucket under one name, not its parameters),
+  DDP default (gloo ring allreduce), commlib's hook with switchml and with `auto` (buckets whole
+  from the second step, the default), switchml with every bucket per parameter (whole_buckets=False),
   PyTorch's powerSGD_hook and commlib's powersgd over the ring, both rank 4 after 2 plain steps,
   both with the model in one DDP bucket (see worker()).
 Rank 0 prints samples/s per configuration; each configuration's loss curve is kept.
@@ -24,50 +24,34 @@ sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 
 POWERSGD_RANK, POWERSGD_START = 4, 2
-CONFIGS = ["ddp default", "commlib switchml", "commlib auto", "commlib switchml, one buffer per bucket",
+CONFIGS = ["ddp default", "commlib switchml", "commlib auto", "commlib switchml, per parameter",
            "pytorch powersgd", "commlib powersgd"]
 
 
 # -- inside each rank (its own namespace) -------------------------------------------------------------
 def register(label, model, net):
-    """Give the DDP model `label`'s comm hook; the names commlib reduces its parameters under (none
-    for PyTorch's own hooks)."""
+    """Give the DDP model `label`'s comm hook; its CommlibState (None for PyTorch's own hooks)."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
     import commlib.torch as cl
     if label == "ddp default":
-        return []
+        return None
     if label == "pytorch powersgd":
         state = powersgd.PowerSGDState(process_group=dist.group.WORLD, matrix_approximation_rank=POWERSGD_RANK,
                                        start_powerSGD_iter=POWERSGD_START, use_error_feedback=True, warm_start=True)
         model.register_comm_hook(state, powersgd.powerSGD_hook)
-        return []
+        return None
     if label == "commlib powersgd":
         spec = f"powersgd(rank={POWERSGD_RANK},start_iter={POWERSGD_START})"
-        state, hook = cl.CommlibState(net.named_parameters(), algorithm="ring", compression=spec), cl.ddp_comm_hook
-    elif label == "commlib switchml, one buffer per bucket":
-        state, hook = cl.CommlibState(net.named_parameters(), algorithm="switchml"), bucket_hook
+        state = cl.CommlibState(net.named_parameters(), algorithm="ring", compression=spec)
+    elif label == "commlib switchml, per parameter":
+        state = cl.CommlibState(net.named_parameters(), policy="*=switchml", whole_buckets=False)
     else:
         policy = {"commlib switchml": "*=switchml", "commlib auto": "*=auto"}[label]
-        state, hook = cl.CommlibState(net.named_parameters(), policy=policy), cl.ddp_comm_hook
-    model.register_comm_hook(state, hook)
-    if hook is bucket_hook:   # its records: one per bucket, at most one bucket per parameter
-        return [f"ddp.bucket.{i}" for i in range(len(state.names))]
-    return list(state.names.values())   # prefixed after the first state: each configuration's records apart
-
-
-def bucket_hook(state, bucket):
-    """The design commlib.torch.ddp_comm_hook does not take, kept here to measure it: the whole bucket
-    buffer under one name (the policy then sees bucket names, not parameter names)."""
-    import torch
-
-    import commlib
-    from commlib.torch import ddp
-    handle = commlib.allreduce_async(bucket.buffer(), name=f"ddp.bucket.{bucket.index()}", algorithm=state.algorithm)
-    future = torch.futures.Future()
-    ddp._complete_when_done([handle], [bucket.buffer()], bucket.buffer(), future)
-    return future.then(lambda f: f.value())
+        state = cl.CommlibState(net.named_parameters(), policy=policy)
+    model.register_comm_hook(state, cl.ddp_comm_hook)
+    return state   # its record_names(): prefixed after the first state, each configuration's records apart
 
 
 def worker(args):
@@ -85,7 +69,7 @@ def worker(args):
     rt = runtime()
     gen = torch.Generator().manual_seed(1234)                 # the teacher: the same on every rank
     teacher = torch.randn(args.features, 10, generator=gen)
-    runs, names = {}, {}
+    runs, states = {}, {}
     for label in CONFIGS:
         torch.manual_seed(0)
         h = args.hidden
@@ -95,7 +79,7 @@ def worker(args):
         # callback, in another order on each rank when there are several buckets (a collective
         # mismatch): both PowerSGD configurations get the model in one bucket
         model = DDP(net, bucket_cap_mb=64) if "powersgd" in label else DDP(net)
-        names[label] = register(label, model, net)
+        states[label] = register(label, model, net)
         runs[label] = (net, model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), [], [], [], [])
     # the configurations take turns step by step, so a change of load on this shared machine
     # falls on all of them alike
@@ -118,17 +102,18 @@ def worker(args):
                 rates.append(args.batch / elapsed)
                 sent.append(probe.tx_bytes)
                 if label.startswith("commlib"):
-                    breakdowns.append(common.step_breakdown(commlib.records(), names[label], probe.server_s))
+                    breakdowns.append(common.step_breakdown(commlib.records(), states[label].record_names(),
+                                                            probe.server_s))
     out = {}
     for label, (net, model, optimizer, rates, losses, breakdowns, sent) in runs.items():
         if rank == 0:
             total = size * statistics.fmean(rates)
             print(f"{label}: {total:.1f} samples/s on {size} workers, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
                   flush=True)
-        records = commlib.records()
+        records, names = commlib.records(), states[label].record_names() if states[label] else []
         out[label] = {"parameters": sum(p.numel() for p in net.parameters()), "rates": rates, "losses": losses,
                       "breakdowns": breakdowns, "tx_bytes": sent,
-                      "auto_trials": {name: records[name]["auto"] for name in names[label]   # auto's
+                      "auto_trials": {name: records[name]["auto"] for name in names   # auto's
                                       if records.get(name, {}).get("auto")}}
     if rank == 0:
         common.emit({"size": size, "results": out})

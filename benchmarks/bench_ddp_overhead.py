@@ -1,10 +1,11 @@
-"""What reducing DDP buckets per parameter costs: a model of many small tensors on loopback.
+"""What reducing DDP buckets costs in commlib's hook: a model of many small tensors on loopback.
 
-commlib.torch.ddp_comm_hook hands the core one tensor per parameter (the policy sees parameter
-names, PowerSGD sees matrices); the alternative hands it the bucket's flat buffer under one name
-(bench_ddp.bucket_hook). With small tensors and no network bottleneck, the per-tensor cost of the
-core (staging, planning, one controller message each) is what remains. Two local ranks (torchrun's
-environment), DDP's default allreduce as the reference, the three interleaved step by step.
+commlib.torch.ddp_comm_hook hands the core one tensor per parameter on DDP's first step (the policy
+sees parameter names, PowerSGD sees matrices), and from the second a bucket whose parameters follow
+one lossless rule as one tensor (CommlibState's whole_buckets); `whole_buckets=False` keeps every
+bucket per parameter. With small tensors and no network bottleneck, the per-tensor cost of the core
+(staging, planning, negotiation) is what remains. Two local ranks (torchrun's environment), DDP's
+default allreduce as the reference, the three interleaved step by step.
 
     python benchmarks/bench_ddp_overhead.py [--quick] [--layers 40] [--steps 40]
 Results: benchmarks/results/ddp_overhead.json and RESULTS.md.
@@ -20,7 +21,7 @@ sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
 
-CONFIGS = ["ddp default", "commlib ring, per parameter", "commlib ring, one buffer per bucket"]
+CONFIGS = ["ddp default", "commlib ring", "commlib ring, per parameter"]
 
 
 def worker(args):
@@ -30,7 +31,6 @@ def worker(args):
 
     import commlib
     import commlib.torch as cl
-    from bench_ddp import bucket_hook
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -40,25 +40,25 @@ def worker(args):
         torch.manual_seed(0)
         net = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
         model = DDP(net)
+        state = None
         if label != "ddp default":
-            hook = cl.ddp_comm_hook if "per parameter" in label else bucket_hook
-            model.register_comm_hook(cl.CommlibState(net.named_parameters(), algorithm="ring"), hook)
-        runs[label] = (model, [], [])
-    names = [n for n, _ in net.named_parameters()]   # every configuration's model has the same names
+            state = cl.CommlibState(net.named_parameters(), algorithm="ring", whole_buckets="per parameter" not in label)
+            model.register_comm_hook(state, cl.ddp_comm_hook)
+        runs[label] = (model, state, [], [])
     for step in range(args.warmup + args.steps):
         x = torch.randn(32, args.width)
-        for label, (model, times, breakdowns) in runs.items():
+        for label, (model, state, times, breakdowns) in runs.items():
             dist.barrier()
             start = time.perf_counter()
             model(x).pow(2).mean().backward()
             if step >= args.warmup:
                 times.append(time.perf_counter() - start)
-                if label != "ddp default":
-                    breakdowns.append(common.step_breakdown(commlib.records(), names))
+                if state is not None:
+                    breakdowns.append(common.step_breakdown(commlib.records(), state.record_names()))
     if dist.get_rank() == 0:
         common.emit({"tensors": 2 * args.layers, "floats": sum(p.numel() for p in net.parameters()),
-                     "results": {label: times for label, (_, times, _) in runs.items()},
-                     "breakdowns": {label: b for label, (_, _, b) in runs.items()}})
+                     "results": {label: times for label, (_, _, times, _) in runs.items()},
+                     "breakdowns": {label: b for label, (_, _, _, b) in runs.items()}})
     commlib.shutdown()
     dist.destroy_process_group()
 
@@ -81,11 +81,12 @@ def main(argv=None):
     base = medians[CONFIGS[0]]
     verdicts = {label: common.bottleneck(m, payload["breakdowns"][label], "n/a: loopback", None,
                                          unmeasured="n/a: DDP's own allreduce") for label, m in medians.items()}
-    rows = [f"| {label} | {1000 * m:.1f} | +{1000 * (m - base):.1f} | {verdicts[label]} |"
+    rows = [f"| {label} | {1000 * m:.1f} | +{1000 * (m - base):.1f} ({m / base:.2f}x) | {verdicts[label]} |"
             for label, m in medians.items()]
     markdown = (f"Backward pass (with its reduction) of {payload['tensors']} small tensors ({payload['floats']:,} "
-                f"floats), 2 ranks on loopback, median of {args.steps} interleaved steps: the per-tensor cost of "
-                "reducing DDP buckets per parameter. " + common.BOTTLENECK_RULE + " Here the workers' share holds "
+                f"floats), 2 ranks on loopback, median of {args.steps} interleaved steps after {args.warmup}: the "
+                "per-tensor cost of commlib's DDP hook, with its buckets whole (the default from the second step) "
+                "and per parameter. " + common.BOTTLENECK_RULE + " Here the workers' share holds "
                 "the core's per-tensor work outside processing and transfer (negotiation, queueing).\n\n"
                 "| configuration | ms per backward | vs DDP default | bottleneck |\n"
                 "|---|---|---|---|\n" + "\n".join(rows) + "\n")

@@ -48,7 +48,8 @@ def main():
         if rank == 0 and step % 10 == 0:
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
     if rank == 0:
-        used = sorted({(r["algorithm"], r["compression"]) for r in commlib.records().values()}, key=str)
+        records = commlib.records()   # the last run of each tensor (a bucket whole from the second step)
+        used = sorted({(records[n]["algorithm"], records[n]["compression"]) for n in state.record_names()}, key=str)
         print(f"step {args.steps}: loss {loss.item():.4f}; {state.iteration} steps, {state.buckets_reduced} buckets "
               f"through commlib: {used}", flush=True)
     commlib.shutdown()

@@ -29,7 +29,8 @@ SCENARIOS = {
     2: {"ring": ("*=ring", ""), "switchml": ("*=switchml", "float"), "omnireduce": ("*=omnireduce", ""),
         "policy": ("body.*=omnireduce;*.bias=ring;*=switchml", ""), "unused": ("*=ring", "unused,accumulate"),
         "fp16": ("*=ring", "fp16"), "bfloat16": ("*=ring", "bfloat16"), "bf16": ("*=ring", "bf16"),
-        "sparse": ("embedding.*=sparse_allgather;*=ring", "sparse"), "gan": ("*=ring", "gan")},
+        "sparse": ("embedding.*=sparse_allgather;*=ring", "sparse"), "gan": ("*=ring", "gan"),
+        "ring_per_parameter": ("*=ring", "per_parameter")},
     4: {"ring": ("*=ring", ""), "switchml": ("*=switchml", "float")}}
 
 
@@ -93,7 +94,17 @@ def test_ring_equals_ddp_default_exactly(scenario, nprocs):
     results = scenario(nprocs, "ring")
     check_grads(results, exact)
     assert {tuple(v) for v in results[0]["records"].values()} == {("ring", None)}
-    assert set(results[0]["records"]) == set(results[0]["names"])
+    # the first step per parameter; the rebuilt bucket (one rule for all four) whole from the second
+    assert results[0]["record_names"] == ["bucket(head.bias+3)"], results[0]["record_names"]
+    assert set(results[0]["records"]) == set(results[0]["names"]) | {"bucket(head.bias+3)"}
+
+
+@multiprocess
+def test_whole_buckets_off_reduces_per_parameter_at_every_step(scenario):
+    results = scenario(2, "ring_per_parameter")
+    check_grads(results, exact)
+    assert set(results[0]["records"]) == {"body.weight", "body.bias", "head.weight", "head.bias"}
+    assert sorted(results[0]["record_names"]) == sorted(results[0]["records"])
 
 
 @multiprocess
@@ -149,8 +160,9 @@ def test_two_models_with_the_same_parameter_names_in_one_backward(scenario):
     """A GAN's generator and discriminator: each state has its own names (the second's prefixed)."""
     results = scenario(2, "gan")
     check_grads(results, exact)
-    assert set(results[0]["records"]) == set(results[0]["names"])
+    assert set(results[0]["records"]) == set(results[0]["names"]) | set(results[0]["record_names"])
     assert "body.weight" in results[0]["names"] and "ddp1.body.weight" in results[0]["names"], results[0]["names"]
+    assert results[0]["record_names"] == ["bucket(head.bias+3)", "bucket(ddp1.head.bias+3)"], results[0]["record_names"]
 
 
 @multiprocess

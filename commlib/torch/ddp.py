@@ -9,7 +9,9 @@
 The hook hands each parameter's slice of the bucket to `commlib.grouped_allreduce_async` (one
 message for the bucket) under the parameter's name, so the policy chooses per parameter, compressors keep their state per parameter
 (robust to DDP rebuilding its buckets after the first step), and commlib's executor fuses the
-slices of one algorithm back into one collective. The Future it returns is completed on commlib's
+slices of one algorithm back into one collective. From the second step, a bucket whose parameters
+all follow one lossless rule travels whole, as DDP's own buckets do: one tensor for the core
+instead of one per parameter (CommlibState's `whole_buckets`). The Future it returns is completed on commlib's
 background thread when the bucket's last handle resolves, never by the hook, so DDP overlaps communication with backward
 as with its own hooks, and wrappers such as `fp16_compress_wrapper(ddp_comm_hook)` compose.
 """
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 import commlib
+from commlib.api import runtime
 from commlib.context import placed
 from commlib.errors import ConfigError
 from commlib.executor import fused
@@ -60,21 +63,27 @@ class CommlibState:
     not known yet (Lightning builds the state before it starts its processes, which get no RANK),
     commlib starts at the first bucket, over the world of the process group DDP runs in.
 
-    Cost: each parameter is one tensor for the core (about 40 us per parameter and step on
+    Cost: each parameter is one tensor for the core (about 30 us per parameter and step on
     loopback, benchmarks/bench_ddp_overhead.py); it buys per-name policies and PowerSGD on
-    matrices, and is invisible where the network is the bottleneck (benchmarks/bench_ddp.py).
+    matrices. So from the second step (the first is DDP's own: it rebuilds its buckets after it, and a
+    mismatch between ranks is named per parameter there) a bucket whose parameters all follow one rule
+    without a compressor or a density bound travels whole, under the name
+    ``bucket(<first parameter>+<how many more>)``: that is what ``commlib.records()`` shows for it
+    (``state.record_names()`` lists the names a state's tensors are recorded under).
+    ``whole_buckets=False`` keeps every bucket per parameter.
     """
 
     __slots__ = (
         # hyperparameters
-        "policy", "algorithm", "compression", "prefix",
+        "policy", "algorithm", "compression", "prefix", "whole_buckets",
         # internal state
-        "names", "_started",
+        "names", "_started", "_wholes",
         # statistics
         "iteration", "buckets_reduced", "bytes_reduced",
     )
 
-    def __init__(self, named_parameters, policy=None, algorithm=None, compression=None, prefix=None):
+    def __init__(self, named_parameters, policy=None, algorithm=None, compression=None, prefix=None,
+                 whole_buckets=True):
         names = {}
         for item in named_parameters:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
@@ -94,7 +103,8 @@ class CommlibState:
             built = next(_states)
             prefix = f"ddp{built}." if built else ""
         self.names = {key: prefix + name for key, name in names.items()}
-        self.prefix = prefix
+        self.prefix, self.whole_buckets = prefix, whole_buckets
+        self._wholes = {}   # a bucket's parameters (ids) -> its name when it travels whole, else None
         self.iteration = self.buckets_reduced = self.bytes_reduced = 0
         self._started = False
         if placed():   # else (Lightning builds it before it starts the processes) at the first bucket
@@ -114,6 +124,39 @@ class CommlibState:
                               f"named_parameters() CommlibState was built from; build it from the module "
                               f"DDP wraps") from None
 
+    def whole(self, params, buffer):
+        """The name to reduce this bucket under as one tensor, and the algorithm of its parameters'
+        one rule; None to reduce it per parameter. The same on every rank: it depends on the step, the
+        names, sizes and dtype, and the policy (a policy that differs between ranks is named as a
+        mismatch either way)."""
+        if not self.whole_buckets or self.iteration < 1 or len(params) < 2 or buffer.is_sparse:
+            return None
+        key = tuple(map(id, params))   # the parameters live as long as the model, and the state with it
+        if key not in self._wholes:
+            self._wholes[key] = self._whole(params, buffer)
+        return self._wholes[key]
+
+    def _whole(self, params, buffer):
+        if self.algorithm is not None:
+            rules = {(self.algorithm, self.compression, ())}
+        else:
+            policy = self.policy or runtime().dispatcher.policy
+            dtype, itemsize = str(buffer.dtype).replace("torch.", ""), buffer.element_size()
+            rules = {tuple(policy.choose(self.name_of(p), p.numel() * itemsize, dtype)) for p in params}
+        if len(rules) > 1:
+            return None
+        algorithm, compression, bounded = rules.pop()
+        if compression is not None or bounded:   # compressors keep state per parameter; density is per tensor
+            return None
+        return f"bucket({self.name_of(params[0])}+{len(params) - 1})", algorithm
+
+    def record_names(self):
+        """The names this state's tensors are recorded under in commlib.records() now: its whole
+        buckets', and its other parameters' (those of a whole bucket keep their first step's record)."""
+        whole = {key: found[0] for key, found in self._wholes.items() if found}
+        inside = {param for key in whole for param in key}
+        return [name for param, name in self.names.items() if param not in inside] + list(whole.values())
+
 
 _states = itertools.count()   # the states built in this process, in order (the same on every rank)
 
@@ -129,11 +172,16 @@ def ddp_comm_hook(state, bucket):
         state.start()
         buffer = bucket.buffer()
         params = bucket.parameters()
-        views = _views(buffer, params)
-        # one message for the bucket: its parameters are released together and fused again
-        handles = commlib.grouped_allreduce_async(views, [state.name_of(param) for param in params],
-                                                  op=commlib.Average, algorithm=state.algorithm,
-                                                  compression=state.compression, policy=state.policy)
+        whole = state.whole(params, buffer)
+        if whole is not None:
+            name, algorithm = whole
+            views = [host_array(buffer) if viewable(buffer) else buffer]
+            handles = [commlib.allreduce_async(views[0], name, op=commlib.Average, algorithm=algorithm)]
+        else:   # one message for the bucket: its parameters are released together and fused again
+            views = _views(buffer, params)
+            handles = commlib.grouped_allreduce_async(views, [state.name_of(param) for param in params],
+                                                      op=commlib.Average, algorithm=state.algorithm,
+                                                      compression=state.compression, policy=state.policy)
     except Exception as exc:   # surfaces where DDP waits for the bucket, as a failed collective does
         future.set_exception(exc)
         return result

@@ -11,6 +11,7 @@ one job (a job's start costs far more than a scenario); OPTIONS a comma list of
   gan         a second model of the same class (the same parameter names), its own DDP and state,
               in the same backward
   float       normal draws instead of the dyadic fixture below (for bounds that are not exact)
+  per_parameter  CommlibState(whole_buckets=False): every bucket per parameter at every step
 Writes OUT/<name>.rank<r>.json per scenario with, per step, the largest |difference| of the two
 models' gradients and the largest |gradient|, the hooked gradients of the last step, what commlib
 ran per parameter (dispatched in this scenario) and the state's statistics, or the scenario's error;
@@ -108,7 +109,8 @@ def scenario(policy, options):
     ddp_args = dict(bucket_cap_mb_list=[0.001] * 3, find_unused_parameters="unused" in options)
     plain = [DDP(copy.deepcopy(net), **ddp_args) for net in nets]
     hooked = [DDP(net, **ddp_args) for net in nets]
-    states = [cl.CommlibState(net.named_parameters(), policy=policy) for net in nets]
+    states = [cl.CommlibState(net.named_parameters(), policy=policy, whole_buckets="per_parameter" not in options)
+              for net in nets]
     wrapper = fp16_compress_wrapper if "fp16" in options else bf16_on_cpu if "bf16" in options else None
     for ddp, state in zip(hooked, states):
         ddp.register_comm_hook(state, wrapper(cl.ddp_comm_hook) if wrapper else cl.ddp_comm_hook)
@@ -124,6 +126,7 @@ def scenario(policy, options):
                       "max_grad": max(a.abs().max().item() for a in theirs)})
     names = [n for state in states for n in state.names.values()]
     result = {"rank": rank, "size": size, "steps": steps, "names": names,
+              "record_names": [n for state in states for n in state.record_names()],
               "grads": [g.flatten().tolist() for g in ours],
               "records": {n: [r["algorithm"], r["compression"]] for n, r in commlib.records().items()
                           if before.get(n) is not r},
