@@ -2,7 +2,7 @@
 
 commlib.torch.ddp_comm_hook hands the core one tensor per parameter on DDP's first step (the policy
 sees parameter names, PowerSGD sees matrices), and from the second a bucket whose parameters follow
-one lossless rule as one tensor (CommlibState's whole_buckets); `whole_buckets=False` keeps every
+one rule without a compressor as one tensor (CommlibState's whole_buckets); `whole_buckets=False` keeps every
 bucket per parameter. With small tensors and no network bottleneck, the per-tensor cost of the core
 (staging, planning, negotiation) is what remains. Two local ranks (torchrun's environment), DDP's
 default allreduce as the reference, the three interleaved step by step.

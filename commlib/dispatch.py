@@ -270,11 +270,19 @@ class Dispatcher:
         if not dense:
             raise InvalidTensor(f"tensor {meta.name!r}: no algorithm here reduces {meta.dtype}; "
                                 f"cast it to float32, float64 or an int dtype")
-        measured = sparse and meta.nbytes >= self.settings.auto_sparse_min_bytes   # see auto_sparse_min_bytes
-        below = ((self.settings.auto_sparse_density, sparse[0]),) if measured else ()
+        below = ((self.settings.auto_sparse_density, sparse[0]),) if sparse and self._sparse_size(meta.nbytes) else ()
         if len(dense) > 1 and self.settings.auto_trial_samples > 0:   # measured: the controller picks (_settle_dense)
             return below + tuple((TRAFFIC, name) for name in dense)
         return below + ((None, dense[0]),)
+
+    def _sparse_size(self, nbytes):
+        return nbytes >= self.settings.auto_sparse_min_bytes   # see auto_sparse_min_bytes
+
+    def measures_density(self, choice, nbytes):
+        """Whether a dense tensor of `nbytes` that the policy gave `choice` (Policy.choose) is planned by
+        its block density, measured at every step: a density rule, or `auto` with a sparse algorithm here."""
+        return bool(choice.bounded) or (choice.compression is None and choice.algorithm == "auto" and
+                                        self._sparse_size(nbytes) and any(b.sparse for b in self.backends.values()))
 
     def _explicit(self, name, meta):
         backend = self.backend(name)

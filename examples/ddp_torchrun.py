@@ -49,7 +49,8 @@ def main():
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
     if rank == 0:
         records = commlib.records()   # the last run of each tensor (a bucket whole from the second step)
-        used = sorted({(records[n]["algorithm"], records[n]["compression"]) for n in state.record_names()}, key=str)
+        used = sorted({(records[n]["algorithm"], records[n]["compression"]) for n in state.record_names()
+                       if n in records}, key=str)
         print(f"step {args.steps}: loss {loss.item():.4f}; {state.iteration} steps, {state.buckets_reduced} buckets "
               f"through commlib: {used}", flush=True)
     commlib.shutdown()

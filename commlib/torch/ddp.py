@@ -10,7 +10,7 @@ The hook hands each parameter's slice of the bucket to `commlib.grouped_allreduc
 message for the bucket) under the parameter's name, so the policy chooses per parameter, compressors keep their state per parameter
 (robust to DDP rebuilding its buckets after the first step), and commlib's executor fuses the
 slices of one algorithm back into one collective. From the second step, a bucket whose parameters
-all follow one lossless rule travels whole, as DDP's own buckets do: one tensor for the core
+all follow one rule without a compressor travels whole, as DDP's own buckets do: one tensor for the core
 instead of one per parameter (CommlibState's `whole_buckets`). The Future it returns is completed on commlib's
 background thread when the bucket's last handle resolves, never by the hook, so DDP overlaps communication with backward
 as with its own hooks, and wrappers such as `fp16_compress_wrapper(ddp_comm_hook)` compose.
@@ -38,8 +38,8 @@ class CommlibState:
        the algorithm and compressor per parameter name, e.g.
        ``"embedding.*=omnireduce;*.weight=powersgd(rank=4);*=switchml"``. Start from the default
        ``*=auto`` (sparse tensors to omnireduce; dense ones to switchml or the ring, whichever its
-       trials on the first steps measure faster), read
-       ``commlib.records()`` to see what each parameter went through, then pin rules.
+       trials on the first steps measure faster), read ``commlib.records()`` for
+       ``state.record_names()`` to see what each parameter (or whole bucket) went through, then pin rules.
     2. ``algorithm`` / ``compression`` force one choice for every parameter, the policy aside
        (``compression="powersgd(rank=1)"`` is PyTorch's ``powerSGD_hook`` with commlib's
        algorithms underneath; ``fp16(...)`` composes specs).
@@ -67,7 +67,8 @@ class CommlibState:
     loopback, benchmarks/bench_ddp_overhead.py); it buys per-name policies and PowerSGD on
     matrices. So from the second step (the first is DDP's own: it rebuilds its buckets after it, and a
     mismatch between ranks is named per parameter there) a bucket whose parameters all follow one rule
-    without a compressor or a density bound travels whole, under the name
+    without a compressor, and none of which is planned by its measured density (a density rule, or
+    ``auto`` on a tensor of ``auto_sparse_min_bytes`` or more), travels whole, under the name
     ``bucket(<first parameter>+<how many more>)``: that is what ``commlib.records()`` shows for it
     (``state.record_names()`` lists the names a state's tensors are recorded under).
     ``whole_buckets=False`` keeps every bucket per parameter.
@@ -127,34 +128,41 @@ class CommlibState:
     def whole(self, params, buffer):
         """The name to reduce this bucket under as one tensor, and the algorithm of its parameters'
         one rule; None to reduce it per parameter. The same on every rank: it depends on the step, the
-        names, sizes and dtype, and the policy (a policy that differs between ranks is named as a
-        mismatch either way)."""
-        if not self.whole_buckets or self.iteration < 1 or len(params) < 2 or buffer.is_sparse:
+        names, sizes and dtype, the policy and the job's settings (a policy that differs between ranks
+        is named as a mismatch either way: names that do not pair up)."""
+        if not self.whole_buckets or self.compression is not None or self.iteration < 1 or len(params) < 2 \
+                or buffer.is_sparse:
             return None
-        key = tuple(map(id, params))   # the parameters live as long as the model, and the state with it
+        # the parameters live as long as the model, and the state with it; a wrapper may change the dtype
+        key = (tuple(map(id, params)), buffer.dtype, buffer.numel())
         if key not in self._wholes:
             self._wholes[key] = self._whole(params, buffer)
         return self._wholes[key]
 
     def _whole(self, params, buffer):
+        if sum(p.numel() for p in params) != buffer.numel():
+            return None   # per parameter, which names the error (_views)
+        dispatcher = runtime().dispatcher
         if self.algorithm is not None:
-            rules = {(self.algorithm, self.compression, ())}
-        else:
-            policy = self.policy or runtime().dispatcher.policy
-            dtype, itemsize = str(buffer.dtype).replace("torch.", ""), buffer.element_size()
-            rules = {tuple(policy.choose(self.name_of(p), p.numel() * itemsize, dtype)) for p in params}
-        if len(rules) > 1:
-            return None
-        algorithm, compression, bounded = rules.pop()
-        if compression is not None or bounded:   # compressors keep state per parameter; density is per tensor
-            return None
-        return f"bucket({self.name_of(params[0])}+{len(params) - 1})", algorithm
+            return self._bucket_name(params), self.algorithm
+        policy = self.policy or dispatcher.policy
+        dtype, itemsize = str(buffer.dtype).replace("torch.", ""), buffer.element_size()
+        choices = [(policy.choose(self.name_of(p), p.numel() * itemsize, dtype), p.numel() * itemsize) for p in params]
+        if len({choice for choice, _ in choices}) > 1 or choices[0][0].compression is not None:
+            return None   # the policy tells them apart; compressors keep their state per parameter
+        if any(dispatcher.measures_density(choice, nbytes) for choice, nbytes in choices):
+            return None   # planned by each one's own block density at every step (a sparse one: omnireduce)
+        return self._bucket_name(params), choices[0][0].algorithm
+
+    def _bucket_name(self, params):
+        return f"bucket({self.name_of(params[0])}+{len(params) - 1})"
 
     def record_names(self):
-        """The names this state's tensors are recorded under in commlib.records() now: its whole
-        buckets', and its other parameters' (those of a whole bucket keep their first step's record)."""
-        whole = {key: found[0] for key, found in self._wholes.items() if found}
-        inside = {param for key in whole for param in key}
+        """The names this state's tensors are recorded under in commlib.records() once reduced: its
+        whole buckets', and its other parameters' (those of a whole bucket keep their first step's
+        record); a parameter DDP never reduces (frozen) is listed but has no record."""
+        whole = {key[0]: found[0] for key, found in list(self._wholes.items()) if found}
+        inside = {param for ids in whole for param in ids}
         return [name for param, name in self.names.items() if param not in inside] + list(whole.values())
 
 
