@@ -99,6 +99,8 @@ def test_ring_equals_ddp_default_exactly(scenario, nprocs):
     # the first step per parameter; the rebuilt bucket (one rule for all four) whole from the second
     assert results[0]["record_names"] == ["bucket(head.bias+3)"], results[0]["record_names"]
     assert set(results[0]["records"]) == set(results[0]["names"]) | {"bucket(head.bias+3)"}
+    # and each parameter's record is its whole bucket's, as current as when they travelled one by one
+    assert {results[0]["buckets"][n] for n in results[0]["names"]} == {"bucket(head.bias+3)"}, results[0]["buckets"]
 
 
 @multiprocess
@@ -107,6 +109,7 @@ def test_whole_buckets_off_reduces_per_parameter_at_every_step(scenario):
     check_grads(results, exact)
     assert set(results[0]["records"]) == {"body.weight", "body.bias", "head.weight", "head.bias"}
     assert sorted(results[0]["record_names"]) == sorted(results[0]["records"])
+    assert not any(bucket.startswith("bucket(") for bucket in results[0]["buckets"].values()), results[0]["buckets"]
 
 
 @multiprocess
@@ -301,10 +304,12 @@ def test_a_bucket_travels_whole_when_one_rule_plans_its_parameters_alike(monkeyp
         return first, state.whole(params, buffer)
 
     try:
-        assert whole(small) == (None, ("bucket(a.weight+1)", "auto"))
-        assert whole(small, policy="*=ring") == (None, ("bucket(a.weight+1)", "ring"))
-        assert whole(large, algorithm="switchml") == (None, ("bucket(a.weight+2)", "switchml"))
-        assert whole(large, policy="*=ring") == (None, ("bucket(a.weight+2)", "ring"))
+        two = ("bucket(a.weight+1)", ["a.weight", "a.bias"])
+        three = ("bucket(a.weight+2)", ["a.weight", "a.bias", "e.weight"])
+        assert whole(small) == (None, (two, "auto"))
+        assert whole(small, policy="*=ring") == (None, (two, "ring"))
+        assert whole(large, algorithm="switchml") == (None, (three, "switchml"))
+        assert whole(large, policy="*=ring") == (None, (three, "ring"))
         assert whole(large) == (None, None), "auto measures e.weight's density: per parameter"
         assert whole(small, policy="*.bias=ring;*=switchml") == (None, None)
         assert whole(small, compression="fp16") == (None, None), "compression= alone compresses every step"

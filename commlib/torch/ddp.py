@@ -38,8 +38,8 @@ class CommlibState:
        the algorithm and compressor per parameter name, e.g.
        ``"embedding.*=omnireduce;*.weight=powersgd(rank=4);*=switchml"``. Start from the default
        ``*=auto`` (sparse tensors to omnireduce; dense ones to switchml or the ring, whichever its
-       trials on the first steps measure faster), read ``commlib.records()`` for
-       ``state.record_names()`` to see what each parameter (or whole bucket) went through, then pin rules.
+       trials on the first steps measure faster), read ``commlib.records()`` to see what each
+       parameter went through, then pin rules.
     2. ``algorithm`` / ``compression`` force one choice for every parameter, the policy aside
        (``compression="powersgd(rank=1)"`` is PyTorch's ``powerSGD_hook`` with commlib's
        algorithms underneath; ``fp16(...)`` composes specs).
@@ -69,8 +69,9 @@ class CommlibState:
     mismatch between ranks is named per parameter there) a bucket whose parameters all follow one rule
     without a compressor, and none of which is planned by its measured density (a density rule, or
     ``auto`` on a tensor of ``auto_sparse_min_bytes`` or more), travels whole, under the name
-    ``bucket(<first parameter>+<how many more>)``: that is what ``commlib.records()`` shows for it
-    (``state.record_names()`` lists the names a state's tensors are recorded under).
+    ``bucket(<first parameter>+<how many more>)``: ``commlib.records()`` shows its record under that
+    name and under each of its parameters' (its ``nbytes`` the bucket's); ``state.record_names()``
+    lists each distinct record once.
     ``whole_buckets=False`` keeps every bucket per parameter.
     """
 
@@ -126,8 +127,8 @@ class CommlibState:
                               f"DDP wraps") from None
 
     def whole(self, params, buffer):
-        """The name to reduce this bucket under as one tensor, and the algorithm of its parameters'
-        one rule; None to reduce it per parameter. The same on every rank: it depends on the step, the
+        """((the name to reduce this bucket under as one tensor, its parameters' names), the algorithm
+        of their one rule); None to reduce it per parameter. The same on every rank: it depends on the step, the
         names, sizes and dtype, the policy and the job's settings (a policy that differs between ranks
         is named as a mismatch either way: names that do not pair up)."""
         if not self.whole_buckets or self.compression is not None or self.iteration < 1 or len(params) < 2 \
@@ -144,7 +145,7 @@ class CommlibState:
             return None   # per parameter, which names the error (_views)
         dispatcher = runtime().dispatcher
         if self.algorithm is not None:
-            return self._bucket_name(params), self.algorithm
+            return self._whole_bucket(params), self.algorithm
         policy = self.policy or dispatcher.policy
         dtype, itemsize = str(buffer.dtype).replace("torch.", ""), buffer.element_size()
         choices = [(policy.choose(self.name_of(p), p.numel() * itemsize, dtype), p.numel() * itemsize) for p in params]
@@ -152,16 +153,18 @@ class CommlibState:
             return None   # the policy tells them apart; compressors keep their state per parameter
         if any(dispatcher.measures_density(choice, nbytes) for choice, nbytes in choices):
             return None   # planned by each one's own block density at every step (a sparse one: omnireduce)
-        return self._bucket_name(params), choices[0][0].algorithm
+        return self._whole_bucket(params), choices[0][0].algorithm
 
-    def _bucket_name(self, params):
-        return f"bucket({self.name_of(params[0])}+{len(params) - 1})"
+    def _whole_bucket(self, params):
+        """(the bucket's name, its parameters' names)."""
+        names = [self.name_of(p) for p in params]
+        return f"bucket({names[0]}+{len(names) - 1})", names
 
     def record_names(self):
-        """The names this state's tensors are recorded under in commlib.records() once reduced: its
-        whole buckets', and its other parameters' (those of a whole bucket keep their first step's
-        record); a parameter DDP never reduces (frozen) is listed but has no record."""
-        whole = {key[0]: found[0] for key, found in list(self._wholes.items()) if found}
+        """The names of this state's distinct records in commlib.records() once reduced: its whole
+        buckets', and its other parameters' (those of a whole bucket show its record); a parameter
+        DDP never reduces (frozen) is listed but has no record."""
+        whole = {key[0]: found[0][0] for key, found in list(self._wholes.items()) if found}
         inside = {param for ids in whole for param in ids}
         return [name for param, name in self.names.items() if param not in inside] + list(whole.values())
 
@@ -182,9 +185,10 @@ def ddp_comm_hook(state, bucket):
         params = bucket.parameters()
         whole = state.whole(params, buffer)
         if whole is not None:
-            name, algorithm = whole
+            (name, names), algorithm = whole
             views = [host_array(buffer) if viewable(buffer) else buffer]
             handles = [commlib.allreduce_async(views[0], name, op=commlib.Average, algorithm=algorithm)]
+            handles[0].add_done_callback(lambda _: _stand_for(name, names))   # before the Future completes
         else:   # one message for the bucket: its parameters are released together and fused again
             views = _views(buffer, params)
             handles = commlib.grouped_allreduce_async(views, [state.name_of(param) for param in params],
@@ -200,6 +204,16 @@ def ddp_comm_hook(state, bucket):
         handles[-1].hurry()
     _complete_when_done(handles, views, buffer, future)
     return result
+
+
+def _stand_for(name, names):
+    """A whole bucket's record is each of its parameters' too (commlib.records()[parameter name]), as
+    current as when they travelled one by one. On commlib's background thread, which writes records."""
+    records = runtime().records
+    record = records.get(name)
+    if record is not None:
+        for parameter in names:
+            records[parameter] = record
 
 
 def _value(future):

@@ -127,6 +127,7 @@ def scenario(policy, options):
     names = [n for state in states for n in state.names.values()]
     result = {"rank": rank, "size": size, "steps": steps, "names": names,
               "record_names": [n for state in states for n in state.record_names()],
+              "buckets": {n: r["bucket"] for n, r in commlib.records().items() if before.get(n) is not r},
               "grads": [g.flatten().tolist() for g in ours],
               "records": {n: [r["algorithm"], r["compression"]] for n, r in commlib.records().items()
                           if before.get(n) is not r},
