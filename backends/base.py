@@ -117,6 +117,10 @@ class Backend(abc.ABC):
         named `name`, for commlib.records(); None for dense algorithms."""
         return None
 
+    def tune(self, values):
+        """Autotune's values ({knob: value}, commlib.autotune), the same on every rank before the same
+        batch: take those of this backend's knobs (none by default)."""
+
     def stats(self):
         """Counters for users (bytes, packets, resends, ...)."""
         return {}

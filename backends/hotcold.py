@@ -71,7 +71,7 @@ class _Split:
     def __init__(self, nrows):
         self.hot = np.empty(0, dtype=np.int64)     # sorted, the same on every rank
         self.window = np.zeros(nrows, dtype=np.int32)
-        self.calls = self.agreements = 0
+        self.calls = self.agreements = 0         # calls in this window; windows agreed
         self.hot_share = 0.0                       # of the last window's updates, carried by `hot`
         self.counts = (np.empty(0, np.int64), np.empty(0, np.int64))   # last window, summed over ranks
         self.last = {}
@@ -110,6 +110,13 @@ class HotColdBackend(Backend):
         # the slab's collective runs beside the cold rows' (another algorithm, its own sockets); the
         # executor calls one backend at a time, so nothing else uses the hot carrier meanwhile
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hotcold-slab")
+
+    def tune(self, values):
+        """autotune's hotcold_share (the share of the window's updates the hot set carries: its K, with
+        hotcold_rule=share and no fixed hotcold_k) and hotcold_every (the window); a window under way
+        ends when the calls reach the new one."""
+        self.share = values.get("hotcold_share", self.share)
+        self.every = values.get("hotcold_every", self.every)
 
     def bind(self, backends):
         """The job's running backends (the dispatcher calls this once every backend started)."""
@@ -241,7 +248,7 @@ class HotColdBackend(Backend):
         split.last = {"hot_k": int(split.hot.size), "hot_share": split.hot_share, "hot_rows": int(is_hot.sum()),
                       "slab_rows": int(slab_rows), "cold_rows": int((~is_hot).sum()) if cold_rows is None else cold_rows,
                       "agreements": split.agreements}
-        if split.calls % self.every == 0:
+        if split.calls >= self.every:   # >=: autotune may shorten the window under way (tune)
             self._agree(split, name, width, itemsize)
 
     def _agree(self, split, name, width, itemsize):
@@ -261,7 +268,7 @@ class HotColdBackend(Backend):
             # ranks, m copies by the allgather; in one round its slab slot costs (width + 1) values,
             # touched or not; with presence counts the slab carries it once (E[m - 1; m >= 1] copies
             # saved) and its count costs bits/8 bytes, each way
-            p = counts[order] / (self.size * self.every)
+            p = counts[order] / (self.size * split.calls)
             row = index_dtype(split.window.size).itemsize + width * itemsize
             if self.presence:
                 saved = ((self.size - 1) * p - 1 + (1 - p) ** (self.size - 1)) * row
@@ -275,7 +282,7 @@ class HotColdBackend(Backend):
         split.hot_share = float(cumulative[k - 1] / total) if k else 0.0
         split.counts = coalesce(rows, counts)
         split.window[touched] = 0   # only what was touched: a large table stays untouched (lazily zeroed) memory
-        split.agreements += 1
+        split.calls, split.agreements = 0, split.agreements + 1
 
     def row_record(self, name):
         """What commlib.records() shows for a tensor this backend reduced last."""

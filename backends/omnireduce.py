@@ -176,6 +176,7 @@ class OmniReduceBackend(Backend):
         super().__init__(ctx)
         s = ctx.settings
         self.block = int(s.omnireduce_block_size)
+        self._block = self.block   # a dense tensor's (sized in start() when 0; autotune may take less: tune)
         self.threshold = float(s.omnireduce_threshold)
         if lib is not None and s.packet_mac != packet_mac.AUTO:
             packet_mac.code(s.packet_mac)   # a bad name fails on every rank, here
@@ -266,6 +267,7 @@ class OmniReduceBackend(Backend):
         if self.block == 0:   # sized by the path: the smallest over every rank's paths
             self.block = min(ctx.exchange(f"{self._prefix}/path", agg.path_block(self._aggregators), setup_s))
             self.columns = int(s.omnireduce_columns) or max(1, self._window // (4 * self.block))
+        self._block = self.block
         # rank 0 chooses the packets' MAC algorithm for blocks of this size; every rank takes its choice
         mac = packet_mac.resolve(s.packet_mac, lib.OMR_HDR_BYTES + 4 * self.block) if self.rank == 0 else None
         self._mac = ctx.exchange(f"{self._prefix}/mac", mac, setup_s)[0]
@@ -353,7 +355,7 @@ class OmniReduceBackend(Backend):
         x = np.ascontiguousarray(array).reshape(-1)
         if x.dtype not in _DTYPE_CODE:
             raise InvalidTensor(f"tensor {name!r}: omnireduce sums float32 and int32, not {x.dtype}")
-        block = self.block if block is None else int(block)
+        block = self._block if block is None else int(block)
         if not 1 <= block <= self.block:
             raise InvalidTensor(f"tensor {name!r}: block={block} must lie in 1..{self.block} (omnireduce_block_size)")
         if mask is None:
@@ -474,7 +476,13 @@ class OmniReduceBackend(Backend):
 
     def density(self, array):
         """Fraction of `array`'s blocks this backend would send, with its own block size and threshold."""
-        return block_density(array, self.block, self.threshold)
+        return block_density(array, self._block, self.threshold)
+
+    def tune(self, values):
+        """autotune's omnireduce_block: a share of the job's block (the aggregators take any up to it)."""
+        share = values.get("omnireduce_block")
+        if share is not None and self.block:
+            self._block = max(1, min(self.block, round(self.block * share)))
 
     def measured_density(self, name):
         """Measured block density of the last `name` (this rank's own, and of the union)."""

@@ -485,6 +485,15 @@ class SwitchMLBackend(Backend):
                                 f"COMMLIB_SWITCH_NONFINITE=propagate")
         return out
 
+    def tune(self, values):
+        """autotune's switch_window: the share of each stream's slots in flight (sml_worker_set_inflight)."""
+        share = values.get("switch_window")
+        if share is not None:
+            for stream in self._streams:
+                if stream.worker is not None:
+                    chains = max(1, min(stream.slots, round(stream.slots * share)))
+                    sw.lib.sml_worker_set_inflight(stream.worker, chains)
+
     def _beyond_range(self, array, name):
         """Finite values with |x| >= 2^127 on some rank cannot be quantized to int32. Every rank sees
         the switch's flag for this tensor, so every rank sends it through the ring instead: a run

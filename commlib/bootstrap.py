@@ -84,7 +84,7 @@ def start_controller(s, placement, broadcast, secret=None, allgather=None, tune=
     settings ask (a process set's keeps the configured values). Returns (server or None, client, secret)."""
     tuner = None
     if tune and s.autotune and placement.rank == 0:
-        tuner = autotune.Tuner(s.fusion_threshold, s.cycle_time_ms, s.autotune_sample_s, s.autotune_log)
+        tuner = autotune.Tuner(s, s.autotune_sample_s, s.autotune_log)
     options = dict(settle=settler(s), timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms,
                    negotiation_timeout_s=s.negotiation_timeout_s, stall_warning_s=s.stall_warning_s, tuner=tuner)
     server = None

@@ -112,7 +112,7 @@ class ControllerServer:
     def __init__(self, size, host, port, settle, timeout_s, cycle_time_ms, negotiation_timeout_s=None,
                  stall_warning_s=None, tuner=None):
         """settle(name, metas in rank order) -> the Release of a tensor every rank agreed on.
-        tuner: a commlib.autotune.Tuner, which then sets the cycle time and every go's fusion threshold."""
+        tuner: a commlib.autotune.Tuner, which then sets the cycle time and every go's tuned values."""
         self.size = size
         self._tuner = tuner
         self._released_bytes = 0   # since the last go (the tuner's score)
@@ -300,7 +300,9 @@ class ControllerServer:
             self._ready_bits |= ready
             self._hits = [pending & ~ready for pending in self._hits]
             if self._tuner:
-                self._released_bytes += sum(self._cache[bit]["nbytes"] for bit in _bits(ready))
+                for bit in _bits(ready):
+                    self._released_bytes += self._cache[bit]["nbytes"]
+                    self._tuner.ran(self._cache[bit]["release"].algorithm)
 
     def _evict(self, bit):
         """Drop a cached release on every rank; the hits waiting for it turn into full submissions."""
@@ -359,7 +361,10 @@ class ControllerServer:
         else:
             release = self._settle(name, [metas[r] for r in sorted(metas)])
             agreed = next(iter(metas.values()))
-            nbytes = _bytes_of(agreed) if self._tuner else 0
+            nbytes = 0
+            if self._tuner:
+                nbytes = _bytes_of(agreed)
+                self._tuner.ran(release.algorithm)
             self._released_bytes += nbytes
             if joined:
                 release = dataclasses.replace(release, joined={"ranks": joined, **{
@@ -383,10 +388,10 @@ class ControllerServer:
     def _release(self):
         if self._ready or self._ready_bits or self._evicted:
             tuned = {}
-            if self._tuner:   # every rank fuses this batch with the threshold it carries
+            if self._tuner:   # every rank runs this batch with the values it carries (fusion, algorithms' knobs)
                 if self._tuner.released(self._released_bytes):
                     self.cycle_s = self._tuner.cycle_ms / 1000.0
-                tuned = {"fusion": self._tuner.fusion}
+                tuned = {"tuned": self._tuner.values}
             self._released_bytes = 0
             # the clients expand the hits before they drop the evicted bits
             self._broadcast({"t": "go", "batch": [release.wire() for release in self._ready], "hits": format(self._ready_bits, "x"),
@@ -625,7 +630,7 @@ class ControllerClient:
                 release = self._by_bit.pop(bit, None)
                 if release is not None and self._cache.get(release.name, (None,))[0] == bit:
                     del self._cache[release.name]
-        return {"t": "go", "batch": batch, "fusion": msg.get("fusion")}
+        return {"t": "go", "batch": batch, "tuned": msg.get("tuned")}
 
     def submit(self, metas):
         """Metas agreed before with the same contents travel as a bit each, the rest in full."""

@@ -135,6 +135,7 @@ class Executor:
     def __init__(self, ctx, client, dispatcher, timeline):
         self.ctx, self.client, self.dispatcher, self.timeline = ctx, client, dispatcher, timeline
         self.records = {}
+        self._tuned = None          # autotune's values the backends last took
         self._traced_windows = {}   # tensor name -> the hot/cold agreement whose counts are in the timeline
         self.broken = None       # the first fatal error: every later call raises it
         self._entries = {}
@@ -203,7 +204,7 @@ class Executor:
             try:
                 if msg["t"] == "go":
                     self.last_go = time.monotonic()
-                    self._execute(msg["batch"], msg.get("fusion"))   # [Release]; autotune's threshold
+                    self._execute(msg["batch"], msg.get("tuned"))   # [Release]; autotune's values
                 elif msg["t"] == "joined":
                     with self._lock:
                         joining = self._take_join()
@@ -219,8 +220,13 @@ class Executor:
                 log.exception("commlib: background thread failed")
                 self.fail(None, CommError(f"commlib's background thread failed: {exc!r}"))
 
-    def _execute(self, batch, fusion_threshold=None):
+    def _execute(self, batch, tuned=None):
         now = time.monotonic()
+        if tuned and tuned != self._tuned:   # autotune's, the same on every rank before this batch
+            self._tuned = tuned
+            for backend in self.dispatcher.backends.values():
+                backend.tune(tuned)
+        fusion_threshold = tuned["fusion_threshold"] if tuned else self.ctx.settings.fusion_threshold
         entries = []
         with self._lock:
             for release in batch:
@@ -238,7 +244,7 @@ class Executor:
                     entry.algorithm, entry.times["go"] = release.algorithm, now
                     entry.estimate, entry.counts, entry.auto = release.estimate, release.counts, release.auto
                     entries.append(entry)
-        for bucket in fuse(grouped(entries), fusion_threshold or self.ctx.settings.fusion_threshold):
+        for bucket in fuse(grouped(entries), fusion_threshold):
             try:
                 self._run(bucket)
             except Exception as exc:

@@ -1,13 +1,14 @@
 /* The worker's streaming loop: one call per tensor, the GIL released (cffi API mode).
  *
  * A tensor of B blocks (one block = one packet of `elems` values) is streamed over
- * wc = min(window, B) chains; chain c owns slot (shift + c) mod window and carries packets
- * c, c + wc, c + 2wc, ... : every received result sends exactly one new packet, the next of its
- * chain, into the same slot with the set flipped (self-clocking), so a rank never has two packets
- * in flight in one slot and each reuse of a slot flips its set. For a tensor of at least `window`
- * blocks this is SwitchML's mapping, packet p -> slot (p + shift) mod W; a per-slot parity bit
- * keeps the set alternation exact across tensors that use fewer slots. The chain's outstanding
- * packet index plays the role of SwitchML's received-id bitmap.
+ * wc = min(inflight, B) chains (inflight: the window unless set lower, sml_worker_set_inflight);
+ * chain c owns slot (shift + c) mod window and carries packets c, c + wc, c + 2wc, ... : every
+ * received result sends exactly one new packet, the next of its chain, into the same slot with the
+ * set flipped (self-clocking), so a rank never has two packets in flight in one slot and each reuse
+ * of a slot flips its set. For a tensor of at least `window` blocks, all in flight, this is SwitchML's
+ * mapping, packet p -> slot (p + shift) mod W; a per-slot parity bit keeps the set alternation exact
+ * across tensors that use fewer slots. The chain's outstanding packet index plays the role of
+ * SwitchML's received-id bitmap.
  *
  * float32: exponents travel one window ahead. Packets 0..wc-1 carry only the exponent of blocks
  * 0..wc-1; packet p >= wc carries the data of block p - wc, quantized with the agreed (max)
@@ -53,6 +54,7 @@ struct sml_worker {
     int nack;            /* a NACK's code, reported on timeout */
     tp_mac *mac;         /* the packet MAC under the job key (switchml.h); NULL: packets without MACs */
     uint32_t token, window, elems;
+    uint32_t inflight;   /* packets in flight at most (sml_worker_set_inflight), <= window */
     size_t stride;       /* bytes of a chain's packet buffer: sml_pkt_max(elems), rounded up to 64 */
     tp_rtt rtt;          /* RFC 6298 estimate (ns); rtt.rto = the timer of a new packet */
     uint32_t shift;
@@ -116,7 +118,7 @@ sml_worker *sml_worker_new(int fd, int job, int rank, uint32_t token, int nworke
     w->rank = rank;
     w->token = token;
     w->nworkers = nworkers;
-    w->window = window;
+    w->window = w->inflight = window;
     w->elems = elems;
     uint64_t rto0 = (uint64_t)(rto_ms * 1e6);
     tp_rtt_init(&w->rtt, rto0 < 10000 ? 10000 : rto0, (uint64_t)(rto_max_ms * 1e6));
@@ -352,6 +354,10 @@ static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, u
     return 1;
 }
 
+void sml_worker_set_inflight(sml_worker *w, uint32_t chains) {
+    w->inflight = chains >= 1 && chains <= w->window ? chains : w->window;
+}
+
 int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, size_t n, const int8_t *exps,
                          const uint8_t *nf, int8_t *mexp, int timeout_ms) {
     if (n == 0) return 0;
@@ -359,7 +365,7 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
     tensor_t t = {.is_int = is_int, .x = x, .out = out, .n = n, .exps = exps, .nf = nf, .mexp = mexp,
                   .next_timer = UINT64_MAX};
     t.B = (n + w->elems - 1) / w->elems;
-    t.wc = t.B < w->window ? t.B : w->window;
+    t.wc = t.B < w->inflight ? t.B : w->inflight;
     t.P = is_int ? t.B : t.B + t.wc;
     uint64_t timeout = (uint64_t)(timeout_ms > 0 ? timeout_ms : 1) * 1000000u;
     uint64_t now = tp_now_ns(), progress = now, active = t.wc;
