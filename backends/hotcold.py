@@ -71,7 +71,7 @@ class _Split:
     def __init__(self, nrows):
         self.hot = np.empty(0, dtype=np.int64)     # sorted, the same on every rank
         self.window = np.zeros(nrows, dtype=np.int32)
-        self.calls = self.agreements = 0         # calls in this window; windows agreed
+        self.calls = self.window_calls = self.agreements = 0   # calls: in all, in this window; windows agreed
         self.hot_share = 0.0                       # of the last window's updates, carried by `hot`
         self.counts = (np.empty(0, np.int64), np.empty(0, np.int64))   # last window, summed over ranks
         self.last = {}
@@ -113,9 +113,16 @@ class HotColdBackend(Backend):
 
     def tune(self, values):
         """autotune's hotcold_share (the share of the window's updates the hot set carries: its K, with
-        hotcold_rule=share and no fixed hotcold_k) and hotcold_every (the window); a window under way
-        ends when the calls reach the new one."""
-        self.share = values.get("hotcold_share", self.share)
+        hotcold_rule=share and no fixed hotcold_k), taken at once from the last window's counts, the
+        same on every rank; and hotcold_every (the window): a window under way ends when its calls
+        reach the new one."""
+        share = values.get("hotcold_share", self.share)
+        if share != self.share:
+            self.share = share
+            if not self.k and self.rule == "share":
+                for split in self._tensors.values():
+                    if split.agreements:
+                        self._choose(split)
         self.every = values.get("hotcold_every", self.every)
 
     def bind(self, backends):
@@ -188,8 +195,13 @@ class HotColdBackend(Backend):
             if slab_rows:   # beside the cold rows (another algorithm, its own sockets)
                 pending = self._pool.submit(carrier.allreduce, slab.reshape(-1), f"{name}.hot")
         # no hot rows yet: the cold rows are all rows, whose counts the negotiation carried
-        out_rows, out_values = reduce_rows(self._carrier(self.cold_name, "sparse_allgather"), rows[cold],
-                                           values[cold], nrows, f"{name}.cold", None if hot.size else counts)
+        try:
+            out_rows, out_values = reduce_rows(self._carrier(self.cold_name, "sparse_allgather"), rows[cold],
+                                               values[cold], nrows, f"{name}.cold", None if hot.size else counts)
+        except BaseException:   # the slab's collective ends before the error goes on (its carrier is used next)
+            if pending is not None:
+                pending.exception()
+            raise
         if pending is not None:
             hot_rows, hot_values = finish(pending.result())
             out_rows = np.concatenate([out_rows, hot_rows])
@@ -245,10 +257,11 @@ class HotColdBackend(Backend):
     def _count(self, split, name, rows, is_hot, width, itemsize, slab_rows=0, cold_rows=None):
         split.window[rows] += 1   # rows are unique (coalesced by the core)
         split.calls += 1
+        split.window_calls += 1
         split.last = {"hot_k": int(split.hot.size), "hot_share": split.hot_share, "hot_rows": int(is_hot.sum()),
                       "slab_rows": int(slab_rows), "cold_rows": int((~is_hot).sum()) if cold_rows is None else cold_rows,
                       "agreements": split.agreements}
-        if split.calls >= self.every:   # >=: autotune may shorten the window under way (tune)
+        if split.window_calls >= self.every:   # >=: autotune may shorten the window under way (tune)
             self._agree(split, name, width, itemsize)
 
     def _agree(self, split, name, width, itemsize):
@@ -257,32 +270,36 @@ class HotColdBackend(Backend):
         counts = split.window[touched].astype(np.int64).reshape(-1, 1)
         rows, counts = self._backends["sparse_allgather"].allreduce_rows(touched, counts, split.window.size,
                                                                           f"{name}.counts.{split.agreements}")
-        counts = counts.reshape(-1)
-        order = np.lexsort((rows, -counts))   # most updated first, ties: the lower row
-        cumulative = np.cumsum(counts[order])
-        total = int(cumulative[-1]) if cumulative.size else 0
-        if self.k:
-            k = min(self.k, rows.size)
-        elif self.rule == "traffic":
+        split.counts = coalesce(rows, counts.reshape(-1))
+        k = self.k or None
+        if k is None and self.rule == "traffic":
             # a row a rank touches with probability p reaches a worker from m ~ Binomial(N-1, p) other
             # ranks, m copies by the allgather; in one round its slab slot costs (width + 1) values,
             # touched or not; with presence counts the slab carries it once (E[m - 1; m >= 1] copies
             # saved) and its count costs bits/8 bytes, each way
-            p = counts[order] / (self.size * split.calls)
+            p = split.counts[1] / (self.size * split.window_calls)
             row = index_dtype(split.window.size).itemsize + width * itemsize
             if self.presence:
                 saved = ((self.size - 1) * p - 1 + (1 - p) ** (self.size - 1)) * row
                 k = int(np.count_nonzero(saved > presence_bits(self.size) / 8))
             else:
                 k = int(np.count_nonzero((self.size - 1) * p * row > (width + 1) * itemsize))
-        else:
+        self._choose(split, k)
+        split.window[touched] = 0   # only what was touched: a large table stays untouched (lazily zeroed) memory
+        split.window_calls, split.agreements = 0, split.agreements + 1
+
+    def _choose(self, split, k=None):
+        """The hot set: the k rows the last window updated most (split.counts, summed over ranks; ties:
+        the lower row), by default the fewest that carry `share` of its updates."""
+        rows, counts = split.counts
+        order = np.lexsort((rows, -counts))
+        cumulative = np.cumsum(counts[order])
+        total = int(cumulative[-1]) if cumulative.size else 0
+        if k is None:
             k = int(np.searchsorted(cumulative, self.share * total)) + 1 if total else 0
         k = min(k, self.max_k, rows.size)
         split.hot = np.sort(rows[order[:k]])
         split.hot_share = float(cumulative[k - 1] / total) if k else 0.0
-        split.counts = coalesce(rows, counts)
-        split.window[touched] = 0   # only what was touched: a large table stays untouched (lazily zeroed) memory
-        split.calls, split.agreements = 0, split.agreements + 1
 
     def row_record(self, name):
         """What commlib.records() shows for a tensor this backend reduced last."""

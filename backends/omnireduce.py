@@ -476,11 +476,11 @@ class OmniReduceBackend(Backend):
 
     def density(self, array):
         """Fraction of `array`'s blocks this backend would send, with its own block size and threshold."""
-        return block_density(array, self._block, self.threshold)
+        return block_density(array, self.block, self.threshold)
 
     def tune(self, values):
-        """autotune's omnireduce_block: a share of the job's block (the aggregators take any up to it)."""
-        share = values.get("omnireduce_block")
+        """autotune's omnireduce_block_share: a share of the job's block (the aggregators take any up to it)."""
+        share = values.get("omnireduce_block_share")
         if share is not None and self.block:
             self._block = max(1, min(self.block, round(self.block * share)))
 

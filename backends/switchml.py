@@ -19,7 +19,8 @@ Tuning guide
   switch_window          packets in flight per rank (= slots the job takes on the switch). Larger
                          hides more latency; 0 (the default) keeps WINDOW_BYTES of values in flight,
                          at most MAX_WINDOW packets (loopback: 32 of 8192 values; Tofino's 256: 128),
-                         which fills loopback and a 10-100G LAN.
+                         which fills loopback and a 10-100G LAN. COMMLIB_AUTOTUNE tries fewer of
+                         them in flight (switch_inflight_share of the window; stats()["inflight"]).
   switch_packet_elems    values per packet, agreed by every rank at registration. 0 (the default)
                          sizes packets by the path: the most that fit one datagram of the path's MTU
                          (1500-byte Ethernet: 355; 9000-byte jumbo frames: 2,230; loopback:
@@ -178,6 +179,7 @@ class SwitchMLBackend(Backend):
         self._keepalive = None
         self._stopping = threading.Event()
         self._broken = None      # why the stream is out of step with the switch
+        self._inflight_share = 1.0   # of each stream's window in flight (autotune: tune)
         self.range_fallbacks = 0  # tensors sent through the ring: finite values beyond int32 quantization
         self._scope = ctx.scope("switchml")   # this instance's exchange keys
 
@@ -486,13 +488,14 @@ class SwitchMLBackend(Backend):
         return out
 
     def tune(self, values):
-        """autotune's switch_window: the share of each stream's slots in flight (sml_worker_set_inflight)."""
-        share = values.get("switch_window")
-        if share is not None:
-            for stream in self._streams:
-                if stream.worker is not None:
-                    chains = max(1, min(stream.slots, round(stream.slots * share)))
-                    sw.lib.sml_worker_set_inflight(stream.worker, chains)
+        """autotune's switch_inflight_share: the share of each stream's slots in flight (sml_worker_set_inflight)."""
+        self._inflight_share = values.get("switch_inflight_share", self._inflight_share)
+        for stream in self._streams:
+            if stream.worker is not None:
+                sw.lib.sml_worker_set_inflight(stream.worker, self._inflight(stream))
+
+    def _inflight(self, stream):
+        return max(1, min(stream.slots, round(stream.slots * self._inflight_share)))
 
     def _beyond_range(self, array, name):
         """Finite values with |x| >= 2^127 on some rank cannot be quantized to int32. Every rank sees
@@ -563,6 +566,7 @@ class SwitchMLBackend(Backend):
     def stats(self):
         out = {"switch": self.address, "job": self.job, "embedded": self.server is not None,
                "packet_elems": self.elems, "window": self.window, "streams": len(self._streams),
+               "inflight": sum(self._inflight(stream) for stream in self._streams if stream.slots),
                "authenticated": any(switch.key is not None for switch in self._switches),
                "packet_mac": next((s.mac_name for s in self._switches if s.key is not None), None),   # None: no MACs
                "range_fallbacks": self.range_fallbacks}

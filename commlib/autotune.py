@@ -32,14 +32,15 @@ SAMPLES = 3
 GRIDS = {
     "fusion_threshold": tuple(mib << 20 for mib in (1, 4, 16, 64, 128)),   # bytes
     "cycle_time_ms": (0.5, 1.0, 2.5, 5.0, 10.0),
-    "switch_window": (0.125, 0.25, 0.5, 1.0),     # share of each stream's slots in flight
-    "omnireduce_block": (0.25, 0.5, 1.0),          # share of the job's block size, for dense tensors
-    "hotcold_share": (0.25, 0.5, 0.75, 0.9),       # the share of updates the hot rows carry (their K)
-    "hotcold_every": (5, 10, 20, 40),              # the counting window, in calls
+    "switch_inflight_share": (0.125, 0.25, 0.5, 1.0),   # of each stream's slots (its window), in flight
+    "omnireduce_block_share": (0.25, 0.5, 1.0),         # of the job's block size, for dense tensors
+    "hotcold_share": (0.25, 0.5, 0.75, 0.9),            # of the updates the hot rows carry (their K)
+    "hotcold_every": (5, 10, 20, 40),                   # the counting window, in calls
 }
 CORE = ("fusion_threshold", "cycle_time_ms")
-ALGORITHM = {"switch_window": "switchml", "omnireduce_block": "omnireduce",   # tuned once the job ran them
-             "hotcold_share": "hotcold", "hotcold_every": "hotcold"}
+# the algorithm of each other knob: tuned once the job ran it
+ALGORITHM = {"switch_inflight_share": "switchml", "omnireduce_block_share": "omnireduce", "hotcold_share": "hotcold",
+             "hotcold_every": "hotcold"}
 
 
 class Tuner:
@@ -48,12 +49,15 @@ class Tuner:
 
     def __init__(self, settings, sample_s, log_path="", clock=time.monotonic):
         self.values = {"fusion_threshold": int(settings.fusion_threshold),
-                       "cycle_time_ms": float(settings.cycle_time_ms), "switch_window": 1.0, "omnireduce_block": 1.0,
-                       "hotcold_share": float(settings.hotcold_share), "hotcold_every": int(settings.hotcold_every)}
+                       "cycle_time_ms": float(settings.cycle_time_ms), "switch_inflight_share": 1.0,
+                       "omnireduce_block_share": 1.0, "hotcold_share": float(settings.hotcold_share),
+                       "hotcold_every": int(settings.hotcold_every)}
         self.sample_s, self.clock = sample_s, clock
         self.done = False
         self._plan = [(knob, value) for knob in CORE for value in GRIDS[knob]]
         self._planned = set(CORE)
+        if settings.hotcold_k or settings.hotcold_rule != "share":   # the share does not choose K then
+            self._planned.add("hotcold_share")
         self._best = {}   # knob: (score, value)
         self._ran = set()   # the algorithms the job released, whose knobs join the plan
         self._scores = []
@@ -120,8 +124,8 @@ class Tuner:
     def _finish(self):
         self.done = True
         self._row("chosen", "", "")
-        log.info("commlib autotune: chose %s", ", ".join(f"{knob}={self.values[knob]:g}" for knob in
-                                                          [knob for knob in GRIDS if knob in self._planned]))
+        log.info("commlib autotune: chose %s", ", ".join(f"{knob}={self.values[knob]}" for knob in GRIDS
+                                                          if knob in self._best))
         if self._file is not None:
             self._file.close()
 

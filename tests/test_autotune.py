@@ -19,7 +19,7 @@ class Clock:
 
 def settings(**values):
     return types.SimpleNamespace(**{"fusion_threshold": 64 << 20, "cycle_time_ms": 1.0, "hotcold_share": 0.5,
-                                    "hotcold_every": 20, **values})
+                                    "hotcold_every": 20, "hotcold_k": 0, "hotcold_rule": "share", **values})
 
 
 def test_tuner_keeps_the_fastest_of_each_knob_and_logs_every_sample(tmp_path):
@@ -49,7 +49,7 @@ def test_tuner_tunes_the_knobs_of_the_algorithms_the_job_ran_each_after_the_core
     tuner = autotune.Tuner(settings(), sample_s=1.0, clock=clock)
     tuner.ran("switchml")
     tuner.ran("hotcold")
-    fastest = {"switch_window": 0.25, "hotcold_share": 0.75, "hotcold_every": 10}
+    fastest = {"switch_inflight_share": 0.25, "hotcold_share": 0.75, "hotcold_every": 10}
     speed = lambda t: 1 + sum(t.values[k] == v for k, v in fastest.items())
     order = []
     while not tuner.done:
@@ -59,9 +59,10 @@ def test_tuner_tunes_the_knobs_of_the_algorithms_the_job_ran_each_after_the_core
         clock.now += 1.0
         tuner.released(speed(tuner))
         assert clock.now < 1000, "the search never ended"
-    assert order == ["fusion_threshold", "cycle_time_ms", "switch_window", "hotcold_share", "hotcold_every"], order
+    assert order == ["fusion_threshold", "cycle_time_ms", "switch_inflight_share", "hotcold_share", "hotcold_every"], \
+        order
     assert {k: tuner.values[k] for k in fastest} == fastest
-    assert tuner.values["omnireduce_block"] == 1.0, "omnireduce never ran: its block stays"
+    assert tuner.values["omnireduce_block_share"] == 1.0, "omnireduce never ran: its block stays"
 
 
 @pytest.mark.multiprocess
@@ -89,7 +90,7 @@ def test_switchml_and_omnireduce_stay_exact_while_autotune_changes_their_window_
     for result in results:
         assert result["wrong"] == 0, result
     rows = list(csv.DictReader(path.open()))
-    tried = {(row["knob"], row[row["knob"]]) for row in rows if row["knob"] in ("switch_window", "omnireduce_block")}
-    assert tried == {("switch_window", str(v)) for v in autotune.GRIDS["switch_window"]} | \
-        {("omnireduce_block", str(v)) for v in autotune.GRIDS["omnireduce_block"]}, sorted(tried)
+    knobs = ("switch_inflight_share", "omnireduce_block_share")
+    tried = {(row["knob"], row[row["knob"]]) for row in rows if row["knob"] in knobs}
+    assert tried == {(knob, str(v)) for knob in knobs for v in autotune.GRIDS[knob]}, sorted(tried)
     assert rows[-1]["knob"] == "chosen", f"the search did not finish in the job: {rows[-3:]}"
