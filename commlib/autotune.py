@@ -69,7 +69,7 @@ class Tuner:
             self._writer = csv.writer(self._file)
             self._writer.writerow(["knob", *GRIDS, "sample", "bytes_per_s"])
         self._start = clock()
-        self._apply(*self._plan[0])
+        self._try_next()
 
     @property
     def fusion(self):
@@ -111,14 +111,15 @@ class Tuner:
                     self._planned.add(more)
                     self._plan += [(more, v) for v in GRIDS[more]]
         if not self._plan or self._plan[0][0] != knob:   # this knob is done: its best value stays
-            self._apply(knob, self._best[knob][1])
+            self.values[knob] = self._best[knob][1]
         if not self._plan:
             self._finish()
         else:
-            self._apply(*self._plan[0])
+            self._try_next()
         return True
 
-    def _apply(self, knob, value):
+    def _try_next(self):
+        knob, value = self._plan[0]
         self.values[knob] = value
 
     def _finish(self):
