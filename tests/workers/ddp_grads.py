@@ -12,6 +12,8 @@ one job (a job's start costs far more than a scenario); OPTIONS a comma list of
               in the same backward
   float       normal draws instead of the dyadic fixture below (for bounds that are not exact)
   per_parameter  CommlibState(whole_buckets=False): every bucket per parameter at every step
+  static      DDP(static_graph=True)
+  view        DDP(gradient_as_bucket_view=True): the gradients are views of the bucket
 Writes OUT/<name>.rank<r>.json per scenario with, per step, the largest |difference| of the two
 models' gradients and the largest |gradient|, the hooked gradients of the last step, what commlib
 ran per parameter (dispatched in this scenario) and the state's statistics, or the scenario's error;
@@ -106,7 +108,8 @@ def scenario(policy, options):
     dtype = torch.bfloat16 if "bfloat16" in options else torch.float32
     nets = [Net(options).to(dtype) for _ in range(2 if "gan" in options else 1)]
     # ~1 KB caps: two buckets in the first step, then the one DDP rebuilds in backward order
-    ddp_args = dict(bucket_cap_mb_list=[0.001] * 3, find_unused_parameters="unused" in options)
+    ddp_args = dict(bucket_cap_mb_list=[0.001] * 3, find_unused_parameters="unused" in options,
+                    static_graph="static" in options, gradient_as_bucket_view="view" in options)
     plain = [DDP(copy.deepcopy(net), **ddp_args) for net in nets]
     hooked = [DDP(net, **ddp_args) for net in nets]
     states = [cl.CommlibState(net.named_parameters(), policy=policy, whole_buckets="per_parameter" not in options)
