@@ -43,9 +43,12 @@ class CommlibState:
     2. ``algorithm`` / ``compression`` force one choice for every parameter, the policy aside
        (``compression="powersgd(rank=1)"`` is PyTorch's ``powerSGD_hook`` with commlib's
        algorithms underneath; ``fp16(...)`` composes specs).
-    3. Bucket size is DDP's ``bucket_cap_mb``; commlib re-fuses up to ``COMMLIB_FUSION_THRESHOLD``.
-       Smaller DDP buckets start communication earlier in backward, larger ones amortize the
-       per-tensor negotiation with rank 0's controller.
+    3. Bucket size is DDP's ``bucket_cap_mb``; commlib re-fuses up to ``COMMLIB_FUSION_THRESHOLD``
+       what its controller releases together, once per ``COMMLIB_CYCLE_TIME_MS`` (1 ms). Smaller DDP
+       buckets start communication earlier in backward, larger ones amortize the per-tensor
+       negotiation with rank 0's controller. Where CPUs, not links, are the limit, a longer cycle
+       makes fewer, larger collectives of many buckets (2 ranks on loopback, 19 buckets a backward:
+       1.5-1.6x DDP's time at 1 ms, 0.92-0.97x at 10 ms); ``COMMLIB_AUTOTUNE=1`` tries 0.5 to 10 ms.
     4. PowerSGD: PyTorch needs ``start_powerSGD_iter >= 2`` because its memories are keyed by
        bucket and DDP rebuilds its buckets after the first step; commlib keys them by parameter
        name, so ``powersgd(start_iter=0)`` is safe. A fused bucket would be one flat vector, which
