@@ -309,6 +309,22 @@ def test_presence_counts_survive_the_int32_sum_of_every_rank(ranks):
     assert expected.max() == ranks
 
 
+def test_a_tuned_hot_share_chooses_the_hot_set_again_at_once_from_the_last_windows_counts():
+    """autotune's hotcold_share: the new K from the counts every rank summed at the last agreement
+    (no collective, the same on every rank), not a window later."""
+    from commlib.settings import Settings
+    backend = HotColdBackend(SimpleNamespace(rank=0, size=2, settings=Settings(environ={})))
+    split = backend._split("t", 10)
+    split.counts = (np.array([1, 3, 5, 7]), np.array([50, 30, 15, 5]))   # summed over ranks, by row
+    split.agreements = 1
+    backend._choose(split)
+    assert split.hot.tolist() == [1], "share 0.5: the fewest rows carrying half the updates"
+    backend.tune({"hotcold_share": 0.9})
+    assert split.hot.tolist() == [1, 3, 5] and split.hot_share == 0.95, (split.hot, split.hot_share)
+    backend.tune({"hotcold_share": 0.9, "hotcold_every": 3})
+    assert backend.every == 3 and split.hot.tolist() == [1, 3, 5]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nprocs, hot, cold, presence", [(4, "switchml", "sparse_allgather", "0"),
                                                          (4, "switchml", "sparse_allgather", "1"),
