@@ -10,8 +10,8 @@ The hook hands each parameter's slice of the bucket to `commlib.grouped_allreduc
 message for the bucket) under the parameter's name, so the policy chooses per parameter, compressors keep their state per parameter
 (robust to DDP rebuilding its buckets after the first step), and commlib's executor fuses the
 slices of one algorithm back into one collective. From the second step, a bucket whose parameters
-all follow one rule without a compressor travels whole, as DDP's own buckets do: one tensor for the core
-instead of one per parameter (CommlibState's `whole_buckets`). The Future it returns is completed on commlib's
+all follow one rule without a compressor travels whole, as DDP's own buckets do: one tensor for the
+core instead of one per parameter (CommlibState's `whole_buckets`). The Future it returns is completed on commlib's
 background thread when the bucket's last handle resolves, never by the hook, so DDP overlaps communication with backward
 as with its own hooks, and wrappers such as `fp16_compress_wrapper(ddp_comm_hook)` compose.
 """
@@ -74,8 +74,7 @@ class CommlibState:
     ``auto`` on a tensor of ``auto_sparse_min_bytes`` or more), travels whole, under the name
     ``bucket(<first parameter>+<how many more>)``: ``commlib.records()`` shows its record under that
     name and under each of its parameters' (its ``nbytes`` the bucket's); ``state.record_names()``
-    lists each distinct record once.
-    ``whole_buckets=False`` keeps every bucket per parameter.
+    lists each distinct record once. ``whole_buckets=False`` keeps every bucket per parameter.
     """
 
     __slots__ = (
@@ -109,7 +108,7 @@ class CommlibState:
             prefix = f"ddp{built}." if built else ""
         self.names = {key: prefix + name for key, name in names.items()}
         self.prefix, self.whole_buckets = prefix, whole_buckets
-        self._wholes = {}   # a bucket's parameters (ids) -> its name when it travels whole, else None
+        self._wholes = {}   # (parameter ids, dtype, length) of a bucket -> what `whole` says of it
         self.iteration = self.buckets_reduced = self.bytes_reduced = 0
         self._started = False
         if placed():   # else (Lightning builds it before it starts the processes) at the first bucket
@@ -130,10 +129,10 @@ class CommlibState:
                               f"DDP wraps") from None
 
     def whole(self, params, buffer):
-        """((the name to reduce this bucket under as one tensor, its parameters' names), the algorithm
-        of their one rule); None to reduce it per parameter. The same on every rank: it depends on the step, the
-        names, sizes and dtype, the policy and the job's settings (a policy that differs between ranks
-        is named as a mismatch either way: names that do not pair up)."""
+        """((the name to reduce this bucket under as one tensor, its parameters' names), the
+        algorithm of their one rule); None to reduce it per parameter. The same on every rank: it
+        depends on the step, the names, sizes and dtype, the policy and the job's settings (a policy
+        that differs between ranks is named as a mismatch either way: names that do not pair up)."""
         if not self.whole_buckets or self.compression is not None or self.iteration < 1 or len(params) < 2 \
                 or buffer.is_sparse:
             return None
@@ -151,7 +150,8 @@ class CommlibState:
             return self._whole_bucket(params), self.algorithm
         policy = self.policy or dispatcher.policy
         dtype, itemsize = str(buffer.dtype).replace("torch.", ""), buffer.element_size()
-        choices = [(policy.choose(self.name_of(p), p.numel() * itemsize, dtype), p.numel() * itemsize) for p in params]
+        sizes = [p.numel() * itemsize for p in params]
+        choices = [(policy.choose(self.name_of(p), size, dtype), size) for p, size in zip(params, sizes)]
         if len({choice for choice, _ in choices}) > 1 or choices[0][0].compression is not None:
             return None   # the policy tells them apart; compressors keep their state per parameter
         if any(dispatcher.measures_density(choice, nbytes) for choice, nbytes in choices):
