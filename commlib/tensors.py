@@ -42,7 +42,7 @@ class Staged:
             self.nbytes = self.numel * self.dtype.itemsize
         elif self.torch:
             self.dtype, self.shape, self.cpu = tensor.dtype, tensor.shape, tensor.is_cpu   # torch.Size: a tuple
-            self.dtype_name, self.travel_dtype, itemsize = _torch_dtype(tensor.dtype)
+            self.dtype_name, self.travel_dtype, itemsize = torch_dtype(tensor.dtype)
             self.numel = tensor.numel()
             self.nbytes = self.numel * itemsize
             if tensor.is_sparse:
@@ -203,7 +203,7 @@ def _name(dtype):
 
 
 @cache
-def _torch_dtype(dtype):
+def torch_dtype(dtype):
     """(name, travel dtype, itemsize) of a torch dtype commlib reduces, else an InvalidTensor."""
     import torch
     if dtype.is_complex or dtype == torch.bool:

@@ -26,7 +26,7 @@ from commlib.context import placed
 from commlib.errors import ConfigError
 from commlib.executor import fused
 from commlib.handles import when_all
-from commlib.tensors import host_array, host_dtype, viewable
+from commlib.tensors import host_array, host_dtype, torch_dtype, viewable
 
 
 class CommlibState:
@@ -145,18 +145,18 @@ class CommlibState:
     def _whole(self, params, buffer):
         if sum(p.numel() for p in params) != buffer.numel():
             return None   # per parameter, which names the error (_views)
-        dispatcher = runtime().dispatcher
         if self.algorithm is not None:
             return self._whole_bucket(params), self.algorithm
+        dispatcher = runtime().dispatcher
         policy = self.policy or dispatcher.policy
-        dtype, itemsize = str(buffer.dtype).replace("torch.", ""), buffer.element_size()
+        dtype, _, itemsize = torch_dtype(buffer.dtype)   # as each parameter's slice would be staged
         sizes = [p.numel() * itemsize for p in params]
-        choices = [(policy.choose(self.name_of(p), size, dtype), size) for p, size in zip(params, sizes)]
-        if len({choice for choice, _ in choices}) > 1 or choices[0][0].compression is not None:
+        choices = [policy.choose(self.name_of(p), size, dtype) for p, size in zip(params, sizes)]
+        if len(set(choices)) > 1 or choices[0].compression is not None:
             return None   # the policy tells them apart; compressors keep their state per parameter
-        if any(dispatcher.measures_density(choice, nbytes) for choice, nbytes in choices):
+        if any(dispatcher.measures_density(choice, size) for choice, size in zip(choices, sizes)):
             return None   # planned by each one's own block density at every step (a sparse one: omnireduce)
-        return self._whole_bucket(params), choices[0][0].algorithm
+        return self._whole_bucket(params), choices[0].algorithm
 
     def _whole_bucket(self, params):
         """(the bucket's name, its parameters' names)."""

@@ -269,8 +269,8 @@ void sml_worker_free(sml_worker *w);
 void sml_worker_counters_get(sml_worker *w, sml_worker_counters *out);
 
 /* At most `chains` packets in flight (1..window; 0: the whole window) from the next tensor on, as a
- * tensor of fewer blocks than the window streams (autotune's switch_window). Every rank must set the
- * same before the same tensor: it decides which slot each packet takes. */
+ * tensor of fewer blocks than the window streams (autotune's switch_inflight_share). Every rank must
+ * set the same before the same tensor: it decides which slot each packet takes. */
 void sml_worker_set_inflight(sml_worker *w, uint32_t chains);
 
 /* Results of sml_worker_allreduce: >= 0 success, SML_R_* bits say what the result holds. */
