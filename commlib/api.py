@@ -136,6 +136,15 @@ def grouped_allreduce_async(tensors, names=None, op=Average, algorithm=None, com
     """allreduce_async of several tensors at once (Horovod's grouped_allreduce): one message to the
     controller, so they are released together and fused into as few collectives as they allow.
     `names`: one per tensor (or None). Returns their Handles."""
+    return submit(tensors, names, op, algorithm, compression, prescale_factor, postscale_factor, policy,
+                  process_set)
+
+
+def submit(tensors, names=None, op=Average, algorithm=None, compression=None, prescale_factor=1.0,
+           postscale_factor=1.0, policy=None, process_set=None, hurry=False):
+    """grouped_allreduce_async; `hurry`: the caller waits for these next (a synchronous call, DDP's last
+    bucket), so they go to the controller now, from this thread, to be released at once (Handle.hurry
+    without a second message or the sender thread's wake-up)."""
     if isinstance(policy, str):
         policy = Policy.parse(policy)
     names = [None] * len(tensors) if names is None else list(names)
@@ -143,7 +152,7 @@ def grouped_allreduce_async(tensors, names=None, op=Average, algorithm=None, com
         raise ConfigError(f"grouped_allreduce: {len(tensors)} tensors but {len(names)} names")
     over = runtime().process_sets.runtime(process_set)
     handles = over.grouped_allreduce_async(tensors, names, op, algorithm, compression, float(prescale_factor),
-                                           float(postscale_factor), policy)
+                                           float(postscale_factor), policy, hurry)
     for tensor, handle in zip(tensors, handles):
         if differentiable.wants_grad(tensor):   # as Horovod's: backward reduces the gradient the same way
             reduce_grad = lambda grad, name=handle.name: allreduce(grad, f"{name}.grad", op, algorithm, compression,
@@ -157,8 +166,8 @@ def grouped_allreduce_async(tensors, names=None, op=Average, algorithm=None, com
 def grouped_allreduce(tensors, names=None, op=Average, algorithm=None, compression=None,
                       prescale_factor=1.0, postscale_factor=1.0, policy=None, process_set=None):
     """Reduce several tensors at once (see grouped_allreduce_async); returns their results."""
-    return [synchronize(h) for h in grouped_allreduce_async(tensors, names, op, algorithm, compression,
-                                                            prescale_factor, postscale_factor, policy, process_set)]
+    return [synchronize(h) for h in submit(tensors, names, op, algorithm, compression, prescale_factor,
+                                           postscale_factor, policy, process_set, hurry=True)]
 
 
 def synchronize(handle):
@@ -175,8 +184,8 @@ def allreduce(tensor, name=None, op=Average, algorithm=None, compression=None,
               prescale_factor=1.0, postscale_factor=1.0, policy=None, process_set=None):
     """Reduce `tensor` across ranks (Average by default: over the process set's size when one is
     given) and return the result."""
-    return synchronize(allreduce_async(tensor, name, op, algorithm, compression, prescale_factor,
-                                       postscale_factor, policy, process_set))
+    return synchronize(submit([tensor], [name], op, algorithm, compression, prescale_factor, postscale_factor,
+                              policy, process_set, hurry=True)[0])
 
 
 def join():

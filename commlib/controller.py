@@ -632,8 +632,9 @@ class ControllerClient:
                     del self._cache[release.name]
         return {"t": "go", "batch": batch, "tuned": msg.get("tuned")}
 
-    def submit(self, metas):
-        """Metas agreed before with the same contents travel as a bit each, the rest in full."""
+    def submit(self, metas, hurry=False):
+        """Metas agreed before with the same contents travel as a bit each, the rest in full.
+        `hurry`: a caller waits for them next; they go now, from this thread, as hurry() sends them."""
         full, hits = [], 0
         with self._cache_lock:
             for meta in metas:
@@ -647,10 +648,16 @@ class ControllerClient:
         if self._lost:
             raise error_from(self._lost)
         with self._outbox_cond:
-            self._hurried = False   # a waiter hurries these anew
+            self._hurried = hurry   # else a waiter hurries these anew
             pending = self._outbox["metas"] or self._outbox["hits"]
             self._outbox["metas"] += full
             self._outbox["hits"] |= hits
+            if hurry:
+                try:
+                    self._flush(hurry=True)
+                except OSError:   # the reader sees the lost connection and fails what is in flight
+                    pass
+                return
             # the sender thread sends them (at once after a quiet cycle, else when the cycle ends), or a
             # caller about to wait (hurry); not this thread: a caller submitting a step's tensors holds
             # the GIL throughout, and a send from it at its first tensor made that one a bucket alone,

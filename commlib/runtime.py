@@ -65,13 +65,11 @@ class Runtime:
     def records(self):
         return self.executor.records
 
-    def allreduce_async(self, tensor, name, op, algorithm, compression, prescale, postscale, policy=None):
-        return self.grouped_allreduce_async([tensor], [name], op, algorithm, compression, prescale, postscale,
-                                            policy)[0]
-
-    def grouped_allreduce_async(self, tensors, names, op, algorithm, compression, prescale, postscale, policy=None):
+    def grouped_allreduce_async(self, tensors, names, op, algorithm, compression, prescale, postscale, policy=None,
+                                hurry=False):
         """Handles for tensors submitted in one message: they are negotiated, released and fused
-        together. A tensor refused here is refused on every rank; this rank raises its error."""
+        together (`hurry`: at once, see api.submit). A tensor refused here is refused on every rank;
+        this rank raises its error."""
         self._check_world()
         if self.executor.broken:
             raise self.executor.broken
@@ -101,7 +99,7 @@ class Runtime:
             metas.append(meta)
         self.executor.track(entries)
         try:
-            self.client.submit(metas)
+            self.client.submit(metas, hurry)
         except BaseException as exc:   # never sent: nothing of this call stays in flight
             self.executor.fail([entry.name for entry in entries], exc)
             raise

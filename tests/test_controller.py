@@ -43,8 +43,8 @@ def stop_job(server, clients):
     server.join(5)
 
 
-def submit(client, *names):
-    client.submit([{"name": name, "choices": [[None, "ring"]]} for name in names])
+def submit(client, *names, hurry=False):
+    client.submit([{"name": name, "choices": [[None, "ring"]]} for name in names], hurry)
 
 
 QUIET_S = 0.3   # after an event, this long with no other ends the wait (a batch's events come within a cycle or two)
@@ -111,6 +111,23 @@ def test_a_callers_burst_of_submissions_goes_in_one_message_and_is_released_as_o
         for rank, client in enumerate(clients):
             msg = client.events.get(timeout=5.0)
             assert sorted(r.name for r in msg["batch"]) == names, f"rank {rank}: a first batch of {msg['batch']}"
+    finally:
+        stop_job(server, clients)
+
+
+def test_a_hurried_submission_goes_with_what_was_held_back_and_is_released_at_once():
+    """A synchronous call (or DDP's last bucket) submits with hurry: what the cycle held back travels
+    in the same message, and the controller releases it all without waiting for its cycle."""
+    server, clients = start_job(cycle_ms=3000.0)
+    try:
+        start = time.monotonic()
+        for client in clients:
+            submit(client, "a", "b")
+            submit(client, "c", hurry=True)
+        for rank, client in enumerate(clients):
+            msg = client.events.get(timeout=5.0)
+            assert sorted(r.name for r in msg["batch"]) == ["a", "b", "c"], f"rank {rank}: a first batch of {msg['batch']}"
+        assert time.monotonic() - start < 1.0, "released at the cycle's end, not when the submission was hurried"
     finally:
         stop_job(server, clients)
 

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 import commlib
+from commlib import api
 from commlib.process_sets import ranks_of
 from commlib.sparse import RowSparse
 from commlib.tensorflow.names import tensor_names
@@ -112,10 +113,8 @@ class GradientReducer:
         """Submit every array (or RowSparse) in one grouped call, then wait for each: commlib sees the
         whole step at once and negotiates it in one message. Returns the flat outputs: an array per
         dense input, (values, rows) per RowSparse."""
-        handles = commlib.grouped_allreduce_async(list(arrays), names, op=self.op, algorithm=self.algorithm,
-                                                  compression=self.compression, policy=self.policy,
-                                                  prescale_factor=self.prescale, postscale_factor=self.postscale,
-                                                  process_set=self.process_set)
+        handles = api.submit(list(arrays), names, self.op, self.algorithm, self.compression, self.prescale,
+                             self.postscale, self.policy, self.process_set, hurry=True)   # waited for next
         flat = []
         for handle, array in zip(handles, arrays):
             out = commlib.synchronize(handle)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import commlib
-from commlib.api import runtime
+from commlib.api import runtime, submit
 from commlib.context import placed
 from commlib.errors import ConfigError
 from commlib.executor import fused
@@ -186,25 +186,24 @@ def ddp_comm_hook(state, bucket):
         state.start()
         buffer = bucket.buffer()
         params = bucket.parameters()
+        last = bucket.is_last()   # DDP waits for the buckets next: this one goes at once (api.submit's hurry)
         whole = state.whole(params, buffer)
         if whole is not None:
             (name, names), algorithm = whole
             views = [host_array(buffer) if viewable(buffer) else buffer]
-            handles = [commlib.allreduce_async(views[0], name, op=commlib.Average, algorithm=algorithm)]
+            handles = submit(views, [name], commlib.Average, algorithm, hurry=last)
             handles[0].add_done_callback(lambda _: _stand_for(name, names))   # before the Future completes
         else:   # one message for the bucket: its parameters are released together and fused again
             views = _views(buffer, params)
-            handles = commlib.grouped_allreduce_async(views, [state.name_of(param) for param in params],
-                                                      op=commlib.Average, algorithm=state.algorithm,
-                                                      compression=state.compression, policy=state.policy)
+            handles = submit(views, [state.name_of(param) for param in params], commlib.Average, state.algorithm,
+                             state.compression, policy=state.policy, hurry=last)
     except Exception as exc:   # surfaces where DDP waits for the bucket, as a failed collective does
         future.set_exception(exc)
         return result
     state.buckets_reduced += 1
     state.bytes_reduced += buffer.numel() * buffer.element_size()
-    if bucket.is_last():   # DDP waits for the buckets next: what the client holds back goes now
+    if last:
         state.iteration += 1
-        handles[-1].hurry()
     _complete_when_done(handles, views, buffer, future)
     return result
 
