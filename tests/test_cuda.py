@@ -1,6 +1,8 @@
 """CUDA tensors end to end: staged through pinned host memory, reduced by every algorithm and
 compressor path, handed back on the caller's device. Runs where a GPU is present (checked on an
 H100 machine); on CPU-only machines, such as CI's, there is nothing to check."""
+import json
+
 import pytest
 import torch
 
@@ -24,3 +26,23 @@ def test_staging_round_trip_keeps_device_and_dtype():
 def test_cuda_tensors_through_every_algorithm_two_ranks():
     for result in spawn(2, "cuda_allreduce.py", timeout=240).check().results():
         assert result["failures"] == [], result
+
+
+@pytest.mark.multiprocess
+def test_ddp_buckets_of_cuda_gradients_whole_and_per_parameter_equal_ddps_own(tmp_path):
+    """DDP on the GPU (both ranks on cuda:0, gloo): commlib's hook reduces its CUDA buckets, per
+    parameter on the first step and whole from the second, to exactly DDP's own allreduce (ring:
+    the dyadic fixture of ddp_grads.py sums exactly), and the switch within its quantization bound."""
+    scenarios = {"ring": ["*=ring", "cuda"], "per_parameter": ["*=ring", "cuda,per_parameter"],
+                 "switchml": ["*=switchml", "cuda,float"]}
+    spawn(2, "ddp_grads.py", tmp_path, json.dumps(scenarios), timeout=300).check()
+    for name in scenarios:
+        results = [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+        for r in results:
+            assert "error" not in r, f"scenario {name!r} failed on rank {r['rank']}:\n{r['error']}"
+        assert results[0]["grads"] == results[1]["grads"], f"{name}: the ranks reduced to other gradients"
+        for step, s in enumerate(results[0]["steps"]):
+            bound = 0.0 if name != "switchml" else s["max_grad"] * 2 * (2.0 ** -30 + 2.0 ** -23)
+            assert s["max_diff"] <= bound, f"{name} step {step}: |hook - DDP| {s['max_diff']} > {bound}"
+        whole = [n for n in results[0]["record_names"] if n.startswith("bucket(")]
+        assert whole == ([] if name == "per_parameter" else ["bucket(head.bias+3)"]), results[0]["record_names"]

@@ -21,8 +21,10 @@ def check(label, got, expected, dtype, atol):
             and got.shape == expected.shape):
         failures.append(f"{label}: got {type(got).__name__} {getattr(got, 'device', '?')} "
                         f"{getattr(got, 'dtype', '?')} {tuple(getattr(got, 'shape', ()))}")
-    elif not torch.allclose(got.float().cpu(), expected.float().cpu(), atol=atol, rtol=0):
-        failures.append(f"{label}: max|diff| {(got.float().cpu() - expected.float().cpu()).abs().max():.3g}")
+    else:   # a sparse result's values, densified (comparisons take no sparse operands)
+        got = got.to_dense().float().cpu() if got.is_sparse else got.float().cpu()
+        if not torch.allclose(got, expected.float().cpu(), atol=atol, rtol=0):
+            failures.append(f"{label}: max|diff| {(got - expected.float().cpu()).abs().max():.3g}")
 
 
 x = torch.linspace(-1, 1, 70001, device=cuda)
@@ -42,8 +44,10 @@ sparse = torch.sparse_coo_tensor(rows, torch.ones(2, 4, device=cuda), (10, 4))
 dense = torch.zeros(10, 4)
 for k in range(n):
     dense[k:k + 2] += 1
-check("sparse COO omnireduce", commlib.allreduce(sparse, name="emb", op=commlib.Sum, algorithm="omnireduce"),
-      dense, torch.float32, 0)
+got = commlib.allreduce(sparse, name="emb", op=commlib.Sum, algorithm="omnireduce")
+if not got.is_sparse:
+    failures.append(f"sparse COO omnireduce: came back {got.layout}, not sparse")
+check("sparse COO omnireduce", got, dense, torch.float32, 0)
 
 # compressed: the compressor runs on the GPU; summable payloads ride the ring, sparse ones omnireduce
 for spec, algorithm in (("fp16", "ring"), ("powersgd(rank=2)", "ring"), ("topk(ratio=0.5)", "omnireduce"),
