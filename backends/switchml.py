@@ -28,14 +28,14 @@ Tuning guide
                          the kernel's per-datagram cost is paid per thousands of values. 256 or 64:
                          Tofino's sizes (a hardware switch's registers bound them).
   switch_streams         streams per switch (at most its `--threads`): more streams feed more of the
-                         switch's cores and of this host's; each takes a share of the window. 1 (the
-                         default): streams sharing a slow link resend a lot, not yet understood
+                         switch's cores and of this host's; each takes a share of the window. 0 (the
+                         default): on loopback (the embedded switch and every rank on this host) the
+                         host's cores over its ranks, else 1: streams sharing a slow link resend a lot, not yet understood
                          (netns, 20 Mbit/s, window 128 of 256 values, a loaded 2-core host: 2
                          streams resent from none to half of their packets from run to run, with
                          srtt about twice the queue's 53 ms and the link's queue dropping only
                          9-31 packets, so mostly timers firing early; one stream under 5%), so
-                         more streams are for fast links, where a core bounds a rank. 0: this
-                         host's cores over its ranks (two thirds of them beside an embedded switch).
+                         more streams are for fast links, where a core or the window bounds a rank.
   switch_retransmit_ms   floor of the per-packet timer; the timer follows the measured round trip,
                          which includes waiting for the slowest rank (srtt + max(4 rttvar, srtt / 2):
                          RFC 6298 with a margin, switch/csrc/transport.h), and doubles per resend
@@ -87,9 +87,10 @@ define("switch_spine", "", "host:port of the spine commlib-switch of a two-level
        "leaf's partial sums go to the spine; every switch of it started with the same --key-file")
 define("switch_placement", "", "with switch_spine: the leaf (its index in switch_addr) of each rank, comma-separated "
        "(0,0,1,1: ranks 0-1 on the first leaf); empty: ranks grouped by host, in balanced chunks of at most 64")
-define("switch_streams", 1, "SwitchML worker streams per switch (each a socket and a thread towards one of "
-       "the switch's data-plane threads, with its share of the window): more where a rank's CPU bounds it (fast "
-       "links); 0: from this host's cores")
+define("switch_streams", 0, "SwitchML worker streams per switch (each a socket and a thread towards one of "
+       "the switch's data-plane threads, with its share of the window): more where a rank's CPU or window bounds "
+       "it (fast links); 0: this host's cores over its ranks where every rank and the switch share this host "
+       "(loopback), else 1")
 define("switch_key_file", "", "the daemon key of a commlib-switch started with --key-file (COMMLIB_SWITCH_ADDR), "
        "read by every rank; the embedded switch uses the job's secret", per_rank=True)
 define("switch_window", 0, "SwitchML window: packets in flight per rank = slots the job takes on the switch; "
@@ -299,13 +300,16 @@ class SwitchMLBackend(Backend):
         return plan
 
     def _streams_per_switch(self):
-        """switch_streams, or from the host: its cores over the ranks on it, keeping a third of them for an
-        embedded switch (which needs about half the CPU per element of all the workers it serves)."""
+        """switch_streams, or by default: on loopback (the embedded switch, every rank on this host) this
+        host's cores over its ranks, since a stream waits on its window, not on a core (16 cores, 4 ranks,
+        MACs on: 1 stream 0.39x the ring, 2 0.72x, 4 1.04x, 8 1.25x); over links one (streams sharing a
+        slow link resend a lot: see the module's docstring)."""
         streams = int(self.ctx.settings.switch_streams)
         if streams:
             return streams
-        cores = _cores() * 2 // 3 if not self.ctx.settings.switch_addr else _cores()
-        return max(1, min(MAX_STREAMS, cores // max(1, self.ctx.local_size)))
+        if self.ctx.settings.switch_addr or not self.ctx.all_local:
+            return 1
+        return max(1, min(MAX_STREAMS, _cores() // max(1, self.ctx.local_size)))
 
     def _spine_address(self):
         return self.ctx.settings.switch_spine

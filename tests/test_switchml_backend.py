@@ -531,6 +531,23 @@ def test_streams_over_switch_threads_and_switches_are_bit_identical(tmp_path, th
             server.stop()
 
 
+def test_default_streams_follow_the_hosts_cores_on_loopback_only(monkeypatch):
+    """switch_streams=0 (the default): a job whose ranks all share this host (the embedded switch) streams
+    over its cores per rank; one that crosses links, or names a switch, keeps one stream."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(sml, "_cores", lambda: 16)
+
+    def streams(size, local_size, **given):
+        ctx = SimpleNamespace(settings=settings(**given), size=size, local_size=local_size,
+                              all_local=local_size == size)
+        return sml.SwitchMLBackend._streams_per_switch(SimpleNamespace(ctx=ctx))
+
+    assert (streams(4, 4), streams(2, 2), streams(1, 1)) == (4, 8, sml.MAX_STREAMS)
+    assert streams(4, 1) == 1, "ranks on other hosts: one stream over a link"
+    assert streams(4, 4, switch_addr="10.0.0.1:9099") == 1, "a named switch is reached over a link"
+    assert streams(4, 4, switch_streams=3) == 3, "a stream count set is kept"
+
+
 def test_stream_counts_and_addresses_validated():
     with pytest.raises(ConfigError, match="switch_streams"):
         sml.SwitchMLBackend(LocalGroup(1, settings(switch_streams=99)).contexts[0])
