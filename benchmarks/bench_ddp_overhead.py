@@ -7,7 +7,7 @@ bucket per parameter. With small tensors and no network bottleneck, the per-tens
 (staging, planning, negotiation) is what remains. Two local ranks (torchrun's environment), DDP's
 default allreduce as the reference, the three interleaved step by step.
 
-Many buckets: a wider model in DDP buckets of 0.1 MB (about 19 a backward), where each bucket's
+Many buckets: a wider model in DDP buckets of 0.1 MB (about 20 a backward), where each bucket's
 collective and negotiation cost more than its bytes; commlib at its default cycle time, and in a
 job of its own with `COMMLIB_AUTOTUNE=1` (timed once autotune chose its values), each against
 DDP's default in the same job.
@@ -57,10 +57,11 @@ def worker(args):
             state = cl.CommlibState(net.named_parameters(), algorithm="ring", whole_buckets="per parameter" not in label)
             model.register_comm_hook(state, cl.ddp_comm_hook)
         runs[label] = (model, state, [], [])
-    deadline, step, timed = time.monotonic() + args.tune_limit_s, 0, 0
+    deadline, step, timed, chose = time.monotonic() + args.tune_limit_s, 0, 0, not tuned
     while timed < args.steps:
         x = torch.randn(32, args.width)
-        warm = step >= args.warmup and (not tuned or _tuner_chose(args.autotune_log, deadline))
+        chose = chose or _tuner_chose(args.autotune_log, deadline)
+        warm = step >= args.warmup and chose
         for label, (model, state, times, breakdowns) in runs.items():
             dist.barrier()
             start = time.perf_counter()
@@ -72,7 +73,7 @@ def worker(args):
         step, timed = step + 1, timed + warm
     if dist.get_rank() == 0:
         common.emit({"tensors": 2 * args.layers, "floats": sum(p.numel() for p in net.parameters()),
-                     "buckets": state.buckets_reduced / step, "warmup_steps": step - args.steps,
+                     "buckets": state.buckets_reduced / step, "search_steps": step - args.steps,
                      "chosen": _chosen(args.autotune_log) if tuned else None,
                      "results": {label: times for label, (_, _, times, _) in runs.items()},
                      "breakdowns": {label: b for label, (_, _, _, b) in runs.items()}})
@@ -81,19 +82,25 @@ def worker(args):
 
 
 def _tuner_chose(log, deadline):
-    """Whether autotune chose its values (rank 0 writes them to its log), the same on every rank."""
+    """Whether autotune chose its values (rank 0 reads its log, and gives up past the deadline), the
+    same on every rank."""
     import torch
     import torch.distributed as dist
-    flag = torch.tensor([int(dist.get_rank() == 0 and _chosen(log) is not None)])
-    dist.broadcast(flag, 0)
-    if not flag.item() and time.monotonic() > deadline:
+    verdict = torch.tensor([0])   # 0: not yet, 1: chosen, 2: given up
+    if dist.get_rank() == 0:
+        verdict[0] = 1 if _chosen(log) is not None else 2 if time.monotonic() > deadline else 0
+    dist.broadcast(verdict, 0)
+    if verdict.item() == 2:
         raise SystemExit(f"autotune chose nothing within --tune-limit-s; its log so far: {log}")
-    return bool(flag.item())
+    return verdict.item() == 1
 
 
 def _chosen(log):
     """Autotune's choice from its CSV log ({knob: value}), or None before it chose."""
-    rows = list(csv.reader(Path(log).open())) if Path(log).exists() else []
+    if not Path(log).exists():
+        return None
+    with open(log, newline="") as file:
+        rows = list(csv.reader(file))
     chosen = [row for row in rows if row and row[0] == "chosen"]
     return dict(zip(rows[0][1:], chosen[0][1:])) if chosen else None
 
@@ -145,7 +152,7 @@ def main(argv=None):
                 f"Many buckets: {default['tensors']} tensors ({default['floats']:,} floats) in DDP buckets of "
                 f"{MANY['bucket_mb']} MB ({default['buckets']:.0f} a backward), commlib at its default cycle time "
                 f"(1 ms) and, in a job of its own, with COMMLIB_AUTOTUNE=1 (samples of {args.sample_s} s; timed after "
-                f"its {tuned['warmup_steps']} steps of search, once it chose a fusion threshold of "
+                f"its {tuned['search_steps']} steps of warm-up and search, once it chose a fusion threshold of "
                 f"{int(chosen['fusion_threshold']) >> 20} MiB and a cycle time of {float(chosen['cycle_time_ms']):g} "
                 "ms), each against DDP's default in the same job.\n\n"
                 "| job | configuration | ms per backward | vs DDP default |\n"

@@ -207,8 +207,8 @@ class ControllerServer:
             now = time.monotonic()
             # a batch goes when the cycle ends, or at once when it is the first of a burst of submissions
             # (a lone bucket, DDP's first of a backward, does not wait for the cycle; a stream still goes in
-            # batches) or when a rank waits for what it submitted (ControllerClient.hurry: a caller's wait,
-            # DDP's last bucket)
+            # batches) or when a rank waits for what it submitted (ControllerClient.hurry, or a submission
+            # hurried: a synchronous call, DDP's last bucket)
             at_once = (self._ready or self._ready_bits) and (self._last_go < self._burst or self._hurried)
             if (now >= next_cycle or at_once) and not self._failed:
                 self._release()
@@ -510,7 +510,7 @@ class ControllerClient:
         # submissions within a cycle travel as one message (Horovod: one request list per cycle)
         self._outbox = {"metas": [], "hits": 0}
         self._outbox_cond = threading.Condition(self._send_lock)
-        self._hurried = False   # a waiter hurried what was submitted so far (hurry)
+        self._hurried = False   # what was submitted so far went hurried (hurry, or submit's hurry)
         self._last_send = 0.0
         self._sock = self._connect(tuple(address), timeout_s)
         send_msg(self._sock, {"t": "hello", "rank": rank})
@@ -591,16 +591,20 @@ class ControllerClient:
         self._last_send = time.monotonic()
 
     def hurry(self):
-        """A caller is about to wait (Handle.hurry): what the outbox holds for the cycle goes now, and
-        the controller is told to release at once (at most one message per submission, however many
-        wait: alone, an empty one, when the submission went before)."""
+        """A caller is about to wait (Handle.hurry): what the outbox holds for the cycle goes now, and the
+        controller is told to release at once (at most one message per submission, however many wait:
+        alone, an empty one, when the submission went before)."""
         with self._outbox_cond:
             if not self._hurried:
-                self._hurried = True
-                try:
-                    self._flush(hurry=True)
-                except OSError:   # the reader sees the lost connection and fails what is in flight
-                    pass
+                self._send_hurried()
+
+    def _send_hurried(self):
+        """The outbox, now, with the controller told to release at once (the send lock held)."""
+        self._hurried = True
+        try:
+            self._flush(hurry=True)
+        except OSError:   # the reader sees the lost connection and fails what is in flight
+            pass
 
     def _send_batches(self):
         """Sends the outbox at most once per cycle while submissions keep coming."""
@@ -630,7 +634,10 @@ class ControllerClient:
                 release = self._by_bit.pop(bit, None)
                 if release is not None and self._cache.get(release.name, (None,))[0] == bit:
                     del self._cache[release.name]
-        return {"t": "go", "batch": batch, "tuned": msg.get("tuned")}
+        tuned = msg.get("tuned")
+        if tuned:   # autotune's cycle: this rank's batching follows the controller's
+            self.cycle_s = tuned["cycle_time_ms"] / 1000.0
+        return {"t": "go", "batch": batch, "tuned": tuned}
 
     def submit(self, metas, hurry=False):
         """Metas agreed before with the same contents travel as a bit each, the rest in full.
@@ -647,16 +654,16 @@ class ControllerClient:
                         self._asked[meta["name"]] = meta
         if self._lost:
             raise error_from(self._lost)
+        if self._closed:
+            raise CommError("commlib's connection to the controller is closed (commlib.shutdown() ran): "
+                            "call commlib.init() again before reducing")
         with self._outbox_cond:
-            self._hurried = hurry   # else a waiter hurries these anew
+            self._hurried = False   # a waiter hurries these anew
             pending = self._outbox["metas"] or self._outbox["hits"]
             self._outbox["metas"] += full
             self._outbox["hits"] |= hits
             if hurry:
-                try:
-                    self._flush(hurry=True)
-                except OSError:   # the reader sees the lost connection and fails what is in flight
-                    pass
+                self._send_hurried()
                 return
             # the sender thread sends them (at once after a quiet cycle, else when the cycle ends), or a
             # caller about to wait (hurry); not this thread: a caller submitting a step's tensors holds

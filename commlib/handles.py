@@ -68,8 +68,8 @@ class Handle:
         self._then = fn
 
     def hurry(self):
-        """Its caller waits for it next (a waiter, or DDP's last bucket of a backward): what the
-        client holds back to send once per cycle goes now, and the controller releases it at once."""
+        """Its caller waits for it next: what the client holds back to send once per cycle goes now, and
+        the controller releases it at once (a caller that knows it will wait submits hurried: api.submit)."""
         if self._on_wait is not None and not self._set:
             self._on_wait()
 

@@ -3,7 +3,7 @@
     bootstrap (the job)  ->  dispatch (a plan per tensor)  ->  controller (every rank agrees)
     ->  executor (fuse, run the backend or compressor, scale, record)  ->  handles
 
-`allreduce_async` is the caller's side: stage the tensor, plan it, submit the plan.
+`grouped_allreduce_async` is the caller's side: stage each tensor, plan it, submit the plans.
 """
 import itertools
 import logging

@@ -212,3 +212,29 @@ def run_backends(n, make_backend, work, **settings):
             backend.close()
 
     return group.run(main, 100.0)
+
+
+# -- DDP with commlib's hook against DDP's own allreduce (tests/workers/ddp_grads.py) -------------------
+def switchml_bound(n, largest):
+    """backends/switchml.py: the n-way sum errs by at most n^2 2^(e-1) / (2^31 - 1) with
+    2^e <= 2 max|x| (so n^2 max|x| 2^-30 on the sum, n max|x| 2^-30 on the average), plus float32
+    rounding: one of the switch's result, n - 1 of the partial sums in DDP's own ring."""
+    return largest * (n * 2.0 ** -30 + n * 2.0 ** -23)
+
+
+def check_grads(results, tolerance, uncounted=0):
+    """Every rank holds the same reduced gradients, each step within `tolerance(size, max|grad|)`
+    of DDP's own allreduce; the state counted every step but `uncounted`."""
+    first = results[0]
+    for r in results[1:]:
+        assert r["grads"] == first["grads"], f"rank {r['rank']} reduced to other gradients than rank 0"
+    for r in results:
+        for step, s in enumerate(r["steps"]):
+            bound = tolerance(r["size"], s["max_grad"])
+            assert s["max_diff"] <= bound, f"rank {r['rank']} step {step}: |hook - DDP| {s['max_diff']} > {bound}"
+        assert r["iteration"] == len(r["steps"]) - uncounted, r
+        assert r["buckets_reduced"] > r["iteration"], "expected several buckets in the first step"
+
+
+def exact(n, largest):
+    return 0.0

@@ -11,7 +11,7 @@ import torch
 
 import commlib
 from commlib.torch.ddp import CommlibState, _views
-from helpers import single_process
+from helpers import check_grads, exact, single_process, switchml_bound
 from launch import BIN, ROOT, WORKERS, _env, _run, free_port, spawn
 
 pytestmark = pytest.mark.timeout(400)
@@ -63,31 +63,6 @@ def torchrun(nprocs, path, *args, timeout=300):
     cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(nprocs), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(ROOT / path), *map(str, args)]
     return _run(cmd, timeout, _env(None))
-
-
-def switchml_bound(n, largest):
-    """backends/switchml.py: the n-way sum errs by at most n^2 2^(e-1) / (2^31 - 1) with
-    2^e <= 2 max|x| (so n^2 max|x| 2^-30 on the sum, n max|x| 2^-30 on the average), plus float32
-    rounding: one of the switch's result, n - 1 of the partial sums in DDP's own ring."""
-    return largest * (n * 2.0 ** -30 + n * 2.0 ** -23)
-
-
-def check_grads(results, tolerance, uncounted=0):
-    """Every rank holds the same reduced gradients, each step within `tolerance(size, max|grad|)`
-    of DDP's own allreduce; the state counted every step but `uncounted`."""
-    first = results[0]
-    for r in results[1:]:
-        assert r["grads"] == first["grads"], f"rank {r['rank']} reduced to other gradients than rank 0"
-    for r in results:
-        for step, s in enumerate(r["steps"]):
-            bound = tolerance(r["size"], s["max_grad"])
-            assert s["max_diff"] <= bound, f"rank {r['rank']} step {step}: |hook - DDP| {s['max_diff']} > {bound}"
-        assert r["iteration"] == len(r["steps"]) - uncounted, r
-        assert r["buckets_reduced"] > r["iteration"], "expected several buckets in the first step"
-
-
-def exact(n, largest):
-    return 0.0
 
 
 @multiprocess
