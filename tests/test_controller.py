@@ -132,6 +132,14 @@ def test_a_hurried_submission_goes_with_what_was_held_back_and_is_released_at_on
         stop_job(server, clients)
 
 
+def test_autotunes_cycle_time_paces_each_ranks_batching_too(job):
+    """A go carries autotune's values; the client's sender then batches at the tuned cycle, as the
+    controller releases at it (at the configured one, every rank's submissions went out of step)."""
+    _, clients = job
+    clients[0]._expand({"t": "go", "batch": [], "tuned": {"cycle_time_ms": 7.5, "fusion_threshold": 1 << 20}})
+    assert clients[0].cycle_s == 0.0075 and clients[1].cycle_s == 0.001
+
+
 def test_a_slow_rank_with_nothing_pending_is_waited_for(job):
     _, clients = job
     submit(clients[0], "a")
