@@ -30,12 +30,13 @@ Tuning guide
   switch_streams         streams per switch (at most its `--threads`): more streams feed more of the
                          switch's cores and of this host's; each takes a share of the window. 0 (the
                          default): on loopback (the embedded switch and every rank on this host) the
-                         host's cores over its ranks, else 1: streams sharing a slow link resend a lot, not yet understood
-                         (netns, 20 Mbit/s, window 128 of 256 values, a loaded 2-core host: 2
-                         streams resent from none to half of their packets from run to run, with
-                         srtt about twice the queue's 53 ms and the link's queue dropping only
-                         9-31 packets, so mostly timers firing early; one stream under 5%), so
-                         more streams are for fast links, where a core or the window bounds a rank.
+                         host's cores over its ranks, else 1: streams sharing a slow link resend a
+                         lot, not yet understood (netns, 20 Mbit/s, window 128 of 256 values, a
+                         loaded 2-core host: 2 streams resent from none to half of their packets from
+                         run to run, with srtt about twice the queue's 53 ms and the link's queue
+                         dropping only 9-31 packets, so mostly timers firing early; one stream under
+                         5%), so more streams are for fast links, where a core or the window bounds
+                         a rank.
   switch_retransmit_ms   floor of the per-packet timer; the timer follows the measured round trip,
                          which includes waiting for the slowest rank (srtt + max(4 rttvar, srtt / 2):
                          RFC 6298 with a margin, switch/csrc/transport.h), and doubles per resend

@@ -126,7 +126,8 @@ def test_a_hurried_submission_goes_with_what_was_held_back_and_is_released_at_on
             submit(client, "c", hurry=True)
         for rank, client in enumerate(clients):
             msg = client.events.get(timeout=5.0)
-            assert sorted(r.name for r in msg["batch"]) == ["a", "b", "c"], f"rank {rank}: a first batch of {msg['batch']}"
+            names = sorted(r.name for r in msg["batch"])
+            assert names == ["a", "b", "c"], f"rank {rank}: a first batch of {names}"
         assert time.monotonic() - start < 1.0, "released at the cycle's end, not when the submission was hurried"
     finally:
         stop_job(server, clients)
