@@ -15,7 +15,6 @@ Results: benchmarks/results/c10d.json, c10d.png and RESULTS.md. Needs root (name
 """
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -80,17 +79,8 @@ def worker(args):
         x = torch.randn(args.batch, args.features, generator=torch.Generator().manual_seed(step * 1000 + rank))
         y = (x @ teacher).argmax(dim=1)
         for label, (net, model, optimizer, rates, losses, sent) in runs.items():
-            dist.barrier(group=gloo)   # every rank starts the step together
-            with common.Probe(rt.backends) as probe:
-                start = time.perf_counter()
-                optimizer.zero_grad()
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                optimizer.step()
-                elapsed = time.perf_counter() - start
-            mean = loss.detach().clone()
-            dist.all_reduce(mean, group=gloo)
-            losses.append(mean.item() / size)
+            elapsed, loss, probe = common.train_step(model, optimizer, x, y, rt.backends, group=gloo)
+            losses.append(loss)
             if step >= args.warmup:
                 rates.append(args.batch / elapsed)
                 sent.append(probe.tx_bytes)

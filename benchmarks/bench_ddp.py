@@ -15,7 +15,6 @@ Results: benchmarks/results/ddp.json, ddp.png and RESULTS.md. Needs root (namesp
 """
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -87,17 +86,9 @@ def worker(args):
         x = torch.randn(args.batch, args.features, generator=torch.Generator().manual_seed(step * 1000 + rank))
         y = (x @ teacher).argmax(dim=1)
         for label, (net, model, optimizer, rates, losses, breakdowns, sent) in runs.items():
-            dist.barrier()   # every rank starts the step together
-            with common.Probe(rt.backends if label.startswith("commlib") else None) as probe:
-                start = time.perf_counter()
-                optimizer.zero_grad()
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                optimizer.step()
-                elapsed = time.perf_counter() - start
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / size)
+            elapsed, loss, probe = common.train_step(model, optimizer, x, y,
+                                                     rt.backends if label.startswith("commlib") else None)
+            losses.append(loss)
             if step >= args.warmup:
                 rates.append(args.batch / elapsed)
                 sent.append(probe.tx_bytes)
@@ -138,21 +129,18 @@ def main(argv=None):
         return worker(args)
     payload = common.switch_job(args, Path(__file__), len(CONFIGS))
     n, results = payload["size"], payload["results"]
-    baseline = statistics.fmean(results[CONFIGS[0]]["rates"]) * n
-    median_baseline = statistics.median(results[CONFIGS[0]]["rates"]) * n
+    first = results[CONFIGS[0]]
     rows = []
     for label in CONFIGS:
         r = results[label]
-        total, median = statistics.fmean(r["rates"]) * n, statistics.median(r["rates"]) * n
-        r["total_samples_per_s"], r["vs_ddp_default"] = total, total / baseline
-        r["median_samples_per_s"] = median
+        rates = common.rate_cells(r, n, first)
         losses = r["losses"]
-        step_s = args.batch * n / total
+        step_s = args.batch * n / r["total_samples_per_s"]
         r["link"] = statistics.median(r["tx_bytes"]) * 8 / (common.rate_bps(args.rate) * step_s)
         r["bottleneck"] = common.bottleneck(step_s, r["breakdowns"], r["link"],
                                             unmeasured="n/a: DDP's own allreduce")
-        rows.append(f"| {label} | {total:.0f} | {total / baseline:.2f}x | {median:.0f} | {median / median_baseline:.2f}x | "
-                    f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | {r['bottleneck']} |")
+        rows.append(f"| {label} | {rates} | {losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | "
+                    f"{r['bottleneck']} |")
     title = (f"DDP, {n} emulated hosts, links {args.rate} each way, MLP {results[CONFIGS[0]]['parameters']:,} "
              f"parameters, batch {args.batch} per worker, {args.steps} timed steps after {args.warmup}")
     _plot(results, title)

@@ -197,13 +197,11 @@ def main(argv=None):
                                   forwarded=("steps", "warmup", "batch", "hidden", "features"))
     n, results = payload["size"], payload["results"]
     labels = list(CONFIGS)
-    baseline = statistics.fmean(results[labels[0]]["rates"]) * n
-    median_baseline = statistics.median(results[labels[0]]["rates"]) * n
+    first = results[labels[0]]
     rows = []
     for label in labels:
         r = results[label]
-        total, step_median = statistics.fmean(r["rates"]) * n, statistics.median(r["rates"]) * n
-        r["total_samples_per_s"], r["vs_horovod"], r["median_samples_per_s"] = total, total / baseline, step_median
+        rates = common.rate_cells(r, n, first)
         losses = r["losses"]
         reduction = 1e3 * statistics.median(r["reduction_s"])
         if CONFIGS[label]:
@@ -215,12 +213,11 @@ def main(argv=None):
             inside, boundary = "-", "-"
         # the same start, data and arithmetic up to summation order: the curves should coincide
         r["max_loss_diff_vs_horovod"] = max(abs(a - b) for a, b in zip(losses, results[labels[0]]["losses"]))
-        step_s = args.batch * n / total
+        step_s = args.batch * n / r["total_samples_per_s"]
         r["link"] = statistics.median(r["tx_bytes"]) * 8 / (common.rate_bps(args.rate) * step_s)
         r["bottleneck"] = common.bottleneck(step_s, r["breakdowns"], r["link"],
                                             unmeasured="n/a: Horovod's allreduce")
-        rows.append(f"| {label} | {total:.0f} | {total / baseline:.2f}x | {step_median:.0f} | "
-                    f"{step_median / median_baseline:.2f}x | "
+        rows.append(f"| {label} | {rates} | "
                     f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | {r['max_loss_diff_vs_horovod']:.1e} | "
                     f"{reduction:.1f} | {inside} | "
                     f"{boundary} | {', '.join(r['commlib_algorithms']) or '-'} | {r['bottleneck']} |")

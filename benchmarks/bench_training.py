@@ -289,20 +289,17 @@ def main(argv=None):
           flush=True)
     payload = _run(args, args.workers)
     n, results = payload["size"], payload["results"]
-    rows, baseline = [], {}
+    rows, first = [], {}
     for workload, label, how in configs(args):
         r = results[label]
         r["size"] = n
-        total = statistics.fmean(r["rates"]) * n
-        median = statistics.median(r["rates"]) * n   # robust to the shared machine's stalls
         every = args.batch * n * len(r["all_steps_s"]) / sum(r["all_steps_s"])   # with the warm-up: auto's trials
-        baseline.setdefault(workload, (total, median, every))
-        r["total_samples_per_s"], r["median_samples_per_s"] = total, median
+        first.setdefault(workload, (r, every))
+        rates = common.rate_cells(r, n, first[workload][0])   # the median: robust to the shared machine's stalls
         losses = r["losses"]
         bottleneck(r, args, n, how)
-        rows.append(f"| {workload} | {label} | {r['parameters']:,} | {total:.0f} | {total / baseline[workload][0]:.2f}x | "
-                    f"{median:.0f} | {median / baseline[workload][1]:.2f}x | "
-                    f"{every:.0f} | {every / baseline[workload][2]:.2f}x | "
+        rows.append(f"| {workload} | {label} | {r['parameters']:,} | {rates} | "
+                    f"{every:.0f} | {every / first[workload][1]:.2f}x | "
                     f"{losses[0]:.4f} -> {statistics.fmean(losses[-3:]):.4f} | "
                     f"{', '.join(r['commlib_algorithms']) or '-'} | {r['bottleneck']} |")
     from commlib import analyze   # the table of auto's trials

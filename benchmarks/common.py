@@ -292,6 +292,34 @@ def training_arguments(description, steps, warmup=2, warmup_help="untimed steps"
 TRAINING_SETTINGS = ("quick", "workers", "rate", "steps", "warmup", "batch", "hidden", "features")
 
 
+def train_step(model, optimizer, x, y, backends=None, group=None):
+    """One timed SGD step of a classifier, every rank starting together (a barrier on `group`), with a
+    Probe of `backends`: (seconds, the loss's mean over ranks, the probe)."""
+    import torch
+    import torch.distributed as dist
+    dist.barrier(group=group)
+    with Probe(backends) as probe:
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        elapsed = time.perf_counter() - start
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=group)
+    return elapsed, mean.item() / dist.get_world_size(group), probe
+
+
+def rate_cells(result, n, first):
+    """A training table's "samples/s | vs first | median samples/s | vs first (median)" cells of one
+    configuration's per-worker step rates (x n workers) against the `first` configuration's result;
+    the figures go into `result` (total_samples_per_s, median_samples_per_s, vs_first)."""
+    total, median = statistics.fmean(result["rates"]) * n, statistics.median(result["rates"]) * n
+    base, base_median = statistics.fmean(first["rates"]) * n, statistics.median(first["rates"]) * n
+    result.update(total_samples_per_s=total, median_samples_per_s=median, vs_first=total / base)
+    return f"{total:.0f} | {total / base:.2f}x | {median:.0f} | {median / base_median:.2f}x"
+
+
 def training_settings(args, *extra):
     """The settings a training benchmark records: the shared options and its own `extra` ones."""
     return {k: getattr(args, k) for k in TRAINING_SETTINGS + extra}
