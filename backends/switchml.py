@@ -301,10 +301,13 @@ class SwitchMLBackend(Backend):
         return plan
 
     def _streams_per_switch(self):
-        """switch_streams, or by default: on loopback (the embedded switch, every rank on this host) this
-        host's cores over its ranks, since a stream waits on its window, not on a core (16 cores, 4 ranks,
-        MACs on: 1 stream 0.39x the ring, 2 0.72x, 4 1.04x, 8 1.25x); over links one (streams sharing a
-        slow link resend a lot: see the module's docstring)."""
+        """The streams rank 0 asks of each switch: switch_streams, or by default on loopback (the embedded
+        switch, every rank on this host) this host's cores over its ranks, since a stream waits on its
+        window, not on a core (16 cores, 4 ranks, MACs on: 1 stream 0.39x the ring, 2 0.72x, 4 1.04x, 5
+        1.25x); over links one (streams sharing a slow link resend a lot: see the module's docstring). A
+        rank streams to each of the switch's threads at most: the embedded one has a third of the cores
+        (_switch_address), so 16 cores and 2 ranks ask for 8 streams and get 5. A process set counts its
+        own ranks on this host, beside its own embedded switch."""
         streams = int(self.ctx.settings.switch_streams)
         if streams:
             return streams

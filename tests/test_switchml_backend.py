@@ -215,7 +215,7 @@ def test_a_late_rank_costs_the_others_one_probe_per_timer_not_their_window():
         return out, {k: after[k] - before[k] for k in ("resends", "held", "received")}
 
     (out0, rank0), (out1, _) = run(2, work, switch_window=64, switch_packet_elems=256, switch_retransmit_ms=5.0,
-                                   switch_retransmit_max_ms=40.0)
+                                   switch_retransmit_max_ms=40.0, switch_streams=1)   # one stream's timer
     assert np.array_equal(out0, x[0] + x[1]) and np.array_equal(out1, x[0] + x[1])
     # 300 ms of timers from 5 ms doubling to 40: about 10 expiries, one probe each
     assert rank0["held"] >= 63, f"rank 0 held only {rank0['held']} expired packets while rank 1 was late"
@@ -532,8 +532,8 @@ def test_streams_over_switch_threads_and_switches_are_bit_identical(tmp_path, th
 
 
 def test_default_streams_follow_the_hosts_cores_on_loopback_only(monkeypatch):
-    """switch_streams=0 (the default): a job whose ranks all share this host (the embedded switch) streams
-    over its cores per rank; one that crosses links, or names a switch, keeps one stream."""
+    """switch_streams=0 (the default): a job whose ranks all share this host (the embedded switch) asks for
+    its cores per rank (the switch's threads cap them); one that crosses links, or names a switch, one."""
     from types import SimpleNamespace
     monkeypatch.setattr(sml, "_cores", lambda: 16)
 
