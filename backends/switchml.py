@@ -306,8 +306,8 @@ class SwitchMLBackend(Backend):
         window, not on a core (16 cores, 4 ranks, MACs on: 1 stream 0.39x the ring, 2 0.72x, 4 1.04x, 5
         1.25x); over links one (streams sharing a slow link resend a lot: see the module's docstring). A
         rank streams to each of the switch's threads at most: the embedded one has a third of the cores
-        (_switch_address), so 16 cores and 2 ranks ask for 8 streams and get 5. A process set counts its
-        own ranks on this host, beside its own embedded switch."""
+        (_switch_address), so 16 cores and 2 ranks ask for 8 streams and get 5. A process set streams once
+        unless switch_streams is set (bootstrap.join_set)."""
         streams = int(self.ctx.settings.switch_streams)
         if streams:
             return streams

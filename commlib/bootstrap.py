@@ -63,7 +63,9 @@ def join_set(parent, client, ranks, hvd_set=None):
     hosts = meet("hosts", socket.gethostname())
     local = [i for i, host in enumerate(hosts) if host == hosts[me]]
     placement = Context(me, len(ranks), local.index(me), len(local), parent.launcher)
-    settings = s.replaced(controller_addr="")   # the set's controller: its first rank serves it
+    # the set's controller: its first rank serves it; switchml streams: one unless set (the host's cores
+    # over the set's ranks would oversubscribe it, beside the job's streams and each set's own switch)
+    settings = s.replaced(controller_addr="", switch_streams=s.switch_streams or 1)
     # the job's secret (the daemon key of the switch and aggregators) never travels through a controller
     server, own, _ = start_controller(settings, placement, lambda address: meet("controller", address)[0],
                                       secret=parent.secret)

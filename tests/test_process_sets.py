@@ -30,8 +30,11 @@ def check(out, size, algorithm):
         assert result["optimizer_same_in_set"], result
         assert result["optimizer_vs_horovod"] <= (1e-4 if algorithm == "switchml" else 1e-5), result
         if algorithm == "switchml":   # every set registered as its own job (here: on a switch its first rank embeds)
-            jobs = [tuple(job) for job in result["switch"].values()]
+            jobs = [tuple(job[:2]) for job in result["switch"].values()]
             assert len(set(jobs)) == len(jobs) == len(result["sets"]) + 1, result["switch"]
+            # a set streams once (the job: from the host's cores, 0): several sets never oversubscribe a host
+            assert {name: job[2] for name, job in result["switch"].items()} == \
+                {name: 0 if name == "all" else 1 for name in result["switch"]}, result["switch"]
         if algorithm == "omnireduce":   # every set its own aggregators, one colocated in each of its ranks
             everyone = [address for addresses in result["aggregators"].values() for address in addresses]
             assert len(set(everyone)) == len(everyone), result["aggregators"]

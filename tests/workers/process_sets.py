@@ -142,7 +142,8 @@ switch = {}
 if algorithm == "switchml":   # each set is its own job on the job's switch
     for ps in [None] + mine:
         backend = rt.process_sets.runtime(ps).backends["switchml"]
-        switch[name_of(ps) if ps else "all"] = [str(backend.address), backend.job]
+        switch[name_of(ps) if ps else "all"] = [str(backend.address), backend.job,
+                                                backend.ctx.settings.switch_streams]
 aggregators = {}
 if algorithm == "omnireduce":   # each set streams to aggregators of its own (colocated: one per set rank)
     for ps in [None] + mine:
