@@ -1,6 +1,7 @@
 """What several test files share: the checks of the workers' reports (tests/workers/*.py, each
 rank's commlib.testing.report), a software switch in its own process, and the SwitchML packets the
 protocol tests write byte by byte. Test files import from here, never from one another."""
+import json
 import math
 import os
 import socket
@@ -215,6 +216,15 @@ def run_backends(n, make_backend, work, **settings):
 
 
 # -- DDP with commlib's hook against DDP's own allreduce (tests/workers/ddp_grads.py) -------------------
+def ddp_results(folder, name, nprocs):
+    """Each rank's result of the ddp_grads.py scenario `name` written in `folder`; a scenario that
+    failed on a rank fails here with that rank's traceback."""
+    found = [json.loads((folder / f"{name}.rank{r}.json").read_text()) for r in range(nprocs)]
+    for r in found:
+        assert "error" not in r, f"scenario {name!r} on {nprocs} ranks failed on rank {r['rank']}:\n{r['error']}"
+    return found
+
+
 def switchml_bound(n, largest):
     """backends/switchml.py: the n-way sum errs by at most n^2 2^(e-1) / (2^31 - 1) with
     2^e <= 2 max|x| (so n^2 max|x| 2^-30 on the sum, n max|x| 2^-30 on the average), plus float32

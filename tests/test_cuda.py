@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from commlib.tensors import Staged
-from helpers import check_grads, exact, switchml_bound
+from helpers import check_grads, ddp_results, exact, switchml_bound
 from launch import spawn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
@@ -38,9 +38,7 @@ def test_ddp_buckets_of_cuda_gradients_whole_and_per_parameter_equal_ddps_own(tm
                  "switchml": ["*=switchml", "cuda,float"]}
     spawn(2, "ddp_grads.py", tmp_path, json.dumps(scenarios), timeout=300).check()
     for name in scenarios:
-        results = [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(2)]
-        for r in results:
-            assert "error" not in r, f"scenario {name!r} failed on rank {r['rank']}:\n{r['error']}"
+        results = ddp_results(tmp_path, name, 2)
         check_grads(results, switchml_bound if name == "switchml" else exact)
         whole = [n for n in results[0]["record_names"] if n.startswith("bucket(")]
         assert whole == ([] if name == "per_parameter" else ["bucket(head.bias+3)"]), results[0]["record_names"]

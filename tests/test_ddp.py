@@ -11,7 +11,7 @@ import torch
 
 import commlib
 from commlib.torch.ddp import CommlibState, _views
-from helpers import check_grads, exact, single_process, switchml_bound
+from helpers import check_grads, ddp_results, exact, single_process, switchml_bound
 from launch import BIN, ROOT, WORKERS, _env, _run, free_port, spawn
 
 pytestmark = pytest.mark.timeout(400)
@@ -51,10 +51,7 @@ def scenario(tmp_path_factory):
                 jobs[nprocs] = exc
         if isinstance(jobs[nprocs], AssertionError):
             raise jobs[nprocs]
-        found = [json.loads((jobs[nprocs] / f"{name}.rank{r}.json").read_text()) for r in range(nprocs)]
-        for r in found:
-            assert "error" not in r, f"scenario {name!r} on {nprocs} ranks failed on rank {r['rank']}:\n{r['error']}"
-        return found
+        return ddp_results(jobs[nprocs], name, nprocs)
     return results
 
 

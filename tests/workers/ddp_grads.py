@@ -87,16 +87,19 @@ def gradients(ddps, step, options, dtype):
     draw = (lambda *shape: torch.randn(shape, generator=g) * 2) if "float" in options else \
         (lambda *shape: torch.randint(-3, 4, shape, generator=g).float())
     batches = [(draw(32, 16), draw(32, 4)) for _ in range(2 if "accumulate" in options else 1)]
-    device = "cuda" if "cuda" in options else "cpu"
     for i, (x, target) in enumerate(batches):
         last = i == len(batches) - 1
-        x, target = x.to(device, dtype), target.to(device, dtype)
+        x, target = x.to(device(options), dtype), target.to(device(options), dtype)
         with contextlib.ExitStack() as stack:
             if not last:
                 for ddp in ddps:
                     stack.enter_context(ddp.no_sync())
             sum((ddp(x, step) * target).sum() for ddp in ddps).div(32).backward()
     return [p.grad.to_dense().float().cpu() for ddp in ddps for p in ddp.module.parameters()]
+
+
+def device(options):
+    return "cuda" if "cuda" in options else "cpu"
 
 
 def bf16_on_cpu(hook):
@@ -108,8 +111,7 @@ def bf16_on_cpu(hook):
 def scenario(policy, options):
     """The two DDPs of one scenario, STEPS steps; what pytest checks."""
     dtype = torch.bfloat16 if "bfloat16" in options else torch.float32
-    device = "cuda" if "cuda" in options else "cpu"
-    nets = [Net(options).to(device, dtype) for _ in range(2 if "gan" in options else 1)]
+    nets = [Net(options).to(device(options), dtype) for _ in range(2 if "gan" in options else 1)]
     # ~1 KB caps: two buckets in the first step, then the one DDP rebuilds in backward order
     ddp_args = dict(bucket_cap_mb_list=[0.001] * 3, find_unused_parameters="unused" in options,
                     static_graph="static" in options, gradient_as_bucket_view="view" in options)
