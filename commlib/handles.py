@@ -38,8 +38,8 @@ class Handle:
         self._latch = threading.Lock()
         self._latch.acquire()
         self._set = False
-        self._result = self._error = self._restore = self._then = None
-        self._callbacks, self._lock = [], threading.Lock()
+        self._result = self._error = self._restore = self._then = self._callbacks = None   # a list once asked for
+        self._lock = threading.Lock()
 
     def set(self, result=None, error=None, restore=None):
         """restore: applied to `result` once, on the thread that first waits for it: a torch call
@@ -50,7 +50,7 @@ class Handle:
             if not self._set:
                 self._set = True
                 self._latch.release()
-            callbacks, self._callbacks = self._callbacks, []
+            callbacks, self._callbacks = self._callbacks or (), None
         for fn in callbacks:
             fn(self)
 
@@ -59,6 +59,8 @@ class Handle:
         (commlib's background thread: keep fn short, as torch's Future.then callbacks)."""
         with self._lock:
             if not self._set:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         fn(self)

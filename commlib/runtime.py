@@ -31,6 +31,7 @@ class Runtime:
     def __init__(self, settings, policy, job=None, parent=None):
         self.settings = settings
         self.ctx, self.client, self._server = job or bootstrap.join(settings)
+        self._hurry = self.client.hurry   # every Handle's on_wait: one bound method, not one a tensor
         self.timeline = parent.timeline if parent else _timeline(study.trace_path(settings), self.ctx.rank)
         self.backends, self.unavailable = start_all(self.ctx)
         self.dispatcher = Dispatcher(self.backends, self.unavailable, policy, settings)
@@ -84,7 +85,7 @@ class Runtime:
                 metas.append({"name": name, "error": {"kind": type(exc).__name__, "message": str(exc)}})
                 refused = refused or exc
                 continue
-            handle = Handle(name, s.negotiation_timeout_s + 3 * s.timeout_s + 10, self.client.hurry)
+            handle = Handle(name, s.negotiation_timeout_s + 3 * s.timeout_s + 10, self._hurry)
             entries.append(Entry(staged, name, op_name, plan, compressor, prescale, postscale, handle,
                                  None if named else UNNAMED))
             meta = {"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op_name,
