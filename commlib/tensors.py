@@ -11,13 +11,13 @@ dense `array`. The host array is made only when asked for: a compressor works on
 tensor where it lives.
 """
 import contextlib
+import ctypes
 import sys
 from functools import cache, cached_property
 
 import numpy as np
 
 from commlib import sparse as row_sparse
-from commlib._native import ffi
 from commlib.errors import InvalidTensor
 
 COPY_MAX = 1 << 16   # bytes: torch CPU tensors up to this size are copied at submission (see above)
@@ -173,9 +173,25 @@ def _copied(tensor, numel, dtype):
     """A `viewable` tensor's `numel` values (of numpy `dtype`), copied by address with the GIL held: a
     torch call, or numpy's own copy of more than a few hundred values, releases it (see _HostView)."""
     out = np.empty(numel, dtype)
-    if out.size:   # cffi's memmove keeps the GIL and takes the array as a buffer (ctypes: 1.5 us more)
-        ffi.memmove(out, ffi.cast("char *", tensor.data_ptr()), out.nbytes)
+    if out.size:
+        _copy_from(out, tensor.data_ptr(), out.nbytes)
     return out
+
+
+def _copier():
+    """(array, address, nbytes) -> copy nbytes from address into the array, keeping the GIL: cffi's
+    memmove, which takes the array as a buffer; without the native module (a ring-only checkout that
+    never built it), libc's memcpy through ctypes, whose numpy pointer costs 1.5 us more a call."""
+    try:
+        from commlib._native import ffi
+    except ImportError:
+        memcpy = ctypes.PyDLL(None).memcpy   # a PyDLL's calls keep the GIL
+        memcpy.argtypes, memcpy.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
+        return lambda out, address, nbytes: memcpy(out.ctypes.data, address, nbytes)
+    return lambda out, address, nbytes: ffi.memmove(out, ffi.cast("char *", address), nbytes)
+
+
+_copy_from = _copier()
 
 
 class _HostView:
