@@ -32,7 +32,8 @@ SCENARIOS = {
         "policy": ("body.*=omnireduce;*.bias=ring;*=switchml", ""), "unused": ("*=ring", "unused,accumulate"),
         "fp16": ("*=ring", "fp16"), "bfloat16": ("*=ring", "bfloat16"), "bf16": ("*=ring", "bf16"),
         "sparse": ("embedding.*=sparse_allgather;*=ring", "sparse"), "gan": ("*=ring", "gan"),
-        "ring_per_parameter": ("*=ring", "per_parameter"), "static_view": ("*=ring", "static,view")},
+        "ring_per_parameter": ("*=ring", "per_parameter"), "static_view": ("*=ring", "static,view"),
+        "measured": ("*[density<0.01]=omnireduce;*=ring", "")},
     4: {"ring": ("*=ring", ""), "switchml": ("*=switchml", "float")}}
 
 
@@ -83,6 +84,17 @@ def test_static_graph_and_gradients_as_bucket_views(scenario):
     # static_graph's first step runs DDP's delayed allreduce, whose buckets all say is_last() False
     check_grads(results, exact, uncounted=1)
     assert results[0]["record_names"] == ["bucket(head.bias+3)"], results[0]["record_names"]
+
+
+@multiprocess
+def test_parameters_planned_by_density_travel_whole_once_their_runs_settled_the_ring(scenario):
+    """A density rule measures every parameter: DDP's first step per parameter, then whole with the ring
+    their runs settled (the same on every rank), exact."""
+    results = scenario(2, "measured")
+    check_grads(results, exact)
+    assert {tuple(v) for v in results[0]["records"].values()} == {("ring", None)}
+    assert results[0]["record_names"] == ["bucket(head.bias+3)"], results[0]["record_names"]
+    assert {results[0]["buckets"][n] for n in results[0]["names"]} == {"bucket(head.bias+3)"}, results[0]["buckets"]
 
 
 @multiprocess
@@ -299,6 +311,46 @@ def test_a_bucket_travels_whole_when_one_rule_plans_its_parameters_alike(monkeyp
         assert whole(small, policy="*=ring", whole_buckets=False) == (None, None)
         assert whole(small[:1], policy="*=ring") == (None, None), "one parameter keeps its own name"
         assert whole(small, length=10, policy="*=ring") == (None, None), "per parameter names the wrong length"
+    finally:
+        commlib.shutdown()
+
+
+def test_a_bucket_planned_by_density_travels_whole_once_its_runs_settled_a_dense_algorithm(monkeypatch):
+    """`auto` measures e.weight's density: per parameter until the last runs of all three (what the
+    controller released, the same on every rank) went to dense algorithms that `auto` no longer tries,
+    then whole with the one that carried most of their bytes; per parameter again while one went
+    sparse, and every REMEASURE_EVERY-th step to measure anew."""
+    from commlib.api import runtime
+    from commlib.torch.ddp import REMEASURE_EVERY
+    single_process(monkeypatch)
+    commlib.init(timeout_s=5.0)   # the default policy: auto
+    named = [("a.weight", torch.nn.Parameter(torch.zeros(8, 8))), ("a.bias", torch.nn.Parameter(torch.zeros(8))),
+             ("e.weight", torch.nn.Parameter(torch.zeros(200, 100)))]
+    params = [p for _, p in named]
+    buffer = torch.zeros(sum(p.numel() for p in params))
+    state = CommlibState(named, prefix="")
+    bucket = ("bucket(a.weight+2)", ["a.weight", "a.bias", "e.weight"])
+    kept, trial = {"choice": "ring", "revisit": 500}, {"trial": 7, "candidates": ["switchml", "ring"]}
+
+    def ran(*runs):
+        for (name, _), (algorithm, auto) in zip(named, runs):
+            runtime().records[name] = {"algorithm": algorithm, "auto": auto, "nbytes": dict(named)[name].numel() * 4}
+
+    try:
+        state.iteration = 1
+        assert state.whole(params, buffer) is None, "no run yet: per parameter"
+        ran(("switchml", trial), ("switchml", trial), ("ring", kept))
+        assert state.whole(params, buffer) is None, "auto still tries candidates: per parameter"
+        ran(("switchml", kept), ("switchml", kept), ("omnireduce", None))
+        assert state.whole(params, buffer) is None, "e.weight went sparse: per parameter"
+        ran(("switchml", kept), ("switchml", kept), ("ring", kept))
+        assert state.whole(params, buffer) == (bucket, "ring"), "e.weight's 80 KB on the ring carry the most bytes"
+        assert state.record_names() == ["bucket(a.weight+2)"]
+        state.iteration = REMEASURE_EVERY
+        assert state.whole(params, buffer) is None, "measured anew every REMEASURE_EVERY steps"
+        assert sorted(state.record_names()) == ["a.bias", "a.weight", "e.weight"]
+        state.iteration = REMEASURE_EVERY + 1
+        assert state.whole(params, buffer) == (bucket, "ring")
     finally:
         commlib.shutdown()
 

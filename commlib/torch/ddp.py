@@ -70,18 +70,22 @@ class CommlibState:
     loopback, benchmarks/bench_ddp_overhead.py); it buys per-name policies and PowerSGD on
     matrices. So from the second step (the first is DDP's own: it rebuilds its buckets after it, and a
     mismatch between ranks is named per parameter there) a bucket whose parameters all follow one rule
-    without a compressor, and none of which is planned by its measured density (a density rule, or
-    ``auto`` on a tensor of ``auto_sparse_min_bytes`` or more), travels whole, under the name
-    ``bucket(<first parameter>+<how many more>)``: ``commlib.records()`` shows its record under that
-    name and under each of its parameters' (its ``nbytes`` the bucket's); ``state.record_names()``
-    lists each distinct record once. ``whole_buckets=False`` keeps every bucket per parameter.
+    without a compressor travels whole, under the name ``bucket(<first parameter>+<how many more>)``:
+    ``commlib.records()`` shows its record under that name and under each of its parameters' (its
+    ``nbytes`` the bucket's); ``state.record_names()`` lists each distinct record once.
+    Parameters planned by their measured block density (a density rule, or ``auto`` on a tensor of
+    ``auto_sparse_min_bytes`` or more) go per parameter until their runs settled a dense algorithm
+    (``auto``'s trials done), then whole with the algorithm that carried most of their bytes, and
+    per parameter again every ``REMEASURE_EVERY`` (50) steps to measure anew: a bucket with a
+    sparse gradient stays per parameter, its sparse one on omnireduce. ``whole_buckets=False``
+    keeps every bucket per parameter.
     """
 
     __slots__ = (
         # hyperparameters
         "policy", "algorithm", "compression", "prefix", "whole_buckets",
         # internal state
-        "names", "_started", "_wholes",
+        "names", "_started", "_wholes", "_measuring",
         # statistics
         "iteration", "buckets_reduced", "bytes_reduced",
     )
@@ -109,6 +113,7 @@ class CommlibState:
         self.names = {key: prefix + name for key, name in names.items()}
         self.prefix, self.whole_buckets = prefix, whole_buckets
         self._wholes = {}   # (parameter ids, dtype, length) of a bucket -> what `whole` says of it
+        self._measuring = {}   # such a key -> whether that bucket of density-planned parameters last went per parameter
         self.iteration = self.buckets_reduced = self.bytes_reduced = 0
         self._started = False
         if placed():   # else (Lightning builds it before it starts the processes) at the first bucket
@@ -130,9 +135,10 @@ class CommlibState:
 
     def whole(self, params, buffer):
         """((the name to reduce this bucket under as one tensor, its parameters' names), the
-        algorithm of their one rule); None to reduce it per parameter. The same on every rank: it
-        depends on the step, the names, sizes and dtype, the policy and the job's settings (a policy
-        that differs between ranks is named as a mismatch either way: names that do not pair up)."""
+        algorithm it travels with); None to reduce it per parameter. The same on every rank: it
+        depends on the step, the names, sizes and dtype, the policy, the job's settings and what the
+        controller released for the parameters before (a policy that differs between ranks is named
+        as a mismatch either way: names that do not pair up)."""
         if not self.whole_buckets or self.compression is not None or self.iteration < 1 or len(params) < 2 \
                 or buffer.is_sparse:
             return None
@@ -140,7 +146,12 @@ class CommlibState:
         key = (tuple(map(id, params)), buffer.dtype, buffer.numel())
         if key not in self._wholes:
             self._wholes[key] = self._whole(params, buffer)
-        return self._wholes[key]
+        found = self._wholes[key]
+        if found is None or found[1] is not None:
+            return found
+        algorithm = self._kept(found[0][1])   # planned by density: by what their last runs settled
+        self._measuring[key] = algorithm is None
+        return None if algorithm is None else (found[0], algorithm)
 
     def _whole(self, params, buffer):
         if sum(p.numel() for p in params) != buffer.numel():
@@ -155,8 +166,27 @@ class CommlibState:
         if len(set(choices)) > 1 or choices[0].compression is not None:
             return None   # the policy tells them apart; compressors keep their state per parameter
         if any(dispatcher.measures_density(choice, size) for choice, size in zip(choices, sizes)):
-            return None   # planned by each one's own block density at every step (a sparse one: omnireduce)
+            return self._whole_bucket(params), None   # algorithm None: by their last runs (_kept)
         return self._whole_bucket(params), choices[0].algorithm
+
+    def _kept(self, names):
+        """The algorithm a bucket of parameters planned by their block density (``auto``, a density rule)
+        travels whole with now: the one that carried most of their bytes at their last runs, when each
+        went to a dense algorithm that ``auto`` no longer tries against others; None to reduce it per
+        parameter, measuring each one's density (and trying ``auto``'s candidates): until then, and at
+        every REMEASURE_EVERY-th step, when a parameter turned sparse goes back to the sparse carrier.
+        The same on every rank: the controller released the same algorithms to all."""
+        if self.iteration % REMEASURE_EVERY == 0:
+            return None
+        rt = runtime()
+        carried = {}
+        for name in names:
+            record = rt.records.get(name)
+            backend = record and rt.dispatcher.backends.get(record["algorithm"])
+            if not backend or backend.sparse or "trial" in (record.get("auto") or ()):
+                return None
+            carried[record["algorithm"]] = carried.get(record["algorithm"], 0) + record["nbytes"]
+        return max(sorted(carried), key=carried.get)
 
     def _whole_bucket(self, params):
         """(the bucket's name, its parameters' names)."""
@@ -167,10 +197,15 @@ class CommlibState:
         """The names of this state's distinct records in commlib.records() once reduced: its whole
         buckets', and its other parameters' (those of a whole bucket show its record); a parameter
         DDP never reduces (frozen) is listed but has no record."""
-        whole = {key[0]: found[0][0] for key, found in list(self._wholes.items()) if found}
+        whole = {key[0]: found[0][0] for key, found in list(self._wholes.items())
+                 if found and not self._measuring.get(key)}
         inside = {param for ids in whole for param in ids}
         return [name for param, name in self.names.items() if param not in inside] + list(whole.values())
 
+
+# steps: a bucket of parameters planned by their density, travelling whole with what their runs settled,
+# goes per parameter on every such step, to measure again (a gradient that turned sparse, auto's revisits)
+REMEASURE_EVERY = 50
 
 _states = itertools.count()   # the states built in this process, in order (the same on every rank)
 
