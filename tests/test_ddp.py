@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import commlib
-from commlib.torch.ddp import CommlibState, _views
+from commlib.torch.ddp import CommlibState, _stand_for, _views
 from helpers import check_grads, ddp_results, exact, single_process, switchml_bound
 from launch import BIN, ROOT, WORKERS, _env, _run, free_port, spawn
 
@@ -346,6 +346,11 @@ def test_a_bucket_planned_by_density_travels_whole_once_its_runs_settled_a_dense
         ran(("switchml", kept), ("switchml", kept), ("ring", kept))
         assert state.whole(params, buffer) == (bucket, "ring"), "e.weight's 80 KB on the ring carry the most bytes"
         assert state.record_names() == ["bucket(a.weight+2)"]
+        whole_run = {"algorithm": "ring", "nbytes": buffer.numel() * 4}
+        runtime().records[bucket[0]] = whole_run
+        _stand_for(*bucket)   # the bucket ran whole: its record is each parameter's, auto's decision kept
+        assert runtime().records["e.weight"] == {**whole_run, "auto": kept}, runtime().records["e.weight"]
+        assert state.whole(params, buffer) == (bucket, "ring"), "whole again after a whole run"
         state.iteration = REMEASURE_EVERY
         assert state.whole(params, buffer) is None, "measured anew every REMEASURE_EVERY steps"
         assert sorted(state.record_names()) == ["a.bias", "a.weight", "e.weight"]

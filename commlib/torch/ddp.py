@@ -245,12 +245,14 @@ def ddp_comm_hook(state, bucket):
 
 def _stand_for(name, names):
     """A whole bucket's record is each of its parameters' too (commlib.records()[parameter name]), as
-    current as when they travelled one by one. On commlib's background thread, which writes records."""
+    current as when they travelled one by one; a parameter `auto` decided for keeps that `auto` (its
+    trials and the choice its bucket travels with). On commlib's background thread, which writes records."""
     records = runtime().records
     record = records.get(name)
     if record is not None:
         for parameter in names:
-            records[parameter] = record
+            decided = (records.get(parameter) or {}).get("auto")
+            records[parameter] = record if decided is None else {**record, "auto": decided}
 
 
 def _value(future):
