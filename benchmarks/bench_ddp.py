@@ -101,10 +101,11 @@ def worker(args):
             total = size * statistics.fmean(rates)
             print(f"{label}: {total:.1f} samples/s on {size} workers, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
                   flush=True)
-        records, names = commlib.records(), states[label].record_names() if states[label] else []
+        # auto's trials, per parameter (a whole bucket's parameters keep theirs: CommlibState)
+        records, names = commlib.records(), states[label].names.values() if states[label] else []
         out[label] = {"parameters": sum(p.numel() for p in net.parameters()), "rates": rates, "losses": losses,
                       "breakdowns": breakdowns, "tx_bytes": sent,
-                      "auto_trials": {name: records[name]["auto"] for name in names   # auto's
+                      "auto_trials": {name: records[name]["auto"] for name in names
                                       if records.get(name, {}).get("auto")}}
     if rank == 0:
         common.emit({"size": size, "results": out})

@@ -133,7 +133,7 @@ def test_a_hurried_submission_goes_with_what_was_held_back_and_is_released_at_on
         stop_job(server, clients)
 
 
-def test_an_idle_controller_runs_no_cycle_and_releases_at_once_when_submissions_come_again(job):
+def test_an_idle_controller_runs_no_cycle_and_releases_at_once_when_submissions_come_again(job, monkeypatch):
     """With nothing waiting, rank 0's loop sleeps until a message comes (a 1 ms cycle while the job
     computes cost a core 3%); a step after the quiet spell is released as before."""
     server, clients = job
@@ -142,10 +142,14 @@ def test_an_idle_controller_runs_no_cycle_and_releases_at_once_when_submissions_
     server._release = lambda: (cycles.append(time.monotonic()), release())[1]
     time.sleep(0.5)
     assert len(cycles) <= 1, f"{len(cycles)} cycles ran in 0.5 s with nothing to release (1 ms cycle)"
+    monkeypatch.setattr(controller, "IDLE_WAIT_S", 30.0)   # from the loop's next quiet wait on
+    time.sleep(1.5)
+    start = time.monotonic()
     for client in clients:
         submit(client, "a", "b")
-    got = [events(client, 5.0) for client in clients]
+    got = [events(client, 10.0) for client in clients]
     assert [released(g) for g in got] == [["a", "b"], ["a", "b"]], f"after the quiet spell: {got}"
+    assert time.monotonic() - start < 5.0, "the submissions waited out the quiet wait"
 
 
 def test_autotunes_cycle_time_paces_each_ranks_batching_too(job):

@@ -15,6 +15,7 @@ core instead of one per parameter (CommlibState's `whole_buckets`). The Future i
 background thread when the bucket's last handle resolves, never by the hook, so DDP overlaps communication with backward
 as with its own hooks, and wrappers such as `fp16_compress_wrapper(ddp_comm_hook)` compose.
 """
+import functools
 import itertools
 
 import numpy as np
@@ -170,12 +171,9 @@ class CommlibState:
         return self._whole_bucket(params), choices[0].algorithm
 
     def _kept(self, names):
-        """The algorithm a bucket of parameters planned by their block density (``auto``, a density rule)
-        travels whole with now: the one that carried most of their bytes at their last runs, when each
-        went to a dense algorithm that ``auto`` no longer tries against others; None to reduce it per
-        parameter, measuring each one's density (and trying ``auto``'s candidates): until then, and at
-        every REMEASURE_EVERY-th step, when a parameter turned sparse goes back to the sparse carrier.
-        The same on every rank: the controller released the same algorithms to all."""
+        """The algorithm a bucket of density-planned parameters travels whole with now (see the class
+        docstring), from their last runs: what the controller released, the same on every rank; None:
+        per parameter."""
         if self.iteration % REMEASURE_EVERY == 0:
             return None
         rt = runtime()
@@ -204,7 +202,9 @@ class CommlibState:
 
 
 # steps: a bucket of parameters planned by their density, travelling whole with what their runs settled,
-# goes per parameter on every such step, to measure again (a gradient that turned sparse, auto's revisits)
+# goes per parameter on every such step, to measure their density again (auto's revisits and drift
+# checks count those runs only); counted in the hook's steps (CommlibState.iteration), the same on every
+# rank as long as each runs every step's backward, as DDP requires
 REMEASURE_EVERY = 50
 
 _states = itertools.count()   # the states built in this process, in order (the same on every rank)
@@ -223,11 +223,12 @@ def ddp_comm_hook(state, bucket):
         params = bucket.parameters()
         last = bucket.is_last()   # DDP waits for the buckets next: this one goes at once (api.submit's hurry)
         whole = state.whole(params, buffer)
+        stand_for = None
         if whole is not None:
             (name, names), algorithm = whole
             views = [host_array(buffer) if viewable(buffer) else buffer]
             handles = submit(views, [name], commlib.Average, algorithm, hurry=last)
-            handles[0].add_done_callback(lambda _: _stand_for(name, names))   # before the Future completes
+            stand_for = functools.partial(_stand_for, name, names)
         else:   # one message for the bucket: its parameters are released together and fused again
             views = _views(buffer, params)
             handles = submit(views, [state.name_of(param) for param in params], commlib.Average, state.algorithm,
@@ -239,14 +240,15 @@ def ddp_comm_hook(state, bucket):
     state.bytes_reduced += buffer.numel() * buffer.element_size()
     if last:
         state.iteration += 1
-    _complete_when_done(handles, views, buffer, future)
+    _complete_when_done(handles, views, buffer, future, stand_for)
     return result
 
 
 def _stand_for(name, names):
     """A whole bucket's record is each of its parameters' too (commlib.records()[parameter name]), as
     current as when they travelled one by one; a parameter `auto` decided for keeps that `auto` (its
-    trials and the choice its bucket travels with). On commlib's background thread, which writes records."""
+    trials and the choice its bucket travels with). Before the bucket's Future completes, on the thread
+    that completes it (commlib's background thread, which writes records, or the hook's)."""
     records = runtime().records
     record = records.get(name)
     if record is not None:
@@ -281,11 +283,14 @@ def _views(buffer, params):
     return views
 
 
-def _complete_when_done(handles, views, buffer, future):
+def _complete_when_done(handles, views, buffer, future, before=None):
     """Complete the bucket's Future once its last handle resolves, on the thread that resolves it
-    (handles.when_all), so neither the hook nor a thread of its own waits."""
+    (handles.when_all), so neither the hook nor a thread of its own waits; `before()` first (the
+    records of a whole bucket's parameters, which the next step's hook reads: CommlibState._kept)."""
     def done():
         try:
+            if before is not None:
+                before()
             # all resolved: no wait; host arrays as they came, no torch call per parameter (Handle.set)
             flat = _flat([handle.wait(restored=False) for handle in handles], buffer)
             if flat is None:   # not one piece of memory (several buckets, compressors): into the bucket
