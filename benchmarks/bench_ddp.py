@@ -101,16 +101,24 @@ def worker(args):
             total = size * statistics.fmean(rates)
             print(f"{label}: {total:.1f} samples/s on {size} workers, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
                   flush=True)
-        # auto's trials, per parameter (a whole bucket's parameters keep theirs: CommlibState)
-        records, names = commlib.records(), states[label].names.values() if states[label] else []
         out[label] = {"parameters": sum(p.numel() for p in net.parameters()), "rates": rates, "losses": losses,
-                      "breakdowns": breakdowns, "tx_bytes": sent,
-                      "auto_trials": {name: records[name]["auto"] for name in names
-                                      if records.get(name, {}).get("auto")}}
+                      "breakdowns": breakdowns, "tx_bytes": sent, "auto_trials": _trials(states[label])}
     if rank == 0:
         common.emit({"size": size, "results": out})
     commlib.shutdown()
     dist.destroy_process_group()
+
+
+def _trials(state):
+    """auto's trials by name: each record's once (a whole bucket's, or its parameters' where they keep
+    their own: CommlibState's buckets planned by density)."""
+    import commlib
+    records, trials = commlib.records(), {}
+    for name in (state.record_names() + list(state.names.values())) if state else []:
+        auto = records.get(name, {}).get("auto")
+        if auto and not any(auto is seen for seen in trials.values()):
+            trials[name] = auto
+    return trials
 
 
 # -- the launcher -------------------------------------------------------------------------------------

@@ -332,9 +332,10 @@ def test_a_bucket_planned_by_density_travels_whole_once_its_runs_settled_a_dense
     bucket = ("bucket(a.weight+2)", ["a.weight", "a.bias", "e.weight"])
     kept, trial = {"choice": "ring", "revisit": 500}, {"trial": 7, "candidates": ["switchml", "ring"]}
 
-    def ran(*runs):
+    def ran(*runs, **fields):
         for (name, _), (algorithm, auto) in zip(named, runs):
-            runtime().records[name] = {"algorithm": algorithm, "auto": auto, "nbytes": dict(named)[name].numel() * 4}
+            runtime().records[name] = {"algorithm": algorithm, "auto": auto, "nbytes": dict(named)[name].numel() * 4,
+                                       "dtype": "float32", "compression": None, **fields}
 
     try:
         state.iteration = 1
@@ -343,13 +344,19 @@ def test_a_bucket_planned_by_density_travels_whole_once_its_runs_settled_a_dense
         assert state.whole(params, buffer) is None, "auto still tries candidates: per parameter"
         ran(("switchml", kept), ("switchml", kept), ("omnireduce", None))
         assert state.whole(params, buffer) is None, "e.weight went sparse: per parameter"
+        ran(("switchml", kept), ("switchml", kept), ("ring", kept), compression="fp16")
+        assert state.whole(params, buffer) is None, "another collective's records under those names"
         ran(("switchml", kept), ("switchml", kept), ("ring", kept))
         assert state.whole(params, buffer) == (bucket, "ring"), "e.weight's 80 KB on the ring carry the most bytes"
         assert state.record_names() == ["bucket(a.weight+2)"]
-        whole_run = {"algorithm": "ring", "nbytes": buffer.numel() * 4}
+        whole_run = {"algorithm": "ring", "nbytes": buffer.numel() * 4, "dtype": "float32", "compression": None}
         runtime().records[bucket[0]] = whole_run
         _stand_for(*bucket)   # the bucket ran whole: its record is each parameter's, auto's decision kept
         assert runtime().records["e.weight"] == {**whole_run, "auto": kept}, runtime().records["e.weight"]
+        own = {**whole_run, "auto": {"choice": "switchml"}}   # a bucket auto planned itself: its own trials
+        runtime().records[bucket[0]] = own
+        _stand_for(*bucket)
+        assert runtime().records["e.weight"] is own
         assert state.whole(params, buffer) == (bucket, "ring"), "whole again after a whole run"
         state.iteration = REMEASURE_EVERY
         assert state.whole(params, buffer) is None, "measured anew every REMEASURE_EVERY steps"

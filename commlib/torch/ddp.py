@@ -30,6 +30,11 @@ from commlib.handles import when_all
 from commlib.tensors import host_array, host_dtype, torch_dtype, viewable
 
 
+# hook steps (CommlibState.iteration: equal on every rank, as each runs every backward) between the
+# per-parameter runs of a density-planned bucket that travels whole; auto's revisits count those runs only
+REMEASURE_EVERY = 50
+
+
 class CommlibState:
     """What `ddp_comm_hook` needs across steps; pass it to `register_comm_hook(state, ddp_comm_hook)`.
 
@@ -77,9 +82,11 @@ class CommlibState:
     Parameters planned by their measured block density (a density rule, or ``auto`` on a tensor of
     ``auto_sparse_min_bytes`` or more) go per parameter until their runs settled a dense algorithm
     (``auto``'s trials done), then whole with the algorithm that carried most of their bytes, and
-    per parameter again every ``REMEASURE_EVERY`` (50) steps to measure anew: a bucket with a
-    sparse gradient stays per parameter, its sparse one on omnireduce. ``whole_buckets=False``
-    keeps every bucket per parameter.
+    per parameter again every ``REMEASURE_EVERY`` (50) steps, when their densities are measured:
+    a bucket with a sparse gradient stays per parameter, its sparse one on omnireduce, but one that
+    turns sparse while its bucket travels whole is seen at the next such step, and a density rule
+    between two dense algorithms is applied only then. ``whole_buckets=False`` keeps every bucket per
+    parameter; ``algorithm="auto"`` makes each bucket one tensor that ``auto`` plans.
     """
 
     __slots__ = (
@@ -113,8 +120,10 @@ class CommlibState:
             prefix = f"ddp{built}." if built else ""
         self.names = {key: prefix + name for key, name in names.items()}
         self.prefix, self.whole_buckets = prefix, whole_buckets
-        self._wholes = {}   # (parameter ids, dtype, length) of a bucket -> what `whole` says of it
-        self._measuring = {}   # such a key -> whether that bucket of density-planned parameters last went per parameter
+        # (parameter ids, dtype, length) of a bucket -> None (per parameter), or ((its name, its parameters'
+        # names), its algorithm), the algorithm None where their runs choose it at each step (_kept)
+        self._wholes = {}
+        self._measuring = {}   # such a key -> whether that bucket last went per parameter
         self.iteration = self.buckets_reduced = self.bytes_reduced = 0
         self._started = False
         if placed():   # else (Lightning builds it before it starts the processes) at the first bucket
@@ -150,7 +159,7 @@ class CommlibState:
         found = self._wholes[key]
         if found is None or found[1] is not None:
             return found
-        algorithm = self._kept(found[0][1])   # planned by density: by what their last runs settled
+        algorithm = self._kept(found[0][1], torch_dtype(buffer.dtype)[0])   # planned by density
         self._measuring[key] = algorithm is None
         return None if algorithm is None else (found[0], algorithm)
 
@@ -170,7 +179,7 @@ class CommlibState:
             return self._whole_bucket(params), None   # algorithm None: by their last runs (_kept)
         return self._whole_bucket(params), choices[0].algorithm
 
-    def _kept(self, names):
+    def _kept(self, names, dtype):
         """The algorithm a bucket of density-planned parameters travels whole with now (see the class
         docstring), from their last runs: what the controller released, the same on every rank; None:
         per parameter."""
@@ -179,11 +188,13 @@ class CommlibState:
         rt = runtime()
         carried = {}
         for name in names:
-            record = rt.records.get(name)
-            backend = record and rt.dispatcher.backends.get(record["algorithm"])
-            if not backend or backend.sparse or "trial" in (record.get("auto") or ()):
-                return None
-            carried[record["algorithm"]] = carried.get(record["algorithm"], 0) + record["nbytes"]
+            record = rt.records.get(name) or {}
+            algorithm = record.get("algorithm")
+            backend = rt.dispatcher.backends.get(algorithm)
+            if backend is None or backend.sparse or "dense" not in backend.carries or record.get("compression") \
+                    or record.get("dtype") != dtype or "trial" in (record.get("auto") or ()):
+                return None   # not run yet, sparse, under trial, or another collective's record of that name
+            carried[algorithm] = carried.get(algorithm, 0) + record["nbytes"]
         return max(sorted(carried), key=carried.get)
 
     def _whole_bucket(self, params):
@@ -200,12 +211,6 @@ class CommlibState:
         inside = {param for ids in whole for param in ids}
         return [name for param, name in self.names.items() if param not in inside] + list(whole.values())
 
-
-# steps: a bucket of parameters planned by their density, travelling whole with what their runs settled,
-# goes per parameter on every such step, to measure their density again (auto's revisits and drift
-# checks count those runs only); counted in the hook's steps (CommlibState.iteration), the same on every
-# rank as long as each runs every step's backward, as DDP requires
-REMEASURE_EVERY = 50
 
 _states = itertools.count()   # the states built in this process, in order (the same on every rank)
 
@@ -246,14 +251,15 @@ def ddp_comm_hook(state, bucket):
 
 def _stand_for(name, names):
     """A whole bucket's record is each of its parameters' too (commlib.records()[parameter name]), as
-    current as when they travelled one by one; a parameter `auto` decided for keeps that `auto` (its
-    trials and the choice its bucket travels with). Before the bucket's Future completes, on the thread
-    that completes it (commlib's background thread, which writes records, or the hook's)."""
+    current as when they travelled one by one; where the bucket's algorithm came from its parameters'
+    runs (CommlibState._kept), each keeps its own `auto` (its trials and kept choice). Before the
+    bucket's Future completes, on the thread that completes it (commlib's background thread, which
+    writes records, or the hook's)."""
     records = runtime().records
     record = records.get(name)
     if record is not None:
         for parameter in names:
-            decided = (records.get(parameter) or {}).get("auto")
+            decided = None if "auto" in record else (records.get(parameter) or {}).get("auto")
             records[parameter] = record if decided is None else {**record, "auto": decided}
 
 
