@@ -266,23 +266,29 @@ class Dispatcher:
             return ((None, self._explicit(requested, meta)),)
         enabled = [name for name in carriers("dense") if self._enabled(name, meta)]
         dense = [name for name in enabled if not self.backends[name].sparse]
-        sparse = [name for name in enabled if self.backends[name].sparse]
         if not dense:
             raise InvalidTensor(f"tensor {meta.name!r}: no algorithm here reduces {meta.dtype}; "
                                 f"cast it to float32, float64 or an int dtype")
-        below = ((self.settings.auto_sparse_density, sparse[0]),) if sparse and self._sparse_size(meta.nbytes) else ()
+        sparse = self._sparse_for(meta)
+        below = ((self.settings.auto_sparse_density, sparse),) if sparse else ()
         if len(dense) > 1 and self.settings.auto_trial_samples > 0:   # measured: the controller picks (_settle_dense)
             return below + tuple((TRAFFIC, name) for name in dense)
         return below + ((None, dense[0]),)
 
-    def _sparse_size(self, nbytes):
-        return nbytes >= self.settings.auto_sparse_min_bytes   # see auto_sparse_min_bytes
+    def _sparse_for(self, meta):
+        """The sparse algorithm `auto` offers a dense tensor below its density bound: the first here that
+        takes its dtype, for a tensor of auto_sparse_min_bytes or more as it travels; else None."""
+        if meta.nbytes < self.settings.auto_sparse_min_bytes:
+            return None
+        return next((name for name in carriers("dense") if self._enabled(name, meta) and self.backends[name].sparse),
+                    None)
 
-    def measures_density(self, choice, nbytes):
-        """Whether a dense tensor of `nbytes` that the policy gave `choice` (Policy.choose) is planned by
-        its block density, measured at every step: a density rule, or `auto` with a sparse algorithm here."""
+    def measures_density(self, choice, meta):
+        """Whether a dense tensor (`meta`: as it travels) that the policy gave `choice` (Policy.choose) is
+        planned by its block density, measured at every step: a density rule, or `auto` with a sparse
+        algorithm here that takes it."""
         return bool(choice.bounded) or (choice.compression is None and choice.algorithm == "auto" and
-                                        self._sparse_size(nbytes) and any(b.sparse for b in self.backends.values()))
+                                        self._sparse_for(meta) is not None)
 
     def _explicit(self, name, meta):
         backend = self.backend(name)

@@ -292,7 +292,7 @@ def test_a_bucket_travels_whole_when_one_rule_plans_its_parameters_alike(monkeyp
         """What the state decides for one bucket of these parameters on DDP's first and second step."""
         state = CommlibState(named, prefix="", **options)
         params = [p for _, p in named]
-        buffer = torch.zeros(length or sum(p.numel() for p in params))
+        buffer = torch.zeros(length or sum(p.numel() for p in params), dtype=params[0].dtype)
         first = state.whole(params, buffer)
         state.iteration = 1
         return first, state.whole(params, buffer)
@@ -305,6 +305,11 @@ def test_a_bucket_travels_whole_when_one_rule_plans_its_parameters_alike(monkeyp
         assert whole(large, algorithm="switchml") == (None, (three, "switchml"))
         assert whole(large, policy="*=ring") == (None, (three, "ring"))
         assert whole(large) == (None, None), "auto measures e.weight's density: per parameter"
+        half = [(name, torch.nn.Parameter(p.detach().half())) for name, p in small]
+        half.append(("e.weight", torch.nn.Parameter(torch.zeros(200, 200, dtype=torch.float16))))   # 80 KB
+        assert whole(half) == (None, (three, "auto")), "no sparse algorithm takes float16: nothing to measure"
+        brain = [(name, torch.nn.Parameter(p.detach().bfloat16())) for name, p in large]   # e.weight: 40 KB
+        assert whole(brain) == (None, None), "bfloat16 travels as float32: e.weight's 80 KB are measured"
         assert whole(small, policy="*.bias=ring;*=switchml") == (None, None)
         assert whole(small, compression="fp16") == (None, None), "compression= alone compresses every step"
         assert whole(small, algorithm="ring", compression="fp16") == (None, None)

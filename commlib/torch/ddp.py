@@ -23,6 +23,7 @@ import torch
 
 import commlib
 from commlib.api import runtime, submit
+from commlib.backends import TensorMeta
 from commlib.context import placed
 from commlib.errors import ConfigError
 from commlib.executor import fused
@@ -170,12 +171,12 @@ class CommlibState:
             return self._whole_bucket(params), self.algorithm
         dispatcher = runtime().dispatcher
         policy = self.policy or dispatcher.policy
-        dtype, _, itemsize = torch_dtype(buffer.dtype)   # as each parameter's slice would be staged
-        sizes = [p.numel() * itemsize for p in params]
-        choices = [policy.choose(self.name_of(p), size, dtype) for p, size in zip(params, sizes)]
+        dtype, travel, itemsize = torch_dtype(buffer.dtype)   # as each parameter's slice would be staged
+        choices = [policy.choose(self.name_of(p), p.numel() * itemsize, dtype) for p in params]
         if len(set(choices)) > 1 or choices[0].compression is not None:
             return None   # the policy tells them apart; compressors keep their state per parameter
-        if any(dispatcher.measures_density(choice, size) for choice, size in zip(choices, sizes)):
+        metas = [TensorMeta(self.name_of(p), tuple(p.shape), str(travel), p.numel() * travel.itemsize) for p in params]
+        if any(dispatcher.measures_density(choice, meta) for choice, meta in zip(choices, metas)):
             return self._whole_bucket(params), None   # algorithm None: by their last runs (_kept)
         return self._whole_bucket(params), choices[0].algorithm
 
