@@ -87,7 +87,10 @@ def start_controller(s, placement, broadcast, secret=None, allgather=None, tune=
     tuner = None
     if tune and s.autotune and placement.rank == 0:
         tuner = autotune.Tuner(s, s.autotune_sample_s, s.autotune_log)
-    options = dict(settle=settler(s), timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms,
+    drawn = secret is None
+    if drawn and placement.rank == 0:
+        secret = secrets.token_bytes(32)
+    options = dict(settle=settler(s), timeout_s=s.timeout_s, cycle_time_ms=s.cycle_time_ms, secret=secret,
                    negotiation_timeout_s=s.negotiation_timeout_s, stall_warning_s=s.stall_warning_s, tuner=tuner)
     server = None
     address = None
@@ -101,18 +104,18 @@ def start_controller(s, placement, broadcast, secret=None, allgather=None, tune=
             server = controller.ControllerServer(placement.size, host if placement.all_local else "0.0.0.0", 0,
                                                  **options)
             address = (host, server.address[1])
-    drawn = secret is None
     if drawn:
         anchor = auth.read_key(s.anchor_key_file) if s.anchor_key_file else None
-        mine = secrets.token_bytes(32) if placement.rank == 0 else None
-        secret, shared = keyshare.share(placement.rank, allgather, broadcast, mine, address, anchor)
+        secret, shared = keyshare.share(placement.rank, allgather, broadcast, secret, address, anchor)
+        # every rank fails, not only those whose copy was altered (told over the launcher's channel: the
+        # controller's address may be what was altered)
+        opened = [part == b"\x01" for part in allgather(b"\x01" if secret is not None else b"\x00")]
+        if not all(opened):
+            raise keyshare.unopened([rank for rank, ok in enumerate(opened) if not ok])
     else:
         shared = broadcast(address)
-    client = controller.ControllerClient(shared, placement.rank, s.timeout_s, s.cycle_time_ms)
-    opened = client.exchange("init/secret", secret is not None, s.timeout_s) if drawn else [True]
-    if not all(opened):   # every rank fails, not only those whose copy was altered
-        client.close()
-        raise keyshare.unopened([rank for rank, ok in enumerate(opened) if not ok])
+    # each rank proves to the controller that it holds the secret
+    client = controller.ControllerClient(shared, placement.rank, s.timeout_s, s.cycle_time_ms, secret=secret)
     return server, client, secret
 
 

@@ -26,10 +26,17 @@ the release's metadata. Releases are not cached while a rank is joined (the join
 hits). Once every rank joined, a `joined` event names the last one.
 
 The same channel carries `exchange` (an allgather of small JSON values) for backends' set-up.
-Messages are length-prefixed JSON: the channel never unpickles what a peer sends.
+Messages are length-prefixed JSON: the channel never unpickles what a peer sends. Only the job's
+ranks take part: each connection answers a fresh challenge with a proof that it holds the job's
+secret (commlib.keyshare hands it out before anyone connects), under a key of that connection's own,
+and every message after it carries a tag under that key (`Link`), so nobody without the secret can
+take a rank's place, pose as the controller, or inject, alter or replay a message; a stranger's
+connection costs the others nothing while it waits (HELLO_S, HELLO_BYTES).
 """
 import collections
 import dataclasses
+import hashlib
+import hmac
 import json
 import logging
 import queue
@@ -58,20 +65,37 @@ CACHE_CAPACITY = 4096
 # With nothing waiting (no tensor, hit, exchange or join), the loop sleeps until a message comes, or
 # this long: no cycle runs while a job computes (a 1 ms cycle cost rank 0 3% of a core, idle)
 IDLE_WAIT_S = 1.0
+# A connection says hello within HELLO_S, in at most HELLO_BYTES; a message is at most MAX_MESSAGE
+# bytes (a step's metadata is far less): a length beyond is garbage, never buffered
+HELLO_S = 5.0
+HELLO_BYTES = 1024
+MAX_MESSAGE = 64 << 20
+NONCE_BYTES = 16
+TAG_BYTES = 16
 
 
 def send_msg(sock, msg):
+    """A handshake message (no tag: before a connection has its key)."""
     data = json.dumps(msg, separators=(",", ":")).encode()
     sock.sendall(_HEADER.pack(len(data)) + data)
 
 
-def recv_msg(sock):
-    """One message, or None when the peer closed the connection."""
+def recv_msg(sock, limit=HELLO_BYTES):
+    """One handshake message, or None when the peer closed the connection."""
+    body = _recv_frame(sock, limit)
+    return None if body is None else json.loads(body)
+
+
+def _recv_frame(sock, limit, extra=0):
+    """A message's body (and `extra` bytes after it), or None when the peer closed; ValueError for a
+    length over `limit`."""
     header = _recv_exact(sock, _HEADER.size)
     if header is None:
         return None
-    body = _recv_exact(sock, _HEADER.unpack(header)[0])
-    return None if body is None else json.loads(body)
+    length = _HEADER.unpack(header)[0]
+    if length > limit:
+        raise ValueError(f"a message of {length} bytes (at most {limit})")
+    return _recv_exact(sock, length + extra)
 
 
 def _recv_exact(sock, n):
@@ -82,6 +106,50 @@ def _recv_exact(sock, n):
             return None
         chunks += chunk
     return bytes(chunks)
+
+
+def session_key(secret, server_nonce, client_nonce, rank):
+    """A connection's own key: the job's secret over both ends' fresh nonces and the rank it serves."""
+    return hashlib.blake2b(b"commlib controller v1" + server_nonce + client_nonce + rank.to_bytes(4, "big"),
+                           key=secret, digest_size=32).digest()
+
+
+def proof(key):
+    """A hello's proof that the rank holds the job's secret (the key it derives from it)."""
+    return hashlib.blake2b(b"hello", key=key, digest_size=TAG_BYTES).hexdigest()
+
+
+class Link:
+    """A connection after its handshake: each message is followed by a keyed BLAKE2b tag of its
+    direction, its number on the connection and its body, so a message altered, injected, replayed
+    or reordered on the way fails (ValueError), and the connection with it. One sender at a time."""
+
+    def __init__(self, sock, key, server):
+        self.sock, self._key = sock, key
+        self._out, self._in = (b"s", b"c") if server else (b"c", b"s")
+        self._sent = self._received = 0
+
+    def send(self, msg):
+        body = json.dumps(msg, separators=(",", ":")).encode()
+        tag = self._tag(self._out, self._sent, body)
+        self._sent += 1
+        self.sock.sendall(_HEADER.pack(len(body)) + body + tag)
+
+    def recv(self):
+        """One message, or None when the peer closed the connection."""
+        frame = _recv_frame(self.sock, MAX_MESSAGE, TAG_BYTES)
+        if frame is None:
+            return None
+        body, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
+        if not hmac.compare_digest(tag, self._tag(self._in, self._received, body)):
+            raise ValueError("a message failed its tag: it is not the peer's (altered or injected on the way)")
+        self._received += 1
+        return json.loads(body)
+
+    def _tag(self, direction, number, body):
+        digest = hashlib.blake2b(direction + number.to_bytes(8, "big"), key=self._key, digest_size=TAG_BYTES)
+        digest.update(body)
+        return digest.digest()
 
 
 def _ranks_text(ranks):
@@ -112,11 +180,13 @@ def check_agreement(name, metas):
 class ControllerServer:
     """Rank 0's coordinator. Single thread: accept all ranks, then a select loop per cycle."""
 
-    def __init__(self, size, host, port, settle, timeout_s, cycle_time_ms, negotiation_timeout_s=None,
+    def __init__(self, size, host, port, settle, timeout_s, cycle_time_ms, *, secret, negotiation_timeout_s=None,
                  stall_warning_s=None, tuner=None):
         """settle(name, metas in rank order) -> the Release of a tensor every rank agreed on.
+        secret: the job's (bytes), which every rank proves it holds.
         tuner: a commlib.autotune.Tuner, which then sets the cycle time and every go's tuned values."""
         self.size = size
+        self._secret = secret
         self._tuner = tuner
         self._released_bytes = 0   # since the last go (the tuner's score)
         self._settle = settle
@@ -127,7 +197,7 @@ class ControllerServer:
         self.token = secrets.token_hex(16)
         self._listener = socket.create_server((host, port))
         self.address = self._listener.getsockname()[:2]
-        self._clients = {}        # rank -> socket
+        self._clients = {}        # rank -> Link
         self._pending = {}        # tensor name -> its rounds, oldest first: {"metas": {rank: meta}, "since": t, "warned": bool}
         self._gathers = {}        # key -> {"values": {rank: value}, "since": t}
         self._ready = []          # [Release] released at the next cycle
@@ -157,57 +227,132 @@ class ControllerServer:
             if self._accept_all():
                 self._loop()
         finally:
-            for sock in self._clients.values():
-                sock.close()
+            for link in self._clients.values():
+                link.sock.close()
             self._listener.close()
 
     def _accept_all(self):
+        """Admit every rank: each connection gets a fresh challenge and has HELLO_S to answer it, all
+        at once, so a silent or slow stranger holds nobody up."""
         deadline = time.monotonic() + self.timeout_s
-        while len(self._clients) < self.size:
-            self._listener.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                sock, _ = self._listener.accept()
-            except socket.timeout:
-                missing = sorted(set(range(self.size)) - set(self._clients))
-                self._broadcast_error("CommTimeout", f"{_ranks_text(missing)} did not connect to the controller "
-                                      f"within {self.timeout_s}s; check that every rank calls commlib.init()")
-                return False
-            sock.settimeout(5.0)
-            try:
-                hello = recv_msg(sock)
-                rank = hello["rank"] if hello and hello.get("t") == "hello" else None
-            except (OSError, ValueError, TypeError, KeyError):   # a stray or broken connection
-                rank = None
-            if not isinstance(rank, int) or not 0 <= rank < self.size or rank in self._clients:
-                log.warning("commlib controller: dropped a connection that is not a new rank of this job (%r)", rank)
+        selector = selectors.DefaultSelector()
+        self._listener.setblocking(False)
+        selector.register(self._listener, selectors.EVENT_READ)
+        greeting = {}   # socket -> [its challenge, when it must have answered, what it sent so far]
+        try:
+            while len(self._clients) < self.size:
+                now = time.monotonic()
+                for sock in [sock for sock, (_, due, _) in greeting.items() if due <= now]:
+                    self._refuse(selector, greeting, sock, "said no hello in time")
+                if now >= deadline:
+                    missing = sorted(set(range(self.size)) - set(self._clients))
+                    self._broadcast_error("CommTimeout", f"{_ranks_text(missing)} did not connect to the controller "
+                                          f"within {self.timeout_s}s; check that every rank calls commlib.init()")
+                    return False
+                wake = min([deadline] + [due for _, due, _ in greeting.values()])
+                for key, _ in selector.select(wake - now):
+                    if key.fileobj is self._listener:
+                        self._greet(selector, greeting)
+                    else:
+                        self._hear(selector, greeting, key.fileobj)
+        finally:
+            selector.close()
+            for sock in greeting:
                 sock.close()
-                continue
-            sock.settimeout(self.timeout_s)   # a rank that stops reading cannot stall the others forever
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._clients[rank] = sock
-        for sock in self._clients.values():
-            send_msg(sock, {"t": "welcome", "token": self.token})
+        for link in self._clients.values():
+            link.send({"t": "welcome", "token": self.token})
         return True
+
+    def _greet(self, selector, greeting):
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:   # gone before it was accepted, or out of descriptors for now
+            return
+        challenge = secrets.token_bytes(NONCE_BYTES)
+        try:
+            sock.settimeout(1.0)
+            send_msg(sock, {"t": "challenge", "nonce": challenge.hex()})
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            return
+        selector.register(sock, selectors.EVENT_READ)
+        greeting[sock] = [challenge, time.monotonic() + HELLO_S, bytearray()]
+
+    def _hear(self, selector, greeting, sock):
+        """What a connection sent of its hello; once it is whole, the rank is admitted or refused."""
+        challenge, _, received = greeting[sock]
+        try:
+            data = sock.recv(_HEADER.size + HELLO_BYTES - len(received))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        received += data
+        length = _HEADER.unpack(received[:_HEADER.size])[0] if len(received) >= _HEADER.size else None
+        if not data or (length is not None and length > HELLO_BYTES):
+            return self._refuse(selector, greeting, sock, "sent no hello")
+        if length is None or len(received) < _HEADER.size + length:
+            return   # the rest comes later (until HELLO_S)
+        selector.unregister(sock)
+        del greeting[sock]
+        try:
+            hello = json.loads(bytes(received[_HEADER.size:]))
+            rank = hello["rank"]
+            if hello["t"] != "hello" or not isinstance(rank, int) or not 0 <= rank < self.size:
+                raise ValueError(f"not a hello from a rank of this job: {hello!r:.200}")
+            if rank in self._clients:
+                raise ValueError(f"rank {rank} is connected already")
+            nonce = bytes.fromhex(hello["nonce"])
+            if len(nonce) != NONCE_BYTES:
+                raise ValueError(f"a hello with a nonce of {len(nonce)} bytes")
+            key = session_key(self._secret, challenge, nonce, rank)
+            if not hmac.compare_digest(str(hello["proof"]), proof(key)):
+                raise ValueError(f"a connection as rank {rank} without the job's secret")
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("commlib controller: refused a connection: %s", exc)
+            sock.close()
+            return
+        sock.setblocking(True)
+        sock.settimeout(self.timeout_s)   # a rank that stops reading cannot stall the others forever
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._clients[rank] = Link(sock, key, server=True)
+
+    def _refuse(self, selector, greeting, sock, why):
+        log.warning("commlib controller: refused a connection that %s", why)
+        selector.unregister(sock)
+        del greeting[sock]
+        sock.close()
 
     def _loop(self):
         selector = selectors.DefaultSelector()
-        for rank, sock in self._clients.items():
-            selector.register(sock, selectors.EVENT_READ, rank)
+        for rank, link in self._clients.items():
+            selector.register(link.sock, selectors.EVENT_READ, rank)
         next_cycle = time.monotonic() + self.cycle_s
         while len(self._done) < self.size and not self._failed:
             idle = not self._waiting()
             for key, _ in selector.select(IDLE_WAIT_S if idle else max(0.0, next_cycle - time.monotonic())):
+                rank, forged = key.data, None
                 try:
-                    msg = recv_msg(key.fileobj)
-                except (OSError, ValueError):   # reset, timed out mid-message or garbled: that rank is gone
+                    msg = self._clients[rank].recv()
+                except ValueError as exc:   # not that rank's: injected or altered on the way, or garbled
+                    msg, forged = None, exc
+                except OSError:   # reset, or timed out mid-message: that rank is gone
                     msg = None
                 if msg is None:
                     selector.unregister(key.fileobj)
-                    if key.data not in self._done:
-                        self._broadcast_error("PeerFailure", f"rank {key.data} exited or lost its connection "
+                    if forged is not None:
+                        self._broadcast_error("PeerFailure", f"rank {rank}'s connection to the controller carried "
+                                              f"a message that is not rank {rank}'s ({forged}); the job stops")
+                    elif rank not in self._done:
+                        self._broadcast_error("PeerFailure", f"rank {rank} exited or lost its connection "
                                               f"to the controller; see that rank's output for the cause")
                     continue
-                self._handle(key.data, msg)
+                try:
+                    self._handle(rank, msg)
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:   # never the loop's end
+                    self._broadcast_error("PeerFailure", f"rank {rank} sent the controller a message it cannot "
+                                          f"read ({type(exc).__name__}: {exc}); the job stops")
             now = time.monotonic()
             if idle and now >= next_cycle:   # a quiet spell ended: a cycle starts (a burst's first goes at once)
                 next_cycle = now + self.cycle_s
@@ -477,12 +622,16 @@ class ControllerServer:
 
     def _send_to(self, ranks, msg):
         for rank in ranks:
-            sock = self._clients.get(rank)
-            if sock is not None and rank not in self._done:
-                try:
-                    send_msg(sock, msg)
-                except OSError:
-                    pass  # that rank's loss is reported when its socket reads EOF
+            link = self._clients.get(rank)
+            if link is not None and rank not in self._done:
+                _quietly(link.send, msg)   # a lost rank is reported when its socket reads EOF
+
+
+def _quietly(send, msg):
+    try:
+        send(msg)
+    except OSError:
+        pass
 
 
 def _bytes_of(meta):
@@ -504,7 +653,8 @@ def _bits(mask):
 class ControllerClient:
     """A rank's end: submit metadata, receive go/error events, exchange small values."""
 
-    def __init__(self, address, rank, timeout_s, cycle_time_ms=1.0):
+    def __init__(self, address, rank, timeout_s, cycle_time_ms=1.0, *, secret):
+        """secret: the job's (bytes), which this rank proves it holds."""
         self.rank = rank
         self.timeout_s = timeout_s
         self.cycle_s = cycle_time_ms / 1000.0
@@ -523,23 +673,45 @@ class ControllerClient:
         self._outbox_cond = threading.Condition(self._send_lock)
         self._hurried = False   # what was submitted so far went hurried (hurry, or submit's hurry)
         self._last_send = 0.0
-        self._sock = self._connect(tuple(address), timeout_s)
-        send_msg(self._sock, {"t": "hello", "rank": rank})
-        self._sock.settimeout(timeout_s + 5)
-        try:
-            welcome = recv_msg(self._sock)
-        except socket.timeout:
-            raise CommTimeout(f"rank {rank}: the controller at {address} did not admit this rank within "
-                              f"{timeout_s}s (are all ranks started?)") from None
-        self._sock.settimeout(None)
-        if welcome is None or welcome.get("t") == "error":
-            raise error_from(welcome) if welcome else PeerFailure(
-                f"rank {rank}: the controller at {address} closed the connection during set-up")
+        self._link, welcome = self._handshake(tuple(address), rank, secret, timeout_s)
+        self._sock = self._link.sock
         self.token = welcome["token"]
         self._reader = threading.Thread(target=self._read, name="commlib-controller-client", daemon=True)
         self._reader.start()
         self._sender = threading.Thread(target=self._send_batches, name="commlib-controller-sender", daemon=True)
         self._sender.start()
+
+    def _handshake(self, address, rank, secret, timeout_s):
+        """(Link, welcome): this rank proves it holds the job's secret, and the controller proves it
+        too with its first tagged message."""
+        sock = self._connect(address, timeout_s)
+        sock.settimeout(timeout_s + 5)
+        try:
+            challenge = recv_msg(sock)
+            server_nonce = bytes.fromhex(challenge["nonce"]) if challenge and challenge.get("t") == "challenge" else b""
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            key = session_key(secret, server_nonce, nonce, rank)
+            send_msg(sock, {"t": "hello", "rank": rank, "nonce": nonce.hex(), "proof": proof(key)})
+            link = Link(sock, key, server=False)
+            welcome = link.recv()
+        except socket.timeout:
+            sock.close()
+            raise CommTimeout(f"rank {rank}: the controller at {address} did not admit this rank within "
+                              f"{timeout_s}s (are all ranks started?)") from None
+        except OSError:   # reset: as a close, below
+            welcome = None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            sock.close()
+            raise PeerFailure(f"rank {rank}: the controller at {address} did not prove that it holds the job's "
+                              f"secret ({type(exc).__name__}: {exc}): it is another job's or a stranger's, or the "
+                              f"traffic was altered; check COMMLIB_CONTROLLER_ADDR and the network") from None
+        if welcome is None or welcome.get("t") != "welcome":
+            sock.close()
+            raise error_from(welcome) if welcome and welcome.get("t") == "error" else PeerFailure(
+                f"rank {rank}: the controller at {address} closed the connection during set-up (it refuses a "
+                f"connection that does not prove it holds the job's secret, and a rank that connected twice)")
+        sock.settimeout(None)
+        return link, welcome
 
     @staticmethod
     def _connect(address, timeout_s):
@@ -557,14 +729,19 @@ class ControllerClient:
 
     def _read(self):
         while True:
+            forged = None
             try:
-                msg = recv_msg(self._sock)
+                msg = self._link.recv()
+            except ValueError as exc:   # not the controller's: injected or altered on the way
+                msg, forged = None, exc
             except OSError:
                 msg = None
             if msg is None:
                 if not self._closed and not self._lost:   # keep the precise reason if one came first
-                    self._lost = {"t": "error", "kind": "PeerFailure", "names": None, "message":
-                                  "lost the commlib controller on rank 0 (rank 0 exited or crashed); see its output"}
+                    why = (f"the connection to the commlib controller carried a message that is not the controller's "
+                           f"({forged}); the job stops" if forged else
+                           "lost the commlib controller on rank 0 (rank 0 exited or crashed); see its output")
+                    self._lost = {"t": "error", "kind": "PeerFailure", "names": None, "message": why}
                     self.events.put(self._lost)
                 with self._cond:
                     self._cond.notify_all()
@@ -589,7 +766,7 @@ class ControllerClient:
             raise error_from(self._lost)
         with self._send_lock:
             self._flush()   # what this rank submitted reaches the controller before what it says next
-            send_msg(self._sock, msg)
+            self._link.send(msg)
 
     def _flush(self, hurry=False):
         """Send the submissions waiting in the outbox (the send lock held); `hurry`: a caller waits
@@ -598,7 +775,7 @@ class ControllerClient:
         if box["metas"] or box["hits"] or hurry:
             self._outbox = {"metas": [], "hits": 0}
             hits = {"hits": format(box["hits"], "x")} if box["hits"] else {}
-            send_msg(self._sock, {"t": "submit", "metas": box["metas"], **hits, **({"hurry": True} if hurry else {})})
+            self._link.send({"t": "submit", "metas": box["metas"], **hits, **({"hurry": True} if hurry else {})})
         self._last_send = time.monotonic()
 
     def hurry(self):
@@ -718,7 +895,7 @@ class ControllerClient:
             with self._outbox_cond:
                 self._outbox_cond.notify()
                 self._flush()
-                send_msg(self._sock, {"t": "bye"})
+                self._link.send({"t": "bye"})
         except OSError:
             pass
         self._reader.join(1.0)

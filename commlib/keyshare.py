@@ -5,7 +5,8 @@ then seals the secret for each rank r with ChaCha20-Poly1305 under
 
     HKDF-SHA256(X25519(rank 0, rank r), salt=anchor, info=LABEL | public 0 | public r | r)
 
-and broadcasts the sealed copies. What holds:
+and broadcasts the sealed copies, with rank 0's public value (the controller's address) bound to
+each as associated data, so that value cannot be altered either. What holds:
 
 - a passive observer of the launcher's channel sees public keys and ciphertexts only: the secret
   needs a private key that never leaves its process (and the ephemeral keys die with it, so a
@@ -15,6 +16,7 @@ and broadcasts the sealed copies. What holds:
 - with an anchor (a key file every rank reads, COMMLIB_ANCHOR_KEY_FILE), the sealing key needs
   it too: an attacker who swaps or alters anything learns nothing and every rank gets a clear error.
 """
+import json
 import secrets
 
 import numpy as np
@@ -61,15 +63,21 @@ def share(rank, allgather, broadcast, secret, public=None, anchor=None):
         for r, theirs in enumerate(publics):
             nonce = secrets.token_bytes(NONCE_BYTES)
             key = _sealing_key(private, theirs, publics[0], theirs, r, anchor)
-            sealed.append((nonce + ChaCha20Poly1305(key).encrypt(nonce, secret, LABEL)).hex())   # JSON travels
+            sealed.append((nonce + ChaCha20Poly1305(key).encrypt(nonce, secret, _bound(public))).hex())   # JSON travels
     sealed, public = broadcast((sealed, public))
     try:
         mine_sealed = bytes.fromhex(sealed[rank])
         nonce, box = mine_sealed[:NONCE_BYTES], mine_sealed[NONCE_BYTES:]
         key = _sealing_key(private, publics[0], publics[0], mine, rank, anchor)
-        return ChaCha20Poly1305(key).decrypt(nonce, box, LABEL), public
+        return ChaCha20Poly1305(key).decrypt(nonce, box, _bound(public)), public
     except (InvalidTag, IndexError, TypeError, ValueError):   # ValueError: not hex
         return None, public
+
+
+def _bound(public):
+    """The associated data of a sealed copy: the label and rank 0's public value as JSON (a tuple and the
+    list a launcher may hand back for it read alike)."""
+    return LABEL + json.dumps(public, separators=(",", ":"), sort_keys=True).encode()
 
 
 def unopened(ranks):

@@ -21,13 +21,16 @@ def job():
     stop_job(server, clients)
 
 
+SECRET = bytes(range(32))
+
+
 def start_job(cycle_ms=1.0):
     server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=20.0, cycle_time_ms=cycle_ms,
-                              negotiation_timeout_s=60.0)
+                              secret=SECRET, negotiation_timeout_s=60.0)
     clients = [None, None]
 
     def connect(rank):
-        clients[rank] = ControllerClient(server.address, rank, 20.0, cycle_ms)
+        clients[rank] = ControllerClient(server.address, rank, 20.0, cycle_ms, secret=SECRET)
 
     threads = [threading.Thread(target=connect, args=(rank,)) for rank in range(2)]
     for thread in threads:
@@ -334,3 +337,139 @@ def test_every_rank_gets_typed_releases_settled_by_what_the_wiring_handed_the_co
         got = [client.events.get(timeout=5.0) for client in clients]
         assert all(msg["batch"] == [Release("w", "ring", bit=0)] for msg in got), got
     assert not hasattr(executor, "controller"), "the executor reads releases, it needs no controller"
+
+
+# -- who may take part: only connections that prove they hold the job's secret -------------------------
+
+def hello_as(address, rank, proof="00" * 16):
+    """A stranger's connection claiming `rank` (it reads the challenge, cannot answer it); kept open."""
+    import socket
+    sock = socket.create_connection(address, timeout=5)
+    challenge = controller.recv_msg(sock)
+    assert challenge["t"] == "challenge", challenge
+    controller.send_msg(sock, {"t": "hello", "rank": rank, "nonce": "00" * 16, "proof": proof})
+    return sock
+
+
+def closed_by_peer(sock, seconds=10.0):
+    """Whether the server closed the connection (what it sent before, its challenge, read and dropped)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_stranger_cannot_take_a_ranks_place_and_silent_or_huge_connections_hold_nobody_up(monkeypatch):
+    """Before the ranks come: a hello claiming rank 1 without the secret, two connections that say
+    nothing (HELLO_S set to 60 s: before, the server waited on each in turn) and one announcing a
+    4 GiB hello. Every one is refused or left waiting, the real ranks are admitted at once."""
+    import socket
+    import struct
+    monkeypatch.setattr(controller, "HELLO_S", 60.0)
+    server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=20.0, cycle_time_ms=1.0, secret=SECRET)
+    silent = [socket.create_connection(server.address, timeout=5) for _ in range(2)]
+    huge = socket.create_connection(server.address, timeout=5)
+    huge.sendall(struct.pack("!I", 0xFFFFFFFF) + b"{" * 4096)
+    impostor = hello_as(server.address, 1)
+    started = time.monotonic()
+    clients = [None, None]
+    try:
+        threads = [threading.Thread(target=lambda r=r: clients.__setitem__(
+            r, ControllerClient(server.address, r, 20.0, secret=SECRET))) for r in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert all(clients), "the real ranks were not admitted"
+        assert time.monotonic() - started < 15, "admission waited on the silent connections"
+        assert closed_by_peer(impostor), "the impostor's connection stayed open"
+        assert closed_by_peer(huge), "a 4 GiB hello was not refused"
+        submit(clients[0], "a")
+        submit(clients[1], "a")
+        assert released(events(clients[0], 10)) == ["a"]
+    finally:
+        for sock in silent + [huge, impostor]:
+            sock.close()
+        stop_job(server, [c for c in clients if c])
+
+
+def test_a_rank_without_the_secret_is_refused_and_a_controller_without_it_is_refused_by_the_rank():
+    import socket
+    server = ControllerServer(1, "127.0.0.1", 0, settle_release, timeout_s=5.0, cycle_time_ms=1.0, secret=SECRET)
+    with pytest.raises(controller.PeerFailure, match="closed the connection during set-up .*job's secret"):
+        ControllerClient(server.address, 0, 5.0, secret=bytes(32))
+    server.join(10)
+
+    listener = socket.create_server(("127.0.0.1", 0))   # a controller that does not hold the secret
+
+    def pose():
+        sock, _ = listener.accept()
+        with sock:
+            controller.send_msg(sock, {"t": "challenge", "nonce": "11" * 16})
+            hello = controller.recv_msg(sock)
+            controller.Link(sock, controller.session_key(bytes(32), b"\x11" * 16, bytes.fromhex(hello["nonce"]), 0),
+                            server=True).send({"t": "welcome", "token": "forged"})
+            time.sleep(1)
+    thread = threading.Thread(target=pose, daemon=True)
+    thread.start()
+    with pytest.raises(controller.PeerFailure, match="did not prove that it holds the job's secret"):
+        ControllerClient(listener.getsockname(), 0, 5.0, secret=SECRET)
+    thread.join(5)
+    listener.close()
+
+
+class Recording:
+    """A socket that keeps what it sends."""
+
+    def __init__(self, sock):
+        self.sock, self.sent = sock, []
+
+    def sendall(self, data):
+        self.sent.append(data)
+        self.sock.sendall(data)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+@pytest.mark.parametrize("how", ["injected", "replayed"])
+def test_an_injected_or_replayed_message_stops_the_job_on_every_rank(job, how):
+    """A plain frame written into a rank's connection (it has no tag), or a rank's own earlier frame
+    sent again (its number is past): the controller names the connection, every rank fails at once."""
+    _, clients = job
+    link = clients[1]._link
+    link.sock = Recording(link.sock)
+    submit(clients[1], "a", hurry=True)
+    submit(clients[0], "a", hurry=True)
+    assert all(released(events(client, 10)) == ["a"] for client in clients)
+    if how == "injected":   # then the rank's own next message (the stream goes on)
+        controller.send_msg(link.sock.sock, {"t": "submit", "metas": [{"name": "a", "choices": [[None, "ring"]]}]})
+        submit(clients[1], "b", hurry=True)
+    else:
+        link.sock.sock.sendall(link.sock.sent[0])   # the same submission again
+    got = [events(client, 10) for client in clients]
+    for g in got:
+        assert g and g[-1][:2] == ("error", "PeerFailure") and "is not rank 1's" in g[-1][2], got
+
+
+def test_a_forged_go_to_a_rank_is_refused_there(job):
+    server, clients = job
+    controller.send_msg(server._clients[0].sock, {"t": "go", "batch": [], "hits": "1"})   # no tag
+    submit(clients[0], "a", hurry=True)   # then the controller's own next message
+    submit(clients[1], "a", hurry=True)
+    got = events(clients[0], 10)
+    assert got and got[-1][:2] == ("error", "PeerFailure") and "not the controller's" in got[-1][2], got
+
+
+def test_a_message_the_controller_cannot_read_fails_the_job_naming_the_rank_and_the_loop_goes_on(job):
+    server, clients = job
+    clients[1]._link.send({"t": "submit"})   # no metas: a broken rank (only a rank holds the key)
+    got = [events(client, 10) for client in clients]
+    for g in got:
+        assert g and g[-1][:2] == ("error", "PeerFailure") and "rank 1 sent the controller a message it cannot read" \
+            in g[-1][2], got

@@ -63,10 +63,11 @@ def test_joined_rank_takes_part_as_the_others_do(mode, env, expected):
 
 def test_a_join_keeps_the_response_cache_as_it_was():
     """A hit waiting when a rank joins travels in full; the tensor keeps its one cache bit."""
-    server = ControllerServer(2, "127.0.0.1", 0, lambda name, metas: Release(name, "ring"), 10.0, 1.0)
+    secret = bytes(32)
+    server = ControllerServer(2, "127.0.0.1", 0, lambda name, metas: Release(name, "ring"), 10.0, 1.0, secret=secret)
     clients = [None, None]
-    starts = [threading.Thread(target=lambda r=r: clients.__setitem__(r, ControllerClient(server.address, r, 10.0)))
-              for r in range(2)]
+    starts = [threading.Thread(target=lambda r=r: clients.__setitem__(
+        r, ControllerClient(server.address, r, 10.0, secret=secret))) for r in range(2)]
     for thread in starts:
         thread.start()
     for thread in starts:

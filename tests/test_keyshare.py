@@ -99,13 +99,13 @@ class ManInTheMiddle:
         real0, real_r = self.real[0], self.real[rank]
         try:   # the attacker holds no anchor: it derives as if there were none
             opening = keyshare._sealing_key(self.keys[rank], real0, real0, self.public[rank], rank, None)
-            self.taken = ChaCha20Poly1305(opening).decrypt(nonce, box, keyshare.LABEL)
+            self.taken = ChaCha20Poly1305(opening).decrypt(nonce, box, keyshare._bound(public))
         except Exception:   # the anchor kept it out: it forwards what it has
             self.failed.append(rank)
             return root
         resealing = keyshare._sealing_key(self.keys[0], real_r, self.public[0], real_r, rank, None)
         forged = list(sealed)
-        forged[rank] = (nonce + ChaCha20Poly1305(resealing).encrypt(nonce, self.taken, keyshare.LABEL)).hex()
+        forged[rank] = (nonce + ChaCha20Poly1305(resealing).encrypt(nonce, self.taken, keyshare._bound(public))).hex()
         return forged, public
 
 
@@ -171,6 +171,28 @@ def test_an_altered_sealed_copy_fails_on_every_rank_with_what_to_do(tmp_path):
     for rank, result in enumerate(out):
         assert isinstance(result, ConfigError), (rank, result)
         assert "did not open on ranks [2]" in str(result) and "COMMLIB_ANCHOR_KEY_FILE" in str(result), result
+
+
+def test_an_altered_controller_address_fails_on_every_rank_with_what_to_do():
+    """Rank 0's public value (the controller's address) is bound to each sealed copy: redirected on
+    its way to ranks 1 and 2 (to a controller of the attacker's), their copies do not open, and every
+    rank, rank 0 too, raises the error that says what to do, told over the launcher's channel."""
+
+    class Redirect:
+        def allgather(self, rank, everyone):
+            return everyone
+
+        def broadcast(self, rank, root):
+            sealed, public = root
+            return (sealed, ("127.0.0.1", 1)) if rank else root
+
+    wire = Wire(3, Redirect())
+    settings = Settings({"timeout_s": 10})
+    out = run_ranks(3, lambda rank: bootstrap.start_controller(settings, Context(rank, 3, rank, 3, "threads"),
+                                                                wire.broadcast(rank), allgather=wire.allgather(rank)))
+    for rank, result in enumerate(out):
+        assert isinstance(result, ConfigError), (rank, result)
+        assert "did not open on ranks [1, 2]" in str(result), result
 
 
 def test_the_anchor_key_file_is_read_on_every_rank(tmp_path):
