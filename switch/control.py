@@ -11,7 +11,7 @@ the data plane) one message is one datagram, told apart from data packets by its
 Hostile input: `answer` turns every failure of a handler into an error answer and counts it by
 reason in the daemon's `Drops`, so no request ends a serving loop. `LineServer` serves the switch's
 TCP control port from one thread: bounded connections (the oldest idle one makes room for a new
-one), bounded line size, idle connections closed.
+one), bounded line size, a bounded number of lines per connection and round, idle connections closed.
 
 Readiness: a daemon prints one line `READY host:port[,host:port...]` on stdout once every
 endpoint serves, and writes the same addresses to a file when given one (--port-file);
@@ -181,13 +181,16 @@ class LineServer:
     the connection idle the longest, of its own address when that one has its fill), a line
     of at most `max_line` bytes (a longer one is answered with an error and its connection closed),
     at most `max_pending` answer bytes a client has not read, `idle_s` without a byte closes a
-    connection. `handle(request, source_ip)` answers one decoded request; `tick()` runs every
-    `tick_s` (expiry of jobs)."""
+    connection. Fair: a connection has at most `lines_per_round` lines answered per round of the
+    selector (the rest wait in its buffer, and it reads no more until they are answered), so one
+    client's flood of lines delays the others' requests by a round, not by its length; an empty
+    line gets no answer (counted as empty_lines). `handle(request, source_ip)` answers one decoded
+    request; `tick()` runs every `tick_s` (expiry of jobs)."""
 
     def __init__(self, sock, handle, drops, max_connections=256, max_per_source=16, max_line=64 << 10,
-                 max_pending=1 << 20, idle_s=30.0, tick=None, tick_s=0.25):
+                 max_pending=1 << 20, idle_s=30.0, tick=None, tick_s=0.25, lines_per_round=64):
         self.sock, self.handle, self.drops = sock, handle, drops
-        self.max_per_source = max_per_source
+        self.max_per_source, self.lines_per_round = max_per_source, lines_per_round
         self.max_connections, self.max_line, self.max_pending, self.idle_s = max_connections, max_line, \
             max_pending, idle_s
         self.tick, self.tick_s = tick, tick_s
@@ -253,7 +256,8 @@ class LineServer:
         if state is None:                   # closed earlier in this round of events (evicted)
             return
         state.active = time.monotonic()
-        if events & selectors.EVENT_READ:
+        # read more only once the lines already here are answered: one client's backlog stays bounded
+        if events & selectors.EVENT_READ and not state.closing and not self._has_line(state):
             try:
                 data = conn.recv(65536)
             except (BlockingIOError, InterruptedError):
@@ -262,18 +266,13 @@ class LineServer:
                 return self._close(conn)
             if data == b"":                 # the client is done sending: finish the answers, then close
                 state.closing = True
-            if data:
+            elif data:
                 state.inbuf += data
-                while True:
-                    end = state.inbuf.find(b"\n")
-                    if end < 0 or end > self.max_line:
-                        break
-                    line, state.inbuf = bytes(state.inbuf[:end]), state.inbuf[end + 1:]
-                    state.out += encode(answer(lambda r: self.handle(r, state.host), decode(line), self.drops))
-                if len(state.inbuf) > self.max_line:
-                    self.drops.add("oversize")
-                    state.out += encode({"ok": False, "error": f"a request line is at most {self.max_line} bytes"})
-                    state.inbuf, state.closing = bytearray(), True
+        self._answer_lines(state)
+        if len(state.inbuf) > self.max_line and not self._has_line(state):
+            self.drops.add("oversize")
+            state.out += encode({"ok": False, "error": f"a request line is at most {self.max_line} bytes"})
+            state.inbuf, state.closing = bytearray(), True
         if state.out:
             try:
                 sent = conn.send(state.out)
@@ -285,9 +284,37 @@ class LineServer:
         if len(state.out) > self.max_pending:
             self.drops.add("unread_answers")
             return self._close(conn)
-        if state.closing and not state.out:
+        backlog = self._has_line(state)
+        if state.closing and not state.out and not backlog:
             return self._close(conn)
-        self._sel.modify(conn, selectors.EVENT_READ | (selectors.EVENT_WRITE if state.out else 0))
+        # a closing connection reads no more; lines left for the next rounds wait on EVENT_WRITE too: a
+        # writable socket brings them back at once, even with no new data; one whose client reads nothing
+        # holds them until it does
+        self._sel.modify(conn, (0 if state.closing else selectors.EVENT_READ) |
+                         (selectors.EVENT_WRITE if state.out or backlog else 0))
+
+    def _answer_lines(self, state):
+        """Answers at most `lines_per_round` of the lines in `state.inbuf`, none once its answers pass
+        `max_pending`, and leaves the rest there: a burst of lines costs the serving thread a bounded
+        slice of one round (found by offset, the buffer cut once: no copy of its rest per line)."""
+        start, empty = 0, 0
+        for _ in range(self.lines_per_round):
+            end = state.inbuf.find(b"\n", start, start + self.max_line + 1)
+            if end < 0 or len(state.out) > self.max_pending:
+                break
+            if end == start:                # no request, so no answer: a flood of them is cheap
+                empty += 1
+            else:
+                line = bytes(state.inbuf[start:end])
+                state.out += encode(answer(lambda r: self.handle(r, state.host), decode(line), self.drops))
+            start = end + 1
+        del state.inbuf[:start]
+        if empty:
+            self.drops.add("empty_lines", empty)
+
+    def _has_line(self, state):
+        """Whether the first line in `state.inbuf` is whole and at most `max_line` bytes: one to answer."""
+        return state.inbuf.find(b"\n", 0, self.max_line + 1) >= 0
 
     def _close_idle(self, now):
         for conn, state in list(self._conns.items()):

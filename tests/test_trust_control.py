@@ -281,6 +281,90 @@ def test_switch_control_port_is_bounded_and_survives_hostile_input():
         assert server.status()["jobs"] == {}                  # nothing half-registered
 
 
+LINE_FLOODER = """
+import socket, sys, threading, time
+address, until = (sys.argv[1], int(sys.argv[2])), time.monotonic() + float(sys.argv[3])
+sent = []
+
+def flood(burst):   # a connection at a time, sending without reading an answer
+    while time.monotonic() < until:
+        try:
+            with socket.create_connection(address, timeout=2) as conn:
+                while time.monotonic() < until:
+                    conn.sendall(burst)
+                    sent.append(len(burst))
+        except OSError:       # closed by the switch for the answers it left unread, or a full buffer: again
+            pass
+
+# empty lines, and tiny malformed ones, from 4 connections
+threads = [threading.Thread(target=flood, args=(burst,)) for burst in [b"\\n" * 65536, b"x\\n" * 32768] * 2]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(sum(sent))
+"""
+
+
+def status_latency(address, timeout=15.0):
+    """Seconds from connecting to the switch's control port, from another address than the
+    flooder's, to reading the answer to a status request."""
+    start = time.monotonic()
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout, source_address=("127.0.0.2", 0)) as conn:
+        conn.sendall(control.encode({"op": "status"}))
+        assert control.decode(conn.makefile("rb").readline())["ok"] is True
+    return time.monotonic() - start
+
+
+def test_a_flood_of_short_lines_does_not_stall_the_switch_control_port():
+    """The control thread also serves every job's register, keepalive and unregister: one client
+    pouring empty and tiny malformed lines into the port (64 KiB bursts, never reading the answers)
+    held it for about a second per burst (an answer per line, the buffer's rest copied per line), and
+    another client's status took 8-13 s, past a job's keepalive timeout (5 s). Each connection now
+    has a bounded slice of each round."""
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
+        flooder = subprocess.Popen([sys.executable, "-c", LINE_FLOODER, "127.0.0.1", str(server.port), "8"],
+                                   stdout=subprocess.PIPE, text=True)
+        try:
+            time.sleep(1.0)                                     # the flood is under way
+            latencies, deadline = [], time.monotonic() + 20
+            while len(latencies) < 8 and time.monotonic() < deadline:
+                latencies.append(status_latency(server.address))
+                time.sleep(0.2)
+            flooded = flooder.poll() is None                   # the flood lasted through every request
+            sent = int(flooder.communicate(timeout=30)[0])
+        finally:
+            flooder.kill()
+            flooder.wait()
+        drops = sw.SwitchClient(server.address).counters()["control"]
+        print(f"status latency under the flood: max {max(latencies):.3f} s of {len(latencies)}; the flooder sent "
+              f"{sent >> 20} MiB; {drops}")
+        # generous for a busy 2-core host; the jobs' keepalive timeout is 5 s, the leaf probe's 2 s
+        assert len(latencies) == 8 and max(latencies) < 1.0, latencies
+        assert flooded and sent > 4 << 20 and drops["empty_lines"] > 10000 and drops["malformed"] > 1000, (sent, drops)
+        assert "internal" not in drops, drops
+
+
+def test_lines_sent_at_once_are_all_answered_in_order():
+    """Lines beyond a round's share wait in the connection's buffer: answered in later rounds with
+    no more data from the client, in order, then the connection closes after the client's EOF."""
+    with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
+        # 200 times: a request the switch refuses naming its number, an empty line, a status request
+        lines = b"".join(control.encode({"op": f"#{i}"}) + b"\n" + control.encode({"op": "status"}) for i in range(200))
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            conn.sendall(lines)                                 # one read of the switch's, then nothing more
+            replies = conn.makefile("rb")
+            answers = [control.decode(replies.readline()) for _ in range(400)]
+            conn.shutdown(socket.SHUT_WR)
+            assert replies.readline() == b""                    # closed after the client's EOF
+        assert len(answers) == 400, len(answers)
+        for i in range(200):
+            assert answers[2 * i]["ok"] is False and f"'#{i}'" in answers[2 * i]["error"], (i, answers[2 * i])
+            assert answers[2 * i + 1]["ok"] is True and "jobs" in answers[2 * i + 1], (i, answers[2 * i + 1])
+        assert sw.SwitchClient(server.address).counters()["control"]["empty_lines"] == 200
+
+
 # -- bullet 3: one malformed control packet kills an aggregator; sizes not capped -----------------
 def test_aggregator_survives_hostile_control_packets():
     aggregator = agg.Aggregator("127.0.0.1", 0).start()
