@@ -33,7 +33,7 @@ SCENARIOS = {
         "fp16": ("*=ring", "fp16"), "bfloat16": ("*=ring", "bfloat16"), "bf16": ("*=ring", "bf16"),
         "sparse": ("embedding.*=sparse_allgather;*=ring", "sparse"), "gan": ("*=ring", "gan"),
         "ring_per_parameter": ("*=ring", "per_parameter"), "static_view": ("*=ring", "static,view"),
-        "measured": ("*[density<0.01]=omnireduce;*=ring", "")},
+        "measured": ("*[density<0.01]=omnireduce;*=ring", ""), "group": ("*=ring", "group")},
     4: {"ring": ("*=ring", ""), "switchml": ("*=switchml", "float")}}
 
 
@@ -95,6 +95,17 @@ def test_parameters_planned_by_density_travel_whole_once_their_runs_settled_the_
     assert {tuple(v) for v in results[0]["records"].values()} == {("ring", None)}
     assert results[0]["record_names"] == ["bucket(head.bias+3)"], results[0]["record_names"]
     assert {results[0]["buckets"][n] for n in results[0]["names"]} == {"bucket(head.bias+3)"}, results[0]["buckets"]
+
+
+@multiprocess
+def test_a_state_given_ddps_process_group_averages_over_that_group_only(scenario):
+    """DDP(process_group=a group of this rank alone) and CommlibState(process_group=the same): each
+    rank keeps its own gradients, exactly as DDP's own allreduce over that group leaves them."""
+    results = scenario(2, "group")
+    for r in results:
+        assert "error" not in r, r["error"]
+        assert all(s["max_diff"] == 0.0 for s in r["steps"]), (r["rank"], r["steps"])
+    assert results[0]["grads"] != results[1]["grads"], "the ranks' gradients were averaged together"
 
 
 @multiprocess

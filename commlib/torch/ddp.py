@@ -88,19 +88,24 @@ class CommlibState:
     turns sparse while its bucket travels whole is seen at the next such step, and a density rule
     between two dense algorithms is applied only then. ``whole_buckets=False`` keeps every bucket per
     parameter; ``algorithm="auto"`` makes each bucket one tensor that ``auto`` plans.
+
+    ``process_group``: the group DDP reduces over when it is not the world (``DDP(...,
+    process_group=group)``, as PyTorch's own hooks take it for their state): the hook then averages
+    over that group's ranks, a commlib process set. A GradBucket does not say which group its DDP
+    uses, so a state without it averages over every rank.
     """
 
     __slots__ = (
         # hyperparameters
-        "policy", "algorithm", "compression", "prefix", "whole_buckets",
+        "policy", "algorithm", "compression", "prefix", "whole_buckets", "process_group",
         # internal state
-        "names", "_started", "_wholes", "_measuring",
+        "names", "_started", "_wholes", "_measuring", "_process_set",
         # statistics
         "iteration", "buckets_reduced", "bytes_reduced",
     )
 
     def __init__(self, named_parameters, policy=None, algorithm=None, compression=None, prefix=None,
-                 whole_buckets=True):
+                 whole_buckets=True, process_group=None):
         names = {}
         for item in named_parameters:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
@@ -120,7 +125,8 @@ class CommlibState:
             built = next(_states)
             prefix = f"ddp{built}." if built else ""
         self.names = {key: prefix + name for key, name in names.items()}
-        self.prefix, self.whole_buckets = prefix, whole_buckets
+        self.prefix, self.whole_buckets, self.process_group = prefix, whole_buckets, process_group
+        self._process_set = None   # process_group's ranks as a commlib.ProcessSet, made at the first bucket
         # (parameter ids, dtype, length) of a bucket -> None (per parameter), or ((its name, its parameters'
         # names), its algorithm), the algorithm None where their runs choose it at each step (_kept)
         self._wholes = {}
@@ -198,6 +204,14 @@ class CommlibState:
             carried[algorithm] = carried.get(algorithm, 0) + record["nbytes"]
         return max(sorted(carried), key=carried.get)
 
+    def process_set(self):
+        """The commlib ProcessSet of `process_group` (None: every rank)."""
+        if self.process_group is not None and self._process_set is None:
+            import torch.distributed as dist
+            ranks = dist.get_process_group_ranks(self.process_group)
+            self._process_set = commlib.ProcessSet(ranks) if len(ranks) < dist.get_world_size() else False
+        return self._process_set or None
+
     def _whole_bucket(self, params):
         """(the bucket's name, its parameters' names)."""
         names = [self.name_of(p) for p in params]
@@ -233,12 +247,12 @@ def ddp_comm_hook(state, bucket):
         if whole is not None:
             (name, names), algorithm = whole
             views = [host_array(buffer) if viewable(buffer) else buffer]
-            handles = submit(views, [name], commlib.Average, algorithm, hurry=last)
+            handles = submit(views, [name], commlib.Average, algorithm, process_set=state.process_set(), hurry=last)
             stand_for = functools.partial(_stand_for, name, names)
         else:   # one message for the bucket: its parameters are released together and fused again
             views = _views(buffer, params)
             handles = submit(views, [state.name_of(param) for param in params], commlib.Average, state.algorithm,
-                             state.compression, policy=state.policy, hurry=last)
+                             state.compression, policy=state.policy, process_set=state.process_set(), hurry=last)
     except Exception as exc:   # surfaces where DDP waits for the bucket, as a failed collective does
         future.set_exception(exc)
         return result

@@ -15,6 +15,8 @@ one job (a job's start costs far more than a scenario); OPTIONS a comma list of
   static      DDP(static_graph=True)
   view        DDP(gradient_as_bucket_view=True): the gradients are views of the bucket
   cuda        the models and data on the GPU (every rank on cuda:0; gloo reduces CUDA tensors)
+  group       both DDPs over a process group of this rank alone (DDP(process_group=...), and
+              CommlibState(process_group=...)): the local gradients, not the world's average
 Writes OUT/<name>.rank<r>.json per scenario with, per step, the largest |difference| of the two
 models' gradients and the largest |gradient|, the hooked gradients of the last step, what commlib
 ran per parameter (dispatched in this scenario) and the state's statistics, or the scenario's error;
@@ -115,10 +117,14 @@ def scenario(policy, options):
     # ~1 KB caps: two buckets in the first step, then the one DDP rebuilds in backward order
     ddp_args = dict(bucket_cap_mb_list=[0.001] * 3, find_unused_parameters="unused" in options,
                     static_graph="static" in options, gradient_as_bucket_view="view" in options)
+    group = None
+    if "group" in options:   # every rank makes every group, in the same order
+        group = [dist.new_group([r]) for r in range(size)][rank]
+        ddp_args["process_group"] = group
     plain = [DDP(copy.deepcopy(net), **ddp_args) for net in nets]
     hooked = [DDP(net, **ddp_args) for net in nets]
-    states = [cl.CommlibState(net.named_parameters(), policy=policy, whole_buckets="per_parameter" not in options)
-              for net in nets]
+    states = [cl.CommlibState(net.named_parameters(), policy=policy, whole_buckets="per_parameter" not in options,
+                              process_group=group) for net in nets]
     wrapper = fp16_compress_wrapper if "fp16" in options else bf16_on_cpu if "bf16" in options else None
     for ddp, state in zip(hooked, states):
         ddp.register_comm_hook(state, wrapper(cl.ddp_comm_hook) if wrapper else cl.ddp_comm_hook)
