@@ -6,7 +6,8 @@
   ranks of a job get it from rank 0 through the job's own rendezvous (the launcher's broadcast).
   Holding it is the admission to register a job.
 - job key: 16 bytes derived from the daemon key and a job nonce (random, public, sent with the
-  registration), so each job's packets are keyed apart and a key learnt from one job opens no other.
+  registration), so each job's packets are keyed apart and a key learnt from one job opens no other
+  (the daemon key does open them all: the jobs that share a daemon trust each other).
   The C data path keys its per-packet MAC with it (the job's `mac` algorithm, AES-256-GCM or
   ChaCha20-Poly1305: switch/csrc/transport.h; `packet_mac` resolves it).
 - control MAC: every control request carries `mac`, a keyed BLAKE2b over its other fields and a
@@ -150,14 +151,18 @@ class Replays:
         from commlib.switch import control
         if not self.fresh(sender, seq):
             raise control.Refused("replay", f"{what} refused: its seq was seen before or is more than "
-                                            f"{self.WINDOW_NS // 10**9} s old (a replayed request, or this "
-                                            f"host's clock is far from the daemon's)")
+                                            f"{self.WINDOW_NS // 10**9} s from the daemon's clock (a replayed "
+                                            f"request, or this host's clock is far from the daemon's)")
 
     def fresh(self, sender, seq, now=None):
         """True (and remembered) when `sender` has not used `seq` and it is within the window."""
-        floor = (time.time_ns() if now is None else now) - self.WINDOW_NS
+        now = time.time_ns() if now is None else now
+        floor = now - self.WINDOW_NS
         seen = self._seen.setdefault(sender, set())
-        if seq <= floor or seq in seen or (len(seen) >= self.per_sender and seq < min(seen)):
+        # from further ahead than the window: it would fill the sender's seqs with ones its real
+        # requests never reach (those then fall below them once full)
+        if seq <= floor or seq > now + self.WINDOW_NS or seq in seen or \
+                (len(seen) >= self.per_sender and seq < min(seen)):
             return False
         seen.add(seq)
         seen.difference_update([s for s in seen if s <= floor])

@@ -130,6 +130,8 @@ def test_replay_window_is_bounded_and_survives_forgetting():
     assert replays.fresh("a", stale, now) is False, "a sniffed seq replayed after its sender was forgotten"
     replays.fresh("b", now, now), replays.fresh("c", now, now)  # a third sender evicts the least recent
     assert replays.fresh("a", now + 1, now) is True             # a new request of "a" is fine
+    ahead = now + auth.Replays.WINDOW_NS + 1                     # a key holder's seq from far ahead
+    assert replays.fresh("a", ahead, now) is False, "a seq past the window would crowd out the real ones"
 
 
 def test_registering_needs_the_daemon_key(keyed_switch):
