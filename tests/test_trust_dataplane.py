@@ -161,6 +161,54 @@ def test_omnireduce_macs_are_chacha20_poly1305_with_the_stamp_inside(block):
         s.close()
 
 
+def test_a_replayed_pull_gets_no_results_sent_again():
+    """A worker's PULL (it lacks a result) gets the result replayed to it; the same PULL sniffed and
+    sent again gets nothing (its nonce counter is not past the last one answered for that column),
+    so a replayed request cannot make the aggregator send results over and over; the worker's next
+    PULL, under its next counter, is answered."""
+    lib, ffi = sw.lib, sw.ffi
+    key, jkey, block = bytes(range(40, 56)), 0x5EC12E7, 4
+    agg_sock, *ranks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    for s in (agg_sock, *ranks):
+        s.bind(("127.0.0.1", 0))
+        s.settimeout(0.5)
+    agg = ffi.gc(lib.omr_agg_new(agg_sock.fileno(), 7), lib.omr_agg_free)
+    job = lib.omr_agg_add_job(agg, jkey, 2, 1, 1, 0, block, 0.0, 0.0, key, lib.TP_MAC_CHACHA20_POLY1305)
+    for rank, s in enumerate(ranks):
+        assert lib.omr_agg_set_worker(agg, job, rank, b"127.0.0.1", s.getsockname()[1]) == 0
+
+    def sealed(kind, rank, counter, payload=b"", next_=0):
+        fields = [kind, lib.OMR_F_MAC, rank, job, jkey, 0, 0, 0, 0, next_, 0, 0]
+        fields[-1] = lib.tp_checksum(OMR_HDR.pack(*fields) + payload, OMR_HDR.size + len(payload))
+        head = OMR_HDR.pack(*fields)
+        return head + payload + omr_mac(key, head, payload, counter)
+
+    def results(rank):
+        got = []
+        while True:
+            try:
+                got.append(OMR_HDR.unpack(ranks[rank].recv(65536)[:OMR_HDR.size])[0])
+            except socket.timeout:
+                return got
+
+    for rank, s in enumerate(ranks):   # round 0 of the column, the last: a result to both
+        s.sendto(sealed(lib.OMR_DATA, rank, 100 + rank, bytes(4 * block), lib.OMR_INF), agg_sock.getsockname())
+    lib.omr_agg_run(agg, 200)
+    assert results(0) == results(1) == [lib.OMR_RESULT]
+    pull = sealed(lib.OMR_PULL, 0, 200)   # rank 0 lost it (ack 0): the result again
+    sent = []
+    for attempt in (pull, pull, pull, sealed(lib.OMR_PULL, 0, 201)):
+        ranks[0].sendto(attempt, agg_sock.getsockname())
+        lib.omr_agg_run(agg, 100)
+        sent.append(results(0))
+    assert sent == [[lib.OMR_RESULT], [], [], [lib.OMR_RESULT]], sent
+    stats = ffi.new("omr_astats *")
+    lib.omr_agg_stats(agg, stats)
+    assert stats.pulls_recv == 4 and stats.replays == 2 and stats.bad_mac == 0, (stats.pulls_recv, stats.replays)
+    for s in (agg_sock, *ranks):
+        s.close()
+
+
 # -- an authenticated switchml job: packets written by hand ---------------------------------------
 DAEMON_KEY = bytes(range(100, 132))
 

@@ -50,8 +50,11 @@
  *     from a random 64-bit start (RAND_bytes): a resent packet is MAC'd again under the next
  *     counter, never the same counter over other bytes;
  *   - a keepalive (made without the worker's state) takes a random counter.
- * The receiver does not track counters: replays are the protocol's business, and (seq, col, round)
- * are inside the MAC, so a replayed packet is one the protocol already treats as a duplicate.
+ * Replays are the protocol's business: (seq, col, round) are inside the MAC, so a replayed packet is
+ * one the protocol already treats as a duplicate. Only what a duplicate is answered with needs the
+ * counter: the aggregator answers a worker's recovery request (a PULL, a resent DATA) for a column
+ * only when its counter is past the last one it answered there, so a replayed request costs it no
+ * results sent again (omnireduce_aggregator.c, answered_once).
  * Packets without a valid MAC are dropped and counted (bad_mac). ERRORs about a job the aggregator
  * does not know carry no MAC (it has no key for it): an authenticated worker reports one only if
  * no progress follows before its timeout, so a forged ERROR cannot end a job. */

@@ -24,6 +24,7 @@ typedef struct {
     uint32_t queue_ns, proc_ns;           /* the current round's share of the aggregator (its stamp) */
     uint32_t *next, *ack;                 /* per worker */
     uint8_t *seen;
+    uint64_t *asked;                      /* per worker: its last recovery request answered (answered_once) */
     uint8_t *acc, *data;                  /* accumulator, OMR_SETS finished results */
     omr_set sets[OMR_SETS];
 } omr_state;
@@ -42,6 +43,7 @@ typedef struct {
     uint32_t *nexts, *acks;
     uint8_t *seens, *accs, *datas;
     uint64_t *alive;                      /* per worker: when it last sent a valid packet (us) */
+    uint64_t *askeds;                     /* states' `asked`s */
 } omr_job;
 
 #define OMR_CTRL_QUEUE 32
@@ -91,6 +93,7 @@ static void free_job(omr_job *j) {
     tp_mac_free(j->mac);
     free(j->addr); free(j->has_addr); free(j->states);
     free(j->nexts); free(j->acks); free(j->seens); free(j->accs); free(j->datas); free(j->alive);
+    free(j->askeds);
     memset(j, 0, sizeof *j);
 }
 
@@ -125,13 +128,14 @@ int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs
     j->addr = calloc(nw, sizeof *j->addr);
     j->has_addr = calloc(nw, 1);
     j->alive = calloc(nw, sizeof *j->alive);
+    j->askeds = calloc(nst * nw + 1, sizeof *j->askeds);
     j->states = calloc(nst ? nst : 1, sizeof *j->states);
     j->nexts = calloc(nst * nw + 1, 4);
     j->acks = calloc(nst * nw + 1, 4);
     j->seens = calloc(nst * nw + 1, 1);
     j->accs = calloc(nst * j->bbytes + 1, 1);                  /* calloc: pages arrive on first use */
     j->datas = calloc(nst * OMR_SETS * j->bbytes + 1, 1);
-    if (!j->addr || !j->has_addr || !j->alive || !j->states || !j->nexts || !j->acks || !j->seens || !j->accs || !j->datas) {
+    if (!j->addr || !j->has_addr || !j->alive || !j->askeds || !j->states || !j->nexts || !j->acks || !j->seens || !j->accs || !j->datas) {
         free_job(j);
         return -1;
     }
@@ -140,6 +144,7 @@ int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs
         S->next = j->nexts + s * nw;
         S->ack = j->acks + s * nw;
         S->seen = j->seens + s * nw;
+        S->asked = j->askeds + s * nw;
         S->acc = j->accs + s * j->bbytes;
         S->data = j->datas + s * OMR_SETS * j->bbytes;
     }
@@ -195,6 +200,7 @@ static void reset_state(omr_job *j, omr_state *S, uint32_t seq, uint32_t col) {
     size_t nw = (size_t)j->nworkers;
     memset(S->ack, 0, nw * 4);
     memset(S->seen, 0, nw);
+    memset(S->asked, 0, nw * sizeof *S->asked);
     memset(S->sets, 0, sizeof S->sets);
     S->seq = seq;
     S->used = 1;
@@ -233,6 +239,23 @@ static omr_hdr result_hdr(int job_id, omr_job *j, omr_state *S, uint32_t col, ui
     if (j->mac) omr_sign(j->mac, j->counter++, &h, data, set->len, trailer, OMR_STAMP_BYTES, trailer + OMR_STAMP_BYTES);
     *tlen = OMR_STAMP_BYTES + (j->mac ? OMR_MAC_BYTES : 0);
     return h;
+}
+
+/* Whether to answer worker w's recovery request for the column and tensor of state S (a PULL or a
+ * resent DATA: results replayed, or a STATUS): on an authenticated job only one that is newer, by the
+ * nonce counter it carries (omnireduce.h: a worker counts every packet it MACs), than the last one of
+ * that worker answered there. A replayed (or network-duplicated) request then gets no answer, so a
+ * sniffed PULL cannot make the aggregator send up to OMR_SETS results at a worker over and over; one
+ * overtaken by a newer request of the same column is not answered either, and its worker asks again
+ * at its next timeout. */
+static int answered_once(const omr_job *j, omr_state *S, int w, const uint8_t *payload, size_t plen) {
+    if (!j->mac) return 1;                /* no MACs (a trusted fabric): anyone may ask anyway */
+    uint64_t counter;
+    memcpy(&counter, payload + plen, sizeof counter);   /* little-endian hosts, as the MAC check reads it */
+    /* kept as counter + 1, 0 for none yet: a counter of 2^64 - 1 (one start in 2^64) counts as none */
+    if (S->asked[w] && (int64_t)(counter + 1 - S->asked[w]) <= 0) return 0;
+    S->asked[w] = counter + 1;
+    return 1;
 }
 
 /* unicast the published rounds [from, published) that `rank` lacks */
@@ -448,13 +471,13 @@ static void handle(omr_agg *a, int i, uint64_t now, uint64_t queue_ns, uint64_t 
         int resent = (h->flags & OMR_F_RESEND) != 0;   /* network duplicates get no answer */
         if (q < S->published) {           /* it lacks round q (or is a duplicate): replay */
             a->st.dup_recv++;
-            if (resent) replay(a, job_id, j, S, col, w, h->ack < q ? h->ack : q);
+            if (resent && answered_once(j, S, w, payload, plen)) replay(a, job_id, j, S, col, w, h->ack < q ? h->ack : q);
         } else if (q == S->round && !S->finished && !S->pending) {
             int expected = q == 0 || S->next[w] == S->block;
             int zero = (h->flags & OMR_F_ZERO) != 0, int32 = (h->flags & OMR_F_INT32) != 0;
             if (S->seen[w]) {
                 a->st.dup_recv++;
-                if (resent) send_status(a, job_id, j, S, col, w);
+                if (resent && answered_once(j, S, w, payload, plen)) send_status(a, job_id, j, S, col, w);
             } else if (!expected || h->block != S->block ||
                        (h->next != OMR_INF && (h->next <= h->block || (h->next - col) % (uint32_t)j->ncols)) ||
                        (zero ? plen != 0 : (plen == 0 || plen > j->bbytes || plen % 4 ||
@@ -481,13 +504,14 @@ static void handle(omr_agg *a, int i, uint64_t now, uint64_t queue_ns, uint64_t 
             }
         } else if (q == S->round && S->pending) {
             a->st.dup_recv++;
-            if (resent) send_status(a, job_id, j, S, col, w);
+            if (resent && answered_once(j, S, w, payload, plen)) send_status(a, job_id, j, S, col, w);
         } else {
             a->st.stale_recv++;
         }
     } else if (h->type == OMR_PULL) {
         a->st.pulls_recv++;
-        if (h->ack < S->published) replay(a, job_id, j, S, col, w, h->ack);
+        if (!answered_once(j, S, w, payload, plen)) a->st.dup_recv++;
+        else if (h->ack < S->published) replay(a, job_id, j, S, col, w, h->ack);
         else send_status(a, job_id, j, S, col, w);
     } else {
         a->st.acks_recv++;
