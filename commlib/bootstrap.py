@@ -68,7 +68,7 @@ def join_set(parent, client, ranks, hvd_set=None):
     settings = s.replaced(controller_addr="", switch_streams=s.switch_streams or 1)
     # the job's secret (the daemon key of the switch and aggregators) never travels through a controller
     server, own, _ = start_controller(settings, placement, lambda address: meet("controller", address)[0],
-                                      secret=parent.secret)
+                                      secret=controller.set_secret(parent.secret, key))
     ctx = placement.joined(settings=settings, exchange_fn=own.exchange, job_token=own.token, secret=parent.secret)
     try:
         engine = ctx.agree("process_set/ring", parent.engine.subgroup, ctx, ranks, hvd_set)
@@ -110,8 +110,11 @@ def start_controller(s, placement, broadcast, secret=None, allgather=None, tune=
         # every rank fails, not only those whose copy was altered (told over the launcher's channel: the
         # controller's address may be what was altered)
         opened = [part == b"\x01" for part in allgather(b"\x01" if secret is not None else b"\x00")]
-        if not all(opened):
-            raise keyshare.unopened([rank for rank, ok in enumerate(opened) if not ok])
+        if secret is None or len(opened) != placement.size or not all(opened):
+            if server is not None:
+                server.close()
+            raise keyshare.unopened(sorted({rank for rank, ok in enumerate(opened) if not ok} |
+                                           ({placement.rank} if secret is None else set())))
     else:
         shared = broadcast(address)
     # each rank proves to the controller that it holds the secret

@@ -69,7 +69,9 @@ IDLE_WAIT_S = 1.0
 # bytes (a step's metadata is far less): a length beyond is garbage, never buffered
 HELLO_S = 5.0
 HELLO_BYTES = 1024
+GREETING_MAX = 64   # connections waiting to say hello at once (at least twice the ranks)
 MAX_MESSAGE = 64 << 20
+WELCOME_BYTES = 1 << 20   # its first message to a rank: the welcome, or why the job did not form
 NONCE_BYTES = 16
 TAG_BYTES = 16
 
@@ -80,27 +82,36 @@ def send_msg(sock, msg):
     sock.sendall(_HEADER.pack(len(data)) + data)
 
 
-def recv_msg(sock, limit=HELLO_BYTES):
+class Forged(ValueError):
+    """A message whose tag is not its sender's: injected or altered on the way."""
+
+
+def recv_msg(sock, limit=HELLO_BYTES, deadline=None):
     """One handshake message, or None when the peer closed the connection."""
-    body = _recv_frame(sock, limit)
+    body = _recv_frame(sock, limit, deadline=deadline)
     return None if body is None else json.loads(body)
 
 
-def _recv_frame(sock, limit, extra=0):
+def _recv_frame(sock, limit, extra=0, deadline=None):
     """A message's body (and `extra` bytes after it), or None when the peer closed; ValueError for a
-    length over `limit`."""
-    header = _recv_exact(sock, _HEADER.size)
+    length over `limit`; socket.timeout past `deadline` (time.monotonic()), however the bytes trickle."""
+    header = _recv_exact(sock, _HEADER.size, deadline)
     if header is None:
         return None
     length = _HEADER.unpack(header)[0]
     if length > limit:
         raise ValueError(f"a message of {length} bytes (at most {limit})")
-    return _recv_exact(sock, length + extra)
+    return _recv_exact(sock, length + extra, deadline)
 
 
-def _recv_exact(sock, n):
+def _recv_exact(sock, n, deadline=None):
     chunks = bytearray()
     while len(chunks) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("past the deadline")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(chunks))
         if not chunk:
             return None
@@ -112,6 +123,12 @@ def session_key(secret, server_nonce, client_nonce, rank):
     """A connection's own key: the job's secret over both ends' fresh nonces and the rank it serves."""
     return hashlib.blake2b(b"commlib controller v1" + server_nonce + client_nonce + rank.to_bytes(4, "big"),
                            key=secret, digest_size=32).digest()
+
+
+def set_secret(secret, name):
+    """A process set's controller's own secret: the job's over the set's name, so that neither the
+    job's controller nor another set's can stand in for it (they all hold the job's secret)."""
+    return hashlib.blake2b(b"commlib controller of " + name.encode(), key=secret, digest_size=32).digest()
 
 
 def proof(key):
@@ -133,16 +150,21 @@ class Link:
         body = json.dumps(msg, separators=(",", ":")).encode()
         tag = self._tag(self._out, self._sent, body)
         self._sent += 1
-        self.sock.sendall(_HEADER.pack(len(body)) + body + tag)
+        try:
+            self.sock.sendall(_HEADER.pack(len(body)) + body + tag)
+        except OSError:   # maybe half sent: nothing may follow it, the peer reads the end instead
+            _quietly(self.sock.shutdown, socket.SHUT_RDWR)
+            raise
 
-    def recv(self):
-        """One message, or None when the peer closed the connection."""
-        frame = _recv_frame(self.sock, MAX_MESSAGE, TAG_BYTES)
+    def recv(self, limit=MAX_MESSAGE, deadline=None):
+        """One message, or None when the peer closed the connection; Forged for a message that is not the
+        peer's, ValueError for one it garbled."""
+        frame = _recv_frame(self.sock, limit, TAG_BYTES, deadline)
         if frame is None:
             return None
         body, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
         if not hmac.compare_digest(tag, self._tag(self._in, self._received, body)):
-            raise ValueError("a message failed its tag: it is not the peer's (altered or injected on the way)")
+            raise Forged("a message failed its tag: it is not the peer's (altered or injected on the way)")
         self._received += 1
         return json.loads(body)
 
@@ -216,11 +238,17 @@ class ControllerServer:
         self._ready_bits = 0      # released at the next cycle
         self._evicted = []        # bits evicted since the last cycle
         self._joined = []         # ranks that called join, in order; reset once every rank has
+        self._stopped = False
         self._thread = threading.Thread(target=self._serve, name="commlib-controller", daemon=True)
         self._thread.start()
 
     def join(self, timeout):
         self._thread.join(timeout)
+
+    def close(self):
+        """Stop admitting ranks (a job that failed to form): the listener's port is free at once."""
+        self._stopped = True
+        _quietly(self._listener.shutdown, socket.SHUT_RDWR)   # wakes the accept loop's select
 
     def _serve(self):
         try:
@@ -238,9 +266,11 @@ class ControllerServer:
         selector = selectors.DefaultSelector()
         self._listener.setblocking(False)
         selector.register(self._listener, selectors.EVENT_READ)
-        greeting = {}   # socket -> [its challenge, when it must have answered, what it sent so far]
+        greeting = {}   # socket -> [its challenge, when it must have answered, what it sent so far], oldest first
         try:
             while len(self._clients) < self.size:
+                if self._stopped:
+                    return False
                 now = time.monotonic()
                 for sock in [sock for sock, (_, due, _) in greeting.items() if due <= now]:
                     self._refuse(selector, greeting, sock, "said no hello in time")
@@ -259,14 +289,23 @@ class ControllerServer:
             selector.close()
             for sock in greeting:
                 sock.close()
-        for link in self._clients.values():
-            link.send({"t": "welcome", "token": self.token})
+        for link in self._clients.values():   # a rank gone meanwhile: the loop reads its end and names it
+            _quietly(link.send, {"t": "welcome", "token": self.token})
         return True
 
     def _greet(self, selector, greeting):
+        """A new connection gets its challenge. Those waiting to answer are bounded (a rank answers at
+        once): past GREETING_MAX the oldest is dropped, so a flood of connections cannot use up the
+        process's descriptors and keep the ranks out."""
+        if len(greeting) >= max(GREETING_MAX, 2 * self.size):
+            self._refuse(selector, greeting, next(iter(greeting)), "made way for a newer one")
         try:
             sock, _ = self._listener.accept()
-        except OSError:   # gone before it was accepted, or out of descriptors for now
+        except OSError:   # gone before it was accepted, or out of descriptors: make way, do not spin
+            if greeting:
+                self._refuse(selector, greeting, next(iter(greeting)), "made way for a newer one")
+            else:
+                time.sleep(0.01)
             return
         challenge = secrets.token_bytes(NONCE_BYTES)
         try:
@@ -290,14 +329,16 @@ class ControllerServer:
             data = b""
         received += data
         length = _HEADER.unpack(received[:_HEADER.size])[0] if len(received) >= _HEADER.size else None
-        if not data or (length is not None and length > HELLO_BYTES):
-            return self._refuse(selector, greeting, sock, "sent no hello")
+        if not data:
+            return self._refuse(selector, greeting, sock, "closed before its hello")
+        if length is not None and length > HELLO_BYTES:
+            return self._refuse(selector, greeting, sock, f"announced a hello of {length} bytes")
         if length is None or len(received) < _HEADER.size + length:
             return   # the rest comes later (until HELLO_S)
         selector.unregister(sock)
         del greeting[sock]
         try:
-            hello = json.loads(bytes(received[_HEADER.size:]))
+            hello = json.loads(bytes(received[_HEADER.size:_HEADER.size + length]))
             rank = hello["rank"]
             if hello["t"] != "hello" or not isinstance(rank, int) or not 0 <= rank < self.size:
                 raise ValueError(f"not a hello from a rank of this job: {hello!r:.200}")
@@ -309,7 +350,7 @@ class ControllerServer:
             key = session_key(self._secret, challenge, nonce, rank)
             if not hmac.compare_digest(str(hello["proof"]), proof(key)):
                 raise ValueError(f"a connection as rank {rank} without the job's secret")
-        except (ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:   # whatever a stranger sends (RecursionError: deep JSON) ends only its connection
             log.warning("commlib controller: refused a connection: %s", exc)
             sock.close()
             return
@@ -332,27 +373,29 @@ class ControllerServer:
         while len(self._done) < self.size and not self._failed:
             idle = not self._waiting()
             for key, _ in selector.select(IDLE_WAIT_S if idle else max(0.0, next_cycle - time.monotonic())):
-                rank, forged = key.data, None
+                rank, why = key.data, None
                 try:
                     msg = self._clients[rank].recv()
-                except ValueError as exc:   # not that rank's: injected or altered on the way, or garbled
-                    msg, forged = None, exc
+                except Forged as exc:
+                    msg, why = None, f"carried a message that is not rank {rank}'s ({exc})"
                 except OSError:   # reset, or timed out mid-message: that rank is gone
                     msg = None
+                except Exception as exc:   # garbled by that rank itself (only it holds the key)
+                    msg, why = None, f"carried a message the controller cannot read ({type(exc).__name__}: {exc})"
                 if msg is None:
                     selector.unregister(key.fileobj)
-                    if forged is not None:
-                        self._broadcast_error("PeerFailure", f"rank {rank}'s connection to the controller carried "
-                                              f"a message that is not rank {rank}'s ({forged}); the job stops")
+                    if why is not None:
+                        self._broadcast_error("PeerFailure", f"rank {rank}'s connection to the controller {why}; "
+                                              f"the job stops")
                     elif rank not in self._done:
                         self._broadcast_error("PeerFailure", f"rank {rank} exited or lost its connection "
                                               f"to the controller; see that rank's output for the cause")
                     continue
                 try:
                     self._handle(rank, msg)
-                except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:   # never the loop's end
+                except Exception as exc:   # never the loop's end: every rank hears why
                     self._broadcast_error("PeerFailure", f"rank {rank} sent the controller a message it cannot "
-                                          f"read ({type(exc).__name__}: {exc}); the job stops")
+                                          f"handle ({type(exc).__name__}: {exc}); the job stops")
             now = time.monotonic()
             if idle and now >= next_cycle:   # a quiet spell ended: a cycle starts (a burst's first goes at once)
                 next_cycle = now + self.cycle_s
@@ -627,9 +670,10 @@ class ControllerServer:
                 _quietly(link.send, msg)   # a lost rank is reported when its socket reads EOF
 
 
-def _quietly(send, msg):
+def _quietly(call, arg):
+    """call(arg), where an OSError means only that the peer is gone (it is reported where its end is read)."""
     try:
-        send(msg)
+        call(arg)
     except OSError:
         pass
 
@@ -685,22 +729,26 @@ class ControllerClient:
         """(Link, welcome): this rank proves it holds the job's secret, and the controller proves it
         too with its first tagged message."""
         sock = self._connect(address, timeout_s)
-        sock.settimeout(timeout_s + 5)
+        deadline = time.monotonic() + timeout_s + 5   # the others may connect up to timeout_s later
         try:
-            challenge = recv_msg(sock)
-            server_nonce = bytes.fromhex(challenge["nonce"]) if challenge and challenge.get("t") == "challenge" else b""
+            challenge = recv_msg(sock, deadline=deadline)
+            if challenge is None:
+                raise OSError("closed")
+            server_nonce = bytes.fromhex(challenge["nonce"])
+            if challenge["t"] != "challenge" or len(server_nonce) != NONCE_BYTES:
+                raise ValueError(f"not a challenge: {challenge!r:.200}")
             nonce = secrets.token_bytes(NONCE_BYTES)
             key = session_key(secret, server_nonce, nonce, rank)
             send_msg(sock, {"t": "hello", "rank": rank, "nonce": nonce.hex(), "proof": proof(key)})
             link = Link(sock, key, server=False)
-            welcome = link.recv()
+            welcome = link.recv(WELCOME_BYTES, deadline)   # bounded before the peer proved anything
         except socket.timeout:
             sock.close()
             raise CommTimeout(f"rank {rank}: the controller at {address} did not admit this rank within "
                               f"{timeout_s}s (are all ranks started?)") from None
         except OSError:   # reset: as a close, below
             welcome = None
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except Exception as exc:   # a peer that is not the job's controller
             sock.close()
             raise PeerFailure(f"rank {rank}: the controller at {address} did not prove that it holds the job's "
                               f"secret ({type(exc).__name__}: {exc}): it is another job's or a stranger's, or the "
@@ -729,18 +777,19 @@ class ControllerClient:
 
     def _read(self):
         while True:
-            forged = None
+            why = "lost the commlib controller on rank 0 (rank 0 exited or crashed); see its output"
             try:
                 msg = self._link.recv()
-            except ValueError as exc:   # not the controller's: injected or altered on the way
-                msg, forged = None, exc
+            except Forged as exc:
+                msg, why = None, f"the connection to the commlib controller carried a message that is not the " \
+                                 f"controller's ({exc}); the job stops"
             except OSError:
                 msg = None
+            except Exception as exc:
+                msg, why = None, f"a message from the commlib controller could not be read ({type(exc).__name__}: " \
+                                 f"{exc}); the job stops"
             if msg is None:
                 if not self._closed and not self._lost:   # keep the precise reason if one came first
-                    why = (f"the connection to the commlib controller carried a message that is not the controller's "
-                           f"({forged}); the job stops" if forged else
-                           "lost the commlib controller on rank 0 (rank 0 exited or crashed); see its output")
                     self._lost = {"t": "error", "kind": "PeerFailure", "names": None, "message": why}
                     self.events.put(self._lost)
                 with self._cond:

@@ -365,14 +365,19 @@ def closed_by_peer(sock, seconds=10.0):
 
 
 def test_a_stranger_cannot_take_a_ranks_place_and_silent_or_huge_connections_hold_nobody_up(monkeypatch):
-    """Before the ranks come: a hello claiming rank 1 without the secret, two connections that say
-    nothing (HELLO_S set to 60 s: before, the server waited on each in turn) and one announcing a
+    """Before the ranks come: a hello claiming rank 1 without the secret, a hello of JSON nested too
+    deep to parse, connections that say nothing (HELLO_S set to 60 s: before, the server waited on
+    each in turn), more of them than it keeps waiting (GREETING_MAX set to 4), and one announcing a
     4 GiB hello. Every one is refused or left waiting, the real ranks are admitted at once."""
     import socket
     import struct
     monkeypatch.setattr(controller, "HELLO_S", 60.0)
+    monkeypatch.setattr(controller, "GREETING_MAX", 4)
     server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=20.0, cycle_time_ms=1.0, secret=SECRET)
-    silent = [socket.create_connection(server.address, timeout=5) for _ in range(2)]
+    deep = socket.create_connection(server.address, timeout=5)
+    deep.sendall(struct.pack("!I", 1000) + b"[" * 1000)
+    assert closed_by_peer(deep), "a hello nested too deep was not refused"
+    silent = [socket.create_connection(server.address, timeout=5) for _ in range(8)]
     huge = socket.create_connection(server.address, timeout=5)
     huge.sendall(struct.pack("!I", 0xFFFFFFFF) + b"{" * 4096)
     impostor = hello_as(server.address, 1)
@@ -393,9 +398,57 @@ def test_a_stranger_cannot_take_a_ranks_place_and_silent_or_huge_connections_hol
         submit(clients[1], "a")
         assert released(events(clients[0], 10)) == ["a"]
     finally:
-        for sock in silent + [huge, impostor]:
+        for sock in silent + [deep, huge, impostor]:
             sock.close()
         stop_job(server, [c for c in clients if c])
+
+
+def test_a_process_sets_controller_admits_only_that_sets_ranks():
+    """Every set's controller derives its own secret from the job's: a rank of one set (or of the job)
+    cannot take a place in another set's controller, nor that controller pose as its own."""
+    one, other = controller.set_secret(SECRET, "process_set/0,1"), controller.set_secret(SECRET, "process_set/2,3")
+    assert len({one, other, SECRET}) == 3
+    server = ControllerServer(1, "127.0.0.1", 0, settle_release, timeout_s=5.0, cycle_time_ms=1.0, secret=one)
+    for secret in (other, SECRET):
+        with pytest.raises(controller.PeerFailure, match="closed the connection during set-up"):
+            ControllerClient(server.address, 0, 5.0, secret=secret)
+    stop_job(server, [ControllerClient(server.address, 0, 5.0, secret=one)])
+
+
+def test_a_failed_job_frees_its_controllers_port_at_once():
+    import socket
+    server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=60.0, cycle_time_ms=1.0, secret=SECRET)
+    server.close()
+    server.join(5)
+    socket.create_server(server.address).close()   # the port is free: a retry binds it
+
+
+def test_a_controller_that_trickles_its_answer_cannot_hold_a_rank_past_its_timeout():
+    """A peer at the controller's address that sends its challenge, then announces a large message and
+    sends a byte of it every half second: the rank fails once its set-up time is up."""
+    import socket
+    import struct
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def trickle():
+        sock, _ = listener.accept()
+        with sock:
+            controller.send_msg(sock, {"t": "challenge", "nonce": "11" * 16})
+            controller.recv_msg(sock)
+            sock.sendall(struct.pack("!I", 60 << 10))
+            for _ in range(40):
+                time.sleep(0.5)
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    return
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    with pytest.raises(controller.CommTimeout, match="did not admit this rank"):
+        ControllerClient(listener.getsockname(), 0, 1.0, secret=SECRET)
+    assert time.monotonic() - started < 15, "the trickle held the rank past its set-up time"
+    listener.close()
 
 
 def test_a_rank_without_the_secret_is_refused_and_a_controller_without_it_is_refused_by_the_rank():
@@ -466,10 +519,10 @@ def test_a_forged_go_to_a_rank_is_refused_there(job):
     assert got and got[-1][:2] == ("error", "PeerFailure") and "not the controller's" in got[-1][2], got
 
 
-def test_a_message_the_controller_cannot_read_fails_the_job_naming_the_rank_and_the_loop_goes_on(job):
+def test_a_message_the_controller_cannot_handle_fails_the_job_naming_the_rank(job):
     server, clients = job
     clients[1]._link.send({"t": "submit"})   # no metas: a broken rank (only a rank holds the key)
     got = [events(client, 10) for client in clients]
     for g in got:
-        assert g and g[-1][:2] == ("error", "PeerFailure") and "rank 1 sent the controller a message it cannot read" \
+        assert g and g[-1][:2] == ("error", "PeerFailure") and "rank 1 sent the controller a message it cannot handle" \
             in g[-1][2], got
