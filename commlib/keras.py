@@ -12,6 +12,8 @@ train.py` (torch.distributed gloo). Backends: tensorflow (eagerly or inside mode
 through commlib.tensorflow's one-crossing-per-step boundary; compile with jit_compile=False, as XLA
 cannot call back into Python) and torch (gradients go to commlib as torch tensors).
 """
+import numpy as np
+
 import commlib
 from commlib.errors import ConfigError
 from commlib.policy import Policy
@@ -21,7 +23,11 @@ def DistributedOptimizer(optimizer, policy=None, algorithm=None, compression=Non
                          gradient_predivide_factor=1.0, sparse_as_dense=False):
     """A copy of the Keras 3 `optimizer` (same class name and config) whose apply() first reduces the
     gradients with commlib: averaged by default (op=commlib.Sum sums), named by the variables' paths
-    ("sequential/dense/kernel") for the policy. Returns a new optimizer, as Horovod's does."""
+    ("sequential/dense/kernel") for the policy. Returns a new optimizer, as Horovod's does.
+    Under the mixed_float16 dtype policy (set it before building the optimizer, as Keras asks) it is
+    a LossScaleOptimizer whose inner optimizer is `optimizer`: compile() would otherwise wrap it in
+    one, which skips apply() on a rank whose own gradients overflowed, and the ranks would reduce
+    different steps; so the gradients are reduced first and every rank skips or applies alike."""
     import keras
     if op not in (commlib.Average, commlib.Sum):
         raise ConfigError(f"commlib.keras reduces with op=commlib.Average or commlib.Sum, not {op!r}")
@@ -32,6 +38,9 @@ def DistributedOptimizer(optimizer, policy=None, algorithm=None, compression=Non
                           f"{keras.backend.backend()!r} (set KERAS_BACKEND)")
     if isinstance(policy, str):
         policy = Policy.parse(policy)
+    if keras.config.dtype_policy().name == "mixed_float16" and \
+            not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     commlib.init()
     reduce = _reducer(keras.backend.backend(), op == commlib.Average, gradient_predivide_factor, compression,
                       policy, algorithm, sparse_as_dense)
@@ -57,7 +66,7 @@ def broadcast_variables(variables, root_rank=0):
         return
     for i, variable in enumerate(variables):
         value = keras.ops.convert_to_numpy(variable.value)
-        mine = value if commlib.rank() == root_rank else value * 0
+        mine = value if commlib.rank() == root_rank else np.zeros_like(value)   # not value * 0: inf * 0 is NaN
         variable.assign(commlib.allreduce(mine, name=f"broadcast.{i}.{variable.path}", op=commlib.Sum,
                                           algorithm="ring"))
 

@@ -46,6 +46,7 @@ def check(out, backend, algorithm, tolerance):
         for label in ("op", "predivide with Sum"):
             error = r["unsupported"][label]
             assert "commlib" in error or "gradient_predivide_factor" in error, (r["rank"], label, error)
+        assert r["broadcast"] == [1.0, 2.0, 3.0], f"rank {r['rank']}: broadcast_variables gave {r['broadcast']}"
     return r
 
 
@@ -56,6 +57,15 @@ def test_fit_under_mpirun_matches_single_process_large_batch():
 
 def test_fit_through_switchml_under_torchrun():
     check(_torchrun("*=switchml", env={"KERAS_BACKEND": "tensorflow"}), "tensorflow", "switchml", 1e-4)
+
+
+def test_mixed_precision_fit_skips_an_overflow_on_one_rank_on_every_rank():
+    """mixed_float16: commlib's optimizer is the LossScaleOptimizer's own (the gradients are reduced
+    before the finiteness check), so a step that overflows on rank 0 only is skipped on both ranks, as
+    on rank 1 too (before: rank 1 applied it alone, the ranks' steps paired wrongly, and the job ended
+    in a Mismatch). Only the ranks' agreement is checked: the single-process fit scales a loss averaged
+    over twice the rows, so it overflows on other steps."""
+    check(_torchrun("*=ring", "mixed", env={"KERAS_BACKEND": "tensorflow"}), "tensorflow", "ring", float("inf"))
 
 
 @pytest.mark.long

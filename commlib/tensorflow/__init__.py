@@ -34,7 +34,7 @@ from commlib.tensorflow.tape import CommlibGradientTape
 
 _REEXPORTED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
                "broadcast_variables", "broadcast", "broadcast_object", "allgather_object", "Average", "Sum",
-               "Compression")
+               "Compression", "allreduce", "grouped_allreduce", "allgather", "ProcessSet", "add_process_set")
 
 
 def __getattr__(name):

@@ -16,5 +16,12 @@ class CommlibGradientTape:
         grads = self._tape.gradient(target, flat, output_gradients, unconnected_gradients)
         return tf.nest.pack_sequence_as(sources, self._reducer(grads, flat))
 
+    def __enter__(self):   # `with DistributedGradientTape(tf.GradientTape()) as tape:`, as Horovod's
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._tape.__exit__(*exc)
+
     def __getattr__(self, name):
         return getattr(self._tape, name)

@@ -3,8 +3,10 @@
 
 Each rank fits its shard of every global batch; the result must equal (within `tolerance`,
 relative) a single-process fit of the whole data with the global batch, which every rank computes
-locally, and be identical on all ranks. argv: policy [fit|tape]; tape: a custom loop with
-commlib.tensorflow.DistributedGradientTape in a tf.function, Horovod absent. KERAS_BACKEND picks
+locally, and be identical on all ranks. argv: policy [fit|tape|mixed]; tape: a custom loop with
+commlib.tensorflow.DistributedGradientTape in a tf.function, Horovod absent; mixed: fit under the
+mixed_float16 dtype policy with rank 0's rows 3000 times larger, so that float16 overflows on rank 0
+only (Keras' loss scaling must skip those steps on every rank alike). KERAS_BACKEND picks
 tensorflow or torch. Every rank reports (commlib.testing.report) the backend, whether its weights
 equal the others', their relative difference from the single-process fit, the errors for what
 commlib cannot honor and the algorithms it used; tests/test_keras3.py checks them.
@@ -31,6 +33,10 @@ y = (x[:, :1] * 2 - x[:, 1:2] + 0.1 * rng.normal(size=(len(x), 1))).astype("floa
 # rank r's part of global batch k: rows [16k + r*local_batch, 16k + (r+1)*local_batch)
 shard = np.concatenate([np.arange(k * GLOBAL_BATCH + rank * local_batch, k * GLOBAL_BATCH + (rank + 1) * local_batch)
                         for k in range(STEPS)])
+if mode == "mixed":
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    for k in range(STEPS):   # rank 0's part of every global batch
+        x[k * GLOBAL_BATCH:k * GLOBAL_BATCH + local_batch] *= 3e3
 
 
 class Scale(keras.layers.Layer):
@@ -61,11 +67,10 @@ def tape_loop(distributed, x, y, batch_size):
     optimizer = keras.optimizers.SGD(0.1)
 
     @tf.function
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
+    def step(xb, yb):   # the distributed tape in Horovod's `with` form
+        with (commlib.tensorflow.DistributedGradientTape(tf.GradientTape()) if distributed
+              else tf.GradientTape()) as tape:
             loss = tf.reduce_mean(tf.square(model(xb) - yb))
-        if distributed:
-            tape = commlib.tensorflow.DistributedGradientTape(tape)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
@@ -82,6 +87,8 @@ else:
     mine = fit(commlib.keras.DistributedOptimizer(keras.optimizers.SGD(0.1)), x[shard], y[shard], local_batch)
     reference = fit(keras.optimizers.SGD(0.1), x, y, GLOBAL_BATCH)
 summed = commlib.allreduce(mine, name="check.params", op=commlib.Sum, algorithm="ring")
+odd = keras.Variable(np.array([1.0, 2.0, 3.0] if rank == 0 else [np.inf, np.nan, 0.0], np.float32))
+commlib.keras.broadcast_variables([odd])   # rank 0's values, whatever the others held
 unsupported = {"op": lambda: commlib.keras.DistributedOptimizer(keras.optimizers.SGD(0.1), op="max"),
                "predivide with Sum": lambda: commlib.keras.DistributedOptimizer(
                    keras.optimizers.SGD(0.1), op=commlib.Sum, gradient_predivide_factor=2.0)}
@@ -97,6 +104,7 @@ for label, make in unsupported.items():
     except commlib.CommError as exc:
         errors[label] = f"{type(exc).__name__}: {exc}"
 report(rank=rank, mode=mode, backend=keras.backend.backend(), keras=keras.__version__,
+       broadcast=np.asarray(odd.value).tolist(),
        same_on_all_ranks=bool(np.array_equal(summed, mine * size)),
        relative_diff=float(np.abs(mine - reference).max() / np.abs(reference).max()), unsupported=errors,
        algorithms=sorted({r["algorithm"] for name, r in commlib.records().items() if not name.startswith("check.")}))
