@@ -113,22 +113,34 @@ def omr_mac(job_key, head, payload, counter):
     return ctr + ChaCha20Poly1305(key).encrypt(head[:1] + b"\0" + head[2:4] + ctr, b"", head + payload)
 
 
+OMR_RIG_KEY, OMR_RIG_JOB_KEY = bytes(range(40, 56)), 0x5EC12E7
+
+
+def omr_rig(block, timeout):
+    """(aggregator, job, its socket, the two ranks' sockets): a C aggregator on loopback with one
+    authenticated job (ChaCha20-Poly1305 under OMR_RIG_KEY) of 2 ranks, 1 column of `block` values."""
+    lib, ffi = sw.lib, sw.ffi
+    agg_sock, *ranks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    for s in (agg_sock, *ranks):
+        s.bind(("127.0.0.1", 0))
+        s.settimeout(timeout)
+    agg = ffi.gc(lib.omr_agg_new(agg_sock.fileno(), 7), lib.omr_agg_free)
+    job = lib.omr_agg_add_job(agg, OMR_RIG_JOB_KEY, 2, 1, 1, 0, block, 0.0, 0.0, OMR_RIG_KEY,
+                              lib.TP_MAC_CHACHA20_POLY1305)
+    assert job >= 0
+    for rank, s in enumerate(ranks):
+        assert lib.omr_agg_set_worker(agg, job, rank, b"127.0.0.1", s.getsockname()[1]) == 0
+    return agg, job, agg_sock, ranks
+
+
 @pytest.mark.parametrize("block", [5, 1001])
 def test_omnireduce_macs_are_chacha20_poly1305_with_the_stamp_inside(block):
     """A C aggregator takes DATA MAC'd by the `cryptography` package (omnireduce.h's construction)
     and sends a RESULT whose MAC that package verifies, the stamp and the block inside it; each
     result is MAC'd under a counter of its own, a tampered DATA is dropped."""
     lib, ffi = sw.lib, sw.ffi
-    key, jkey = bytes(range(40, 56)), 0x5EC12E7
-    agg_sock, *ranks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
-    for s in (agg_sock, *ranks):
-        s.bind(("127.0.0.1", 0))
-        s.settimeout(2.0)
-    agg = ffi.gc(lib.omr_agg_new(agg_sock.fileno(), 7), lib.omr_agg_free)
-    job = lib.omr_agg_add_job(agg, jkey, 2, 1, 1, 0, block, 0.0, 0.0, key, lib.TP_MAC_CHACHA20_POLY1305)
-    assert job >= 0
-    for rank, s in enumerate(ranks):
-        assert lib.omr_agg_set_worker(agg, job, rank, b"127.0.0.1", s.getsockname()[1]) == 0
+    key, jkey = OMR_RIG_KEY, OMR_RIG_JOB_KEY
+    agg, job, agg_sock, ranks = omr_rig(block, 2.0)
     hdr = OMR_HDR
     values = [np.arange(block, dtype=np.float32) * (rank + 1) for rank in range(2)]
     counters = set()
@@ -167,15 +179,8 @@ def test_a_replayed_pull_gets_no_results_sent_again():
     so a replayed request cannot make the aggregator send results over and over; the worker's next
     PULL, under its next counter, is answered."""
     lib, ffi = sw.lib, sw.ffi
-    key, jkey, block = bytes(range(40, 56)), 0x5EC12E7, 4
-    agg_sock, *ranks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
-    for s in (agg_sock, *ranks):
-        s.bind(("127.0.0.1", 0))
-        s.settimeout(0.5)
-    agg = ffi.gc(lib.omr_agg_new(agg_sock.fileno(), 7), lib.omr_agg_free)
-    job = lib.omr_agg_add_job(agg, jkey, 2, 1, 1, 0, block, 0.0, 0.0, key, lib.TP_MAC_CHACHA20_POLY1305)
-    for rank, s in enumerate(ranks):
-        assert lib.omr_agg_set_worker(agg, job, rank, b"127.0.0.1", s.getsockname()[1]) == 0
+    key, jkey, block = OMR_RIG_KEY, OMR_RIG_JOB_KEY, 4
+    agg, job, agg_sock, ranks = omr_rig(block, 0.5)
 
     def sealed(kind, rank, counter, payload=b"", next_=0):
         fields = [kind, lib.OMR_F_MAC, rank, job, jkey, 0, 0, 0, 0, next_, 0, 0]
