@@ -104,7 +104,7 @@ for label, make in unsupported.items():
     except commlib.CommError as exc:
         errors[label] = f"{type(exc).__name__}: {exc}"
 report(rank=rank, mode=mode, backend=keras.backend.backend(), keras=keras.__version__,
-       broadcast=np.asarray(odd.value).tolist(),
+       broadcast=keras.ops.convert_to_numpy(odd.value).tolist(),
        same_on_all_ranks=bool(np.array_equal(summed, mine * size)),
        relative_diff=float(np.abs(mine - reference).max() / np.abs(reference).max()), unsupported=errors,
        algorithms=sorted({r["algorithm"] for name, r in commlib.records().items() if not name.startswith("check.")}))
