@@ -17,7 +17,7 @@ import threading
 from commlib import autotune, controller, engine as engines, keyshare
 from commlib.context import Context, detect
 from commlib.dispatch import settler
-from commlib.errors import CommError, CommTimeout, Mismatch
+from commlib.errors import CommError, CommTimeout, ConfigError, Mismatch
 from commlib.net import parse_address, primary_ip
 from commlib.settings import define, defined
 from commlib.switch import auth
@@ -104,21 +104,27 @@ def start_controller(s, placement, broadcast, secret=None, allgather=None, tune=
             server = controller.ControllerServer(placement.size, host if placement.all_local else "0.0.0.0", 0,
                                                  **options)
             address = (host, server.address[1])
-    if drawn:
-        anchor = auth.read_key(s.anchor_key_file) if s.anchor_key_file else None
-        secret, shared = keyshare.share(placement.rank, allgather, broadcast, secret, address, anchor)
-        # every rank fails, not only those whose copy was altered (told over the launcher's channel: the
-        # controller's address may be what was altered)
-        opened = [part == b"\x01" for part in allgather(b"\x01" if secret is not None else b"\x00")]
-        if secret is None or len(opened) != placement.size or not all(opened):
-            if server is not None:
-                server.close()
-            raise keyshare.unopened(sorted({rank for rank, ok in enumerate(opened) if not ok} |
-                                           ({placement.rank} if secret is None else set())))
-    else:
-        shared = broadcast(address)
-    # each rank proves to the controller that it holds the secret
-    client = controller.ControllerClient(shared, placement.rank, s.timeout_s, s.cycle_time_ms, secret=secret)
+    try:
+        if drawn:
+            anchor = auth.read_key(s.anchor_key_file) if s.anchor_key_file else None
+            secret, shared = keyshare.share(placement.rank, allgather, broadcast, secret, address, anchor)
+            # every rank fails, not only those whose copy was altered (told over the launcher's channel: the
+            # controller's address may be what was altered)
+            opened = [part == b"\x01" for part in allgather(b"\x01" if secret is not None else b"\x00")]
+            if len(opened) != placement.size:
+                raise ConfigError(f"the launcher's allgather gave {len(opened)} answers for {placement.size} ranks: "
+                                  f"its traffic was altered on the way")
+            if secret is None or not all(opened):
+                raise keyshare.unopened(sorted({rank for rank, ok in enumerate(opened) if not ok} |
+                                               ({placement.rank} if secret is None else set())))
+        else:
+            shared = broadcast(address)
+        # each rank proves to the controller that it holds the secret
+        client = controller.ControllerClient(shared, placement.rank, s.timeout_s, s.cycle_time_ms, secret=secret)
+    except BaseException:   # the job did not form: rank 0's controller port is free at once
+        if server is not None:
+            server.close()
+        raise
     return server, client, secret
 
 

@@ -35,6 +35,7 @@ connection costs the others nothing while it waits (HELLO_S, HELLO_BYTES).
 """
 import collections
 import dataclasses
+import errno
 import hashlib
 import hmac
 import json
@@ -297,16 +298,17 @@ class ControllerServer:
         """A new connection gets its challenge. Those waiting to answer are bounded (a rank answers at
         once): past GREETING_MAX the oldest is dropped, so a flood of connections cannot use up the
         process's descriptors and keep the ranks out."""
-        if len(greeting) >= max(GREETING_MAX, 2 * self.size):
-            self._refuse(selector, greeting, next(iter(greeting)), "made way for a newer one")
         try:
             sock, _ = self._listener.accept()
-        except OSError:   # gone before it was accepted, or out of descriptors: make way, do not spin
-            if greeting:
-                self._refuse(selector, greeting, next(iter(greeting)), "made way for a newer one")
-            else:
-                time.sleep(0.01)
+        except OSError as exc:   # gone before it was accepted; or out of descriptors: make way, do not spin
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                if greeting:
+                    self._refuse(selector, greeting, next(iter(greeting)), "made way for a newer one")
+                else:
+                    time.sleep(0.01)
             return
+        if len(greeting) >= max(GREETING_MAX, 2 * self.size):
+            self._refuse(selector, greeting, next(iter(greeting)), "made way for a newer one")
         challenge = secrets.token_bytes(NONCE_BYTES)
         try:
             sock.settimeout(1.0)
@@ -380,7 +382,7 @@ class ControllerServer:
                     msg, why = None, f"carried a message that is not rank {rank}'s ({exc})"
                 except OSError:   # reset, or timed out mid-message: that rank is gone
                     msg = None
-                except Exception as exc:   # garbled by that rank itself (only it holds the key)
+                except Exception as exc:   # garbled by that rank, or its length altered (the tag follows it)
                     msg, why = None, f"carried a message the controller cannot read ({type(exc).__name__}: {exc})"
                 if msg is None:
                     selector.unregister(key.fileobj)
@@ -393,9 +395,10 @@ class ControllerServer:
                     continue
                 try:
                     self._handle(rank, msg)
-                except Exception as exc:   # never the loop's end: every rank hears why
-                    self._broadcast_error("PeerFailure", f"rank {rank} sent the controller a message it cannot "
-                                          f"handle ({type(exc).__name__}: {exc}); the job stops")
+                except Exception as exc:   # never the loop's end: every rank hears why (a bug of ours: logged)
+                    log.exception("commlib controller: handling rank %d's message failed", rank)
+                    self._broadcast_error("PeerFailure", f"the controller failed handling rank {rank}'s message "
+                                          f"({type(exc).__name__}: {exc}); the job stops")
             now = time.monotonic()
             if idle and now >= next_cycle:   # a quiet spell ended: a cycle starts (a burst's first goes at once)
                 next_cycle = now + self.cycle_s

@@ -24,10 +24,11 @@ def DistributedOptimizer(optimizer, policy=None, algorithm=None, compression=Non
     """A copy of the Keras 3 `optimizer` (same class name and config) whose apply() first reduces the
     gradients with commlib: averaged by default (op=commlib.Sum sums), named by the variables' paths
     ("sequential/dense/kernel") for the policy. Returns a new optimizer, as Horovod's does.
-    Under the mixed_float16 dtype policy (set it before building the optimizer, as Keras asks) it is
-    a LossScaleOptimizer whose inner optimizer is `optimizer`: compile() would otherwise wrap it in
-    one, which skips apply() on a rank whose own gradients overflowed, and the ranks would reduce
-    different steps; so the gradients are reduced first and every rank skips or applies alike."""
+    Under the global mixed_float16 dtype policy (set it before building the optimizer, as Keras asks)
+    it is a LossScaleOptimizer whose inner optimizer is a copy of `optimizer`: compile() would
+    otherwise wrap it in one, which skips apply() on a rank whose own gradients overflowed, and the
+    ranks would reduce different steps; so the gradients are reduced first and every rank skips or
+    applies alike. A model given its own mixed policy (not the global one): pass a LossScaleOptimizer."""
     import keras
     if op not in (commlib.Average, commlib.Sum):
         raise ConfigError(f"commlib.keras reduces with op=commlib.Average or commlib.Sum, not {op!r}")
@@ -38,13 +39,20 @@ def DistributedOptimizer(optimizer, policy=None, algorithm=None, compression=Non
                           f"{keras.backend.backend()!r} (set KERAS_BACKEND)")
     if isinstance(policy, str):
         policy = Policy.parse(policy)
-    if keras.config.dtype_policy().name == "mixed_float16" and \
-            not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     commlib.init()
     reduce = _reducer(keras.backend.backend(), op == commlib.Average, gradient_predivide_factor, compression,
                       policy, algorithm, sparse_as_dense)
-    base = type(optimizer)
+    scaler = keras.optimizers.LossScaleOptimizer
+    if isinstance(optimizer, scaler) or keras.config.dtype_policy().name == "mixed_float16":
+        # the loss scaler's own copy around a copy of the inner optimizer, each made by its class, not by
+        # name (a subclass Keras has not registered), and the caller's objects left as they are
+        inner = optimizer.inner_optimizer if isinstance(optimizer, scaler) else optimizer
+        inner = type(inner).from_config(inner.get_config())
+        options = {k: v for k, v in optimizer.get_config().items() if k != "inner_optimizer"} \
+            if isinstance(optimizer, scaler) else {}
+        base, make = scaler, lambda cls: cls(inner, **options)
+    else:
+        base, make = type(optimizer), lambda cls: cls.from_config(optimizer.get_config())
 
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is not None:
@@ -56,7 +64,7 @@ def DistributedOptimizer(optimizer, policy=None, algorithm=None, compression=Non
     # a subclass made here, named like the original so saved models load without commlib; super()
     # names it explicitly (Horovod's super(self.__class__, ...) recurses when subclassed again)
     distributed = type(base.__name__, (base,), {"apply": apply, "__module__": base.__module__})
-    return distributed.from_config(optimizer.get_config())
+    return make(distributed)
 
 
 def broadcast_variables(variables, root_rank=0):

@@ -524,5 +524,5 @@ def test_a_message_the_controller_cannot_handle_fails_the_job_naming_the_rank(jo
     clients[1]._link.send({"t": "submit"})   # no metas: a broken rank (only a rank holds the key)
     got = [events(client, 10) for client in clients]
     for g in got:
-        assert g and g[-1][:2] == ("error", "PeerFailure") and "rank 1 sent the controller a message it cannot handle" \
+        assert g and g[-1][:2] == ("error", "PeerFailure") and "the controller failed handling rank 1's message" \
             in g[-1][2], got

@@ -83,6 +83,10 @@ def tape_loop(distributed, x, y, batch_size):
 if mode == "tape":
     mine = tape_loop(True, x[shard], y[shard], local_batch)
     reference = tape_loop(False, x, y, GLOBAL_BATCH)
+elif mode == "mixed":   # an optimizer class of the script's own, which Keras cannot find by name
+    MySGD = type("MySGD", (keras.optimizers.SGD,), {})
+    mine = fit(commlib.keras.DistributedOptimizer(MySGD(0.1)), x[shard], y[shard], local_batch)
+    reference = fit(MySGD(0.1), x, y, GLOBAL_BATCH)
 else:
     mine = fit(commlib.keras.DistributedOptimizer(keras.optimizers.SGD(0.1)), x[shard], y[shard], local_batch)
     reference = fit(keras.optimizers.SGD(0.1), x, y, GLOBAL_BATCH)
