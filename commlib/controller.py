@@ -77,9 +77,13 @@ NONCE_BYTES = 16
 TAG_BYTES = 16
 
 
+def _body(msg):
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
 def send_msg(sock, msg):
     """A handshake message (no tag: before a connection has its key)."""
-    data = json.dumps(msg, separators=(",", ":")).encode()
+    data = _body(msg)
     sock.sendall(_HEADER.pack(len(data)) + data)
 
 
@@ -140,7 +144,7 @@ def proof(key):
 class Link:
     """A connection after its handshake: each message is followed by a keyed BLAKE2b tag of its
     direction, its number on the connection and its body, so a message altered, injected, replayed
-    or reordered on the way fails (ValueError), and the connection with it. One sender at a time."""
+    or reordered on the way fails (Forged), and the connection with it. One sender at a time."""
 
     def __init__(self, sock, key, server):
         self.sock, self._key = sock, key
@@ -148,7 +152,7 @@ class Link:
         self._sent = self._received = 0
 
     def send(self, msg):
-        body = json.dumps(msg, separators=(",", ":")).encode()
+        body = _body(msg)
         tag = self._tag(self._out, self._sent, body)
         self._sent += 1
         try:
@@ -721,7 +725,6 @@ class ControllerClient:
         self._hurried = False   # what was submitted so far went hurried (hurry, or submit's hurry)
         self._last_send = 0.0
         self._link, welcome = self._handshake(tuple(address), rank, secret, timeout_s)
-        self._sock = self._link.sock
         self.token = welcome["token"]
         self._reader = threading.Thread(target=self._read, name="commlib-controller-client", daemon=True)
         self._reader.start()
@@ -951,4 +954,4 @@ class ControllerClient:
         except OSError:
             pass
         self._reader.join(1.0)
-        self._sock.close()
+        self._link.sock.close()

@@ -27,6 +27,11 @@ SECRET = bytes(range(32))
 def start_job(cycle_ms=1.0):
     server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=20.0, cycle_time_ms=cycle_ms,
                               secret=SECRET, negotiation_timeout_s=60.0)
+    return server, connect_ranks(server, cycle_ms)
+
+
+def connect_ranks(server, cycle_ms=1.0):
+    """Both ranks' clients of `server`, connected at once (None for a rank that was not admitted)."""
     clients = [None, None]
 
     def connect(rank):
@@ -37,7 +42,7 @@ def start_job(cycle_ms=1.0):
         thread.start()
     for thread in threads:
         thread.join(30)
-    return server, clients
+    return clients
 
 
 def stop_job(server, clients):
@@ -384,12 +389,7 @@ def test_a_stranger_cannot_take_a_ranks_place_and_silent_or_huge_connections_hol
     started = time.monotonic()
     clients = [None, None]
     try:
-        threads = [threading.Thread(target=lambda r=r: clients.__setitem__(
-            r, ControllerClient(server.address, r, 20.0, secret=SECRET))) for r in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
+        clients = connect_ranks(server)
         assert all(clients), "the real ranks were not admitted"
         assert time.monotonic() - started < 15, "admission waited on the silent connections"
         assert closed_by_peer(impostor), "the impostor's connection stayed open"
