@@ -889,7 +889,7 @@ class ControllerClient:
         with self._cache_lock:
             for meta in metas:
                 cached = self._cache.get(meta["name"])
-                if cached is not None and cached[1] == meta:
+                if cached is not None and (cached[1] is meta or cached[1] == meta):
                     hits |= 1 << cached[0]
                 else:
                     full.append(meta)

@@ -83,6 +83,8 @@ class Handle:
         """Whether the result came within `timeout` seconds (None: however long it takes). The latch is
         taken in slices: a waiter interrupted between taking and passing it on (Ctrl-C) delays the
         others by one slice at most, never strands them."""
+        if self._set:
+            return True
         deadline = None if timeout is None else time.monotonic() + timeout
         self.hurry()
         while not self._set:

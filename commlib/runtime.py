@@ -22,6 +22,7 @@ from commlib.process_sets import ProcessSet, ranks_of
 from commlib.tensors import Staged
 
 log = logging.getLogger("commlib")
+REPEATS_KEPT = 4096   # names whose last submission is kept (Repeat)
 UNNAMED = "allreduce.noname"   # the record of every unnamed call (each travels under a name of its own)
 
 
@@ -45,6 +46,8 @@ class Runtime:
         if not self._is_set:
             self._watch_daemons()
         self._names = itertools.count()
+        self._repeats = {}   # name -> its last submission, where the next one may repeat it (Repeat)
+        self._wait_s = settings.negotiation_timeout_s + 3 * settings.timeout_s + 10   # a Handle's longest wait
         self._checked_group = False   # the process group check_world last passed for (None: none)
 
     def backend(self, name):
@@ -74,29 +77,31 @@ class Runtime:
         self._check_world()
         if self.executor.broken:
             raise self.executor.broken
-        s = self.settings
         entries, metas, refused = [], [], None
         for index, (tensor, name) in enumerate(zip(tensors, names)):
             named, name = name is not None, name or f"{UNNAMED}.{next(self._names)}"   # unique while in flight
-            try:
-                staged, op_name, plan, compressor = self._plan(tensor, name, named, op, algorithm, compression,
-                                                                policy)
-            except CommError as exc:   # the other ranks wait for this tensor: tell them why it never comes
-                metas.append({"name": name, "error": {"kind": type(exc).__name__, "message": str(exc)}})
-                refused = refused or exc
-                continue
-            handle = Handle(name, s.negotiation_timeout_s + 3 * s.timeout_s + 10, self._hurry)
+            # its place in the group, the order the group is released and fused in: a new order is
+            # negotiated anew (DDP rebuilds its buckets after the first step; their parameters' views
+            # then fuse in place, and the result is the bucket without a copy)
+            call = (op, algorithm, compression, policy, prescale, postscale, index if len(tensors) > 1 else None)
+            repeat = self._repeats.get(name) if named else None
+            staged = repeat.again(tensor, call, self.dispatcher) if repeat is not None else None
+            if staged is not None:   # the call of its last step: planned and described as then
+                op_name, plan, compressor, meta = repeat.op, repeat.plan, None, repeat.meta
+            else:
+                try:
+                    staged, op_name, plan, compressor = self._plan(tensor, name, named, op, algorithm, compression,
+                                                                    policy)
+                except CommError as exc:   # the other ranks wait for this tensor: tell them why it never comes
+                    metas.append({"name": name, "error": {"kind": type(exc).__name__, "message": str(exc)}})
+                    refused = refused or exc
+                    continue
+                meta = self._meta(name, named, staged, op_name, plan, call)
+                if named and Repeat.fits(staged, plan, compressor, tensor):
+                    self._remember(name, Repeat(call, staged, op_name, plan, meta))
+            handle = Handle(name, self._wait_s, self._hurry)
             entries.append(Entry(staged, name, op_name, plan, compressor, prescale, postscale, handle,
                                  None if named else UNNAMED))
-            meta = {"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op_name,
-                    "choices": plan.choices, "compression": plan.compression, "side": plan.side,
-                    "prescale": prescale, "postscale": postscale, "rows": plan.rows, "report": plan.report}
-            if not named:   # an unnamed call's name is never submitted again: not worth a cache bit
-                meta["once"] = True
-            if len(tensors) > 1:   # its place in the group, the order the group is released and fused in: a
-                # new order is negotiated anew (DDP rebuilds its buckets after the first step; their
-                # parameters' views then fuse in place, and the result is the bucket without a copy)
-                meta["index"] = index
             metas.append(meta)
         self.executor.track(entries)
         try:
@@ -107,6 +112,24 @@ class Runtime:
         if refused is not None:
             raise refused
         return [entry.handle for entry in entries]
+
+    @staticmethod
+    def _meta(name, named, staged, op, plan, call):
+        """What this rank submits of a tensor for every rank to agree on."""
+        *_, prescale, postscale, place = call
+        meta = {"name": name, "shape": list(staged.shape), "dtype": staged.dtype_name, "op": op,
+                "choices": plan.choices, "compression": plan.compression, "side": plan.side,
+                "prescale": prescale, "postscale": postscale, "rows": plan.rows, "report": plan.report}
+        if not named:   # an unnamed call's name is never submitted again: not worth a cache bit
+            meta["once"] = True
+        if place is not None:
+            meta["index"] = place
+        return meta
+
+    def _remember(self, name, repeat):
+        if len(self._repeats) >= REPEATS_KEPT and name not in self._repeats:   # a program that makes up names
+            self._repeats.pop(next(iter(self._repeats)))
+        self._repeats[name] = repeat
 
     def join(self):
         """commlib.join: wait, running the others' tensors with stand-ins, until every rank joined.
@@ -151,9 +174,7 @@ class Runtime:
         if op not in (Sum, Average) and differentiable.wants_grad(tensor):
             raise ConfigError(f"tensor {name!r}: op={op} is not differentiable here; reduce tensor.detach(), "
                               f"or use Sum or Average")
-        staged = Staged(tensor)   # op=Average on integers truncates toward zero, as Horovod's (executor.scaled)
-        if staged.torch and staged.sparse is None and staged.cpu:   # (a sparse one is never densified)
-            staged.array   # now, on the caller's thread: copied, or viewed and then never resized (Staged.array)
+        staged = Staged(tensor).read()   # op=Average on integers truncates toward zero, as Horovod's (executor.scaled)
         plan, compressor = self.dispatcher.plan(name, staged, algorithm, compression, policy, op, remember=named)
         if compressor is not None and not named:
             raise ConfigError(f"compressed tensors need a name= that is the same at every step: error feedback "
@@ -188,6 +209,33 @@ class Runtime:
             return step(*args)
         except Exception as exc:   # shutting down: the job's own work is done; say why there is no study
             log.warning("commlib: the study of this job (%s) failed: %s", self.settings.study, exc)
+
+
+class Repeat:
+    """A named tensor's last submission: the same call at its next step (a model's hundreds of
+    parameters, every step) takes its plan and its meta as they were, the meta the same object (the
+    client's response cache then knows it at a glance), and only reads the new tensor."""
+
+    __slots__ = ("call", "staged", "op", "plan", "meta")
+
+    def __init__(self, call, staged, op, plan, meta):
+        self.call, self.staged, self.op, self.plan, self.meta = call, staged, op, plan, meta
+
+    @staticmethod
+    def fits(staged, plan, compressor, tensor):
+        """Whether a submission may be repeated: a dense tensor outside autograd's tape whose plan is
+        settled (no density measured at each step, no report of `auto`'s, no compressor's state)."""
+        return staged.sparse is None and compressor is None and plan.density is None and plan.report is None \
+            and not differentiable.wants_grad(tensor)
+
+    def again(self, tensor, call, dispatcher):
+        """The Staged of `tensor`, read, where this call repeats the last one; else None (plan it)."""
+        if call != self.call or dispatcher.reports.waiting(self.meta["name"]):
+            return None
+        staged = self.staged.again(tensor)
+        if staged is None or (staged.torch and tensor.requires_grad):
+            return None
+        return staged.read()
 
 
 class ProcessSets:

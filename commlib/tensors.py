@@ -57,6 +57,25 @@ class Staged:
         else:
             raise InvalidTensor(f"commlib reduces numpy arrays and torch tensors, not {type(tensor).__name__}")
 
+    def again(self, tensor):
+        """A Staged of `tensor` where this one described a tensor like it (the same type, dtype and shape,
+        dense, on the same kind of device): this description, for it; else None."""
+        if type(tensor) is not type(self.tensor) or self.sparse is not None or tensor.dtype != self.dtype or \
+                tensor.shape != self.shape or (self.torch and (tensor.is_cpu != self.cpu or tensor.is_sparse)):
+            return None
+        staged = object.__new__(Staged)
+        staged.__dict__.update(self.__dict__)
+        staged.tensor, staged._array = tensor, None
+        staged.__dict__.pop("device", None)   # its own, once asked
+        return staged
+
+    def read(self):
+        """Read a dense CPU torch tensor now, on the caller's thread: copied, or viewed and then never
+        resized (see `array`). Returns self."""
+        if self.torch and self.sparse is None and self.cpu:
+            self.array
+        return self
+
     @cached_property
     def device(self):
         return self.tensor.device
@@ -116,18 +135,22 @@ class Staged:
         (FakeTensorMode while tracing): the result is made as on commlib's own thread, outside them."""
         if not self.torch:
             return flat.astype(self.dtype, copy=False).reshape(self.shape)
-        import torch
-        with _plain(torch):
-            out = torch.from_numpy(np.ascontiguousarray(flat).reshape(self.shape))   # one torch call: see `array`
-            if out.dtype != self.dtype or not self.cpu:
-                out = out.to(device=self.device, dtype=self.dtype, non_blocking=False)
+        torch = sys.modules["torch"]
+        if torch.is_inference_mode_enabled() or torch._C._len_torch_dispatch_stack():
+            with _plain(torch):
+                return self._restored(torch, flat)
+        return self._restored(torch, flat)
+
+    def _restored(self, torch, flat):
+        flat = np.ascontiguousarray(flat)   # (a 1-D array: reshaped after it)
+        out = torch.from_numpy(flat if flat.shape == self.shape else flat.reshape(self.shape))   # see `array`
+        if out.dtype != self.dtype or not self.cpu:
+            out = out.to(device=self.device, dtype=self.dtype, non_blocking=False)
         return out
 
 
 def _plain(torch):
-    """A context without the calling thread's inference mode and dispatch modes (none: nothing to do)."""
-    if not torch.is_inference_mode_enabled() and not torch._C._len_torch_dispatch_stack():
-        return contextlib.nullcontext()
+    """A context without the calling thread's inference mode and dispatch modes."""
     from torch.utils._python_dispatch import _disable_current_modes
     stack = contextlib.ExitStack()
     stack.enter_context(torch.inference_mode(False))

@@ -193,3 +193,7 @@ class Reports:
 
     def take(self, name):
         return self._ready.pop(name, None)
+
+    def waiting(self, name):
+        """Whether a report waits for the next submission of `name`."""
+        return name in self._ready
