@@ -1,5 +1,6 @@
 """The module-level API (commlib/__init__.py re-exports it): init once per process, then allreduce."""
 import atexit
+import functools
 import logging
 import os
 import sys
@@ -127,8 +128,8 @@ def allreduce_async(tensor, name=None, op=Average, algorithm=None, compression=N
     `algorithm`/`compression` force a choice; otherwise `policy` (a Policy or its text; default:
     commlib.init's) picks them from the name, size and dtype. `process_set`: reduce over those
     ranks only (a commlib.ProcessSet or Horovod's; only its ranks may call), default every rank."""
-    return grouped_allreduce_async([tensor], [name], op, algorithm, compression, prescale_factor,
-                                   postscale_factor, policy, process_set)[0]
+    return submit([tensor], [name], op, algorithm, compression, prescale_factor, postscale_factor, policy,
+                  process_set)[0]
 
 
 def grouped_allreduce_async(tensors, names=None, op=Average, algorithm=None, compression=None,
@@ -146,11 +147,13 @@ def submit(tensors, names=None, op=Average, algorithm=None, compression=None, pr
     bucket), so they go to the controller now, from this thread, to be released at once (Handle.hurry
     without a second message or the sender thread's wake-up)."""
     if isinstance(policy, str):
-        policy = Policy.parse(policy)
+        policy = _parsed(policy)
     names = [None] * len(tensors) if names is None else list(names)
     if len(names) != len(tensors):
         raise ConfigError(f"grouped_allreduce: {len(tensors)} tensors but {len(names)} names")
-    over = runtime().process_sets.runtime(process_set)
+    over = runtime()
+    if process_set is not None:
+        over = over.process_sets.runtime(process_set)
     handles = over.grouped_allreduce_async(tensors, names, op, algorithm, compression, float(prescale_factor),
                                            float(postscale_factor), policy, hurry)
     for tensor, handle in zip(tensors, handles):
@@ -161,6 +164,12 @@ def submit(tensors, names=None, op=Average, algorithm=None, compression=None, pr
             handle.then(lambda out, tensor=tensor, reduce_grad=reduce_grad:
                         differentiable.attach(tensor, out, reduce_grad))
     return handles
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(text):
+    """A policy's text parsed once: the same Policy object, call after call (what plans are kept by)."""
+    return Policy.parse(text)
 
 
 def grouped_allreduce(tensors, names=None, op=Average, algorithm=None, compression=None,

@@ -10,6 +10,7 @@ recorded, and handed to the callers' handles.
 """
 import itertools
 import logging
+from collections.abc import MutableMapping
 import threading
 import time
 
@@ -129,12 +130,58 @@ class Phases:
         return total
 
 
+class Records(MutableMapping):
+    """commlib.records(): per name, its last run. The executor puts a run's parts, and its dict is made
+    when first read (a step puts hundreds of names, and they are seldom read); the same run reads as
+    the same dict."""
+
+    def __init__(self):
+        self._runs = {}
+        self._made = {}   # name -> (the parts, the dict made of them): only readers write it, no lock
+
+    def put(self, name, algorithm, plan, dtype, nbytes, density, negotiate_s, queue_s, shared, rows=None,
+            estimate=None, skew=None, auto=None):
+        """shared: the bucket's (Executor._run); rows: a row-sparse tensor's (this rank's, the union's)."""
+        self._runs[name] = (algorithm, plan, dtype, nbytes, density, negotiate_s, queue_s, shared, rows, estimate,
+                            skew, auto)
+
+    def __getitem__(self, name):
+        run = self._runs[name]
+        if type(run) is not tuple:
+            return run
+        made = self._made.get(name)
+        if made is not None and made[0] is run:
+            return made[1]
+        algorithm, plan, dtype, nbytes, density, negotiate_s, queue_s, shared, rows, estimate, skew, auto = run
+        record = {"algorithm": algorithm, "compression": plan.compression, "dtype": dtype, "nbytes": nbytes,
+                  "density": density, "negotiate_s": negotiate_s, "queue_s": queue_s, **shared, "note": plan.note}
+        if rows is not None:   # row-sparse: rows sent by this rank and in the union, the model's estimate
+            record.update(rows=rows[0], union_rows=rows[1], estimate=estimate, skew=skew)
+        if auto is not None:   # `auto` measures: its trial or choice
+            record["auto"] = auto
+        self._made[name] = (run, record)
+        return record
+
+    def __setitem__(self, name, record):
+        self._runs[name] = record
+
+    def __delitem__(self, name):
+        del self._runs[name]
+        self._made.pop(name, None)
+
+    def __iter__(self):
+        return iter(self._runs)
+
+    def __len__(self):
+        return len(self._runs)
+
+
 class Executor:
     """Tracks the tensors in flight and runs the controller's batches on one background thread."""
 
     def __init__(self, ctx, client, dispatcher, timeline):
         self.ctx, self.client, self.dispatcher, self.timeline = ctx, client, dispatcher, timeline
-        self.records = {}
+        self.records = Records()
         self._tuned = None          # autotune's values the backends last took
         self._traced_windows = {}   # tensor name -> the hot/cold agreement whose counts are in the timeline
         self.broken = None       # the first fatal error: every later call raises it
@@ -292,8 +339,9 @@ class Executor:
         shared = {"bucket": name, "fused_with": len(bucket) - 1, "run_s": end - start,   # the bucket's, once
                   "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True), **phases.server()}
         nbytes = sum(entry.staged.nbytes for entry in bucket)
+        traced = self.timeline.active
         for entry, result in zip(bucket, results):
-            self._record(entry, shared, start, end, phases, nbytes)
+            self._record(entry, shared, start, end, phases, nbytes, traced)
             entry.handle.set(result=result, restore=entry.staged.restore if dense else None)
 
     def _run_dense(self, bucket, backend, name, phases):
@@ -374,24 +422,21 @@ class Executor:
             if counts is not None:
                 self.timeline.counts(entry.name, counts[0], counts[1].reshape(-1))
 
-    def _record(self, entry, shared, start, end, phases, bucket_bytes):
+    def _record(self, entry, shared, start, end, phases, bucket_bytes, traced):
         t = entry.times
-        self.records[entry.record] = {
-            "algorithm": entry.algorithm, "compression": entry.plan.compression, "dtype": entry.staged.dtype_name,
-            "nbytes": entry.staged.nbytes, "density": entry.density, "negotiate_s": t["go"] - t["enqueue"],
-            "queue_s": start - t["go"], **shared, "note": entry.plan.note}
-        if entry.rows is not None:   # row-sparse: rows sent by this rank and in the union, the model's estimate
-            self.records[entry.record].update(rows=entry.rows[0], union_rows=entry.rows[1], estimate=entry.estimate,
-                                            skew=entry.skew)
-        if entry.auto is not None:   # `auto` measures: its trial or choice; this run's time goes to rank 0 with the next submission
-            self.records[entry.record]["auto"] = entry.auto
+        self.records.put(entry.record, entry.algorithm, entry.plan, entry.staged.dtype_name, entry.staged.nbytes,
+                         entry.density, t["go"] - t["enqueue"], start - t["go"], shared, entry.rows, entry.estimate,
+                         entry.skew, entry.auto)
+        if entry.auto is not None:   # `auto` measures: this run's time goes to rank 0 with the next submission
             # its share of the bucket's time by bytes: fused with others or alone, a tensor costs alike
             share = entry.staged.nbytes / bucket_bytes if bucket_bytes else 1.0
             self.dispatcher.reports.ran(entry.name, entry.auto, (end - start) * share)
-            for *_, comm, args in (phases.spans if self.timeline.active else ()):
+            for *_, comm, args in (phases.spans if traced else ()):
                 if comm:   # the study's table of candidates (commlib.analyze)
                     args["auto"] = entry.auto
-        self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes, shared["fused_with"])
+        if traced:
+            self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes,
+                                 shared["fused_with"])
 
 
 def collective(backend):

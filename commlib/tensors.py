@@ -13,7 +13,7 @@ tensor where it lives.
 import contextlib
 import ctypes
 import sys
-from functools import cache, cached_property
+from functools import cache
 
 import numpy as np
 
@@ -66,17 +66,16 @@ class Staged:
         staged = object.__new__(Staged)
         staged.__dict__.update(self.__dict__)
         staged.tensor, staged._array = tensor, None
-        staged.__dict__.pop("device", None)   # its own, once asked
         return staged
 
     def read(self):
         """Read a dense CPU torch tensor now, on the caller's thread: copied, or viewed and then never
         resized (see `array`). Returns self."""
-        if self.torch and self.sparse is None and self.cpu:
-            self.array
+        if self.torch and self.sparse is None and self.cpu and self._array is None:
+            self._array = self._host_array()
         return self
 
-    @cached_property
+    @property
     def device(self):
         return self.tensor.device
 
@@ -108,7 +107,7 @@ class Staged:
         if not t.is_contiguous():
             t = t.contiguous()
         # .numpy(): torch then refuses to resize the tensor (for good), whose memory the backends read later
-        return t.resolve_neg().numpy().reshape(-1) if _negative()(t) else t.numpy().reshape(-1)
+        return t.resolve_neg().numpy().reshape(-1) if _negative(t) else t.numpy().reshape(-1)
 
     def _densified(self):
         out = np.zeros((self.sparse.nrows, self.sparse.width), dtype=self.travel_dtype)
@@ -163,7 +162,7 @@ def viewable(tensor):
     or a FakeTensor), of a dtype numpy has, its values as stored (no negative bit). Only attributes
     that keep the GIL (see _HostView): is_cpu, not tensor.device (which costs more than a small copy)."""
     return tensor.is_cpu and not tensor.is_sparse and tensor.dtype is not _bfloat16() and \
-        tensor.is_contiguous() and not _negative()(tensor) and (tensor.data_ptr() != 0 or tensor.numel() == 0)
+        tensor.is_contiguous() and not _negative(tensor) and (tensor.data_ptr() != 0 or tensor.numel() == 0)
 
 
 @cache
@@ -172,16 +171,15 @@ def _bfloat16():
     return torch.bfloat16
 
 
-@cache
-def _negative():
-    """tensor -> tensor.is_neg(), asked of its dispatch keys where torch has them: is_neg releases the
-    GIL (see _HostView), the dispatch keys do not."""
+def _negative(tensor):
+    """tensor.is_neg(), asked of its dispatch keys as text where torch has them: is_neg releases the GIL
+    (see _HostView), and the keys' object form costs microseconds in a busy process (pybind11 registers
+    each instance it returns). Its first call puts the test in its place."""
+    global _negative
     import torch
-    keys = getattr(torch._C, "_dispatch_keys", None)
-    if keys is None:
-        return lambda tensor: tensor.is_neg()
-    negative = torch._C.DispatchKey.Negative
-    return lambda tensor: keys(tensor).has(negative)
+    keys = getattr(torch._C, "_dispatch_key_set", None)
+    _negative = (lambda t: t.is_neg()) if keys is None else (lambda t: "Negative" in keys(t))
+    return _negative(tensor)
 
 
 def host_array(tensor):
