@@ -37,6 +37,9 @@ STOP = {"t": "stop"}
 class Entry:
     """One tensor in flight: the caller's tensor, its plan, its handle and its timestamps."""
 
+    __slots__ = ("staged", "name", "op", "plan", "compressor", "record", "prescale", "postscale", "handle",
+                 "algorithm", "estimate", "auto", "counts", "density", "rows", "skew", "enqueued", "went")
+
     def __init__(self, staged, name, op, plan, compressor, prescale, postscale, handle, record=None):
         self.staged, self.name, self.op, self.plan, self.compressor = staged, name, op, plan, compressor
         self.record = record or name   # its commlib.records() key: unnamed calls share one (bounded memory)
@@ -48,7 +51,8 @@ class Entry:
         self.density = plan.density
         self.rows = None         # row-sparse tensors: (this rank's rows, the union's)
         self.skew = None         # hotcold's hot set for this tensor
-        self.times = {"enqueue": time.monotonic()}
+        self.enqueued = time.monotonic()   # submitted
+        self.went = None                   # released by the controller
 
     def fusion_key(self):
         if self.staged.sparse is not None and self.compressor is None and self.op in (Sum, Average):
@@ -288,7 +292,7 @@ class Executor:
                             taken.handle.set(error=error)
                         raise error from exc
                 if entry is not None:   # None: failed by a fatal error (or shutdown) that raced this batch
-                    entry.algorithm, entry.times["go"] = release.algorithm, now
+                    entry.algorithm, entry.went = release.algorithm, now
                     entry.estimate, entry.counts, entry.auto = release.estimate, release.counts, release.auto
                     entries.append(entry)
         for bucket in fuse(grouped(entries), fusion_threshold):
@@ -423,9 +427,8 @@ class Executor:
                 self.timeline.counts(entry.name, counts[0], counts[1].reshape(-1))
 
     def _record(self, entry, shared, start, end, phases, bucket_bytes, traced):
-        t = entry.times
         self.records.put(entry.record, entry.algorithm, entry.plan, entry.staged.dtype_name, entry.staged.nbytes,
-                         entry.density, t["go"] - t["enqueue"], start - t["go"], shared, entry.rows, entry.estimate,
+                         entry.density, entry.went - entry.enqueued, start - entry.went, shared, entry.rows, entry.estimate,
                          entry.skew, entry.auto)
         if entry.auto is not None:   # `auto` measures: this run's time goes to rank 0 with the next submission
             # its share of the bucket's time by bytes: fused with others or alone, a tensor costs alike
@@ -435,8 +438,8 @@ class Executor:
                 if comm:   # the study's table of candidates (commlib.analyze)
                     args["auto"] = entry.auto
         if traced:
-            self.timeline.tensor(entry.name, entry.algorithm, t, start, phases, entry.staged.nbytes,
-                                 shared["fused_with"])
+            self.timeline.tensor(entry.name, entry.algorithm, (entry.enqueued, entry.went), start, phases,
+                                 entry.staged.nbytes, shared["fused_with"])
 
 
 def collective(backend):

@@ -26,6 +26,9 @@ COPY_MAX = 1 << 16   # bytes: torch CPU tensors up to this size are copied at su
 class Staged:
     """A tensor's description (for the policy and negotiation) and, on demand, its host view."""
 
+    __slots__ = ("tensor", "torch", "sparse", "_array", "dtype", "shape", "cpu", "dtype_name", "travel_dtype", "numel",
+                 "nbytes")
+
     def __init__(self, tensor):
         if isinstance(tensor, np.generic):   # a 0-d value as numpy hands it (TF's 0-d tensors, keras' scalars)
             tensor = np.asarray(tensor)
@@ -33,6 +36,7 @@ class Staged:
         self.torch = _is_torch(tensor)
         self.sparse = None   # coalesced RowSparse for sparse inputs
         self._array = None
+        self.cpu = True      # a torch tensor's memory may be elsewhere
         if isinstance(tensor, row_sparse.RowSparse):
             self.sparse = tensor.coalesced()
             self.shape, self.dtype = tensor.shape, tensor.values.dtype
@@ -64,8 +68,10 @@ class Staged:
                 tensor.shape != self.shape or (self.torch and (tensor.is_cpu != self.cpu or tensor.is_sparse)):
             return None
         staged = object.__new__(Staged)
-        staged.__dict__.update(self.__dict__)
-        staged.tensor, staged._array = tensor, None
+        staged.tensor, staged.torch, staged.sparse, staged._array, staged.cpu = tensor, self.torch, None, None, self.cpu
+        staged.dtype, staged.shape, staged.dtype_name, staged.travel_dtype = \
+            self.dtype, self.shape, self.dtype_name, self.travel_dtype
+        staged.numel, staged.nbytes = self.numel, self.nbytes
         return staged
 
     def read(self):

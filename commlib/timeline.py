@@ -56,8 +56,8 @@ class Timeline:
         return self._file is not None
 
     def tensor(self, name, algorithm, times, start, phases, nbytes, fused_with):
-        """One tensor's round: its negotiation and queue (`times`: enqueue, go; `start`: its
-        bucket's start) and its bucket's `phases`."""
+        """One tensor's round: its negotiation and queue (`times`: when it was submitted and released;
+        `start`: its bucket's start) and its bucket's `phases`."""
         if self._file is None:   # off: no cost beyond this test
             return
         with self._lock:
@@ -66,7 +66,8 @@ class Timeline:
             tid, meta = self._row(name)
             # formatted by hand, not json.dumps per event: a third of the cost, on the step's path
             head = f'{{"ph":"X","pid":{self.rank},"tid":{tid},"name":'
-            stages = [("NEGOTIATE", times["enqueue"], times["go"], False, {}), ("QUEUE", times["go"], start, False, {})]
+            enqueued, went = times
+            stages = [("NEGOTIATE", enqueued, went, False, {}), ("QUEUE", went, start, False, {})]
             lines = [_compact(e) + ",\n" for e in meta]
             for stage, begin, end, comm, args in stages + phases.spans:
                 args = {**args, "algorithm": algorithm, "bytes": nbytes, "fused_with": fused_with} if comm else args
