@@ -98,7 +98,7 @@ class Runtime:
                     continue
                 meta = self._meta(name, named, staged, op_name, plan, call)
                 if named and Repeat.fits(staged, plan, compressor, tensor):
-                    self._remember(name, Repeat(call, staged, op_name, plan, meta))
+                    self._remember(name, Repeat(call, staged.again(), op_name, plan, meta))
             handle = Handle(name, self._wait_s, self._hurry)
             entries.append(Entry(staged, name, op_name, plan, compressor, prescale, postscale, handle,
                                  None if named else UNNAMED))
@@ -214,12 +214,13 @@ class Runtime:
 class Repeat:
     """A named tensor's last submission: the same call at its next step (a model's hundreds of
     parameters, every step) takes its plan and its meta as they were, the meta the same object (the
-    client's response cache then knows it at a glance), and only reads the new tensor."""
+    client's response cache then knows it at a glance), and only reads the new tensor. It keeps the
+    tensor's description (Staged.again()), none of its memory."""
 
-    __slots__ = ("call", "staged", "op", "plan", "meta")
+    __slots__ = ("call", "description", "op", "plan", "meta")
 
-    def __init__(self, call, staged, op, plan, meta):
-        self.call, self.staged, self.op, self.plan, self.meta = call, staged, op, plan, meta
+    def __init__(self, call, description, op, plan, meta):
+        self.call, self.description, self.op, self.plan, self.meta = call, description, op, plan, meta
 
     @staticmethod
     def fits(staged, plan, compressor, tensor):
@@ -232,7 +233,7 @@ class Repeat:
         """The Staged of `tensor`, read, where this call repeats the last one; else None (plan it)."""
         if call != self.call or dispatcher.reports.waiting(self.meta["name"]):
             return None
-        staged = self.staged.again(tensor)
+        staged = self.description.again(tensor)
         if staged is None or (staged.torch and tensor.requires_grad):
             return None
         return staged.read()

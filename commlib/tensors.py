@@ -26,13 +26,13 @@ COPY_MAX = 1 << 16   # bytes: torch CPU tensors up to this size are copied at su
 class Staged:
     """A tensor's description (for the policy and negotiation) and, on demand, its host view."""
 
-    __slots__ = ("tensor", "torch", "sparse", "_array", "dtype", "shape", "cpu", "dtype_name", "travel_dtype", "numel",
-                 "nbytes")
+    __slots__ = ("tensor", "kind", "torch", "sparse", "_array", "dtype", "shape", "cpu", "dtype_name", "travel_dtype",
+                 "numel", "nbytes")
 
     def __init__(self, tensor):
         if isinstance(tensor, np.generic):   # a 0-d value as numpy hands it (TF's 0-d tensors, keras' scalars)
             tensor = np.asarray(tensor)
-        self.tensor = tensor
+        self.tensor, self.kind = tensor, type(tensor)
         self.torch = _is_torch(tensor)
         self.sparse = None   # coalesced RowSparse for sparse inputs
         self._array = None
@@ -61,14 +61,17 @@ class Staged:
         else:
             raise InvalidTensor(f"commlib reduces numpy arrays and torch tensors, not {type(tensor).__name__}")
 
-    def again(self, tensor):
+    def again(self, tensor=None):
         """A Staged of `tensor` where this one described a tensor like it (the same type, dtype and shape,
-        dense, on the same kind of device): this description, for it; else None."""
-        if type(tensor) is not type(self.tensor) or self.sparse is not None or tensor.dtype != self.dtype or \
-                tensor.shape != self.shape or (self.torch and (tensor.is_cpu != self.cpu or tensor.is_sparse)):
+        dense, on the same kind of device): this description, for it; else None. Without a tensor: the
+        description alone, holding none of the caller's memory."""
+        if tensor is not None and (type(tensor) is not self.kind or self.sparse is not None or
+                                   tensor.dtype != self.dtype or tensor.shape != self.shape or
+                                   (self.torch and (tensor.is_cpu != self.cpu or tensor.is_sparse))):
             return None
         staged = object.__new__(Staged)
-        staged.tensor, staged.torch, staged.sparse, staged._array, staged.cpu = tensor, self.torch, None, None, self.cpu
+        staged.tensor, staged.kind, staged.torch, staged.sparse, staged._array = tensor, self.kind, self.torch, None, None
+        staged.cpu = self.cpu
         staged.dtype, staged.shape, staged.dtype_name, staged.travel_dtype = \
             self.dtype, self.shape, self.dtype_name, self.travel_dtype
         staged.numel, staged.nbytes = self.numel, self.nbytes

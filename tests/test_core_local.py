@@ -1,8 +1,10 @@
 """The public API in one process (size 1, no launcher): types, errors, records, timeline."""
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -240,7 +242,11 @@ def test_a_name_submitted_again_in_another_form_is_planned_and_read_anew(runtime
     goes the whole way again."""
     from commlib.runtime import Repeat
     repeated, again = [], Repeat.again
-    monkeypatch.setattr(Repeat, "again", lambda *args: repeated.append(again(*args)) or repeated[-1])
+    def counted(*args):
+        staged = again(*args)
+        repeated.append(staged is not None)
+        return staged
+    monkeypatch.setattr(Repeat, "again", counted)
     base = torch.arange(6.0)
     complex_view = torch.complex(torch.zeros(6), torch.arange(6.0)).conj().imag   # -arange: negative bit
     forms = [(base, {}), (base + 1, {}), (complex_view, {}), (base.double(), {}), (base.reshape(2, 3), {}),
@@ -252,7 +258,14 @@ def test_a_name_submitted_again_in_another_form_is_planned_and_read_anew(runtime
         assert type(out) is type(tensor) and out.dtype == tensor.dtype and out.shape == tensor.shape, (tensor, out)
         assert out.tolist() == expected.tolist(), (tensor, kwargs, out)
         assert commlib.records()["again"]["dtype"] == str(tensor.dtype).replace("torch.", "")
-    assert sum(r is not None for r in repeated) == 6, repeated   # base+1, the negative view, the transpose: twice
+    assert sum(repeated) == 6, repeated   # base+1, the negative view, the transpose: twice
+    large = torch.ones(1 << 16)   # (viewed, not copied)
+    for _ in range(2):
+        commlib.allreduce(large, name="kept")
+    gone = weakref.ref(large)
+    del large
+    gc.collect()
+    assert gone() is None, "commlib keeps a tensor it reduced alive"
     x = torch.arange(3.0, requires_grad=True)
     commlib.allreduce(x.detach(), name="again", op=commlib.Sum)
     y = commlib.allreduce(x * 2, name="again", op=commlib.Sum)
