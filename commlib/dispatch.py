@@ -193,8 +193,8 @@ class Dispatcher:
                 return (known if known.density is None else self._measured(known, staged)), None
         plan, compressor = self._plan(name, staged, algorithm, compression, policy, op)
         if key is not None and compressor is None and plan.rows is None:
-            if len(self._plans) >= PLANS_KEPT:   # a program that makes up names: keep it bounded
-                self._plans.pop(next(iter(self._plans)))
+            if len(self._plans) >= PLANS_KEPT:   # a program that makes up names: keep it bounded (one step,
+                self._plans.clear()                # safe beside another thread's submission)
             self._plans[key] = plan
         return plan, compressor
 

@@ -173,8 +173,8 @@ class Records(MutableMapping):
         del self._runs[name]
         self._made.pop(name, None)
 
-    def __iter__(self):
-        return iter(self._runs)
+    def __iter__(self):   # the names now, at once: the executor may add one meanwhile
+        return iter(list(self._runs))
 
     def __len__(self):
         return len(self._runs)

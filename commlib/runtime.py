@@ -83,7 +83,8 @@ class Runtime:
             # its place in the group, the order the group is released and fused in: a new order is
             # negotiated anew (DDP rebuilds its buckets after the first step; their parameters' views
             # then fuse in place, and the result is the bucket without a copy)
-            call = (op, algorithm, compression, policy, prescale, postscale, index if len(tensors) > 1 else None)
+            call = (op, type(op), algorithm, compression, policy, prescale, postscale,   # (True == 1: not the same op)
+                    index if len(tensors) > 1 else None)
             repeat = self._repeats.get(name) if named else None
             staged = repeat.again(tensor, call, self.dispatcher) if repeat is not None else None
             if staged is not None:   # the call of its last step: planned and described as then
@@ -127,8 +128,8 @@ class Runtime:
         return meta
 
     def _remember(self, name, repeat):
-        if len(self._repeats) >= REPEATS_KEPT and name not in self._repeats:   # a program that makes up names
-            self._repeats.pop(next(iter(self._repeats)))
+        if len(self._repeats) >= REPEATS_KEPT:   # a program that makes up names: kept bounded (one step, safe
+            self._repeats.clear()                # beside another thread's submission)
         self._repeats[name] = repeat
 
     def join(self):

@@ -259,6 +259,10 @@ def test_a_name_submitted_again_in_another_form_is_planned_and_read_anew(runtime
         assert out.tolist() == expected.tolist(), (tensor, kwargs, out)
         assert commlib.records()["again"]["dtype"] == str(tensor.dtype).replace("torch.", "")
     assert sum(repeated) == 6, repeated   # base+1, the negative view, the transpose: twice
+    for op in (1, 1):   # Horovod's Sum, repeated; a bool is not an op, however the last call went
+        commlib.allreduce(base, name="op", op=op)
+    with pytest.raises(commlib.ConfigError, match="op=True"):
+        commlib.allreduce(base, name="op", op=True)
     large = torch.ones(1 << 16)   # (viewed, not copied)
     for _ in range(2):
         commlib.allreduce(large, name="kept")

@@ -145,7 +145,7 @@ def test_a_plan_no_measurement_decides_is_remembered_per_tensor_and_the_rest_is_
     monkeypatch.setattr("commlib.dispatch.PLANS_KEPT", 3)
     for i in range(10):                                            # a program that makes up names: kept bounded
         plan(d, np.zeros(8, np.float32), name=f"made.up.{i}")
-    assert len(d._plans) == 3
+    assert 0 < len(d._plans) <= 3, d._plans
 
 
 @pytest.mark.multiprocess

@@ -72,3 +72,15 @@ def test_unnamed_calls_keep_memory_flat(monkeypatch):
         assert grown < 3000 * 100, f"{grown} bytes more after 3000 unnamed calls ({grown / 3000:.0f} per call)"
     finally:
         commlib.shutdown()
+
+
+def test_records_can_be_read_while_the_executor_adds_a_name():
+    """commlib.records() copies the records while commlib's thread records new names."""
+    from commlib.dispatch import Plan
+    from commlib.executor import Records
+    records = Records()
+    records.put("a", "ring", Plan(((None, "ring"),)), "float32", 4, None, 0.0, 0.0, {"bucket": "a"})
+    names = iter(records)
+    records.put("b", "ring", Plan(((None, "ring"),)), "float32", 4, None, 0.0, 0.0, {"bucket": "b"})
+    assert list(names) == ["a"] and dict(records)["b"]["bucket"] == "b"
+    assert records["a"] is records["a"], "the same run reads as the same dict"
