@@ -10,9 +10,9 @@ recorded, and handed to the callers' handles.
 """
 import itertools
 import logging
-from collections.abc import MutableMapping
 import threading
 import time
+from collections.abc import MutableMapping
 
 import numpy as np
 
@@ -428,8 +428,8 @@ class Executor:
 
     def _record(self, entry, shared, start, end, phases, bucket_bytes, traced):
         self.records.put(entry.record, entry.algorithm, entry.plan, entry.staged.dtype_name, entry.staged.nbytes,
-                         entry.density, entry.went - entry.enqueued, start - entry.went, shared, entry.rows, entry.estimate,
-                         entry.skew, entry.auto)
+                         entry.density, entry.went - entry.enqueued, start - entry.went, shared, entry.rows,
+                         entry.estimate, entry.skew, entry.auto)
         if entry.auto is not None:   # `auto` measures: this run's time goes to rank 0 with the next submission
             # its share of the bucket's time by bytes: fused with others or alone, a tensor costs alike
             share = entry.staged.nbytes / bucket_bytes if bucket_bytes else 1.0

@@ -83,7 +83,7 @@ class Runtime:
             # its place in the group, the order the group is released and fused in: a new order is
             # negotiated anew (DDP rebuilds its buckets after the first step; their parameters' views
             # then fuse in place, and the result is the bucket without a copy)
-            call = (op, type(op), algorithm, compression, policy, prescale, postscale,   # (True == 1: not the same op)
+            call = (op, type(op), algorithm, compression, policy, prescale, postscale,   # (op=True equals 1, is no op)
                     index if len(tensors) > 1 else None)
             repeat = self._repeats.get(name) if named else None
             staged = repeat.again(tensor, call, self.dispatcher) if repeat is not None else None

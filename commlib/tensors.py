@@ -70,8 +70,8 @@ class Staged:
                                    (self.torch and (tensor.is_cpu != self.cpu or tensor.is_sparse))):
             return None
         staged = object.__new__(Staged)
-        staged.tensor, staged.kind, staged.torch, staged.sparse, staged._array = tensor, self.kind, self.torch, None, None
-        staged.cpu = self.cpu
+        staged.tensor, staged.kind, staged.torch, staged.cpu = tensor, self.kind, self.torch, self.cpu
+        staged.sparse = staged._array = None
         staged.dtype, staged.shape, staged.dtype_name, staged.travel_dtype = \
             self.dtype, self.shape, self.dtype_name, self.travel_dtype
         staged.numel, staged.nbytes = self.numel, self.nbytes
