@@ -70,7 +70,7 @@ test-long:
 # them briefly through tests/test_fuzz.py). The packet targets run the ASan + UBSan build of the C code.
 FUZZ_SECONDS ?= 300
 fuzz:
-	@set -e; for t in switch_control aggregator_control switch_packets aggregator_packets; do \
+	@set -e; for t in controller_hello switch_control aggregator_control switch_packets aggregator_packets; do \
 	  mkdir -p build/fuzz/corpus/$$t build/fuzz/crashes; echo "== fuzz $$t ($(FUZZ_SECONDS)s)"; \
 	  case $$t in *_packets) san=--sanitized;; *) san=;; esac; \
 	  $(PY) tests/fuzz/run.py $$t $$san -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \

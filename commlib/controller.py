@@ -346,7 +346,7 @@ class ControllerServer:
         try:
             hello = json.loads(bytes(received[_HEADER.size:_HEADER.size + length]))
             rank = hello["rank"]
-            if hello["t"] != "hello" or not isinstance(rank, int) or not 0 <= rank < self.size:
+            if hello["t"] != "hello" or type(rank) is not int or not 0 <= rank < self.size:   # (JSON's true: no rank)
                 raise ValueError(f"not a hello from a rank of this job: {hello!r:.200}")
             if rank in self._clients:
                 raise ValueError(f"rank {rank} is connected already")

@@ -403,6 +403,22 @@ def test_a_stranger_cannot_take_a_ranks_place_and_silent_or_huge_connections_hol
         stop_job(server, [c for c in clients if c])
 
 
+def test_a_hello_must_name_its_rank_as_a_number():
+    """JSON's `true` is no rank, even with the proof rank 1 would give (found by tests/fuzz's
+    controller_hello; before, it was admitted as rank True, which a dict takes for 1)."""
+    import socket
+    server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=20.0, cycle_time_ms=1.0, secret=SECRET)
+    sock = socket.create_connection(server.address, timeout=5)
+    try:
+        nonce = bytes(controller.NONCE_BYTES)
+        key = controller.session_key(SECRET, bytes.fromhex(controller.recv_msg(sock)["nonce"]), nonce, 1)
+        controller.send_msg(sock, {"t": "hello", "rank": True, "nonce": nonce.hex(), "proof": controller.proof(key)})
+        assert closed_by_peer(sock) and not server._clients, server._clients
+    finally:
+        sock.close()
+        server.close()
+
+
 def test_a_process_sets_controller_admits_only_that_sets_ranks():
     """Every set's controller derives its own secret from the job's: a rank of one set (or of the job)
     cannot take a place in another set's controller, nor that controller pose as its own."""

@@ -1,7 +1,8 @@
 """The fuzz targets of tests/fuzz (atheris), a short bounded run each: the control targets in
 `make test`, the packet targets (ASan + UBSan build) in `make test-long`. A crash (a handler raising
 past `answer`, an error counted as "internal", leaked slots, an ASan or UBSan report from the C
-packet handlers) fails the test with the fuzzer's output and the crashing input.
+packet handlers, a controller that admits a stranger or keeps its connection) fails the test with the
+fuzzer's output and the crashing input.
 `make fuzz` runs the same targets for minutes with a corpus (tests/fuzz/run.py says how)."""
 import pytest
 
@@ -11,7 +12,7 @@ from helpers import fuzz
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("target", ["switch_control", "aggregator_control"])
+@pytest.mark.parametrize("target", ["controller_hello", "switch_control", "aggregator_control"])
 def test_control_handlers(tmp_path, target):
     rc, log = fuzz(tmp_path, target, "-runs=3000", "-max_total_time=30")
     assert rc == 0 and "Done 3000 runs" in log, log[-3000:]

@@ -1,5 +1,7 @@
 """Fuzz targets (atheris, tests/fuzz/run.py) for what an attacker on the segment reaches first:
 
+  controller_hello    rank 0's controller before the job forms (commlib.controller: its challenge, then a
+                      stranger's hello: raw bytes, or framed hellos with fuzzed fields and lengths)
   switch_control      SwitchServer.handle behind control.answer (the switch's TCP control port)
   aggregator_control  Aggregator.handle behind control.answer (an aggregator's control datagrams)
   switch_packets      the switch's C packet handler (sml_switch_run on a loopback socket)
@@ -9,20 +11,25 @@
 
 Each takes the fuzzer's bytes and fails (an exception: atheris reports it as a crash, with the
 input) when a daemon would misbehave: a handler raising past `answer`, an error counted as
-"internal" (an exception nobody foresaw), an answer that is not JSON, slots that leak. The C
+"internal" (an exception nobody foresaw), an answer that is not JSON, slots that leak, a controller
+that admits a stranger, keeps its connection or stops. The C
 targets crash the process when ASan/UBSan (tests/fuzz/build_sanitized.py) sees a memory error or
 undefined behaviour. Half of the inputs are built as plausible requests or sealed packets (the
 right job, token, key and checksum) so that the fuzzer gets past the first checks. The packet rigs'
 jobs MAC with the algorithm COMMLIB_FUZZ_MAC names (switch/packet_mac.py; default aes-256-gcm):
 tests/test_mac.py runs them with each.
 """
+import json
+import logging
 import os
 import socket
 import struct
+import time
 
 import atheris
 
 with atheris.instrument_imports(include=["commlib"]):      # coverage of the Python control handlers guides the fuzzer
+    from commlib import controller
     from commlib.switch import aggregator as agg, auth, control, packet_mac
     from commlib.switch import switchml as sw
 
@@ -132,6 +139,61 @@ def aggregator_control(data):
     _check_answer(reply, aggregator.drops)
     for ident in list(aggregator._jobs):
         aggregator._remove(ident)
+
+
+# -- rank 0's controller before the job forms ----------------------------------------------------------
+_controller = None
+SECRET = bytes(range(200, 232))   # the job's
+
+
+def _hello(fdp, challenge):
+    """What a stranger sends after the challenge: raw bytes, or a framed hello whose fields and length
+    are fuzzed; its proof is the secret's where the hello could not admit it anyway (another kind of
+    message, a rank outside the job), so that the checks after the proof's are reached too."""
+    if fdp.ConsumeIntInRange(0, 3) == 0:
+        return fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 2 * controller.HELLO_BYTES))
+    nonce = fdp.ConsumeBytes(controller.NONCE_BYTES if fdp.ConsumeIntInRange(0, 3) else fdp.ConsumeIntInRange(0, 40))
+    kind = fdp.PickValueInList(["hello", "hello", "welcome", "submit", None])
+    rank = fdp.ConsumeIntInRange(-2, 4) if fdp.ConsumeIntInRange(0, 3) else _value(fdp)
+    hello = {"t": kind, "rank": rank, "nonce": nonce.hex(), "proof": fdp.ConsumeUnicodeNoSurrogates(40)}
+    admissible = kind == "hello" and type(rank) is int and 0 <= rank < _controller.size
+    if not admissible and isinstance(rank, int) and len(nonce) == controller.NONCE_BYTES and fdp.ConsumeBool():
+        hello["proof"] = controller.proof(controller.session_key(SECRET, challenge, nonce, rank & 0xFFFFFFFF))
+    for _ in range(fdp.ConsumeIntInRange(0, 2)):   # missing, extra or retyped fields
+        field = fdp.PickValueInList(["t", "rank", "nonce", "proof", "extra"])
+        if fdp.ConsumeBool():
+            hello.pop(field, None)
+        else:
+            hello[field] = _value(fdp)
+    body = json.dumps(hello).encode()
+    length = len(body) if fdp.ConsumeIntInRange(0, 3) else fdp.ConsumeInt(4) & 0xFFFFFFFF
+    return struct.pack("!I", length) + body[:fdp.ConsumeIntInRange(0, len(body))] if length != len(body) \
+        else struct.pack("!I", length) + body
+
+
+def controller_hello(data):
+    """A stranger connects to rank 0's controller of a job of 4 ranks that has not formed yet: it is
+    never admitted, its connection ends once it stopped sending (at once here: it half-closes), and
+    the controller keeps serving the next one."""
+    global _controller
+    if _controller is None:
+        logging.getLogger("commlib").setLevel(logging.ERROR)   # a refusal per input is logged as a warning
+        _controller = controller.ControllerServer(4, "127.0.0.1", 0, None, 1e6, 1.0, secret=SECRET)
+    fdp = atheris.FuzzedDataProvider(data)
+    with socket.create_connection(_controller.address, timeout=5.0) as sock:
+        challenge = controller.recv_msg(sock, deadline=time.monotonic() + 5.0)
+        try:
+            sock.sendall(_hello(fdp, bytes.fromhex(challenge["nonce"])))
+            sock.shutdown(socket.SHUT_WR)
+            while sock.recv(4096):   # until the controller closes it
+                pass
+        except socket.timeout:
+            raise AssertionError(f"the controller kept a stranger's connection open (ranks admitted: "
+                                 f"{sorted(_controller._clients)})") from None
+        except OSError:   # reset: it closed while bytes were unread
+            pass
+    assert _controller._thread.is_alive(), "the controller stopped"
+    assert not _controller._clients, f"a stranger was admitted as rank(s) {sorted(_controller._clients)}"
 
 
 # -- C packet handlers ------------------------------------------------------------------------------
@@ -368,6 +430,6 @@ def asan_selftest(data):
     lib.tp_checksum(ffi.new("uint8_t[]", 4), 68)
 
 
-TARGETS = {f.__name__: f for f in (switch_control, aggregator_control, switch_packets, switch_leaf_packets,
-                                   aggregator_packets)}
+TARGETS = {f.__name__: f for f in (controller_hello, switch_control, aggregator_control, switch_packets,
+                                   switch_leaf_packets, aggregator_packets)}
 SELFTESTS = {"asan_selftest": asan_selftest}
