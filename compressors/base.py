@@ -88,6 +88,16 @@ class Memory(Stateful):
         """tensor: what compensate returned; decompressed: decompress(payload, ctx) when uses_decompressed."""
 
 
+UNCHANGED = Memory()   # what a step whose gradient is not finite uses instead of the compressor's memory
+
+
+def finite(tensor):
+    """Whether every value is finite. A gradient that is not (an fp16 overflow, which a loss scaler
+    then skips) travels as it is, and leaves the error feedback as it was: its residual would carry
+    the Inf or NaN into every later step."""
+    return bool(torch.isfinite(tensor).all())
+
+
 class Ctx(NamedTuple):
     """What stays local: enough to decode any rank's payload (identical on every rank)."""
     shape: tuple
@@ -211,12 +221,14 @@ class Compressor(Stateful):
             divided = average and self.divide_before_sum
             encoded = []   # (payload, ctx, own decoded or None)
             for flat, name in work:
-                flat = self.memory.compensate(flat / channel.size if divided else flat, name)
+                flat = flat / channel.size if divided else flat
+                memory = self.memory if finite(flat) else UNCHANGED
+                flat = memory.compensate(flat, name)
                 payload, ctx = self.compress(flat, name)
                 own = None
-                if self.payload != "summable" or self.memory.uses_decompressed:
+                if self.payload != "summable" or memory.uses_decompressed:
                     own = self.decompress(payload, ctx)
-                self.memory.update(flat, name, self, payload, ctx, own)
+                memory.update(flat, name, self, payload, ctx, own)
                 encoded.append((payload, ctx, own))
             sums = iter(self.communicate(encoded, channel))
             scale = channel.size if average and self.averages and not divided else 1

@@ -34,6 +34,9 @@ class ResidualMemory(Memory):
 
     def compensate(self, tensor, name):
         residual = self.residuals.get(name)
+        if residual is not None and residual.shape != tensor.shape:   # another tensor under the name now
+            del self.residuals[name]
+            residual = None
         scaled = tensor if self.gamma == 1 else self.gamma * tensor
         if residual is None:
             return scaled
@@ -78,6 +81,8 @@ class DGCMemory(Memory):
 
     def compensate(self, tensor, name):
         u, v = self.momentums.get(name), self.accumulated.get(name)
+        if u is not None and u.shape != tensor.shape:   # another tensor under the name now
+            u = v = None
         u = tensor.clone() if u is None else _on(u, tensor).mul_(self.momentum).add_(tensor)
         v = u.clone() if v is None else _on(v, tensor).add_(u)
         self.momentums[name], self.accumulated[name] = u, v

@@ -3,7 +3,7 @@ PowerSGD's semantics: P = M Q, allreduce P, orthogonalize, Q = M^T P, allreduce 
 Q warm-started from the last step, error feedback against the averaged approximation."""
 import torch
 
-from commlib.compressors.base import Compressor, Ctx, allreduce_all, as_torch, register, work_dtype
+from commlib.compressors.base import UNCHANGED, Compressor, Ctx, allreduce_all, as_torch, finite, register, work_dtype
 from commlib.errors import ConfigError
 
 
@@ -108,17 +108,20 @@ class PowerSGD(Compressor):
                 if step < self.start_iter or not self.compresses(tuple(x.shape)):
                     plain.append((i, w.reshape(-1)))
                 else:
-                    m = self.memory.compensate(w.reshape(x.shape[0], -1), name)
-                    low_rank.append((i, name, m, self.initial_q(m, name, step)))
-            ps = [m @ q for _, _, m, q in low_rank]
+                    memory = self.memory if finite(w) else UNCHANGED
+                    m = memory.compensate(w.reshape(x.shape[0], -1), name)
+                    low_rank.append((i, name, m, self.initial_q(m, name, step), memory))
+            ps = [m @ q for _, _, m, q, _ in low_rank]
             sums = allreduce_all(channel, [w for _, w in plain] + [p.reshape(-1) for p in ps])
             outs = {i: total / channel.size if average else total for (i, _), total in zip(plain, sums)}
             ps = [orthogonalize(total.view(p.shape), self.orthogonalization_epsilon)
                   for total, p in zip(sums[len(plain):], ps)]
-            qs = allreduce_all(channel, [(m.T @ p).reshape(-1) for (_, _, m, _), p in zip(low_rank, ps)])
-            for (i, name, m, q), p, total in zip(low_rank, ps, qs):
-                q = self.qs[name] = total.view(q.shape) / channel.size
+            qs = allreduce_all(channel, [(m.T @ p).reshape(-1) for (_, _, m, _, _), p in zip(low_rank, ps)])
+            for (i, name, m, q, memory), p, total in zip(low_rank, ps, qs):
+                q = total.view(q.shape) / channel.size
+                if memory is not UNCHANGED:   # (a Q of Inf or NaN would start every later step)
+                    self.qs[name] = q
                 approx = p @ q.T
-                self.memory.update(m, name, self, None, None, approx)
+                memory.update(m, name, self, None, None, approx)
                 outs[i] = approx if average else approx * channel.size
             return [restore(outs[i]) if i in outs else restore(x.clone()) for i, (x, restore) in enumerate(inputs)]

@@ -261,3 +261,33 @@ def test_terngrad_clipping_and_constant_tensors():
     x = torch.cat([torch.randn(999, generator=gen(11)), torch.tensor([100.0])])
     scalar = c.compress(x, "t")[0][-1]
     assert float(scalar) < 2.5 * float(x.std(correction=0)) + 1e-4       # the outlier was clipped
+
+
+@pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.25}), ("dgc", {"ratio": 0.25}), ("efsignsgd", {}),
+                                          ("onebit", {}), ("powersgd", {"rank": 1})])
+def test_a_gradient_that_is_not_finite_leaves_the_error_feedback_as_it_was(name, params):
+    """An fp16 overflow travels (a loss scaler sees it and skips the step) and the steps after it reduce
+    as if it never came: its Inf or NaN is not kept in the memory (before, every later step was Inf/NaN)."""
+    comm = LocalGroup(1, algorithm="ring" if name == "powersgd" else "allgather").channel(0)
+    steps = [torch.randn(16, 16, generator=gen(s)) for s in range(4)]
+    bad = steps[1].clone()
+    bad[3, 5] = float("inf")
+    clean, hit = C.build(name, params), C.build(name, params)
+    expected = [clean.reduce(g, "w", comm, True) for g in steps]
+    got = [hit.reduce(g, "w", comm, True) for g in steps[:1] + [bad] + steps[1:]]
+    assert not torch.isfinite(got[1]).all(), "the overflow did not travel"
+    for a, b in zip(expected[1:], got[2:]):
+        assert torch.allclose(a, b, atol=1e-6), (name, (a - b).abs().max())
+
+
+@pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.25}), ("dgc", {"ratio": 0.25}), ("threshold", {"tau": 10}),
+                                          ("powersgd", {"rank": 1})])
+def test_a_name_whose_tensor_changes_shape_starts_its_error_feedback_anew(name, params):
+    """(before: a RuntimeError of torch's at every later step, or for threshold the old residual added
+    to every element of the new tensor)"""
+    comm = LocalGroup(1, algorithm="ring" if name == "powersgd" else "allgather").channel(0)
+    fresh, reused = C.build(name, params), C.build(name, params)
+    for shape in ((2, 4), (3,), (4, 2), (1,)):
+        reused.reduce(torch.full(shape, 3.0), "w", comm, True)
+    now = torch.randn(8, 8, generator=gen(9))
+    assert torch.equal(reused.reduce(now, "w", comm, True), fresh.reduce(now, "w", comm, True)), name
