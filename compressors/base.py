@@ -386,7 +386,7 @@ class Wrapped:
 
 
 def check_ratio(ratio, what="ratio"):
-    if not isinstance(ratio, (int, float)) or not 0 < ratio <= 1 or math.isnan(ratio):
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1 or math.isnan(ratio):
         raise ConfigError(f"{what} must be in (0, 1], got {ratio!r}: it is the fraction of elements sent")
     return float(ratio)
 

@@ -45,6 +45,8 @@ def test_unknown_names_and_params_are_config_errors():
                 "threshold(ratio=0.1,estimator=cauchy)"):
         with pytest.raises(ConfigError):
             C.resolve(bad)
+    with pytest.raises(ConfigError, match="got True"):   # GRACE's params as JSON may hold a bool
+        C.from_params({"compressor": "topk", "compress_ratio": True})
     assert issubclass(ConfigError, ValueError)
 
 
