@@ -18,6 +18,7 @@ class Setting:
     default: object
     help: str
     per_rank: bool = False   # may differ between ranks (a path, a local address); others must agree
+    most: float = None       # a number's largest value (and its least: above 0), where it has one
 
     def parse(self, text):
         kind = type(self.default)
@@ -36,12 +37,12 @@ class Setting:
 _DEFINED = {}
 
 
-def define(name, default, help, per_rank=False):
+def define(name, default, help, per_rank=False, most=None):
     """Declare a setting (idempotent for identical re-definitions). Settings must be equal on
-    every rank (commlib.init checks) unless per_rank=True."""
+    every rank (commlib.init checks) unless per_rank=True. most: a number's bounds, (0, most]."""
     if name.startswith("_") or hasattr(Settings, name):   # values are attributes of a Settings: no shadowing
         raise ConfigError(f"setting {name!r} would hide Settings.{name}; choose another name")
-    setting = Setting(name, default, help, per_rank)
+    setting = Setting(name, default, help, per_rank, most)
     if _DEFINED.get(name, setting) != setting:
         raise ConfigError(f"setting {name!r} is defined twice with different defaults")
     _DEFINED[name] = setting
@@ -76,6 +77,8 @@ class Settings:
                     value = setting.parse(value)
             else:
                 value = setting.default
+            if setting.most is not None and not 0 < value <= setting.most:
+                raise ConfigError(f"{name}={value!r}: must be above 0 and at most {setting.most:g} ({setting.help})")
             values[name] = value
         self._take(values)
 
@@ -107,10 +110,13 @@ class Settings:
 define("policy", "*=auto", "dispatch rules 'pattern=algorithm[:compressor];...' (see commlib.Policy)")
 define("fusion_threshold", 64 * 1024 * 1024, "bytes: small tensors are fused into buckets up to this size (0 disables)")
 define("cycle_time_ms", 1.0, "how often the controller releases a batch of negotiated tensors")
-define("timeout_s", 60.0, "every wait on the network (data, switch, aggregators, set-up) gives up after this many seconds")
+LONGEST_WAIT_S = 1e6   # 11.6 days (a selector's wait overflows past about 24)
+define("timeout_s", 60.0, "every wait on the network (data, switch, aggregators, set-up) gives up after this many seconds",
+       most=LONGEST_WAIT_S)
 define("negotiation_timeout_s", 600.0, "a tensor some ranks submitted but others did not within this many seconds "
-       "is an error on every rank (a rank that never calls)")
-define("stall_warning_s", 60.0, "warn (naming the missing ranks) when a tensor waits this long for other ranks")
+       "is an error on every rank (a rank that never calls)", most=LONGEST_WAIT_S)
+define("stall_warning_s", 60.0, "warn (naming the missing ranks) when a tensor waits this long for other ranks",
+       most=LONGEST_WAIT_S)
 define("controller_addr", "", "host:port of the negotiation controller (default: rendezvous through the launcher)")
 define("controller_host", "", "address rank 0 binds the controller to (default: 127.0.0.1 when all ranks are local)",
        per_rank=True)

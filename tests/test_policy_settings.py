@@ -59,6 +59,10 @@ def test_settings_environment_beats_keyword_beats_default(caplog):
         Settings({"timout_s": 2})
     with pytest.raises(ConfigError, match="COMMLIB_FUSION_THRESHOLD"):
         Settings(environ={"COMMLIB_FUSION_THRESHOLD": "big"})
+    # a wait a selector cannot take (before: the controller's thread died at start with OverflowError)
+    for environ in ({"COMMLIB_TIMEOUT_S": "1e9"}, {"COMMLIB_TIMEOUT_S": "0"}, {"COMMLIB_NEGOTIATION_TIMEOUT_S": "nan"}):
+        with pytest.raises(ConfigError, match="must be above 0 and at most 1e"):
+            Settings(environ=environ)
 
 
 def test_settings_are_attributes_that_copy_and_never_hide_a_method():
