@@ -119,9 +119,9 @@ class PowerSGD(Compressor):
             qs = allreduce_all(channel, [(m.T @ p).reshape(-1) for (_, _, m, _, _), p in zip(low_rank, ps)])
             for (i, name, m, q, memory), p, total in zip(low_rank, ps, qs):
                 q = total.view(q.shape) / channel.size
-                if memory is not UNCHANGED:   # (a Q of Inf or NaN would start every later step)
-                    self.qs[name] = q
                 approx = p @ q.T
-                memory.update(m, name, self, None, None, approx)
+                if finite(q):   # the same on every rank: one rank's Inf or NaN reaches every rank's P and Q
+                    self.qs[name] = q
+                    memory.update(m, name, self, None, None, approx)
                 outs[i] = approx if average else approx * channel.size
             return [restore(outs[i]) if i in outs else restore(x.clone()) for i, (x, restore) in enumerate(inputs)]

@@ -280,6 +280,33 @@ def test_a_gradient_that_is_not_finite_leaves_the_error_feedback_as_it_was(name,
         assert torch.allclose(a, b, atol=1e-6), (name, (a - b).abs().max())
 
 
+@pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.25}), ("dgc", {"ratio": 0.25}), ("efsignsgd", {}),
+                                          ("powersgd", {"rank": 1})])
+def test_an_inf_on_one_rank_poisons_no_ranks_error_feedback(name, params):
+    """Rank 1's overflow reaches every rank's result, and no later one (before: every later step was Inf
+    or NaN). PowerSGD's memory and Q follow the reduced result, the same on every rank: after it, both
+    ranks reduce as in a run without that step."""
+    steps = torch.randn(2, 4, 16, 16, generator=gen(3))
+    bad = steps.clone()
+    bad[1, 1, 3, 5] = float("inf")
+    algorithm = "ring" if name == "powersgd" else "allgather"
+
+    def run(inputs):   # (rank, step, ...)
+        comps = [C.build(name, params) for _ in range(2)]
+        return run_ranks(2, lambda rank, comm: [comps[rank].reduce(x, "w", comm, True) for x in inputs[rank]],
+                         group=LocalGroup(2, algorithm=algorithm))
+
+    hit = run(bad)
+    for rank in range(2):
+        assert not torch.isfinite(hit[rank][1]).all(), f"the overflow did not reach rank {rank}"
+        assert all(torch.isfinite(out).all() for out in hit[rank][2:]), f"rank {rank}'s memory kept the Inf"
+        assert all(torch.equal(a, b) for a, b in zip(hit[0][2:], hit[rank][2:])), "the ranks differ"
+    if name == "powersgd":
+        clean = run(steps[:, [0, 2, 3]])   # the same steps without the one that overflowed
+        for a, b in zip(clean[0][1:], hit[0][2:]):
+            assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
 @pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.25}), ("dgc", {"ratio": 0.25}), ("threshold", {"tau": 10}),
                                           ("powersgd", {"rank": 1})])
 def test_a_name_whose_tensor_changes_shape_starts_its_error_feedback_anew(name, params):
