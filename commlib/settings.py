@@ -77,7 +77,7 @@ class Settings:
                     value = setting.parse(value)
             else:
                 value = setting.default
-            if setting.most is not None and not 0 < value <= setting.most:
+            if setting.most is not None and not (isinstance(value, (int, float)) and 0 < value <= setting.most):
                 raise ConfigError(f"{name}={value!r}: must be above 0 and at most {setting.most:g} ({setting.help})")
             values[name] = value
         self._take(values)
@@ -115,8 +115,7 @@ define("timeout_s", 60.0, "every wait on the network (data, switch, aggregators,
        most=LONGEST_WAIT_S)
 define("negotiation_timeout_s", 600.0, "a tensor some ranks submitted but others did not within this many seconds "
        "is an error on every rank (a rank that never calls)", most=LONGEST_WAIT_S)
-define("stall_warning_s", 60.0, "warn (naming the missing ranks) when a tensor waits this long for other ranks",
-       most=LONGEST_WAIT_S)
+define("stall_warning_s", 60.0, "warn (naming the missing ranks) when a tensor waits this long for other ranks")
 define("controller_addr", "", "host:port of the negotiation controller (default: rendezvous through the launcher)")
 define("controller_host", "", "address rank 0 binds the controller to (default: 127.0.0.1 when all ranks are local)",
        per_rank=True)

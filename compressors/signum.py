@@ -1,7 +1,7 @@
 """signum: signSGD of a momentum, m = (1 - b) * g + b * m, with majority vote (Bernstein et al.)."""
 import torch
 
-from commlib.compressors.base import register
+from commlib.compressors.base import finite, register
 from commlib.compressors.signsgd import SignSGD
 from commlib.errors import ConfigError
 
@@ -23,5 +23,6 @@ class Signum(SignSGD):
     def encode(self, x, name):
         previous = self.momentums.get(name)
         m = (1 - self.momentum) * x if previous is None else torch.lerp(x, previous.to(x), self.momentum)
-        self.momentums[name] = m
+        if finite(x):   # an Inf or NaN would vote at every later step
+            self.momentums[name] = m
         return super().encode(m, name)

@@ -264,7 +264,7 @@ def test_terngrad_clipping_and_constant_tensors():
 
 
 @pytest.mark.parametrize("name, params", [("topk", {"ratio": 0.25}), ("dgc", {"ratio": 0.25}), ("efsignsgd", {}),
-                                          ("onebit", {}), ("powersgd", {"rank": 1})])
+                                          ("onebit", {}), ("powersgd", {"rank": 1}), ("signum", {})])
 def test_a_gradient_that_is_not_finite_leaves_the_error_feedback_as_it_was(name, params):
     """An fp16 overflow travels (a loss scaler sees it and skips the step) and the steps after it reduce
     as if it never came: its Inf or NaN is not kept in the memory (before, every later step was Inf/NaN)."""
@@ -275,7 +275,7 @@ def test_a_gradient_that_is_not_finite_leaves_the_error_feedback_as_it_was(name,
     clean, hit = C.build(name, params), C.build(name, params)
     expected = [clean.reduce(g, "w", comm, True) for g in steps]
     got = [hit.reduce(g, "w", comm, True) for g in steps[:1] + [bad] + steps[1:]]
-    assert not torch.isfinite(got[1]).all(), "the overflow did not travel"
+    assert name == "signum" or not torch.isfinite(got[1]).all(), "the overflow did not travel"   # (a vote can't)
     for a, b in zip(expected[1:], got[2:]):
         assert torch.allclose(a, b, atol=1e-6), (name, (a - b).abs().max())
 
@@ -314,7 +314,7 @@ def test_a_name_whose_tensor_changes_shape_starts_its_error_feedback_anew(name, 
     to every element of the new tensor)"""
     comm = LocalGroup(1, algorithm="ring" if name == "powersgd" else "allgather").channel(0)
     fresh, reused = C.build(name, params), C.build(name, params)
-    for shape in ((2, 4), (3,), (4, 2), (1,)):
+    for shape in ((16, 16), (8, 32), (32, 16), (3,), (1,)):   # (matrices PowerSGD compresses)
         reused.reduce(torch.full(shape, 3.0), "w", comm, True)
     now = torch.randn(8, 8, generator=gen(9))
     assert torch.equal(reused.reduce(now, "w", comm, True), fresh.reduce(now, "w", comm, True)), name

@@ -156,15 +156,17 @@ def _hello(fdp, challenge):
     kind = fdp.PickValueInList(["hello", "hello", "welcome", "submit", None])
     rank = fdp.ConsumeIntInRange(-2, 4) if fdp.ConsumeIntInRange(0, 3) else _value(fdp)
     hello = {"t": kind, "rank": rank, "nonce": nonce.hex(), "proof": fdp.ConsumeUnicodeNoSurrogates(40)}
-    admissible = kind == "hello" and type(rank) is int and 0 <= rank < _controller.size
-    if not admissible and isinstance(rank, int) and len(nonce) == controller.NONCE_BYTES and fdp.ConsumeBool():
-        hello["proof"] = controller.proof(controller.session_key(SECRET, challenge, nonce, rank & 0xFFFFFFFF))
     for _ in range(fdp.ConsumeIntInRange(0, 2)):   # missing, extra or retyped fields
         field = fdp.PickValueInList(["t", "rank", "nonce", "proof", "extra"])
         if fdp.ConsumeBool():
             hello.pop(field, None)
         else:
             hello[field] = _value(fdp)
+    rank = hello.get("rank")
+    admissible = hello.get("t") == "hello" and type(rank) is int and 0 <= rank < _controller.size
+    if not admissible and isinstance(rank, int) and hello.get("nonce") == nonce.hex() and \
+            len(nonce) == controller.NONCE_BYTES and fdp.ConsumeBool():
+        hello["proof"] = controller.proof(controller.session_key(SECRET, challenge, nonce, rank & 0xFFFFFFFF))
     body = json.dumps(hello).encode()
     length = len(body) if fdp.ConsumeIntInRange(0, 3) else fdp.ConsumeInt(4) & 0xFFFFFFFF
     return struct.pack("!I", length) + body[:fdp.ConsumeIntInRange(0, len(body))] if length != len(body) \
