@@ -111,8 +111,8 @@ define("policy", "*=auto", "dispatch rules 'pattern=algorithm[:compressor];...' 
 define("fusion_threshold", 64 * 1024 * 1024, "bytes: small tensors are fused into buckets up to this size (0 disables)")
 define("cycle_time_ms", 1.0, "how often the controller releases a batch of negotiated tensors")
 LONGEST_WAIT_S = 1e6   # 11.6 days (a selector's wait overflows past about 24)
-define("timeout_s", 60.0, "every wait on the network (data, switch, aggregators, set-up) gives up after this many seconds",
-       most=LONGEST_WAIT_S)
+define("timeout_s", 60.0, "every wait on the network (data, switch, aggregators, set-up) gives up after this many "
+       "seconds", most=LONGEST_WAIT_S)
 define("negotiation_timeout_s", 600.0, "a tensor some ranks submitted but others did not within this many seconds "
        "is an error on every rank (a rank that never calls)", most=LONGEST_WAIT_S)
 define("stall_warning_s", 60.0, "warn (naming the missing ranks) when a tensor waits this long for other ranks")
