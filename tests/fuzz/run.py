@@ -6,12 +6,13 @@
 
 TARGET: controller_hello, switch_control, aggregator_control, switch_packets, switch_leaf_packets,
 aggregator_packets. --sanitized runs the C code of tests/fuzz/build_sanitized.py (built when missing
-or stale) with ASan's runtime preloaded: the process re-executes itself with
-LD_PRELOAD=<libasan.so> ASAN_OPTIONS=detect_leaks=0. gcc's ASan runtime then provides the coverage
-hooks instead of atheris' libFuzzer, so a sanitized run is not coverage-guided: use it for the packet targets (whose inputs are built field by field,
-so they reach aggregation, results and replays anyway) and the plain run, guided by the coverage of
-the Python handlers, for the control targets. The C code is not coverage-instrumented in either
-(that takes clang's -fsanitize=fuzzer-no-link; gcc has no equivalent).
+or stale) with ASan's runtime preloaded: the process re-executes itself with LD_PRELOAD=<libasan.so>
+ASAN_OPTIONS=detect_leaks=0. gcc's ASan runtime then provides the coverage hooks instead of atheris'
+libFuzzer, so a sanitized run is not coverage-guided: use it for the packet targets (whose inputs
+are built field by field, so they reach aggregation, results and replays anyway) and the plain run,
+guided by the coverage of the Python handlers, for the control targets. The C code is not
+coverage-instrumented in either (that takes clang's -fsanitize=fuzzer-no-link; gcc has no
+equivalent).
 A crash (an exception from the target, an ASan or UBSan report) ends the run with a non-zero exit
 code and leaves the input as crash-* in the working directory (libFuzzer's -artifact_prefix=).
 """
