@@ -43,13 +43,13 @@ def DistributedOptimizer(optimizer, policy=None, algorithm=None, compression=Non
     reduce = _reducer(keras.backend.backend(), op == commlib.Average, gradient_predivide_factor, compression,
                       policy, algorithm, sparse_as_dense)
     scaler = keras.optimizers.LossScaleOptimizer
-    if isinstance(optimizer, scaler) or keras.config.dtype_policy().name == "mixed_float16":
+    scaled = isinstance(optimizer, scaler)
+    if scaled or keras.config.dtype_policy().name == "mixed_float16":
         # the loss scaler's own copy around a copy of the inner optimizer, each made by its class, not by
         # name (a subclass Keras has not registered), and the caller's objects left as they are
-        inner = optimizer.inner_optimizer if isinstance(optimizer, scaler) else optimizer
+        inner = optimizer.inner_optimizer if scaled else optimizer
         inner = type(inner).from_config(inner.get_config())
-        options = {k: v for k, v in optimizer.get_config().items() if k != "inner_optimizer"} \
-            if isinstance(optimizer, scaler) else {}
+        options = {k: v for k, v in optimizer.get_config().items() if k != "inner_optimizer"} if scaled else {}
         base, make = scaler, lambda cls: cls(inner, **options)
     else:
         base, make = type(optimizer), lambda cls: cls.from_config(optimizer.get_config())

@@ -80,8 +80,8 @@ class Staged:
     def read(self):
         """Read a dense CPU torch tensor now, on the caller's thread: copied, or viewed and then never
         resized (see `array`). Returns self."""
-        if self.torch and self.sparse is None and self.cpu and self._array is None:
-            self._array = self._host_array()
+        if self.torch and self.sparse is None and self.cpu:
+            self.array
         return self
 
     @property
