@@ -25,6 +25,19 @@ from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFai
 from commlib.net import primary_ip
 
 
+# A Gloo collective's caller polls for its end rather than block in Work.wait: on a host whose
+# cores are busy, a thread blocked there is often woken a scheduler tick late (4 ms here, where
+# a small allreduce takes 0.5); the poll costs a wake-up per POLL_S while a collective runs
+POLL_S = 0.0002
+
+
+def finished(work):
+    """Wait for a torch.distributed Work; its error, if any, is raised (Work.wait)."""
+    while not work.is_completed():
+        time.sleep(POLL_S)
+    work.wait()
+
+
 class Engine:
     name = None
 
@@ -184,18 +197,18 @@ class TorchEngine(Engine):
     def allreduce(self, array, name, op="sum"):
         import torch
         out = torch.from_numpy(POOL.copy(array))
-        self.dist.all_reduce(out, op=reduce_op(op), group=self.group)
+        finished(self.dist.all_reduce(out, op=reduce_op(op), group=self.group, async_op=True))
         return out.numpy()
 
     def allgather(self, array, name):
         import torch
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self.dist.all_gather(lengths, torch.tensor([array.size]), group=self.group)
+        finished(self.dist.all_gather(lengths, torch.tensor([array.size]), group=self.group, async_op=True))
         lengths = [int(n) for n in lengths]
         padded = np.zeros(max(lengths), dtype=array.dtype)   # gloo's all_gather wants equal sizes
         padded[:array.size] = array
         parts = [torch.empty(max(lengths), dtype=torch.from_numpy(padded).dtype) for _ in range(self.size)]
-        self.dist.all_gather(parts, torch.from_numpy(padded), group=self.group)
+        finished(self.dist.all_gather(parts, torch.from_numpy(padded), group=self.group, async_op=True))
         return [p.numpy()[:n] for p, n in zip(parts, lengths)]
 
     def broadcast_object(self, obj):
@@ -242,18 +255,18 @@ class GlooEngine(Engine):
         options = dist.AllreduceOptions()
         options.reduceOp = reduce_op(op)
         out = torch.from_numpy(POOL.copy(array))
-        self.group.allreduce([out], options).wait()
+        finished(self.group.allreduce([out], options))
         return out.numpy()
 
     def allgather(self, array, name):
         import torch
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self.group.allgather([lengths], [torch.tensor([array.size])]).wait()
+        finished(self.group.allgather([lengths], [torch.tensor([array.size])]))
         lengths = [int(n) for n in lengths]
         padded = torch.zeros(max(lengths), dtype=torch.from_numpy(array[:0]).dtype)   # equal sizes for gloo
         padded[:array.size] = torch.from_numpy(np.ascontiguousarray(array))
         parts = [torch.empty_like(padded) for _ in range(self.size)]
-        self.group.allgather([parts], [padded]).wait()
+        finished(self.group.allgather([parts], [padded]))
         return [p.numpy()[:n] for p, n in zip(parts, lengths)]
 
     def allgather_sized(self, array, sizes, name):
@@ -263,7 +276,7 @@ class GlooEngine(Engine):
         padded = torch.zeros(max(sizes), dtype=torch.from_numpy(array[:0]).dtype)
         padded[:array.size] = torch.from_numpy(np.ascontiguousarray(array))
         parts = [torch.empty_like(padded) for _ in range(self.size)]
-        self.group.allgather([parts], [padded]).wait()
+        finished(self.group.allgather([parts], [padded]))
         return [p.numpy()[:n] for p, n in zip(parts, sizes)]
 
     def broadcast_object(self, obj):

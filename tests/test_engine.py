@@ -1,5 +1,6 @@
 """commlib/engine.py: the RendezvousEngine (commlib's set-up without hvd.init()) over the key-value
-store horovodrun serves."""
+store horovodrun serves; how a Gloo collective is waited for."""
+import datetime
 import itertools
 import threading
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 from horovod.runner.http.http_server import KVStoreServer
 
-from commlib.engine import RendezvousEngine
+from commlib.engine import RendezvousEngine, finished
 from commlib.errors import PeerFailure
 
 
@@ -38,3 +39,41 @@ def test_rendezvous_engine_over_horovods_own_store():
     assert out == {r: ([[0, 1, 2], [1, 2, 3]], ["addr", 0]) for r in (0, 1)}, out
     with pytest.raises(PeerFailure, match="rendezvous store .* failed during commlib.init"):
         RendezvousEngine(2.0, store_env(port, 0)).broadcast_object("x")
+
+
+class Work:
+    """A torch.distributed Work that completes on its `polls`-th is_completed(), with `error` if given."""
+
+    def __init__(self, polls, error=None):
+        self.polls, self.error, self.waited = polls, error, False
+
+    def is_completed(self):
+        self.polls -= 1
+        return self.polls <= 0
+
+    def wait(self):
+        self.waited = True
+        if self.error:
+            raise self.error
+
+
+def test_a_collective_is_waited_for_by_polling_and_its_error_raised():
+    """engine.finished polls a Work to its end (no blocking wait: a thread blocked in Gloo's is woken
+    late on a busy host), then takes its result or error through Work.wait."""
+    work = Work(polls=3)
+    finished(work)
+    assert (work.polls, work.waited) == (0, True)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        finished(Work(polls=2, error=RuntimeError("[gloo] Connection closed by peer")))
+
+
+def test_a_real_gloo_collective_through_finished():
+    import torch
+    import torch.distributed as dist
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._timeout = datetime.timedelta(seconds=10)
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, options)
+    tensor = torch.arange(4.0)
+    finished(group.allreduce([tensor]))
+    assert tensor.tolist() == [0.0, 1.0, 2.0, 3.0]
