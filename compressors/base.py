@@ -386,8 +386,19 @@ class Wrapped:
         return self.channel.allgather(array)
 
 
+def is_int(value):
+    """A parameter that counts (a rank, levels, bins): an int, not a bool (JSON's `true` counts nothing)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value):
+    """A parameter that measures (a ratio, a threshold, a learning rate): an int or float, not a
+    bool and not NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
 def check_ratio(ratio, what="ratio"):
-    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 < ratio <= 1 or math.isnan(ratio):
+    if not (is_number(ratio) and 0 < ratio <= 1):
         raise ConfigError(f"{what} must be in (0, 1], got {ratio!r}: it is the fraction of elements sent")
     return float(ratio)
 

@@ -1,7 +1,7 @@
 """efsignsgd: error-feedback signSGD (Karimireddy et al.): p = lr*g + e; send sign(p) and mean|p|."""
 import torch
 
-from commlib.compressors.base import Compressor, register
+from commlib.compressors.base import Compressor, is_number, register
 from commlib.compressors.signsgd import signs, unsigns
 from commlib.errors import ConfigError
 
@@ -18,7 +18,7 @@ class EFSignSGD(Compressor):
 
     def __init__(self, lr=0.1, **common):
         super().__init__(**common)
-        if not lr > 0:
+        if not (is_number(lr) and lr > 0):
             raise ConfigError(f"efsignsgd lr must be > 0, got {lr!r} (the aggregate divides by it)")
         self.lr = float(lr)
 

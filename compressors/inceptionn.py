@@ -2,7 +2,7 @@
 import torch
 
 from commlib.compressors import packing
-from commlib.compressors.base import Compressor, register
+from commlib.compressors.base import Compressor, is_number, register
 from commlib.errors import ConfigError
 
 TINY, SMALL, MID, LARGE = 0, 1, 2, 3   # dropped, int8 fixed point, fp16, full precision
@@ -27,7 +27,7 @@ class Inceptionn(Compressor):
 
     def __init__(self, error_bound=2 ** -10, **common):
         super().__init__(**common)
-        if not error_bound > 0:
+        if not (is_number(error_bound) and error_bound > 0):
             raise ConfigError(f"inceptionn error_bound must be > 0, got {error_bound!r}")
         self.error_bound = float(error_bound)
 

@@ -8,7 +8,7 @@ dgc       momentum correction + factor masking (Lin et al., DGC): u = m*u + g, v
           is sent is cleared from both u and v.
 powersgd  residual against the averaged low-rank approximation (PyTorch PowerSGD semantics).
 """
-from commlib.compressors.base import Memory, register
+from commlib.compressors.base import Memory, is_number, register
 from commlib.errors import ConfigError
 
 
@@ -54,7 +54,7 @@ class EFSignSGDMemory(ResidualMemory):
     name = "efsignsgd"
 
     def __init__(self, lr=0.1):
-        if not lr > 0:
+        if not (is_number(lr) and lr > 0):
             raise ConfigError(f"efsignsgd lr must be > 0, got {lr!r} (the aggregate divides by it)")
         super().__init__(beta=1.0, gamma=lr)
         self.lr = float(lr)
@@ -74,7 +74,7 @@ class DGCMemory(Memory):
     state_attrs = ("momentums", "accumulated")
 
     def __init__(self, momentum=0.9):
-        if not 0 <= momentum < 1:
+        if not (is_number(momentum) and 0 <= momentum < 1):
             raise ConfigError(f"dgc memory momentum must be in [0, 1), got {momentum!r}")
         self.momentum = float(momentum)
         self.momentums, self.accumulated = {}, {}

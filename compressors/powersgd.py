@@ -3,7 +3,7 @@ PowerSGD's semantics: P = M Q, allreduce P, orthogonalize, Q = M^T P, allreduce 
 Q warm-started from the last step, error feedback against the averaged approximation."""
 import torch
 
-from commlib.compressors.base import UNCHANGED, Compressor, Ctx, allreduce_all, as_torch, finite, register, work_dtype
+from commlib.compressors.base import UNCHANGED, Compressor, Ctx, allreduce_all, as_torch, finite, is_int, is_number, register, work_dtype
 from commlib.errors import ConfigError
 
 
@@ -40,11 +40,11 @@ class PowerSGD(Compressor):
     def __init__(self, rank=1, start_iter=0, min_compression_rate=2.0, warm_start=True,
                  orthogonalization_epsilon=0.0, **common):
         super().__init__(**common)
-        if not (isinstance(rank, int) and rank >= 1):
+        if not (is_int(rank) and rank >= 1):
             raise ConfigError(f"powersgd rank must be an int >= 1, got {rank!r}")
-        if not (isinstance(start_iter, int) and start_iter >= 0):
+        if not (is_int(start_iter) and start_iter >= 0):
             raise ConfigError(f"powersgd start_iter must be an int >= 0, got {start_iter!r}")
-        if not min_compression_rate > 0:
+        if not (is_number(min_compression_rate) and min_compression_rate > 0):
             raise ConfigError(f"powersgd min_compression_rate must be > 0, got {min_compression_rate!r}")
         self.rank, self.start_iter, self.min_compression_rate = rank, start_iter, float(min_compression_rate)
         self.warm_start, self.orthogonalization_epsilon = bool(warm_start), float(orthogonalization_epsilon)

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from commlib.compressors import packing
-from commlib.compressors.base import Compressor, register
+from commlib.compressors.base import Compressor, is_int, register
 from commlib.errors import ConfigError
 
 
@@ -40,9 +40,9 @@ class QSGD(Compressor):
 
     def __init__(self, levels=127, bucket=128, **common):
         super().__init__(**common)
-        if not (isinstance(levels, int) and 1 <= levels <= 32767):
+        if not (is_int(levels) and 1 <= levels <= 32767):
             raise ConfigError(f"qsgd levels must be an int in [1, 32767] (codes fit int16), got {levels!r}")
-        if not (isinstance(bucket, int) and bucket >= 1):
+        if not (is_int(bucket) and bucket >= 1):
             raise ConfigError(f"qsgd bucket must be a positive int (elements per norm), got {bucket!r}")
         self.levels, self.bucket = levels, bucket
         self.bits = packing.bits_for(2 * levels + 1)

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from commlib.compressors.base import Stateful
+from commlib.compressors.base import Stateful, is_int, is_number
 from commlib.errors import ConfigError
 
 
@@ -78,9 +78,9 @@ class SIDCo(Stateful):
     def __init__(self, distribution="exponential", first_ratio=0.25, stages="adaptive", tolerance=0.2, patience=20):
         if distribution not in FITS:
             raise ConfigError(f"unknown SIDCo distribution {distribution!r}; known: {sorted(FITS)}")
-        if not 0 < first_ratio < 1:
+        if not (is_number(first_ratio) and 0 < first_ratio < 1):
             raise ConfigError(f"SIDCo first_ratio must be in (0, 1), got {first_ratio!r}")
-        if stages != "adaptive" and not (isinstance(stages, int) and stages >= 1):
+        if stages != "adaptive" and not (is_int(stages) and stages >= 1):
             raise ConfigError(f"SIDCo stages must be 'adaptive' or an int >= 1, got {stages!r}")
         self.distribution, self.first_ratio, self.fixed = distribution, first_ratio, stages
         self.tolerance, self.patience = tolerance, patience

@@ -1,7 +1,7 @@
 """signum: signSGD of a momentum, m = (1 - b) * g + b * m, with majority vote (Bernstein et al.)."""
 import torch
 
-from commlib.compressors.base import finite, register
+from commlib.compressors.base import finite, is_number, register
 from commlib.compressors.signsgd import SignSGD
 from commlib.errors import ConfigError
 
@@ -15,7 +15,7 @@ class Signum(SignSGD):
 
     def __init__(self, momentum=0.9, **common):
         super().__init__(**common)
-        if not 0 <= momentum < 1:
+        if not (is_number(momentum) and 0 <= momentum < 1):
             raise ConfigError(f"signum momentum must be in [0, 1), got {momentum!r}")
         self.momentum = float(momentum)
         self.momentums = {}

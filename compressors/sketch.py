@@ -2,7 +2,7 @@
 import torch
 
 from commlib.compressors import packing
-from commlib.compressors.base import Compressor, register
+from commlib.compressors.base import Compressor, is_int, register
 from commlib.errors import ConfigError
 
 
@@ -28,7 +28,7 @@ class Sketch(Compressor):
 
     def __init__(self, bins=64, **common):
         super().__init__(**common)
-        if not (isinstance(bins, int) and 2 <= bins <= 256):
+        if not (is_int(bins) and 2 <= bins <= 256):
             raise ConfigError(f"sketch bins must be an int in [2, 256] (a code is one byte at most), got {bins!r}")
         self.bins = bins
         self.bits = packing.bits_for(bins)

@@ -2,7 +2,7 @@
 import torch
 
 from commlib.compressors import packing
-from commlib.compressors.base import Compressor, register
+from commlib.compressors.base import Compressor, is_number, register
 from commlib.compressors.signsgd import unsigns
 from commlib.errors import ConfigError
 
@@ -30,7 +30,7 @@ class TernGrad(Compressor):
 
     def __init__(self, clip=2.5, **common):
         super().__init__(**common)
-        if clip is not None and not clip >= 0:
+        if clip is not None and not (is_number(clip) and clip >= 0):
             raise ConfigError(f"terngrad clip must be >= 0 (0 or None: no clipping), got {clip!r}")
         self.clip = clip
 

@@ -1,7 +1,7 @@
 """threshold: send the elements with |x| > tau, values + int32 indices; the count varies per step."""
 import torch
 
-from commlib.compressors.base import Compressor, check_ratio, index_dtype, register, scatter
+from commlib.compressors.base import Compressor, check_ratio, index_dtype, is_number, register, scatter
 from commlib.compressors.sidco import SIDCo
 from commlib.errors import ConfigError
 
@@ -23,7 +23,7 @@ class Threshold(Compressor):
             raise ConfigError("threshold takes tau (a fixed threshold) or ratio (SIDCo estimates tau), not both")
         if tau is None and ratio is None:
             tau = 0.01
-        if tau is not None and not tau >= 0:
+        if tau is not None and not (is_number(tau) and tau >= 0):
             raise ConfigError(f"threshold tau must be >= 0, got {tau!r}")
         self.tau = None if tau is None else float(tau)
         self.ratio = None if ratio is None else check_ratio(ratio)
