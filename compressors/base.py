@@ -223,7 +223,9 @@ class Compressor(Stateful):
             encoded = []   # (payload, ctx, own decoded or None)
             for flat, name in work:
                 flat = flat / channel.size if divided else flat
-                memory = self.memory if finite(flat) else UNCHANGED
+                memory = self.memory
+                if memory.name != "none" and not finite(flat):   # an overflow leaves the memory as it was
+                    memory = UNCHANGED
                 flat = memory.compensate(flat, name)
                 payload, ctx = self.compress(flat, name)
                 own = None

@@ -1,8 +1,10 @@
 """signsgd: send the sign (1 bit per element), aggregate by majority vote (Bernstein et al.)."""
+import math
+
 import torch
 
 from commlib.compressors import packing
-from commlib.compressors.base import Compressor, register
+from commlib.compressors.base import Compressor, finite, register
 
 
 def signs(x):
@@ -15,9 +17,25 @@ def unsigns(packed, ctx):
     return packing.unpack_bits(packed, 1, ctx.numel).to(ctx.work).mul_(2).sub_(1)   # in place: 2 passes fewer
 
 
+def vote(x, is_finite):
+    """A vote's payload: x's sign bits, and a byte saying x was not finite (an fp16 overflow), which
+    no sign can say: the vote is then NaN on every rank, so that a loss scaler skips the step."""
+    return signs(x), torch.tensor([0 if is_finite else 1], dtype=torch.uint8, device=x.device)
+
+
+def ballot(payload, ctx):
+    """A rank's +-1 votes, or NaN throughout where its gradient was not finite (vote)."""
+    if payload[1][0]:
+        return torch.full((ctx.numel,), math.nan, dtype=ctx.work, device=payload[0].device)
+    return unsigns(payload[0], ctx)
+
+
 def majority(tensors):
-    """Elementwise majority vote of +-1 tensors; ties go to +1."""
+    """Elementwise majority vote of +-1 tensors; ties go to +1. A NaN ballot (a rank's gradient
+    was not finite) makes the whole vote NaN."""
     votes = torch.stack(tensors).sum(0)
+    if torch.isnan(votes[0]):   # +-1 sums are never NaN: a NaN ballot is in
+        return votes
     return torch.where(votes >= 0, 1.0, -1.0).to(votes.dtype)
 
 
@@ -30,13 +48,13 @@ class SignSGD(Compressor):
     averages = False
 
     def encode(self, x, name):
-        return (signs(x),)
+        return vote(x, finite(x))
 
     def decode(self, payload, ctx):
-        return unsigns(payload[0], ctx)
+        return ballot(payload, ctx)
 
     def aggregate(self, tensors):
         return majority(tensors)
 
     def expected_bytes(self, numel):
-        return -(-numel // 8)
+        return -(-numel // 8) + 1

@@ -2,7 +2,7 @@
 import torch
 
 from commlib.compressors.base import finite, is_number, register
-from commlib.compressors.signsgd import SignSGD
+from commlib.compressors.signsgd import SignSGD, vote
 from commlib.errors import ConfigError
 
 
@@ -23,6 +23,7 @@ class Signum(SignSGD):
     def encode(self, x, name):
         previous = self.momentums.get(name)
         m = (1 - self.momentum) * x if previous is None else torch.lerp(x, previous.to(x), self.momentum)
-        if finite(x):   # an Inf or NaN would vote at every later step
+        is_finite = finite(x)
+        if is_finite:   # an Inf or NaN would vote at every later step
             self.momentums[name] = m
-        return super().encode(m, name)
+        return vote(m, is_finite)

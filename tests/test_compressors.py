@@ -70,8 +70,8 @@ FORMULAS = {  # bytes on the wire for n float32 elements, written out independen
     "qsgd": lambda n: n + 4 * math.ceil(n / 128),                       # 8-bit codes + a norm per 128
     "qsgd(levels=7)": lambda n: 4 * math.ceil(n / 8) + 4 * math.ceil(n / 128),  # 15 levels: 4 bits
     "terngrad": lambda n: 2 * math.ceil(n / 8) + 4,                     # 2 bits + the scalar
-    "signsgd": lambda n: math.ceil(n / 8),                              # 1 bit
-    "signum": lambda n: math.ceil(n / 8),
+    "signsgd": lambda n: math.ceil(n / 8) + 1,                          # 1 bit + a finite flag
+    "signum": lambda n: math.ceil(n / 8) + 1,
     "efsignsgd": lambda n: math.ceil(n / 8) + 4,
     "onebit": lambda n: math.ceil(n / 8) + 8,
     "natural": lambda n: n,
