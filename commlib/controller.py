@@ -101,12 +101,15 @@ def _recv_frame(sock, limit, extra=0, deadline=None):
     """A message's body (and `extra` bytes after it), or None when the peer closed; ValueError for a
     length over `limit`; socket.timeout past `deadline` (time.monotonic()), however the bytes trickle."""
     header = _recv_exact(sock, _HEADER.size, deadline)
-    if header is None:
-        return None
+    return None if header is None else _recv_exact(sock, _length(header, limit) + extra, deadline)
+
+
+def _length(header, limit):
+    """The body length a frame's header announces; ValueError past `limit` (never buffered)."""
     length = _HEADER.unpack(header)[0]
     if length > limit:
         raise ValueError(f"a message of {length} bytes (at most {limit})")
-    return _recv_exact(sock, length + extra, deadline)
+    return length
 
 
 def _recv_exact(sock, n, deadline=None):
@@ -334,11 +337,12 @@ class ControllerServer:
         except OSError:
             data = b""
         received += data
-        length = _HEADER.unpack(received[:_HEADER.size])[0] if len(received) >= _HEADER.size else None
         if not data:
             return self._refuse(selector, greeting, sock, "closed before its hello")
-        if length is not None and length > HELLO_BYTES:
-            return self._refuse(selector, greeting, sock, f"announced a hello of {length} bytes")
+        try:
+            length = _length(received[:_HEADER.size], HELLO_BYTES) if len(received) >= _HEADER.size else None
+        except ValueError as exc:
+            return self._refuse(selector, greeting, sock, f"announced {exc}")
         if length is None or len(received) < _HEADER.size + length:
             return   # the rest comes later (until HELLO_S)
         selector.unregister(sock)
