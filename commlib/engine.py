@@ -25,15 +25,18 @@ from commlib.errors import BackendUnavailable, CommTimeout, ConfigError, PeerFai
 from commlib.net import primary_ip
 
 
-# A Gloo collective's caller polls for its end rather than block in Work.wait: on a host whose
-# cores are busy, a thread blocked there is often woken a scheduler tick late (4 ms here, where
-# a small allreduce takes 0.5); the poll costs a wake-up per POLL_S while a collective runs
+# A Gloo collective's caller polls for its end for a while before it blocks in Work.wait: on a host
+# whose cores are busy, a thread blocked there is often woken a scheduler tick late (4 ms here, where
+# a small allreduce takes 0.5). A poll costs a wake-up (7% of a core at POLL_S); past POLL_FOR_S a
+# late wake-up matters less than the core a long wait (a late peer) would burn
 POLL_S = 0.0002
+POLL_FOR_S = 0.02
 
 
 def finished(work):
     """Wait for a torch.distributed Work; its error, if any, is raised (Work.wait)."""
-    while not work.is_completed():
+    give_up = time.monotonic() + POLL_FOR_S
+    while not work.is_completed() and time.monotonic() < give_up:
         time.sleep(POLL_S)
     work.wait()
 

@@ -10,6 +10,7 @@ import copy
 import hashlib
 import inspect
 import math
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -134,6 +135,8 @@ class Compressor(Stateful):
     def __init__(self, memory=None, seed=0, algorithm=None):
         if self.payload not in PAYLOADS:
             raise ConfigError(f"{type(self).__name__}.payload must be one of {PAYLOADS}")
+        if not is_int(seed):
+            raise ConfigError(f"seed must be an int, got {seed!r}")
         self.seed = int(seed)
         self.algorithm = algorithm
         self.carrier = None      # a summable compressor that carries this one's collectives (wrap)
@@ -389,14 +392,20 @@ class Wrapped:
 
 
 def is_int(value):
-    """A parameter that counts (a rank, levels, bins): an int, not a bool (JSON's `true` counts nothing)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A parameter that counts (a rank, levels, bins): an int (numpy's too), not a bool (JSON's `true`
+    counts nothing)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def is_number(value):
-    """A parameter that measures (a ratio, a threshold, a learning rate): an int or float, not a
-    bool and not NaN."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    """A parameter that measures (a ratio, a threshold, a learning rate): a finite real number (numpy's
+    too), not a bool."""
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:   # an int past any float
+        return False
 
 
 def check_ratio(ratio, what="ratio"):

@@ -29,6 +29,9 @@ class ResidualMemory(Memory):
     state_attrs = ("residuals",)
 
     def __init__(self, beta=1.0, gamma=1.0):
+        for what, value in (("beta", beta), ("gamma", gamma)):
+            if not is_number(value):
+                raise ConfigError(f"residual memory {what} must be a finite number, got {value!r}")
         self.beta, self.gamma = float(beta), float(gamma)
         self.residuals = {}
 

@@ -47,7 +47,11 @@ class PowerSGD(Compressor):
         if not (is_number(min_compression_rate) and min_compression_rate > 0):
             raise ConfigError(f"powersgd min_compression_rate must be > 0, got {min_compression_rate!r}")
         self.rank, self.start_iter, self.min_compression_rate = rank, start_iter, float(min_compression_rate)
-        self.warm_start, self.orthogonalization_epsilon = bool(warm_start), float(orthogonalization_epsilon)
+        if not isinstance(warm_start, bool):   # bool("false") is True
+            raise ConfigError(f"powersgd warm_start must be true or false, got {warm_start!r}")
+        if not (is_number(orthogonalization_epsilon) and orthogonalization_epsilon >= 0):
+            raise ConfigError(f"powersgd orthogonalization_epsilon must be >= 0, got {orthogonalization_epsilon!r}")
+        self.warm_start, self.orthogonalization_epsilon = warm_start, float(orthogonalization_epsilon)
         self.qs = {}   # tensor name -> (cols, rank) Q of the last step
 
     def compresses(self, shape):

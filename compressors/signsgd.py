@@ -18,23 +18,25 @@ def unsigns(packed, ctx):
 
 
 def vote(x, is_finite):
-    """A vote's payload: x's sign bits, and a byte saying x was not finite (an fp16 overflow), which
+    """A vote's payload: x's sign bits, then a byte saying x was not finite (an fp16 overflow), which
     no sign can say: the vote is then NaN on every rank, so that a loss scaler skips the step."""
-    return signs(x), torch.tensor([0 if is_finite else 1], dtype=torch.uint8, device=x.device)
+    flag = torch.tensor([0 if is_finite else 1], dtype=torch.uint8, device=x.device)
+    return (torch.cat((signs(x), flag)),)
 
 
 def ballot(payload, ctx):
     """A rank's +-1 votes, or NaN throughout where its gradient was not finite (vote)."""
-    if payload[1][0]:
-        return torch.full((ctx.numel,), math.nan, dtype=ctx.work, device=payload[0].device)
-    return unsigns(payload[0], ctx)
+    packed = payload[0]
+    if packed[-1]:
+        return torch.full((ctx.numel,), math.nan, dtype=ctx.work, device=packed.device)
+    return unsigns(packed[:-1], ctx)
 
 
 def majority(tensors):
     """Elementwise majority vote of +-1 tensors; ties go to +1. A NaN ballot (a rank's gradient
     was not finite) makes the whole vote NaN."""
     votes = torch.stack(tensors).sum(0)
-    if torch.isnan(votes[0]):   # +-1 sums are never NaN: a NaN ballot is in
+    if torch.isnan(votes.reshape(-1)[0]):   # +-1 sums are never NaN: a NaN ballot is in
         return votes
     return torch.where(votes >= 0, 1.0, -1.0).to(votes.dtype)
 

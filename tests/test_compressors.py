@@ -167,6 +167,18 @@ def test_5_majority_vote_ties_positive(spec):
             assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("shape", [(3, 11), (), (5,)])
+def test_5_a_vote_used_as_grace_does_keeps_its_shape_and_an_overflow(shape):
+    """GRACE's own loop (compress, decompress, aggregate) on tensors of any shape; a rank's Inf makes
+    the vote NaN (a sign could not carry it)."""
+    c = make("signsgd")
+    xs = [torch.randn(shape, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    vote = c.aggregate([c.decompress(*c.compress(x, "w")) for x in xs])
+    assert vote.shape == shape and torch.equal(vote, torch.where(sum(x.sign() for x in xs) >= 0, 1.0, -1.0))
+    xs[1].view(-1)[0] = float("inf")
+    assert c.aggregate([c.decompress(*c.compress(x, "w")) for x in xs]).isnan().all()
+
+
 def test_5_efsignsgd_sum_over_lr():
     values = torch.tensor([0.5, 1.0, 2.0, 4.5])          # rank r sends c_r * ones: p = lr * c_r exactly
     for average, expected in ((True, values.mean()), (False, values.sum())):

@@ -55,12 +55,27 @@ def test_unknown_names_and_params_are_config_errors():
                                     {"compressor": "threshold", "threshold": True},
                                     {"compressor": "efsignsgd", "lr": True},
                                     {"compressor": "dgc", "memory": "dgc", "momentum": True},
-                                    {"compressor": "terngrad", "clip": "2.5"}])
-def test_a_bool_or_text_for_a_number_is_refused(params):
+                                    {"compressor": "terngrad", "clip": "2.5"},
+                                    {"compressor": "topk", "memory": "residual", "beta": True},
+                                    {"compressor": "topk", "memory": "residual", "gamma": float("nan")},
+                                    {"compressor": "powersgd", "orthogonalization_epsilon": True},
+                                    {"compressor": "powersgd", "warm_start": "false"},
+                                    {"compressor": "efsignsgd", "lr": float("inf")},
+                                    {"compressor": "threshold", "threshold": float("inf")},
+                                    {"compressor": "topk", "compress_ratio": 10 ** 400},
+                                    {"compressor": "randomk", "random_seed": True}])
+def test_a_bool_text_or_non_finite_value_for_a_number_is_refused(params):
     """GRACE's params from JSON may hold `true` where a number goes: it is no rank, level count,
-    threshold or rate (Python would take it for 1), and a number as text is no number either."""
-    with pytest.raises(ConfigError, match="got (True|'2.5')"):
+    threshold or rate (Python would take it for 1); a number as text is no number either, and an
+    Inf or NaN makes every result NaN or zero."""
+    with pytest.raises(ConfigError, match="got (True|'2.5'|'false'|nan|inf|1000000)"):
         C.from_params(params)
+
+
+def test_numpy_numbers_are_numbers():
+    built = C.from_params({"compressor": "efsignsgd", "lr": np.float32(0.5), "seed": np.int64(3)})
+    assert (built.lr, built.seed) == (0.5, 3)
+    assert C.build("qsgd", {"levels": np.int32(15)}).levels == 15
 
 
 def test_grace_from_params():

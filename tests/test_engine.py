@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from horovod.runner.http.http_server import KVStoreServer
 
-from commlib.engine import RendezvousEngine, finished
+from commlib.engine import POLL_FOR_S, POLL_S, RendezvousEngine, finished
 from commlib.errors import PeerFailure
 
 
@@ -58,13 +58,16 @@ class Work:
 
 
 def test_a_collective_is_waited_for_by_polling_and_its_error_raised():
-    """engine.finished polls a Work to its end (no blocking wait: a thread blocked in Gloo's is woken
+    """engine.finished polls a Work to its end for a while (a thread blocked in Gloo's wait is woken
     late on a busy host), then takes its result or error through Work.wait."""
     work = Work(polls=3)
     finished(work)
     assert (work.polls, work.waited) == (0, True)
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         finished(Work(polls=2, error=RuntimeError("[gloo] Connection closed by peer")))
+    endless = Work(polls=10 ** 9)   # a long wait (a late peer) ends in Work.wait, not in polls
+    finished(endless)
+    assert endless.waited and 10 ** 9 - endless.polls <= POLL_FOR_S / POLL_S + 1
 
 
 def test_a_real_gloo_collective_through_finished():
