@@ -3,7 +3,8 @@ PowerSGD's semantics: P = M Q, allreduce P, orthogonalize, Q = M^T P, allreduce 
 Q warm-started from the last step, error feedback against the averaged approximation."""
 import torch
 
-from commlib.compressors.base import UNCHANGED, Compressor, Ctx, allreduce_all, as_torch, finite, is_int, is_number, register, work_dtype
+from commlib.compressors.base import (UNCHANGED, Compressor, Ctx, allreduce_all, as_torch, finite, is_int, is_number,
+                                      register, work_dtype)
 from commlib.errors import ConfigError
 
 
