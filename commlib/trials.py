@@ -81,10 +81,12 @@ class Trials:
             if len(candidates) < 2:   # nothing to try: the model decides, release by release
                 self._groups.pop(group, None)
                 return ranked[0][0], None
-            if state is not None:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
+            restart = state is not None
+            if restart:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
                 measured = state.medians()
                 candidates = [a for a in candidates if measured.get(a, 0.0) <= state.checked * self.margin] or candidates
             state = self._groups[group] = _Group(candidates)
+            state.restart = restart
             if state.choice is not None:
                 return state.choice, state.shown(self.revisit)
         if name is None or name in state.named or state.current is None:   # the next round, the next candidate
@@ -96,7 +98,10 @@ class Trials:
         self._ids += 1
         # the round it counts for (None: a warm-up round, not counted)
         state.pending[self._ids] = (algorithm, state.given[algorithm]) if state.given[algorithm] > WARMUP else None
-        return algorithm, {"trial": self._ids, "candidates": state.candidates, "times": state.medians()}
+        auto = {"trial": self._ids, "candidates": state.candidates, "times": state.medians()}
+        if state.restart:   # the first release of a revisit: the controller's cache lets the group's others in too
+            auto["restart"], state.restart = True, False
+        return algorithm, auto
 
     def _heard(self, state, reports):
         """Take the ranks' reports: a trial's times (kept only when every rank reported it: the quickest
@@ -130,6 +135,7 @@ class _Group:
         self.expect = None
         self.dropped = set()   # measured `drop` times slower than the best: no more rounds
         self.checked = None   # the seconds of a check of the kept choice: formed anew at the next release
+        self.restart = False   # formed anew by a check, no release of it yet
 
     def shown(self, revisit):
         """The kept choice's Release.auto."""

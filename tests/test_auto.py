@@ -79,6 +79,8 @@ def test_a_check_of_the_kept_choice_tries_the_candidates_again():
     assert run(trials, [times, times], 10)[-1][0] == "allgather"
     algorithm, auto = release(trials, [{"check": 3, "seconds": 0.5}, None])
     assert "trial" in auto and auto["times"] == {}, f"a drifted time starts the trials anew: {auto}"
+    assert auto.get("restart") and not release(trials, [None, None])[1].get("restart"), \
+        "the revisit's first release says so (the controller drops what `auto` decided from its cache), once"
     slower = {"allgather": 0.5, "omnireduce": 0.02, "hotcold": 0.03}.get
     assert run(trials, [slower, slower], 10)[-1][0] == "omnireduce"
 
