@@ -588,16 +588,16 @@ class ControllerServer:
                 self._live |= 1 << bit
             self._ready.append(release)
             if (release.auto or {}).get("restart"):
-                self._evict_auto()
+                self._evict_auto(release.auto["group"])
 
-    def _evict_auto(self):
-        """`auto` tries a group's candidates anew (a revisit): the releases `auto` decided are dropped from
-        the cache (every group's: a release does not name its group; the others are cached again after a
-        round), so that the group's tensors the cache held come in full and run the same trials (kept,
-        they ran the old choice beside the others' trials: a step ran two collectives, bench_training's
-        sparse model 0.56-0.66x)."""
-        for bit in [bit for bit in self._bit_of.values() if self._cache[bit]["release"].auto]:
-            self._evict(bit)
+    def _evict_auto(self, group):
+        """`auto` tries a group's candidates anew (a revisit): the group's releases are dropped from the
+        cache, so that its tensors the cache held come in full and run the same trials (kept, they ran
+        the old choice beside the others' trials: a step ran two collectives, bench_training's sparse
+        model 0.56-0.66x)."""
+        for bit in [bit for bit in self._bit_of.values() if (self._cache[bit]["release"].auto or {}).get("group") == group]:
+            if self._live >> bit & 1:
+                self._evict(bit)
 
     def _cacheable(self, release, metas):
         """Only a release the ranks' metadata alone decides, the same step after step: no row counts,

@@ -50,6 +50,7 @@ class Trials:
     def __init__(self, margin, samples, revisit, drop=0.0):
         self.margin, self.samples, self.revisit, self.drop = margin, samples, revisit, drop
         self._groups = {}
+        self._numbers = {}   # group -> its number in Release.auto, the same across its revisits
         self._ids = 0
 
     @classmethod
@@ -85,10 +86,10 @@ class Trials:
             if restart:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
                 measured = state.medians()
                 candidates = [a for a in candidates if measured.get(a, 0.0) <= state.checked * self.margin] or candidates
-            state = self._groups[group] = _Group(candidates)
+            state = self._groups[group] = _Group(candidates, self._numbers.setdefault(group, len(self._numbers)))
             state.restart = restart
             if state.choice is not None:
-                return state.choice, state.shown(self.revisit)
+                return state.choice, state.said(state.shown(self.revisit))
         if name is None or name in state.named or state.current is None:   # the next round, the next candidate
             state.current = min(state.running(), key=lambda a: (state.given[a], state.candidates.index(a)))
             state.given[state.current] += 1
@@ -98,10 +99,8 @@ class Trials:
         self._ids += 1
         # the round it counts for (None: a warm-up round, not counted)
         state.pending[self._ids] = (algorithm, state.given[algorithm]) if state.given[algorithm] > WARMUP else None
-        auto = {"trial": self._ids, "candidates": state.candidates, "times": state.medians()}
-        if state.restart:   # the first release of a revisit: the controller's cache lets the group's others in too
-            auto["restart"], state.restart = True, False
-        return algorithm, auto
+        return algorithm, state.said({"trial": self._ids, "group": state.number, "candidates": state.candidates,
+                                      "times": state.medians()})
 
     def _heard(self, state, reports):
         """Take the ranks' reports: a trial's times (kept only when every rank reported it: the quickest
@@ -123,8 +122,8 @@ class Trials:
 
 
 class _Group:
-    def __init__(self, candidates):
-        self.candidates = candidates
+    def __init__(self, candidates, number):
+        self.candidates, self.number = candidates, number
         self.times = {a: [] for a in candidates}   # the quickest rank's seconds per trial, after its warm-up rounds
         self.slowest = {a: [] for a in candidates}   # the slowest rank's
         self.heard = {a: set() for a in candidates}   # the rounds those came from
@@ -139,8 +138,15 @@ class _Group:
 
     def shown(self, revisit):
         """The kept choice's Release.auto."""
-        return {"choice": self.choice, "candidates": self.candidates, "times": self.medians(), "expect": self.expect,
-                "revisit": revisit}
+        return {"choice": self.choice, "group": self.number, "candidates": self.candidates, "times": self.medians(),
+                "expect": self.expect, "revisit": revisit}
+
+    def said(self, auto):
+        """auto, and on the first release of a revisit "restart": rank 0's controller then drops the
+        group's releases from its cache, so that all its tensors take part (ControllerServer._evict_auto)."""
+        if self.restart:
+            auto["restart"], self.restart = True, False
+        return auto
 
     def medians(self):
         return {a: statistics.median(t) for a, t in self.times.items() if t}

@@ -80,7 +80,9 @@ def test_a_check_of_the_kept_choice_tries_the_candidates_again():
     algorithm, auto = release(trials, [{"check": 3, "seconds": 0.5}, None])
     assert "trial" in auto and auto["times"] == {}, f"a drifted time starts the trials anew: {auto}"
     assert auto.get("restart") and not release(trials, [None, None])[1].get("restart"), \
-        "the revisit's first release says so (the controller drops what `auto` decided from its cache), once"
+        "the revisit's first release says so (the controller drops its group's releases from its cache), once"
+    assert auto["group"] == 0 and release(trials, [None, None], group="h")[1]["group"] == 1, \
+        "a group keeps its number across revisits; another has its own"
     slower = {"allgather": 0.5, "omnireduce": 0.02, "hotcold": 0.03}.get
     assert run(trials, [slower, slower], 10)[-1][0] == "omnireduce"
 

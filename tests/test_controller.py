@@ -332,35 +332,37 @@ def test_a_job_formed_anew_or_a_process_set_starts_with_no_cached_tensor(job):
         stop_job(server, fresh)
 
 
-def test_a_revisit_of_auto_drops_the_releases_auto_decided_from_the_cache():
+def test_a_revisit_of_auto_drops_its_groups_releases_from_the_cache():
     """`auto` tries a group anew (commlib.trials: a check of its kept choice): the group's tensors the
-    cache held come in full and run the trials too, instead of their old choice beside the trial's."""
+    cache held come in full and run the trials too, instead of their old choice beside the trial's;
+    another group's and what `auto` did not decide stay cached."""
     from commlib.release import Release
     revisit = set()
 
-    def settle(name, metas):   # "c" starts a revisit once asked; "a" and "b" were kept by `auto`; "d" is no auto's
-        if name in revisit:
+    def settle(name, metas):   # "c" starts a revisit of group 0 once asked, where `auto` kept "a" and "b";
+        if name in revisit:     # "e" is group 1's, "d" no auto's
             revisit.discard(name)
-            return Release(name, "ring", auto={"trial": 1, "candidates": ["ring", "switchml"], "times": {},
-                                               "restart": True})
-        return Release(name, "ring", auto={"choice": "ring"} if name != "d" else None)
+            return Release(name, "ring", auto={"trial": 1, "group": 0, "candidates": ["ring", "switchml"],
+                                               "times": {}, "restart": True})
+        return Release(name, "ring", auto={"choice": "ring", "group": int(name == "e")} if name != "d" else None)
 
     server = ControllerServer(2, "127.0.0.1", 0, settle, timeout_s=20.0, cycle_time_ms=1.0, secret=SECRET,
                               negotiation_timeout_s=60.0)
     clients = connect_ranks(server)
     try:
-        names = ["a", "b", "c", "d"]
+        names = ["a", "b", "c", "d", "e"]
         step(clients, lambda rank: [meta(n) for n in names])
         calls = counting(server)
         step(clients, lambda rank: [meta(n) for n in names])
         assert calls == [], f"cached releases were negotiated: {calls}"
         revisit.add("c")
-        step(clients, lambda rank: [meta(n) for n in names[:2]] + [meta("c", shape=(8,)), meta("d")])
-        step(clients, lambda rank: [meta(n) for n in names[:2]] + [meta("c", shape=(8,)), meta("d")])
-        assert {"a", "b"} <= {name for _, name in calls} and "d" not in {name for _, name in calls}, \
-            f"a revisit left what `auto` decided in the cache, or dropped what it did not: {calls}"
+        later = [meta(n) for n in names[:2]] + [meta("c", shape=(8,)), meta("d"), meta("e")]
+        step(clients, lambda rank: later)
+        step(clients, lambda rank: later)
+        assert {"a", "b"} <= {name for _, name in calls} and not {"d", "e"} & {name for _, name in calls}, \
+            f"a revisit left its group's releases in the cache, or dropped others: {calls}"
         del calls[:]
-        got = step(clients, lambda rank: [meta(n) for n in names[:2]] + [meta("c", shape=(8,)), meta("d")])
+        got = step(clients, lambda rank: later)
         assert all(released(g) == names for g in got) and calls == [], (got, calls)
     finally:
         stop_job(server, clients)
