@@ -86,8 +86,7 @@ class Trials:
             if restart:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
                 measured = state.medians()
                 candidates = [a for a in candidates if measured.get(a, 0.0) <= state.checked * self.margin] or candidates
-            state = self._groups[group] = _Group(candidates, self._numbers.setdefault(group, len(self._numbers)))
-            state.restart = restart
+            state = self._groups[group] = _Group(candidates, self._numbers.setdefault(group, len(self._numbers)), restart)
             if state.choice is not None:
                 return state.choice, state.said(state.shown(self.revisit))
         if name is None or name in state.named or state.current is None:   # the next round, the next candidate
@@ -122,7 +121,7 @@ class Trials:
 
 
 class _Group:
-    def __init__(self, candidates, number):
+    def __init__(self, candidates, number, restart=False):
         self.candidates, self.number = candidates, number
         self.times = {a: [] for a in candidates}   # the quickest rank's seconds per trial, after its warm-up rounds
         self.slowest = {a: [] for a in candidates}   # the slowest rank's
@@ -134,7 +133,7 @@ class _Group:
         self.expect = None
         self.dropped = set()   # measured `drop` times slower than the best: no more rounds
         self.checked = None   # the seconds of a check of the kept choice: formed anew at the next release
-        self.restart = False   # formed anew by a check, no release of it yet
+        self.restart = restart   # formed anew by a check, no release of it yet
 
     def shown(self, revisit):
         """The kept choice's Release.auto."""
