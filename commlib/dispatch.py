@@ -97,10 +97,13 @@ def _settle_metas(name, metas, trials):
         kept = trials.kept(group, [meta.get("report") for meta in metas])
         if kept is not None:   # the measured choice stands: the model need not run (nor hotcold's windows count)
             return kept[0], None, kept[1]
-    estimate = estimate_traffic(stats, weighed)
+    if all("sketch" in s for s in stats):
+        estimate = estimate_traffic(stats, weighed)
+        ranked = sorted(((a, max(estimate[a]["up"], estimate[a]["down"])) for a in weighed), key=lambda ac: ac[1])
+    else:   # a rank under a kept choice sent its counts only (Dispatcher._rows): the model cannot weigh them
+        estimate, ranked = None, [(a, None) for a in weighed]
     if trials is None:
-        return estimate["choice"], estimate, None
-    ranked = sorted(((a, max(estimate[a]["up"], estimate[a]["down"])) for a in weighed), key=lambda ac: ac[1])
+        return ranked[0][0] if estimate is None else estimate["choice"], estimate, None
     algorithm, auto = trials.choose(group, ranked, name)
     return algorithm, estimate, auto
 
@@ -334,9 +337,16 @@ class Dispatcher:
 
     def _row_stats(self, rows, meta, candidates):
         """What the traffic models need from this rank (commlib.traffic.estimate): the common
-        measurements, and each candidate's own under its name (Backend.row_stats)."""
-        stats = {"rows": int(rows.rows.size), "sketch": sparse.sketch(rows.rows), "nrows": rows.nrows,
-                 "width": rows.width, "itemsize": rows.values.dtype.itemsize}
+        measurements, and each candidate's own under its name (Backend.row_stats). Under a choice `auto`
+        keeps (its last run's), the counts alone, which name the group: the controller runs no model
+        then, and the sketches cost a rank a tenth of its submission and the controller kilobytes a
+        step (a revisit retries the group's candidates; a tensor that left its group takes the first
+        candidate once, and the ranks send the sketches next time)."""
+        stats = {"rows": int(rows.rows.size), "nrows": rows.nrows, "width": rows.width,
+                 "itemsize": rows.values.dtype.itemsize}
+        if self.reports.settled(meta.name):
+            return stats
+        stats["sketch"] = sparse.sketch(rows.rows)
         for algorithm in candidates:
             own = self.backends[algorithm].row_stats(meta.name, rows.rows, rows.nrows, rows.width)
             if own is not None:

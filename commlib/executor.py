@@ -430,10 +430,12 @@ class Executor:
         self.records.put(entry.record, entry.algorithm, entry.plan, entry.staged.dtype_name, entry.staged.nbytes,
                          entry.density, entry.went - entry.enqueued, start - entry.went, shared, entry.rows,
                          entry.estimate, entry.skew, entry.auto)
-        if entry.auto is not None:   # `auto` measures: this run's time goes to rank 0 with the next submission
-            # its share of the bucket's time by bytes: fused with others or alone, a tensor costs alike
+        if entry.auto is not None or entry.rows is not None:   # `auto` measures, and row-sparse tensors' stats
+            # depend on its choice: this run's time goes to rank 0 with the next submission, its share of
+            # the bucket's time by bytes (fused with others or alone, a tensor costs alike)
             share = entry.staged.nbytes / bucket_bytes if bucket_bytes else 1.0
             self.dispatcher.reports.ran(entry.name, entry.auto, (end - start) * share)
+        if entry.auto is not None:
             for *_, comm, args in (phases.spans if traced else ()):
                 if comm:   # the study's table of candidates (commlib.analyze)
                     args["auto"] = entry.auto

@@ -2,13 +2,17 @@
 
 For each group of tensors `auto` decides together (the payload kind, its candidates, the size band,
 for row-sparse tensors the band of the densest rank's row density, for dense ones the dtype), the
-candidates that the model ranks within `auto_trial_margin` of the best are tried in turn, a round
-at a time: a round is every release of the group until a name comes again (a training step's
+candidates that the model ranks within `auto_trial_margin` of the best are tried in turn, a block of
+rounds each: a round is every release of the group until a name comes again (a training step's
 tensors of that group), and all of them run the round's candidate, so they fuse as they will once
-one is kept. The controller (rank 0's settle, `Trials.choose`) picks each round's candidate, so every
-rank runs the same candidate on the same step by construction. Dense tensors' candidates are the
-dense carriers that run and take the tensor (switchml, the ring), ranked by Backend.dense_traffic;
-a block-sparse one goes to the sparse carrier by its density bound, untried.
+one is kept. A candidate's rounds run back to back, the first a warm-up: it also takes what the
+candidate before left behind (a sparse allgather right after omnireduce's rounds took 6.2 ms, after
+another allgather's 4.5-5.1, 4 ranks on loopback; rounds in turn, one each, measured that in two of
+its three samples and kept a slower candidate). The controller (rank 0's settle, `Trials.choose`)
+picks each round's candidate, so every rank runs the same candidate on the same step by
+construction. Dense tensors' candidates are the dense carriers that run and take the tensor
+(switchml, the ring), ranked by Backend.dense_traffic; a block-sparse one goes to the sparse carrier
+by its density bound, untried.
 
 A release under trial carries an id; every rank measures its run and reports (id, seconds) in the
 metadata it submits next for that name (`Reports`). A run's seconds are the tensor's share by bytes
@@ -19,11 +23,13 @@ step; the other ranks' times also hold their wait for the last one, the same whi
 runs (with the slowest rank's, 8 tensors of 4 MiB on loopback kept switchml over a ring twice as
 fast). Once every candidate was measured in `auto_trial_samples` rounds (after one warm-up round
 each) the fastest by median is kept; a candidate whose median is already `auto_trial_drop` times the
-best one's is tried no more (a candidate ten times slower costs a step per round it runs); its releases carry its slowest rank's median time, and a rank
-reports again after `auto_revisit` runs, or when five runs in a row took `auto_drift` times longer
-than that: the group is then tried anew, less the candidates measured `auto_trial_margin` times
+best one's is tried no more (a candidate ten times slower costs a step per round it runs). The kept
+one's releases carry its slowest rank's median time, and a rank reports again after `auto_revisit`
+runs, or when five runs in a row took `auto_drift` times longer than that: the group's candidates
+(the model's when it formed) are then tried anew, less those measured `auto_trial_margin` times
 slower than the kept one now runs (they sit that round out). A settled release no longer depends on
-the controller's state, so the response cache may keep it.
+the controller's state, so the response cache may keep it; the model needs no sketches of a row-
+sparse tensor under a kept choice, so the ranks send its counts only (Dispatcher._row_stats).
 """
 import statistics
 
@@ -51,6 +57,7 @@ class Trials:
         self.margin, self.samples, self.revisit, self.drop = margin, samples, revisit, drop
         self._groups = {}
         self._numbers = {}   # group -> its number in Release.auto, the same across its revisits
+        self._pools = {}     # group -> the candidates the model ranked within the margin when it formed
         self._ids = 0
 
     @classmethod
@@ -72,25 +79,29 @@ class Trials:
 
     def choose(self, group, ranked, name=None):
         """(algorithm, what commlib.records() shows of it) for a release of tensor `name` that `kept` left
-        open: `ranked` the candidates best first as the model ranks them, [(algorithm, cost)]. The
-        candidate of the group's round (a new round when `name` comes again, or is None), formed anew
-        when the group is new or was checked."""
+        open: `ranked` the candidates best first as the model ranks them, [(algorithm, cost)] (cost None:
+        not weighed, the ranks sent no sketches). The candidate of the group's round (a new round when
+        `name` comes again, or is None), the group formed anew when it is new or was checked."""
         state = self._groups.get(group)
         if state is None or state.checked is not None:
-            best = ranked[0][1]
-            candidates = [a for a, cost in ranked if cost <= best * self.margin] if self.samples > 0 else []
-            if len(candidates) < 2:   # nothing to try: the model decides, release by release
-                self._groups.pop(group, None)
-                return ranked[0][0], None
-            restart = state is not None
-            if restart:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
-                measured = state.medians()
-                candidates = [a for a in candidates if measured.get(a, 0.0) <= state.checked * self.margin] or candidates
-            state = self._groups[group] = _Group(candidates, self._numbers.setdefault(group, len(self._numbers)), restart)
+            if state is None:   # new: the candidates the model ranks within the margin of the best
+                best = ranked[0][1]
+                weighed = self.samples > 0 and best is not None
+                pool = [a for a, cost in ranked if cost <= best * self.margin] if weighed else []
+                if len(pool) < 2:   # nothing to try (or not weighed): the model decides, release by release
+                    return ranked[0][0], None
+                self._pools[group] = candidates = pool
+            else:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
+                measured, pool = state.medians(), self._pools[group]
+                candidates = [a for a in pool if measured.get(a, 0.0) <= state.checked * self.margin] or pool
+            state = self._groups[group] = _Group(candidates, self._numbers.setdefault(group, len(self._numbers)),
+                                                 restart=state is not None)
             if state.choice is not None:
                 return state.choice, state.said(state.shown(self.revisit))
-        if name is None or name in state.named or state.current is None:   # the next round, the next candidate
-            state.current = min(state.running(), key=lambda a: (state.given[a], state.candidates.index(a)))
+        if name is None or name in state.named or state.current is None:   # the next round
+            running = state.running()
+            if state.current not in running or state.given[state.current] >= WARMUP + self.samples:   # its block ended
+                state.current = min(running, key=lambda a: (state.given[a], state.candidates.index(a)))
             state.given[state.current] += 1
             state.named = set()
         state.named.add(name)
@@ -188,11 +199,10 @@ class Reports:
 
     def ran(self, name, auto, seconds):
         """This rank ran a release of `name` whose `auto` (Release.auto) was given, in `seconds`."""
-        if "trial" in auto:
-            self._ready[name] = {"trial": auto["trial"], "seconds": seconds}
+        if "revisit" not in (auto or ()):   # a trial's run, or no choice kept (None: the model's): nothing to check
             self._runs.pop(name, None)
-            return
-        if "revisit" not in auto:   # no choice kept: nothing to check
+            if "trial" in (auto or ()):
+                self._ready[name] = {"trial": auto["trial"], "seconds": seconds}
             return
         runs = self._runs.setdefault(name, [0, 0])
         runs[0] += 1
@@ -201,6 +211,10 @@ class Reports:
         if runs[0] >= auto["revisit"] or runs[1] >= SLOW_RUNS:
             self._ready[name] = {"check": runs[0], "seconds": seconds}
             del self._runs[name]
+
+    def settled(self, name):
+        """Whether the last run of `name` was under a choice the controller keeps, no check of it due."""
+        return name in self._runs
 
     def take(self, name):
         return self._ready.pop(name, None)

@@ -1,7 +1,7 @@
-"""`auto` measures (commlib.trials): the candidates the traffic model ranks within a margin of the
-best are tried in turn, the controller picks each release's, the time of the rank that arrived last
-counts, the fastest is kept and tried again on drift; a settled choice, and a density's side of its
-bounds, are cached by the controller."""
+"""`auto` measures (commlib.trials): the candidates the traffic model ranks within a margin of the best
+are tried a block of steps each, the controller picks each release's, the time of the rank that
+arrived last counts, the fastest is kept and tried again on drift; a settled choice, and a density's
+side of its bounds, are cached by the controller."""
 import numpy as np
 import pytest
 
@@ -30,15 +30,15 @@ def run(trials, times, steps, ranks=2, group="g"):
     return out
 
 
-def test_candidates_within_the_margin_are_tried_in_turn_model_first_and_the_fastest_by_the_quickest_rank_kept():
+def test_candidates_within_the_margin_are_tried_a_block_each_model_first_and_the_fastest_by_the_quickest_rank_kept():
     trials = Trials(margin=4.0, samples=2, revisit=100)
     late_on_1 = {"allgather": 0.02, "omnireduce": 0.01, "hotcold": 0.03}   # rank 1 arrives last: its times count
     waits_on_0 = {"allgather": 0.09, "omnireduce": 0.15, "hotcold": 0.06}  # rank 0's hold its wait for rank 1 too
     got = run(trials, [waits_on_0.get, late_on_1.get], 12)
     tried = [a for a, auto in got if "trial" in auto]
-    assert tried[:3] == ["allgather", "omnireduce", "hotcold"], f"the model's order first, in turn: {tried}"
-    assert sorted(set(tried)) == ["allgather", "hotcold", "omnireduce"], f"switchml is outside the margin: {tried}"
-    assert len(tried) == 3 * (WARMUP + 2), f"each candidate once to warm up and twice measured: {tried}"
+    # each candidate's rounds back to back: its warm-up takes what the one before left behind
+    assert tried == [a for a in ("allgather", "omnireduce", "hotcold") for _ in range(WARMUP + 2)], \
+        f"the model's order, each once to warm up and twice measured, not switchml (outside the margin): {tried}"
     algorithm, auto = got[-1]
     assert algorithm == auto["choice"] == "omnireduce", f"the quickest rank's times decide: {auto}"
     assert auto["times"] == late_on_1 and auto["expect"] == 0.15, f"a rank's runs are checked by the slowest's: {auto}"
@@ -49,7 +49,7 @@ def test_a_candidate_measured_drop_times_slower_than_the_best_runs_no_more_round
     times = {"allgather": 0.01, "omnireduce": 0.1, "hotcold": 0.015}.get   # omnireduce 10x the best
     got = run(trials, [times, times], 14)
     tried = [a for a, auto in got if "trial" in auto]
-    assert tried == ["allgather", "omnireduce", "hotcold"] * 2 + ["allgather", "hotcold"] * 2, \
+    assert tried == ["allgather"] * 4 + ["omnireduce"] * 2 + ["hotcold"] * 4, \
         f"omnireduce warms up, is measured once and sits the other rounds out: {tried}"
     assert got[-1][1]["choice"] == "allgather" and got[-1][1]["times"]["omnireduce"] == 0.1, got[-1]
     trials = Trials(margin=4.0, samples=3, revisit=100, drop=0.5)   # below 1: every other one drops
@@ -134,6 +134,28 @@ def test_a_rank_submits_its_side_of_the_density_bounds_and_the_max_over_ranks_is
     assert side_of(traffic, 0.5) == 1, "above the density rules: the traffic model decides"
 
 
+
+def test_a_rank_under_a_kept_choice_sends_counts_only_and_a_new_group_then_waits_a_release_for_the_model():
+    reports = Reports(drift=1.5)
+    kept = {"choice": "a", "times": {"a": 0.1}, "expect": 0.1, "revisit": 3}
+    assert not reports.settled("w")
+    reports.ran("w", {"trial": 1}, 0.1)
+    assert not reports.settled("w"), "a trial's run: the next release may be a trial's, which the model weighs"
+    reports.ran("w", kept, 0.1)
+    assert reports.settled("w")
+    reports.ran("w", None, 0.1)
+    assert not reports.settled("w"), "a release the model decided alone"
+    for _ in range(3):
+        reports.ran("w", kept, 0.1)
+    assert not reports.settled("w") and reports.waiting("w"), "a check is due: it goes with the sketches"
+    choices = [[TRAFFIC, "sparse_allgather"], [TRAFFIC, "hotcold"]]
+    counts = {"rows": 10, "nrows": 1000, "width": 4, "itemsize": 4}
+    metas = [{"choices": choices, "rows": counts}, {"choices": choices, "rows": counts}]
+    release = settle_release("w", metas, Trials(margin=4.0, samples=2, revisit=100))
+    assert (release.algorithm, release.estimate, release.auto) == ("sparse_allgather", None, None), \
+        f"no sketches, no group yet: the first candidate, and no trial until the model can weigh them: {release}"
+
+
 @pytest.mark.multiprocess
 def test_trials_and_choices_are_the_same_on_every_rank_a_slow_candidate_loses_drift_is_retried_and_cached(tmp_path):
     """2 ranks, two row carriers registered from outside (tests/workers/auto_trials.py): the model's
@@ -149,12 +171,19 @@ def test_trials_and_choices_are_the_same_on_every_rank_a_slow_candidate_loses_dr
     for rank, result in enumerate(results[1:], 1):
         for i, (mine, theirs) in enumerate(zip(steps, result["steps"])):
             assert mine["records"] == theirs["records"], f"step {i}: rank 0 and rank {rank} differ"
+    last = {}   # name -> its last release's auto
     for i, step in enumerate(steps):
         assert all(step["exact"].values()), f"step {i}: a result is not the sum: {step['exact']}"
         for name, record in step["records"].items():
             if name != "dense":
-                assert record["auto"] is not None, (i, name, record)
-                assert record["modelled"] == ("trial" in record["auto"]), f"step {i}: the model runs only for trials: {record}"
+                auto = record["auto"]
+                assert auto is not None, (i, name, record)
+                trial, after_kept = "trial" in auto, "choice" in last.get(name, {})
+                # after a kept choice a rank sends no sketches (but with a check due): a revisit's first trial
+                # may go without the model
+                assert record["modelled"] <= trial and record["modelled"] >= (trial and not after_kept), \
+                    f"step {i}: the model runs only for trials, and for every trial but a revisit's first: {record}"
+                last[name] = auto
                 assert set(record["auto"].get("candidates", ["toy_fast", "toy_slow"])) == {"toy_fast", "toy_slow"}, \
                     f"step {i}: only the toys are within the margin: {record}"
 
@@ -177,7 +206,7 @@ def test_trials_and_choices_are_the_same_on_every_rank_a_slow_candidate_loses_dr
 
 def test_dense_candidates_are_ranked_by_their_bytes_and_tried_by_round_one_round_per_step():
     """A round: every release of the group until a name comes again, all with one candidate (they
-    fuse as they will once one is kept)."""
+    fuse as they will once one is kept); a candidate's rounds back to back."""
     trials = Trials(margin=4.0, samples=1, revisit=100)
     choices = [[TRAFFIC, "switchml"], [TRAFFIC, "ring"]]
 
@@ -185,8 +214,8 @@ def test_dense_candidates_are_ranked_by_their_bytes_and_tried_by_round_one_round
         return {"choices": choices, "shape": [nbytes_floats], "dtype": dtype, "side": 0, "rows": None,
                 "report": report}
 
-    got = [settle_release(name, [meta(1000), meta(1000)], trials) for name in ("a", "b", "a", "b")]
-    assert [r.algorithm for r in got] == ["switchml", "switchml", "ring", "ring"], got
+    got = [settle_release(name, [meta(1000), meta(1000)], trials) for name in ("a", "b") * 4]
+    assert [r.algorithm for r in got] == ["switchml"] * 4 + ["ring"] * 4, f"two rounds (a, b) each: {got}"
     assert all("trial" in r.auto for r in got) and got[0].estimate is None, got
     tiny = settle_release("e", [meta(16), meta(16)], trials)   # under 64 KiB: one group, whatever the size
     assert tiny.algorithm == "ring" and "trial" in tiny.auto, f"small tensors are tried together: {tiny}"
@@ -202,7 +231,7 @@ def test_dense_candidates_are_ranked_by_their_bytes_and_tried_by_round_one_round
 @pytest.mark.multiprocess
 def test_dense_auto_tries_switchml_and_the_ring_on_the_same_steps_keeps_the_faster_caches_it_and_retries_on_drift():
     """2 ranks (tests/workers/auto_dense.py): the ring sleeps until step FLIP, then switchml does.
-    The group of 'w.0' and 'w.1' tries both a step at a time, keeps switchml, is released from the
+    The group of 'w.0' and 'w.1' tries both, a block of steps each, keeps switchml, is released from the
     cache until it drifts, then tries both again and keeps the ring. A tensor a policy rule or the
     caller names is never tried."""
     env = {"COMMLIB_AUTO_TRIAL_SAMPLES": "2", "COMMLIB_AUTO_DRIFT": "3"}
@@ -220,8 +249,9 @@ def test_dense_auto_tries_switchml_and_the_ring_on_the_same_steps_keeps_the_fast
         return steps[i]["records"]["w.0"]["auto"]
 
     tried = [steps[i]["records"]["w.0"]["algorithm"] for i in range(len(steps)) if "trial" in auto(i)]
-    rounds = 2 * (WARMUP + 1) + 1   # the sleeping ring, measured once, sits out switchml's second round
-    assert tried[:rounds] == ["switchml", "ring"] * (WARMUP + 1) + ["switchml"], f"in carriers order, a step each: {tried}"
+    rounds = 2 * (WARMUP + 1) + 1   # the sleeping ring, measured once, sits out its second round
+    assert tried[:rounds] == ["switchml"] * (WARMUP + 2) + ["ring"] * (WARMUP + 1), \
+        f"in carriers order, a block of steps each: {tried}"
     assert auto(flip - 1)["choice"] == "switchml" and auto(flip - 1)["times"]["ring"] >= slow_s / 2, auto(flip - 1)
     kept_at = next(i for i in range(len(steps)) if "choice" in auto(i))
     assert kept_at <= rounds + 1, f"kept once the last round's reports came: step {kept_at}"

@@ -1,4 +1,4 @@
-"""`auto` measures dense tensors: switchml and the ring are tried in turn. The ring sleeps SLOW_S per
+"""`auto` measures dense tensors: switchml and the ring are tried, a block of steps each. The ring sleeps SLOW_S per
 call until step FLIP, then switchml does. 'w.0' and 'w.1' (one group: the same dtype and size
 band) are reduced every step under `auto`; 'named.w' goes to the ring by a policy rule and
 'caller.w' to switchml by the caller's algorithm=. 'named.w' is float64: it never fuses with the
