@@ -100,8 +100,10 @@ def _settle_metas(name, metas, trials):
     if all("sketch" in s for s in stats):
         estimate = estimate_traffic(stats, weighed)
         ranked = sorted(((a, max(estimate[a]["up"], estimate[a]["down"])) for a in weighed), key=lambda ac: ac[1])
-    else:   # a rank under a kept choice sent its counts only (Dispatcher._rows): the model cannot weigh them
-        estimate, ranked = None, [(a, None) for a in weighed]
+    else:   # ranks under a kept choice sent counts only (Dispatcher._row_stats): the model cannot weigh them,
+        # and where a group must form, the tensor runs that choice once more (the sketches come next time)
+        last = next((s["kept"] for s in stats if s.get("kept") in weighed), weighed[0])
+        estimate, ranked = None, [(a, None) for a in sorted(weighed, key=lambda a: a != last)]
     if trials is None:
         return ranked[0][0] if estimate is None else estimate["choice"], estimate, None
     algorithm, auto = trials.choose(group, ranked, name)
@@ -338,14 +340,15 @@ class Dispatcher:
     def _row_stats(self, rows, meta, candidates):
         """What the traffic models need from this rank (commlib.traffic.estimate): the common
         measurements, and each candidate's own under its name (Backend.row_stats). Under a choice `auto`
-        keeps (its last run's), the counts alone, which name the group: the controller runs no model
-        then, and the sketches cost a rank a tenth of its submission and the controller kilobytes a
-        step (a revisit retries the group's candidates; a tensor that left its group takes the first
-        candidate once, and the ranks send the sketches next time)."""
+        keeps (Reports.settled), the counts, which name the group, and that choice: the controller runs
+        no model then, and the sketches cost a rank a fifth of its submission and the controller
+        kilobytes a step (a revisit retries the group's candidates; a tensor that left its group runs
+        its choice once more, and the ranks send the sketches next time)."""
         stats = {"rows": int(rows.rows.size), "nrows": rows.nrows, "width": rows.width,
                  "itemsize": rows.values.dtype.itemsize}
-        if self.reports.settled(meta.name):
-            return stats
+        kept = self.reports.settled(meta.name)
+        if kept is not None:
+            return {**stats, "kept": kept}
         stats["sketch"] = sparse.sketch(rows.rows)
         for algorithm in candidates:
             own = self.backends[algorithm].row_stats(meta.name, rows.rows, rows.nrows, rows.width)

@@ -99,16 +99,12 @@ class Trials:
             if state.choice is not None:
                 return state.choice, state.said(state.shown(self.revisit))
         if name is None or name in state.named or state.current is None:   # the next round
-            running = state.running()
-            if state.current not in running or state.given[state.current] >= WARMUP + self.samples:   # its block ended
-                state.current = min(running, key=lambda a: (state.given[a], state.candidates.index(a)))
-            state.given[state.current] += 1
-            state.named = set()
+            state.next_round(self.samples)
         state.named.add(name)
         algorithm = state.current
         self._ids += 1
         # the round it counts for (None: a warm-up round, not counted)
-        state.pending[self._ids] = (algorithm, state.given[algorithm]) if state.given[algorithm] > WARMUP else None
+        state.pending[self._ids] = (algorithm, state.given[algorithm]) if state.streak > WARMUP else None
         return algorithm, state.said({"trial": self._ids, "group": state.number, "candidates": state.candidates,
                                       "times": state.medians()})
 
@@ -139,6 +135,7 @@ class _Group:
         self.heard = {a: set() for a in candidates}   # the rounds those came from
         self.given = dict.fromkeys(candidates, 0)  # rounds handed out
         self.current, self.named = None, set()     # the round's candidate, the names released in it
+        self.streak = 0                            # its rounds in a row
         self.pending = {}                          # trial id -> its candidate (None: warm-up), until reported
         self.choice = candidates[0] if len(candidates) == 1 else None
         self.expect = None
@@ -163,6 +160,26 @@ class _Group:
 
     def running(self):
         return [a for a in self.candidates if a not in self.dropped]
+
+    def next_round(self, samples):
+        """The next round's candidate: the current one until its block ends (its rounds measured or
+        under way cover `samples`, or it had the rounds `decide` waits for at most), then the next
+        that lacks samples, fewest rounds first, and its first round a warm-up (a report that never
+        came is made up in a block of its own, after a warm-up too)."""
+        def ended(a):
+            rounds = set(self.heard[a])
+            if a == self.current:   # and its block's rounds whose reports are still to come
+                before = self.given[a] - self.streak
+                rounds |= {trial[1] for trial in self.pending.values() if trial and trial[0] == a and trial[1] > before}
+            return len(rounds) >= samples or self.given[a] >= 3 * (WARMUP + samples)
+
+        running = self.running()
+        if self.current not in running or ended(self.current):
+            self.current = min(running, key=lambda a: (ended(a), self.given[a], self.candidates.index(a)))
+            self.streak = 0
+        self.streak += 1
+        self.given[self.current] += 1
+        self.named = set()
 
     def prune(self, drop):
         """Drop the running candidates measured `drop` times slower than the best running one (never
@@ -195,26 +212,31 @@ class Reports:
     def __init__(self, drift):
         self.drift = drift
         self._ready = {}   # name -> report for its next submission
-        self._runs = {}    # name -> [runs since its last check, slow runs in a row], under a kept choice
+        self._kept = {}    # name -> _Kept: its runs under the choice its group keeps, since its last check
 
     def ran(self, name, auto, seconds):
         """This rank ran a release of `name` whose `auto` (Release.auto) was given, in `seconds`."""
         if "revisit" not in (auto or ()):   # a trial's run, or no choice kept (None: the model's): nothing to check
-            self._runs.pop(name, None)
+            self._kept.pop(name, None)
             if "trial" in (auto or ()):
                 self._ready[name] = {"trial": auto["trial"], "seconds": seconds}
             return
-        runs = self._runs.setdefault(name, [0, 0])
-        runs[0] += 1
+        kept = self._kept.get(name)
+        if kept is None or kept.group != auto["group"]:
+            kept = self._kept[name] = _Kept(auto["group"], auto["choice"])
+        kept.runs += 1
         slow = auto["expect"] is not None and seconds > self.drift * auto["expect"] + SLACK_S
-        runs[1] = runs[1] + 1 if slow else 0
-        if runs[0] >= auto["revisit"] or runs[1] >= SLOW_RUNS:
-            self._ready[name] = {"check": runs[0], "seconds": seconds}
-            del self._runs[name]
+        kept.slow = kept.slow + 1 if slow else 0
+        if kept.runs >= auto["revisit"] or kept.slow >= SLOW_RUNS:
+            self._ready[name] = {"check": kept.runs, "seconds": seconds}
+            del self._kept[name]
 
     def settled(self, name):
-        """Whether the last run of `name` was under a choice the controller keeps, no check of it due."""
-        return name in self._runs
+        """The choice the last two runs of `name` ran under, which its group keeps, no check of it due
+        (else None): the model then needs no sketches of it. Two: a tensor whose density moves between
+        two bands step by step keeps sending them, so that its other group can form."""
+        kept = self._kept.get(name)
+        return kept.choice if kept is not None and kept.runs >= 2 else None
 
     def take(self, name):
         return self._ready.pop(name, None)
@@ -222,3 +244,12 @@ class Reports:
     def waiting(self, name):
         """Whether a report waits for the next submission of `name`."""
         return name in self._ready
+
+
+class _Kept:
+    """A name's runs under the choice its group keeps: in all since its last check, slow in a row."""
+
+    __slots__ = ("group", "choice", "runs", "slow")
+
+    def __init__(self, group, choice):
+        self.group, self.choice, self.runs, self.slow = group, choice, 0, 0

@@ -4,8 +4,8 @@ sleeps SLOW_S per call; `toy_fast` claims a few bytes more and is fast until ste
 FLIPPED_S. Every built-in carrier claims far more bytes, outside the margin. Tensor 'a' is reduced
 every step, 'b' (the same kind: one group) every other step; 'dense' is a mostly-zero dense tensor
 that `auto` sends to omnireduce by its density. Reports, per step, what commlib.records() shows of
-each tensor (and whether the traffic model ran for it), whether each result is the sum, and on rank 0 the full submissions its controller
-handled per name."""
+each tensor (and whether the traffic model ran for it), whether each result is the sum, and on rank 0
+the full submissions its controller handled per name and those that carried sketches."""
 import time
 
 import numpy as np
@@ -54,6 +54,16 @@ class ToyFast(Toy):
 commlib.init(policy="*=auto")
 rank, size = commlib.rank(), commlib.size()
 full = full_submissions()   # per name, on rank 0
+sketched = {}   # per name, on rank 0: the submissions whose row stats carried the sketches the model needs
+server = commlib.api.runtime()._server
+if server is not None:
+    submit_one = server._submit
+
+    def counted(rank, meta):
+        if "sketch" in (meta.get("rows") or {}):
+            sketched[meta["name"]] = sketched.get(meta["name"], 0) + 1
+        return submit_one(rank, meta)
+    server._submit = counted
 
 
 def rows_tensor(step, r):
@@ -83,6 +93,7 @@ for step in range(STEPS):
     records = commlib.records()
     steps.append({"records": {name: {"algorithm": records[name]["algorithm"], "auto": records[name].get("auto"),
                                      "modelled": records[name].get("estimate") is not None}
-                              for name in names + ["dense"]}, "exact": exact, "full": dict(full)})
+                              for name in names + ["dense"]}, "exact": exact, "full": dict(full),
+                  "sketched": dict(sketched)})
 report(rank=rank, steps=steps, flip=FLIP)
 commlib.shutdown()
