@@ -96,8 +96,6 @@ class Trials:
                 candidates = [a for a in pool if measured.get(a, 0.0) <= state.checked * self.margin] or pool
             state = self._groups[group] = _Group(candidates, self._numbers.setdefault(group, len(self._numbers)),
                                                  restart=state is not None)
-            if state.choice is not None:
-                return state.choice, state.said(state.shown(self.revisit))
         if name is None or name in state.named or state.current is None:   # the next round
             state.next_round(self.samples)
         state.named.add(name)
@@ -137,7 +135,7 @@ class _Group:
         self.current, self.named = None, set()     # the round's candidate, the names released in it
         self.streak = 0                            # its rounds in a row
         self.pending = {}                          # trial id -> its candidate (None: warm-up), until reported
-        self.choice = candidates[0] if len(candidates) == 1 else None
+        self.choice = None   # (a revisit's one candidate too: measured anew, its `expect` for the drift check)
         self.expect = None
         self.dropped = set()   # measured `drop` times slower than the best: no more rounds
         self.checked = None   # the seconds of a check of the kept choice: formed anew at the next release

@@ -99,8 +99,12 @@ def test_a_revisit_leaves_out_what_measured_margin_times_slower_than_the_kept_ch
     trials = Trials(margin=4.0, samples=1, revisit=100)
     times = {"allgather": 0.01, "omnireduce": 0.2, "hotcold": 0.3}.get
     run(trials, [times, times], 10)
-    assert release(trials, [{"check": 100, "seconds": 0.01}, None])[1]["choice"] == "allgather", \
-        "one candidate left: kept at once"
+    _, auto = release(trials, [{"check": 100, "seconds": 0.01}, None])
+    assert auto["candidates"] == ["allgather"] and "trial" in auto, \
+        f"one candidate left: measured anew, for the time its drift is checked by: {auto}"
+    assert run(trials, [times, times], WARMUP + 2)[-1][1] == {
+        "choice": "allgather", "group": 0, "candidates": ["allgather"], "times": {"allgather": 0.01}, "expect": 0.01,
+        "revisit": 100}
 
 
 def test_a_rank_reports_each_trial_then_checks_the_kept_choice_on_drift_and_on_schedule():
