@@ -112,6 +112,11 @@ class Backend(abc.ABC):
     # the algorithm has no server. commlib.records() and the timeline scale them to the transfer time.
     last_server_share = None
 
+    def learning(self, name):
+        """Whether this backend's calls named `name` are not yet as they will stay: it still learns from
+        them (hotcold's first window of counts). `auto` counts no trial run of it meanwhile."""
+        return False
+
     def measured_density(self, name):
         """(this rank's, the union's) block density a sparse algorithm measured on its last call
         named `name`, for commlib.records(); None for dense algorithms."""

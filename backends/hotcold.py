@@ -19,7 +19,7 @@ in one of two ways:
     The price is the extra round: worth it where the link, not latency or the CPUs, bounds the
     call (benchmarks/RESULTS.md "sparse_100mbit" against "sparse").
 The result is the union of the rows, summed, as the plain sparse sum. Before the first window
-ends every row is cold.
+ends every row is cold: it is short (FIRST_WINDOW calls), a rough hot set early.
 
 Tuning guide
   hotcold_k        hot rows per tensor; 0 picks them from the last window's counts (at most
@@ -33,8 +33,9 @@ Tuning guide
                    (hot when ((N-1) p - 1 + (1-p)^(N-1)) (index + row) is more). Worth it where rows
                    are shared (Zipf-like ids): the allgather carries each once per rank touching it.
   hotcold_presence the two-round form above: fewer bytes, one more round.
-  hotcold_every    the window, in calls per tensor: shorter follows a drifting skew, longer costs
-                   fewer count exchanges (each: touched rows x 16 bytes per rank).
+  hotcold_every    the window, in calls per tensor (the first: at most FIRST_WINDOW): shorter follows
+                   a drifting skew, longer costs fewer count exchanges (each: touched rows x 16 bytes
+                   per rank).
 
 records() shows per tensor `hot_k`, `hot_share` (of the last window's updates the hot set carried),
 this call's `hot_rows` (this rank's rows in the hot set), `slab_rows` (the rows the slab carried)
@@ -63,6 +64,7 @@ define("hotcold_hot", "switchml", "hot/cold split: the algorithm summing the sla
 define("hotcold_cold", "sparse_allgather", "hot/cold split: the algorithm for cold rows (sparse_allgather or omnireduce)")
 
 F32 = np.dtype("float32")
+FIRST_WINDOW = 4   # calls: the first window is short, a hot set early (refined by each full window after)
 
 
 class _Split:
@@ -137,6 +139,11 @@ class HotColdBackend(Backend):
 
     def allreduce(self, array, name):
         return self._carrier(self.hot_name, "ring").allreduce(array, name)
+
+    def learning(self, name):
+        """Until its first window ends a tensor has no hot set: every row goes cold."""
+        split = self._tensors.get(name)
+        return split is None or not split.agreements
 
     def _split(self, name, nrows):
         split = self._tensors.get(name)
@@ -261,7 +268,8 @@ class HotColdBackend(Backend):
         split.last = {"hot_k": int(split.hot.size), "hot_share": split.hot_share, "hot_rows": int(is_hot.sum()),
                       "slab_rows": int(slab_rows), "cold_rows": int((~is_hot).sum()) if cold_rows is None else cold_rows,
                       "agreements": split.agreements}
-        if split.window_calls >= self.every:   # >=: autotune may shorten the window under way (tune)
+        window = self.every if split.agreements else min(self.every, FIRST_WINDOW)
+        if split.window_calls >= window:   # >=: autotune may shorten the window under way (tune)
             self._agree(split, name, width, itemsize)
 
     def _agree(self, split, name, width, itemsize):

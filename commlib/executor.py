@@ -338,14 +338,18 @@ class Executor:
         rows = first.staged.sparse is not None and first.op in (Sum, Average)
         dense = first.compressor is None and not rows   # host arrays, restored on the caller's thread (Handle.set)
         run = self._run_dense if dense else self._run_rows if first.compressor is None else self._run_compressed
+        # `auto` counts no trial run of a backend that still learns the tensor (asked before it runs)
+        learning = {e.name for e in bucket if "trial" in (e.auto or ()) and backend.learning(e.name)}
         results = run(bucket, backend, name, phases)
         end = time.monotonic()
+        if run == self._run_rows:   # outside the run's time: hotcold's windows counted while auto weighs it
+            self._count_rows(bucket[0], backend, name)
         shared = {"bucket": name, "fused_with": len(bucket) - 1, "run_s": end - start,   # the bucket's, once
                   "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True), **phases.server()}
         nbytes = sum(entry.staged.nbytes for entry in bucket)
         traced = self.timeline.active
         for entry, result in zip(bucket, results):
-            self._record(entry, shared, start, end, phases, nbytes, traced)
+            self._record(entry, shared, start, end, phases, nbytes, traced, entry.name in learning)
             entry.handle.set(result=result, restore=entry.staged.restore if dense else None)
 
     def _run_dense(self, bucket, backend, name, phases):
@@ -390,19 +394,24 @@ class Executor:
         if scale != 1.0:
             out_values = scaled(out_values, scale)
         entry.rows = (int(rows.rows.size), int(out_rows.size))
-        counter = backend if hasattr(backend, "row_record") else None   # hotcold: windows of row counts
-        for weighed in (entry.estimate or ()):
-            other = self.dispatcher.backends.get(weighed)
-            if weighed != entry.algorithm and hasattr(other, "observe"):
-                # auto weighed the hot/cold split and chose another: its window of counts goes on all the same
-                other.observe(rows.rows, rows.nrows, name, rows.width, values.dtype.itemsize)
-                counter = other
-        if counter is not None:   # the hot set's size and share of updates
-            entry.skew = counter.row_record(name)
-            self._trace_counts(entry, counter)
         result = entry.staged.restore_rows(out_rows, out_values)
         phases.mark("RESTORE")
         return [result]
+
+    def _count_rows(self, entry, backend, name):
+        """hotcold's windows of row counts: the hot set's size and share of updates in the record, and
+        where auto weighed the split and chose another, its window goes on all the same (collective
+        at the window's end: every rank counts the same calls)."""
+        rows = entry.staged.sparse
+        counter = backend if hasattr(backend, "row_record") else None
+        for weighed in (entry.estimate or ()):
+            other = self.dispatcher.backends.get(weighed)
+            if weighed != entry.algorithm and hasattr(other, "observe"):
+                other.observe(rows.rows, rows.nrows, name, rows.width, rows.values.dtype.itemsize)
+                counter = other
+        if counter is not None:
+            entry.skew = counter.row_record(name)
+            self._trace_counts(entry, counter)
 
     def _run_compressed(self, bucket, backend, name, phases):
         first = bucket[0]
@@ -426,7 +435,7 @@ class Executor:
             if counts is not None:
                 self.timeline.counts(entry.name, counts[0], counts[1].reshape(-1))
 
-    def _record(self, entry, shared, start, end, phases, bucket_bytes, traced):
+    def _record(self, entry, shared, start, end, phases, bucket_bytes, traced, learning=False):
         self.records.put(entry.record, entry.algorithm, entry.plan, entry.staged.dtype_name, entry.staged.nbytes,
                          entry.density, entry.went - entry.enqueued, start - entry.went, shared, entry.rows,
                          entry.estimate, entry.skew, entry.auto)
@@ -434,7 +443,7 @@ class Executor:
             # depend on its choice: this run's time goes to rank 0 with the next submission, its share of
             # the bucket's time by bytes (fused with others or alone, a tensor costs alike)
             share = entry.staged.nbytes / bucket_bytes if bucket_bytes else 1.0
-            self.dispatcher.reports.ran(entry.name, entry.auto, (end - start) * share)
+            self.dispatcher.reports.ran(entry.name, entry.auto, None if learning else (end - start) * share)
         if entry.auto is not None:
             for *_, comm, args in (phases.spans if traced else ()):
                 if comm:   # the study's table of candidates (commlib.analyze)

@@ -107,16 +107,17 @@ class Trials:
                                       "times": state.medians()})
 
     def _heard(self, state, reports):
-        """Take the ranks' reports: a trial's times (kept only when every rank reported it: the quickest
-        and the slowest rank's), or a check of the kept choice (due, or drifted), which starts the trials anew: then
-        the seconds its slowest rank took, else None."""
+        """Take the ranks' reports: a trial's times (kept only when every rank reported and measured it:
+        the quickest and the slowest rank's), or a check of the kept choice (due, or drifted), which
+        starts the trials anew: then the seconds its slowest rank took, else None."""
         sent = [r for r in reports if r]
         if not sent:
             return None
         if "trial" not in sent[0]:
             return max(r["seconds"] for r in sent) if state.choice is not None else None
         trial = state.pending.pop(sent[0]["trial"], None)   # None too for a warm-up round's
-        if trial is not None and len(sent) == len(reports) and all(r.get("trial") == sent[0]["trial"] for r in sent):
+        if trial is not None and len(sent) == len(reports) and \
+                all(r.get("trial") == sent[0]["trial"] and r["seconds"] is not None for r in sent):
             state.times[trial[0]].append(min(r["seconds"] for r in sent))
             state.slowest[trial[0]].append(max(r["seconds"] for r in sent))
             state.heard[trial[0]].add(trial[1])
@@ -213,7 +214,8 @@ class Reports:
         self._kept = {}    # name -> _Kept: its runs under the choice its group keeps, since its last check
 
     def ran(self, name, auto, seconds):
-        """This rank ran a release of `name` whose `auto` (Release.auto) was given, in `seconds`."""
+        """This rank ran a release of `name` whose `auto` (Release.auto) was given, in `seconds` (None:
+        not a measure of its algorithm, which still learns the tensor: Backend.learning)."""
         if "revisit" not in (auto or ()):   # a trial's run, or no choice kept (None: the model's): nothing to check
             self._kept.pop(name, None)
             if "trial" in (auto or ()):

@@ -139,6 +139,19 @@ def test_a_rank_submits_its_side_of_the_density_bounds_and_the_max_over_ranks_is
 
 
 
+def test_a_run_of_a_backend_still_learning_the_tensor_is_not_counted_and_its_block_goes_on():
+    trials = Trials(margin=4.0, samples=2, revisit=100)
+    reports, rounds = [None, None], []
+    while True:
+        algorithm, auto = release(trials, reports)
+        if "trial" not in auto:
+            break
+        rounds.append(algorithm)
+        seconds = None if len(rounds) <= 3 else 0.01   # Backend.learning: allgather's first three runs
+        reports = [{"trial": auto["trial"], "seconds": seconds}] * 2
+    assert rounds == ["allgather"] * 5 + ["omnireduce"] * 3 + ["hotcold"] * 3, \
+        f"allgather's two runs still learning are made up in its block: {rounds}"
+
 def test_a_rank_under_a_kept_choice_sends_counts_only_and_a_tensor_that_left_its_group_runs_it_once_more():
     reports = Reports(drift=1.5)
     kept = {"choice": "a", "group": 0, "times": {"a": 0.1}, "expect": 0.1, "revisit": 4}

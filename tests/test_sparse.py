@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from commlib import analyze, dispatch, sparse, timeline, traffic
-from commlib.backends.hotcold import HotColdBackend
+from commlib.backends.hotcold import FIRST_WINDOW, HotColdBackend
 from commlib.backends.omnireduce import block_mask
 from launch import spawn
 
@@ -324,6 +324,26 @@ def test_a_tuned_hot_share_chooses_the_hot_set_again_at_once_from_the_last_windo
     backend.tune({"hotcold_share": 0.9, "hotcold_every": 3})
     assert backend.every == 3 and split.hot.tolist() == [1, 3, 5]
 
+
+
+def test_the_first_window_is_short_and_until_it_ends_auto_counts_no_trial_of_hotcold():
+    """A hot set after FIRST_WINDOW calls, then one per full window; Backend.learning says whether the
+    tensor has none yet (its calls then go all cold: not what a trial should measure)."""
+    from commlib.settings import Settings
+    backend = HotColdBackend(SimpleNamespace(rank=0, size=2, settings=Settings(environ={"COMMLIB_HOTCOLD_EVERY": "10"})))
+    agreed = []
+
+    def agree(split, name, width, itemsize):   # the collective's stand-in: a window ends
+        agreed.append(split.calls)
+        split.agreements += 1
+        split.window_calls = 0
+    backend._agree = agree
+    learning = []
+    for _ in range(FIRST_WINDOW + 10):
+        learning.append(backend.learning("t"))
+        backend.observe(np.array([1, 2]), 100, "t", 4, 4)
+    assert agreed == [FIRST_WINDOW, FIRST_WINDOW + 10], agreed
+    assert learning == [True] * FIRST_WINDOW + [False] * 10, learning
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nprocs, hot, cold, presence", [(4, "switchml", "sparse_allgather", "0"),
