@@ -44,11 +44,12 @@ def worker(args):
     import commlib
     from commlib import dispatch, sparse
     from commlib.api import runtime
+    from commlib.backends.hotcold import FIRST_WINDOW
 
     commlib.init(policy="*=ring")
     rt = runtime()
     ctx, rank, n = rt.ctx, rt.ctx.rank, rt.ctx.size
-    every = rt.settings.hotcold_every
+    first = min(rt.settings.hotcold_every, FIRST_WINDOW)   # hotcold's first window of counts
     out = {}
     for vocab in args.vocabs:
         for s in args.zipf:
@@ -62,14 +63,14 @@ def worker(args):
                 return sparse.coalesce(rows.astype(np.int64), g.standard_normal((rows.size, args.dim), np.float32))
 
             tag = f"v{vocab}.s{s}"
-            steps = [gradient(i) for i in range(every + args.runs)]   # hotcold's first window, then timed
+            steps = [gradient(i) for i in range(first + args.runs)]   # hotcold's first window, then timed
             for algorithm in ALGORITHMS:
                 backend = _backend(rt, algorithm)
-                for i in range(every if backend.name == "hotcold" else 1):
+                for i in range(first if backend.name == "hotcold" else 1):
                     sparse.reduce_rows(backend, *steps[i], vocab, f"{tag}.{algorithm}")
             runs = {a: {"seconds": [], "breakdowns": [], "model": [], "tx": 0, "rx": 0} for a in ALGORITHMS}
             # the algorithms take turns within each step, so the machine's drift touches them alike
-            for i in range(every, every + args.runs):
+            for i in range(first, first + args.runs):
                 rows, values = steps[i]
                 counts = ctx.exchange(f"bench/{tag}/{i}/n", int(rows.size))   # as the negotiation hands them
                 exact = None
@@ -263,7 +264,7 @@ def main(argv=None):
                 f"+ cold allgather). Bound: the fewest bytes any exact algorithm delivers to the busiest worker "
                 f"(every row some other rank touched, its values once; commlib.traffic), and the model's "
                 f"received bytes over it: the allgather's is the most any algorithm can gain over the allgather "
-                f"on a link-bound call. Hot/cold's window: {args.every} calls, hot set: " + (
+                f"on a link-bound call. Hot/cold's window: {args.every} calls (the first at most 4), hot set: " + (
                     f"the rows carrying {args.share:.0%} of the window's updates" if args.rule == "share" else
                     "the rows whose slab slot costs less than their expected allgather bytes") + ". "
                 + common.BOTTLENECK_RULE + " Here, per call of the slowest rank: processing = its calling thread's "

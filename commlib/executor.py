@@ -340,10 +340,12 @@ class Executor:
         run = self._run_dense if dense else self._run_rows if first.compressor is None else self._run_compressed
         # `auto` counts no trial run of a backend that still learns the tensor (asked before it runs)
         learning = {e.name for e in bucket if "trial" in (e.auto or ()) and backend.learning(e.name)}
-        results = run(bucket, backend, name, phases)
-        end = time.monotonic()
-        if run == self._run_rows:   # outside the run's time: hotcold's windows counted while auto weighs it
-            self._count_rows(bucket[0], backend, name)
+        try:
+            results = run(bucket, backend, name, phases)
+        finally:
+            end = time.monotonic()
+            if run == self._run_rows and first.rows is not None:   # its collective returned, as on the other
+                self._count_rows(first, backend, name)   # ranks: hotcold counts it, outside the run's time
         shared = {"bucket": name, "fused_with": len(bucket) - 1, "run_s": end - start,   # the bucket's, once
                   "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True), **phases.server()}
         nbytes = sum(entry.staged.nbytes for entry in bucket)

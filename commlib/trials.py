@@ -113,8 +113,9 @@ class Trials:
         sent = [r for r in reports if r]
         if not sent:
             return None
-        if "trial" not in sent[0]:
-            return max(r["seconds"] for r in sent) if state.choice is not None else None
+        if "trial" not in sent[0]:   # a check, of this group's kept choice (a tensor may have left another)
+            checks = [r["seconds"] for r in sent if "check" in r and r.get("group") == state.number]
+            return max(checks) if checks and state.choice is not None else None
         trial = state.pending.pop(sent[0]["trial"], None)   # None too for a warm-up round's
         if trial is not None and len(sent) == len(reports) and \
                 all(r.get("trial") == sent[0]["trial"] and r["seconds"] is not None for r in sent):
@@ -193,8 +194,7 @@ class _Group:
         """Keep the fastest once every candidate was measured in `samples` rounds (or, when reports go
         missing, after three times the rounds that needed; none measured: the model's best)."""
         running = self.running()
-        enough = all(len(self.heard[a]) >= samples for a in running)
-        if not enough and min(self.given[a] for a in running) < 3 * (WARMUP + samples):
+        if not all(len(self.heard[a]) >= samples or self.given[a] >= 3 * (WARMUP + samples) for a in running):
             return False
         medians = self.medians()
         self.choice = min(medians, key=medians.get) if medians else running[0]
@@ -221,14 +221,14 @@ class Reports:
             if "trial" in (auto or ()):
                 self._ready[name] = {"trial": auto["trial"], "seconds": seconds}
             return
-        kept = self._kept.get(name)
-        if kept is None or kept.group != auto["group"]:
-            kept = self._kept[name] = _Kept(auto["group"], auto["choice"])
+        kept = self._kept.setdefault(name, _Kept())
+        kept.streak = kept.streak + 1 if kept.group == auto["group"] else 1
+        kept.group, kept.choice = auto["group"], auto["choice"]
         kept.runs += 1
         slow = auto["expect"] is not None and seconds > self.drift * auto["expect"] + SLACK_S
         kept.slow = kept.slow + 1 if slow else 0
-        if kept.runs >= auto["revisit"] or kept.slow >= SLOW_RUNS:
-            self._ready[name] = {"check": kept.runs, "seconds": seconds}
+        if kept.runs >= auto["revisit"] or kept.slow >= SLOW_RUNS:   # checked by the group it ran in
+            self._ready[name] = {"check": kept.runs, "seconds": seconds, "group": auto["group"]}
             del self._kept[name]
 
     def settled(self, name):
@@ -236,7 +236,7 @@ class Reports:
         (else None): the model then needs no sketches of it. Two: a tensor whose density moves between
         two bands step by step keeps sending them, so that its other group can form."""
         kept = self._kept.get(name)
-        return kept.choice if kept is not None and kept.runs >= 2 else None
+        return kept.choice if kept is not None and kept.streak >= 2 else None
 
     def take(self, name):
         return self._ready.pop(name, None)
@@ -247,9 +247,11 @@ class Reports:
 
 
 class _Kept:
-    """A name's runs under the choice its group keeps: in all since its last check, slow in a row."""
+    """A name's runs under the choices its groups keep: in all since its last check, slow in a row, and
+    its last one's group and choice, with the runs of that group in a row."""
 
-    __slots__ = ("group", "choice", "runs", "slow")
+    __slots__ = ("runs", "slow", "group", "choice", "streak")
 
-    def __init__(self, group, choice):
-        self.group, self.choice, self.runs, self.slow = group, choice, 0, 0
+    def __init__(self):
+        self.runs = self.slow = self.streak = 0
+        self.group = self.choice = None

@@ -77,7 +77,9 @@ def test_a_check_of_the_kept_choice_tries_the_candidates_again():
     trials = Trials(margin=4.0, samples=1, revisit=100)
     times = {"allgather": 0.01, "omnireduce": 0.02, "hotcold": 0.03}.get
     assert run(trials, [times, times], 10)[-1][0] == "allgather"
-    algorithm, auto = release(trials, [{"check": 3, "seconds": 0.5}, None])
+    assert "choice" in release(trials, [{"check": 3, "seconds": 0.5, "group": 7}, None])[1], \
+        "a check of another group's choice (the tensor left it) is not this group's"
+    algorithm, auto = release(trials, [{"check": 3, "seconds": 0.5, "group": 0}, None])
     assert "trial" in auto and auto["times"] == {}, f"a drifted time starts the trials anew: {auto}"
     assert auto.get("restart") and not release(trials, [None, None])[1].get("restart"), \
         "the revisit's first release says so (the controller drops its group's releases from its cache), once"
@@ -91,15 +93,15 @@ def test_a_revisit_leaves_out_what_measured_margin_times_slower_than_the_kept_ch
     trials = Trials(margin=4.0, samples=1, revisit=100)
     times = {"allgather": 0.01, "omnireduce": 0.2, "hotcold": 0.03}.get
     assert run(trials, [times, times], 10)[-1][0] == "allgather"
-    _, auto = release(trials, [{"check": 100, "seconds": 0.012}, None])
+    _, auto = release(trials, [{"check": 100, "seconds": 0.012, "group": 0}, None])
     assert auto["candidates"] == ["allgather", "hotcold"], f"omnireduce (0.2 s > 4 x 0.012 s) sits out: {auto}"
     run(trials, [times, times], 6)
-    _, auto = release(trials, [{"check": 5, "seconds": 0.1}, None])   # drifted: every one is retried
+    _, auto = release(trials, [{"check": 5, "seconds": 0.1, "group": 0}, None])   # drifted: every one is retried
     assert auto["candidates"] == ["allgather", "omnireduce", "hotcold"], auto
     trials = Trials(margin=4.0, samples=1, revisit=100)
     times = {"allgather": 0.01, "omnireduce": 0.2, "hotcold": 0.3}.get
     run(trials, [times, times], 10)
-    _, auto = release(trials, [{"check": 100, "seconds": 0.01}, None])
+    _, auto = release(trials, [{"check": 100, "seconds": 0.01, "group": 0}, None])
     assert auto["candidates"] == ["allgather"] and "trial" in auto, \
         f"one candidate left: measured anew, for the time its drift is checked by: {auto}"
     assert run(trials, [times, times], WARMUP + 2)[-1][1] == {
@@ -118,10 +120,10 @@ def test_a_rank_reports_each_trial_then_checks_the_kept_choice_on_drift_and_on_s
     assert reports.take("w") is None
     for _ in range(SLOW_RUNS):
         reports.ran("w", kept, slow)
-    assert reports.take("w") == {"check": 2 * SLOW_RUNS + SLOW_RUNS, "seconds": slow}
+    assert reports.take("w") == {"check": 2 * SLOW_RUNS + SLOW_RUNS, "seconds": slow, "group": 0}
     for _ in range(50):
         reports.ran("w", kept, 0.1)
-    assert reports.take("w") == {"check": 50, "seconds": 0.1}, "revisited after `revisit` runs"
+    assert reports.take("w") == {"check": 50, "seconds": 0.1, "group": 0}, "revisited after `revisit` runs"
 
 
 def test_a_rank_submits_its_side_of_the_density_bounds_and_the_max_over_ranks_is_the_densest_ranks_choice():
@@ -151,6 +153,17 @@ def test_a_run_of_a_backend_still_learning_the_tensor_is_not_counted_and_its_blo
         reports = [{"trial": auto["trial"], "seconds": seconds}] * 2
     assert rounds == ["allgather"] * 5 + ["omnireduce"] * 3 + ["hotcold"] * 3, \
         f"allgather's two runs still learning are made up in its block: {rounds}"
+    trials, reports, rounds = Trials(margin=4.0, samples=2, revisit=100), [None, None], []
+    while True:
+        algorithm, auto = release(trials, reports)
+        if "trial" not in auto:
+            break
+        rounds.append(algorithm)
+        seconds = None if algorithm == "hotcold" else 0.01   # hotcold never measured
+        reports = [{"trial": auto["trial"], "seconds": seconds}] * 2
+    assert rounds == ["allgather"] * 3 + ["omnireduce"] * 3 + ["hotcold"] * 3 * (WARMUP + 2), \
+        f"a candidate never measured runs to the cap, the others no more: {rounds}"
+    assert algorithm != "hotcold", algorithm
 
 def test_a_rank_under_a_kept_choice_sends_counts_only_and_a_tensor_that_left_its_group_runs_it_once_more():
     reports = Reports(drift=1.5)
@@ -173,6 +186,11 @@ def test_a_rank_under_a_kept_choice_sends_counts_only_and_a_tensor_that_left_its
     counts = {"rows": 10, "nrows": 1000, "width": 4, "itemsize": 4, "kept": "hotcold"}
     metas = [{"choices": choices, "rows": counts}, {"choices": choices, "rows": counts}]
     release = settle_release("w", metas, Trials(margin=4.0, samples=2, revisit=100))
+    reports = Reports(drift=1.5)
+    for run_ in range(4):   # a tensor moving between two groups every step: never counts only, still checked
+        reports.ran("x", dict(kept, group=run_ % 2), 0.1)
+        assert reports.settled("x") is None, run_
+    assert reports.take("x") == {"check": 4, "seconds": 0.1, "group": 1}
     assert (release.algorithm, release.estimate, release.auto) == ("hotcold", None, None), \
         f"no sketches, no group yet: its kept choice once more, no trial until the model weighs them: {release}"
 
