@@ -141,29 +141,29 @@ def test_a_rank_submits_its_side_of_the_density_bounds_and_the_max_over_ranks_is
 
 
 
-def test_a_run_of_a_backend_still_learning_the_tensor_is_not_counted_and_its_block_goes_on():
-    trials = Trials(margin=4.0, samples=2, revisit=100)
+def tried(trials, seconds, lost=()):
+    """Release until a choice is kept, both ranks reporting each trial as taking seconds(algorithm, its
+    round's number from 1) (None: not measured), rank 1's report missing for the rounds in `lost`:
+    ([(algorithm, counted)] per round, the kept algorithm)."""
     reports, rounds = [None, None], []
     while True:
         algorithm, auto = release(trials, reports)
         if "trial" not in auto:
-            break
-        rounds.append(algorithm)
-        seconds = None if len(rounds) <= 3 else 0.01   # Backend.learning: allgather's first three runs
-        reports = [{"trial": auto["trial"], "seconds": seconds}] * 2
-    assert rounds == ["allgather"] * 5 + ["omnireduce"] * 3 + ["hotcold"] * 3, \
-        f"allgather's two runs still learning are made up in its block: {rounds}"
-    trials, reports, rounds = Trials(margin=4.0, samples=2, revisit=100), [None, None], []
-    while True:
-        algorithm, auto = release(trials, reports)
-        if "trial" not in auto:
-            break
-        rounds.append(algorithm)
-        seconds = None if algorithm == "hotcold" else 0.01   # hotcold never measured
-        reports = [{"trial": auto["trial"], "seconds": seconds}] * 2
-    assert rounds == ["allgather"] * 3 + ["omnireduce"] * 3 + ["hotcold"] * 3 * (WARMUP + 2), \
+            return rounds, algorithm
+        rounds.append((algorithm, trials._groups["g"].pending[auto["trial"]] is not None))
+        report = {"trial": auto["trial"], "seconds": seconds(algorithm, len(rounds))}
+        reports = [report, None if len(rounds) in lost else report]
+
+
+def test_a_run_of_a_backend_still_learning_the_tensor_is_not_counted_and_its_block_goes_on():
+    rounds, _ = tried(Trials(margin=4.0, samples=2, revisit=100), lambda a, n: None if n <= 3 else 0.01)
+    assert [a for a, _ in rounds] == ["allgather"] * 5 + ["omnireduce"] * 3 + ["hotcold"] * 3, \
+        f"allgather's two runs still learning (Backend.learning) are made up in its block: {rounds}"
+    rounds, kept = tried(Trials(margin=4.0, samples=2, revisit=100), lambda a, n: None if a == "hotcold" else 0.01)
+    assert [a for a, _ in rounds] == ["allgather"] * 3 + ["omnireduce"] * 3 + ["hotcold"] * 3 * (WARMUP + 2), \
         f"a candidate never measured runs to the cap, the others no more: {rounds}"
-    assert algorithm != "hotcold", algorithm
+    assert kept != "hotcold", kept
+
 
 def test_a_rank_under_a_kept_choice_sends_counts_only_and_a_tensor_that_left_its_group_runs_it_once_more():
     reports = Reports(drift=1.5)
@@ -196,18 +196,12 @@ def test_a_rank_under_a_kept_choice_sends_counts_only_and_a_tensor_that_left_its
 
 
 def test_a_lost_report_is_made_up_in_its_candidates_block_never_measured_right_after_another():
-    trials = Trials(margin=4.0, samples=2, revisit=100)
-    reports, rounds = [None, None], []
-    while True:
-        algorithm, auto = release(trials, reports)
-        if "trial" not in auto:
-            break
-        rounds.append((algorithm, trials._groups["g"].pending[auto["trial"]] is not None))
-        lost = len(rounds) == 5   # omnireduce's first measured round: rank 1's report never comes
-        reports = [{"trial": auto["trial"], "seconds": 0.01}, None if lost else {"trial": auto["trial"], "seconds": 0.01}]
+    # omnireduce's first measured round (the 5th): rank 1's report never comes
+    rounds, _ = tried(Trials(margin=4.0, samples=2, revisit=100), lambda a, n: 0.01, lost={5})
     block = [False, True, True]   # measured?
     assert rounds == [("allgather", m) for m in block] + [("omnireduce", m) for m in block + [True]] + \
         [("hotcold", m) for m in block], f"omnireduce's lost sample is made up in its own block: {rounds}"
+
 
 @pytest.mark.multiprocess
 def test_trials_and_choices_are_the_same_on_every_rank_a_slow_candidate_loses_drift_is_retried_and_cached(tmp_path):

@@ -330,7 +330,8 @@ def test_the_first_window_is_short_and_until_it_ends_auto_counts_no_trial_of_hot
     """A hot set after FIRST_WINDOW calls, then one per full window; Backend.learning says whether the
     tensor has none yet (its calls then go all cold: not what a trial should measure)."""
     from commlib.settings import Settings
-    backend = HotColdBackend(SimpleNamespace(rank=0, size=2, settings=Settings(environ={"COMMLIB_HOTCOLD_EVERY": "10"})))
+    settings = Settings(environ={"COMMLIB_HOTCOLD_EVERY": "10"})
+    backend = HotColdBackend(SimpleNamespace(rank=0, size=2, settings=settings))
     agreed = []
 
     def agree(split, name, width, itemsize):   # the collective's stand-in: a window ends
