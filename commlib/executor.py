@@ -344,8 +344,8 @@ class Executor:
             results = run(bucket, backend, name, phases)
         finally:
             end = time.monotonic()
-            if run == self._run_rows and first.rows is not None:   # its collective returned, as on the other
-                self._count_rows(first, backend, name)   # ranks: hotcold counts it, outside the run's time
+            if first.rows is not None:   # a row-sparse collective returned (_run_rows), as on the other ranks:
+                self._count_rows(first, backend, name)   # hotcold counts it, outside the run's time
         shared = {"bucket": name, "fused_with": len(bucket) - 1, "run_s": end - start,   # the bucket's, once
                   "process_s": phases.seconds(comm=False), "transfer_s": phases.seconds(comm=True), **phases.server()}
         nbytes = sum(entry.staged.nbytes for entry in bucket)

@@ -56,8 +56,9 @@ class Trials:
     def __init__(self, margin, samples, revisit, drop=0.0):
         self.margin, self.samples, self.revisit, self.drop = margin, samples, revisit, drop
         self._groups = {}
-        self._numbers = {}   # group -> its number in Release.auto, the same across its revisits
-        self._pools = {}     # group -> the candidates the model ranked within the margin when it formed
+        # group -> (its number in Release.auto, the candidates the model ranked within the margin when it
+        # formed): the same across its revisits
+        self._formed = {}
         self._ids = 0
 
     @classmethod
@@ -90,12 +91,11 @@ class Trials:
                 pool = [a for a, cost in ranked if cost <= best * self.margin] if weighed else []
                 if len(pool) < 2:   # nothing to try (or not weighed): the model decides, release by release
                     return ranked[0][0], None
-                self._pools[group] = candidates = pool
+                number, candidates = self._formed[group] = len(self._formed), pool
             else:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
-                measured, pool = state.medians(), self._pools[group]
+                (number, pool), measured = self._formed[group], state.medians()
                 candidates = [a for a in pool if measured.get(a, 0.0) <= state.checked * self.margin] or pool
-            state = self._groups[group] = _Group(candidates, self._numbers.setdefault(group, len(self._numbers)),
-                                                 restart=state is not None)
+            state = self._groups[group] = _Group(candidates, number, restart=state is not None)
         if name is None or name in state.named or state.current is None:   # the next round
             state.next_round(self.samples)
         state.named.add(name)
@@ -171,7 +171,7 @@ class _Group:
             if a == self.current:   # and its block's rounds whose reports are still to come
                 before = self.given[a] - self.streak
                 rounds |= {trial[1] for trial in self.pending.values() if trial and trial[0] == a and trial[1] > before}
-            return len(rounds) >= samples or self.given[a] >= 3 * (WARMUP + samples)
+            return len(rounds) >= samples or self.spent(a, samples)
 
         running = self.running()
         if self.current not in running or ended(self.current):
@@ -180,6 +180,10 @@ class _Group:
         self.streak += 1
         self.given[self.current] += 1
         self.named = set()
+
+    def spent(self, a, samples):
+        """Whether `a` had the rounds `decide` waits for at most (three times what its samples need)."""
+        return self.given[a] >= 3 * (WARMUP + samples)
 
     def prune(self, drop):
         """Drop the running candidates measured `drop` times slower than the best running one (never
@@ -194,7 +198,7 @@ class _Group:
         """Keep the fastest once every candidate was measured in `samples` rounds (or, when reports go
         missing, after three times the rounds that needed; none measured: the model's best)."""
         running = self.running()
-        if not all(len(self.heard[a]) >= samples or self.given[a] >= 3 * (WARMUP + samples) for a in running):
+        if not all(len(self.heard[a]) >= samples or self.spent(a, samples) for a in running):
             return False
         medians = self.medians()
         self.choice = min(medians, key=medians.get) if medians else running[0]
