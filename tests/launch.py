@@ -9,7 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
 
 from commlib.testing import results
 
@@ -41,13 +44,34 @@ class Ranks(list):
         return results(self.output, len(self), silent)
 
 
+def _dump_stacks(pids, launched=None):
+    """Every Python thread's stack of these processes and their children, or (`launched`: the ranks'
+    command line, a launcher's pids) of those children that run it, each to its own stderr (the ranks
+    run with PYTHONFAULTHANDLER, which prints them on SIGABRT): a hang's output says where each rank was."""
+    procs = []
+    for pid in pids:
+        try:
+            parent = psutil.Process(pid)
+            procs += [parent] + parent.children(recursive=True)
+        except psutil.Error:
+            pass
+    for proc in procs:
+        try:
+            if launched is None or " ".join(proc.cmdline()).startswith(launched):
+                proc.send_signal(signal.SIGABRT)
+        except psutil.Error:
+            pass
+    time.sleep(3)   # for the dumps to reach the launcher's pipes
+
+
 def _run(cmd, timeout, env):
-    """Run one launcher command in its own process group; kill the group on timeout."""
+    """Run one launcher command in its own process group; on timeout dump the ranks' stacks and kill the group."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=ROOT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        _dump_stacks([proc.pid], launched=" ".join(cmd[cmd.index(sys.executable):]))
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"{' '.join(map(str, cmd))} hung past its {timeout}s timeout; output:\n{out}") from None
@@ -60,7 +84,7 @@ def _target(script):
 
 
 def _env(extra):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     env.update({k: str(v) for k, v in (extra or {}).items()})
     return env
 
@@ -82,6 +106,7 @@ def spawn(nprocs, script, *args, timeout=120, env=None):
             out, _ = proc.communicate(timeout=timeout)
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
     except subprocess.TimeoutExpired:
+        _dump_stacks([proc.pid for proc in procs if proc.poll() is None])
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
