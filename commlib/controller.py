@@ -480,7 +480,7 @@ class ControllerServer:
         rounds = self._pending[name]
         if len(rounds[0]["metas"]) + len(set(self._joined) - set(rounds[0]["metas"])) == self.size:
             self._complete(name, rounds.pop(0)["metas"])
-            if not rounds:
+            if not rounds and self._pending.get(name) is rounds:   # (_complete's evictions may submit again)
                 del self._pending[name]
 
     def _join(self, rank):
@@ -498,11 +498,15 @@ class ControllerServer:
     def _hit(self, rank, bits):
         """A rank submitted the tensors of these bits with the metadata they were cached with."""
         # evicted meanwhile, or a rank joined (it sends no bits): negotiated in full, the bits kept
-        for bit in _bits(bits if self._joined else bits & ~self._live):
-            self._submit(rank, self._cache[bit]["metas"][rank])
-        bits = 0 if self._joined else bits & self._live
+        stale = bits if self._joined else bits & ~self._live
+        bits &= ~stale
+        # the live ones first: a stale one's round may complete a revisit's first release, whose
+        # eviction of its `auto` group (_evict_auto) then turns them into full submissions as any
+        # other's waiting hits; counted after it, they were dropped (this rank's tensor never came)
         self._hits[rank] |= bits
         self._hit_times.append((time.monotonic(), rank, bits))
+        for bit in _bits(stale):
+            self._submit(rank, self._cache[bit]["metas"][rank])
         ready = self._hits[0]
         for pending in self._hits[1:]:
             ready &= pending

@@ -368,6 +368,37 @@ def test_a_revisit_of_auto_drops_its_groups_releases_from_the_cache():
         stop_job(server, clients)
 
 
+def test_a_revisit_started_by_one_ranks_message_keeps_the_hits_that_came_with_it():
+    """A rank's message of two hits: one stale (another rank's check report made it be negotiated in
+    full), whose round completes the revisit's first release, and one its group's eviction turns into a
+    full round. That rank's hit of the second must count there (CI: a demo rank's '4.weight' was
+    dropped so, and every rank waited for it)."""
+    from commlib.release import Release
+
+    def settle(name, metas):   # a check report on "c" starts a revisit of group 0, which kept "a" and "c"
+        if any(m.get("report") for m in metas):
+            return Release(name, "ring", auto={"trial": 1, "group": 0, "candidates": ["ring", "switchml"],
+                                               "times": {}, "restart": True})
+        return Release(name, "ring", auto={"choice": "ring", "group": 0})
+
+    # a long cycle: the eviction reaches rank 1 only after its hits went
+    server = ControllerServer(2, "127.0.0.1", 0, settle, timeout_s=20.0, cycle_time_ms=500.0, secret=SECRET,
+                              negotiation_timeout_s=60.0)
+    clients = connect_ranks(server, cycle_ms=500.0)
+    try:
+        for _ in range(2):   # negotiated, then cached on both ranks
+            for client in clients:
+                client.submit([meta("a"), meta("c")], hurry=True)
+            assert all(released(events(client, 3.0)) == ["a", "c"] for client in clients)
+        clients[0].submit([{**meta("c"), "report": {"check": 5, "seconds": 1.0, "group": 0}}, meta("a")], hurry=True)
+        time.sleep(0.1)   # rank 0's message first
+        clients[1].submit([meta("c"), meta("a")], hurry=True)   # two hits in one message
+        got = [events(client, 3.0) for client in clients]
+        assert all(released(g) == ["a", "c"] for g in got), f"a tensor was lost (each rank's events): {got}"
+    finally:
+        stop_job(server, clients)
+
+
 def test_every_rank_gets_typed_releases_settled_by_what_the_wiring_handed_the_controller(job):
     from commlib import executor
     from commlib.release import Release
