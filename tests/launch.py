@@ -5,6 +5,7 @@
 which the whole process group is killed and the test fails with the ranks' output.
 """
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -19,6 +20,8 @@ from commlib.testing import results
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 BIN = Path(sys.executable).parent
+# the ranks inherit it: a hang's SIGABRT (_dump_stacks) prints their stacks and leaves no core files
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def free_port():
