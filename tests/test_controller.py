@@ -381,19 +381,24 @@ def test_a_revisit_started_by_one_ranks_message_keeps_the_hits_that_came_with_it
                                                "times": {}, "restart": True})
         return Release(name, "ring", auto={"choice": "ring", "group": 0})
 
-    # a long cycle: the eviction reaches rank 1 only after its hits went
-    server = ControllerServer(2, "127.0.0.1", 0, settle, timeout_s=20.0, cycle_time_ms=500.0, secret=SECRET,
+    # a long cycle, begun by rank 0's message after a quiet spell: the eviction goes at its end, after
+    # rank 1's hits
+    server = ControllerServer(2, "127.0.0.1", 0, settle, timeout_s=20.0, cycle_time_ms=1000.0, secret=SECRET,
                               negotiation_timeout_s=60.0)
-    clients = connect_ranks(server, cycle_ms=500.0)
+    clients = connect_ranks(server, cycle_ms=1000.0)
+    hits, hit = [], server._hit
+    server._hit = lambda rank, bits: (hits.append((rank, bin(bits).count("1"))), hit(rank, bits))
     try:
         for _ in range(2):   # negotiated, then cached on both ranks
             for client in clients:
                 client.submit([meta("a"), meta("c")], hurry=True)
             assert all(released(events(client, 3.0)) == ["a", "c"] for client in clients)
+        time.sleep(1.2)
         clients[0].submit([{**meta("c"), "report": {"check": 5, "seconds": 1.0, "group": 0}}, meta("a")], hurry=True)
         time.sleep(0.1)   # rank 0's message first
-        clients[1].submit([meta("c"), meta("a")], hurry=True)   # two hits in one message
+        clients[1].submit([meta("c"), meta("a")], hurry=True)
         got = [events(client, 3.0) for client in clients]
+        assert hits[-1] == (1, 2), f"rank 1's two hits were to go in one message, before the eviction: {hits}"
         assert all(released(g) == ["a", "c"] for g in got), f"a tensor was lost (each rank's events): {got}"
     finally:
         stop_job(server, clients)
