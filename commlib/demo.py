@@ -72,7 +72,7 @@ def main(argv=None):
         for measured in {repr(r["auto"]["times"]): r["auto"] for r in records if (r.get("auto") or {}).get("times")}.values():
             times = ", ".join(f"{a} {1000 * t:.2f} ms" for a, t in sorted(measured["times"].items()))
             kept = measured.get("choice")   # none yet where a group's trials run (again) at the last step
-            print(f"auto measured {times} per tensor and " + (f"kept {kept}" if kept else "is still trying"))
+            print(f"auto measured {times} a step of a group and " + (f"kept {kept}" if kept else "is still trying"))
     commlib.shutdown()
 
 

@@ -94,7 +94,7 @@ def _settle_metas(name, metas, trials):
     stats = [meta["rows"] for meta in metas]
     if trials is not None:
         group = _group(weighed, stats)
-        kept = trials.kept(group, [meta.get("report") for meta in metas])
+        kept = trials.kept(group, [meta.get("report") for meta in metas], name)
         if kept is not None:   # the measured choice stands: the model need not run (nor hotcold's windows count)
             return kept[0], None, kept[1]
     if all("sketch" in s for s in stats):
@@ -122,7 +122,7 @@ def _settle_dense(name, weighed, metas, trials):
     nbytes = tensor_bytes(first["shape"], first["dtype"])
     band = "small" if nbytes < SMALL_BYTES else round(math.log(nbytes, 4))
     group = ("dense", tuple(weighed), first["dtype"], band)
-    kept = trials.kept(group, [meta.get("report") for meta in metas])
+    kept = trials.kept(group, [meta.get("report") for meta in metas], name)
     if kept is not None:
         return kept[0], None, kept[1]
     ranked = sorted(((a, registry()[a].dense_traffic(nbytes, len(metas))) for a in weighed), key=lambda ac: ac[1])

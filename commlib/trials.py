@@ -25,9 +25,9 @@ fast). Once every candidate was measured in `auto_trial_samples` rounds (after o
 each) the fastest is kept, by what a round costs: the sum of its tensors' medians (each tensor's run
 is its share of its bucket, and each candidate fuses the group differently); a candidate already
 `auto_trial_drop` times the best one's is tried no more (a candidate ten times slower costs a step
-per round it runs). The kept one's releases carry its slowest rank's time, and a rank reports again
-after `auto_revisit` runs, or when five runs in a row took `auto_drift` times longer than the
-tensor's own first five runs under it: the group's candidates
+per round it runs). The kept one's releases carry a round's time by its slowest rank (None: never
+measured), and a rank reports again after `auto_revisit` runs, or when five runs in a row took
+`auto_drift` times longer than the tensor's own first five runs under it: the group's candidates
 (the model's when it formed) are then tried anew, less those measured `auto_trial_margin` times
 slower than the kept one now runs (they sit that round out). A settled release no longer depends on
 the controller's state, so the response cache may keep it; the model needs no sketches of a row-
@@ -68,15 +68,16 @@ class Trials:
         return cls(settings.auto_trial_margin, settings.auto_trial_samples, settings.auto_revisit,
                    settings.auto_trial_drop)
 
-    def kept(self, group, reports):
-        """Take every rank's report of its last run of a tensor of `group` (None where it has none).
+    def kept(self, group, reports, name=None):
+        """Take every rank's report of its last run of tensor `name` of `group` (None where it has none).
         (algorithm, what commlib.records() shows of it) where the group's measured choice stands;
-        else None, and `choose` picks with the model's ranking (the model runs only then)."""
+        else None, and `choose` picks with the model's ranking (the model runs only then). A choice is
+        made only where a round begins, so that every tensor of a round runs one candidate."""
         state = self._groups.get(group)
         if state is None:
             return None
         state.checked = self._heard(state, reports)
-        if state.checked is not None or (state.choice is None and not state.decide(self.samples)):
+        if state.checked is not None or (state.choice is None and not (state.begins(name) and state.decide(self.samples))):
             return None
         return state.choice, state.shown(self.revisit)
 
@@ -96,10 +97,11 @@ class Trials:
                 number, candidates = self._formed[group] = len(self._formed), pool
             else:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
                 (number, pool), measured = self._formed[group], state.medians()
-                now = max(state.checked, measured.get(state.choice, 0.0))   # (a check is one tensor's run)
-                candidates = [a for a in pool if measured.get(a, 0.0) <= now * self.margin] or pool
+                kept = measured.get(state.choice)   # a round's time; `checked`: how much slower it runs now
+                candidates = [a for a in pool if kept is None or measured.get(a, 0.0) <= kept * state.checked
+                              * self.margin] or pool
             state = self._groups[group] = _Group(candidates, number, restart=state is not None)
-        if name is None or name in state.named or state.current is None:   # the next round
+        if state.begins(name):
             state.next_round(self.samples)
         state.named.add(name)
         algorithm = state.current
@@ -112,22 +114,27 @@ class Trials:
     def _heard(self, state, reports):
         """Take the ranks' reports: a trial's times (kept only when every rank reported and measured it:
         the quickest and the slowest rank's), or a check of the kept choice (due, or drifted), which
-        starts the trials anew: then the seconds its slowest rank took, else None."""
+        starts the trials anew: then how many times its first runs the slowest rank's run took, else None."""
         sent = [r for r in reports if r]
         if not sent:
             return None
         if "trial" not in sent[0]:   # a check, of this group's kept choice (a tensor may have left another)
-            checks = [r["seconds"] for r in sent if "check" in r and r.get("group") == state.number]
+            checks = [r["slowdown"] for r in sent if "check" in r and r.get("group") == state.number]
             return max(checks) if checks and state.choice is not None else None
         trial = state.pending.pop(sent[0]["trial"], None)   # None too for a warm-up round's
-        if trial is not None and len(sent) == len(reports) and \
-                all(r.get("trial") == sent[0]["trial"] and r["seconds"] is not None for r in sent):
-            algorithm, _, name = trial
+        if trial is None:
+            return None
+        algorithm, round_, name = trial
+        if len(sent) == len(reports) and all(r.get("trial") == sent[0]["trial"] and r["seconds"] is not None
+                                              for r in sent):
             state.times[algorithm].setdefault(name, []).append(min(r["seconds"] for r in sent))
             state.slowest[algorithm].setdefault(name, []).append(max(r["seconds"] for r in sent))
-            state.heard[algorithm].add(trial[1])
+            state.measured.add((algorithm, round_))
             if self.drop:
                 state.prune(self.drop)
+        if (algorithm, round_) in state.measured and not any(t and t[:2] == (algorithm, round_)
+                                                             for t in state.pending.values()):
+            state.heard[algorithm].add(round_)   # its last report: the round counts, whole
         return None
 
 
@@ -136,12 +143,14 @@ class _Group:
         self.candidates, self.number = candidates, number
         self.times = {a: {} for a in candidates}   # tensor -> the quickest rank's seconds per trial, after the warm-up
         self.slowest = {a: {} for a in candidates}   # the slowest rank's
-        self.heard = {a: set() for a in candidates}   # the rounds those came from
+        self.heard = {a: set() for a in candidates}   # the rounds those came from, every report of them in
+        self.measured = set()   # (candidate, round) with a tensor measured
         self.given = dict.fromkeys(candidates, 0)  # rounds handed out
         self.current, self.named = None, set()     # the round's candidate, the names released in it
         self.streak = 0                            # its rounds in a row
-        self.pending = {}                          # trial id -> its candidate (None: warm-up), until reported
-        self.choice = None   # (a revisit's one candidate too: measured anew, its `expect` for the drift check)
+        self.pending = {}                          # trial id -> (candidate, round, tensor) (None: warm-up), until reported
+        self.choice = None   # (a revisit's one candidate too: measured anew; `expect` None: never measured,
+        # and its tensors' drift goes unchecked)
         self.expect = None
         self.dropped = set()   # measured `drop` times slower than the best: no more rounds
         self.checked = None   # the seconds of a check of the kept choice: formed anew at the next release
@@ -189,14 +198,21 @@ class _Group:
         """Whether `a` had the rounds `decide` waits for at most (three times what its samples need)."""
         return self.given[a] >= 3 * (WARMUP + samples)
 
+    def begins(self, name):
+        """Whether a release of `name` begins the group's next round (it came again, or none is under way)."""
+        return name is None or name in self.named or self.current is None
+
     def prune(self, drop):
-        """Drop the running candidates measured `drop` times slower than the best running one (never
-        that one: some candidate always runs)."""
-        medians = self.medians()
-        measured = [a for a in self.running() if a in medians]
-        if measured:
-            best = min(measured, key=medians.get)
-            self.dropped |= {a for a in measured if a != best and medians[a] > drop * medians[best]}
+        """Drop the running candidates measured `drop` times slower than the best running one measured on
+        every tensor seen (never that one: some candidate always runs). Measured on some of them, the sum
+        of their medians is a lower bound of a round's time (a ring 200 times slower goes at its first
+        tensor; compared on that tensor alone, switchml's weight against a ring's biases went)."""
+        sums = {a: sum(map(statistics.median, per_name.values())) for a, per_name in self.times.items() if per_name}
+        seen = set().union(*self.times.values())
+        whole = [a for a in self.running() if a in sums and self.times[a].keys() == seen]
+        if whole:
+            best = min(whole, key=sums.get)
+            self.dropped |= {a for a in self.running() if a != best and a in sums and sums[a] > drop * sums[best]}
 
     def decide(self, samples):
         """Keep the fastest once every candidate was measured in `samples` rounds (or, when reports go
@@ -212,17 +228,15 @@ class _Group:
 
 
 def _per_round(times):
-    """Each measured candidate's time for a round of the group: the sum of its tensors' medians, over the
-    tensors measured under every measured candidate. A tensor's time is its share of its bucket's, so
-    it depends on what it fused with: one median of all the shares mixed compared a ring's 4-byte
-    biases with switchml's 8 KiB weight (bench_training's head: the ring kept at 0.16 ms against 0.60,
-    0.68x the fixed choice)."""
+    """Each measured candidate's time for a round of the group: the sum of its tensors' medians, over
+    the tensors measured under every measured candidate (a tensor of every other step may miss a
+    block). A tensor's time is its share of its bucket's, so it depends on what it fused with: one
+    median of all the shares mixed compared a ring's 4-byte biases with switchml's 8 KiB weight
+    (bench_training's head: the ring kept at 0.16 ms against 0.60, 0.68x the fixed choice)."""
     measured = {a: per_name for a, per_name in times.items() if per_name}
-    if not measured:
-        return {}
-    common = set.intersection(*(set(per_name) for per_name in measured.values()))
-    return {a: sum(statistics.median(t) for name, t in per_name.items() if name in common or not common)
-            for a, per_name in measured.items()}
+    common = set.intersection(*(set(per_name) for per_name in measured.values())) if measured else set()
+    return {a: sum(statistics.median(per_name[name]) for name in common) for a, per_name in measured.items()
+            if common}
 
 
 class Reports:
@@ -244,22 +258,22 @@ class Reports:
                 self._ready[name] = {"trial": auto["trial"], "seconds": seconds}
             return
         kept = self._kept.setdefault(name, _Kept())
-        if kept.group != auto["group"]:   # its first runs under this group's choice: what it costs the tensor
-            kept.streak, kept.first = 0, []
-        kept.streak += 1
+        kept.streak = kept.streak + 1 if kept.group == auto["group"] else 1
         kept.group, kept.choice = auto["group"], auto["choice"]
         kept.runs += 1
-        if len(kept.first) < SLOW_RUNS:
-            kept.first.append(seconds)
-        # slow against its own first runs: the group's measured time is a round's, of all its tensors,
-        # and a tensor's share of a bucket depends on what it fused with (a 256-byte tensor that the
-        # cache releases alone takes a whole bucket's time: bench_training's head was tried anew in
-        # the timed window, 0.73x the fixed choice); never measured (expect None): no check
-        slow = auto["expect"] is not None and len(kept.first) == SLOW_RUNS and \
-            seconds > self.drift * statistics.median(kept.first) + SLACK_S
+        # slow against its own first runs under this group's choice: the group's measured time is a
+        # round's, of all its tensors, and a tensor's share of a bucket depends on what it fused with (a
+        # 256-byte tensor that the cache releases alone takes a whole bucket's time: bench_training's
+        # head was tried anew in the timed window, 0.73x the fixed choice); never measured: no check
+        first = kept.first.setdefault((auto["group"], auto["choice"]), [])
+        if len(first) < SLOW_RUNS:
+            first.append(seconds)
+        usual = statistics.median(first)
+        slow = auto["expect"] is not None and len(first) == SLOW_RUNS and seconds > self.drift * usual + SLACK_S
         kept.slow = kept.slow + 1 if slow else 0
         if kept.runs >= auto["revisit"] or kept.slow >= SLOW_RUNS:   # checked by the group it ran in
-            self._ready[name] = {"check": kept.runs, "seconds": seconds, "group": auto["group"]}
+            self._ready[name] = {"check": kept.runs, "seconds": seconds, "group": auto["group"],
+                                 "slowdown": seconds / usual if usual > 0 else 1.0}
             del self._kept[name]
 
     def settled(self, name):
@@ -278,12 +292,13 @@ class Reports:
 
 
 class _Kept:
-    """A name's runs under the choices its groups keep: in all since its last check, slow in a row, and
-    its last one's group and choice, with the runs of that group in a row and the seconds of its first."""
+    """A name's runs under the choices its groups keep: in all since its last check, slow in a row, its
+    last one's group and choice with the runs of that group in a row, and per (group, choice) the
+    seconds of its first runs (a tensor whose density moves between two bands has two)."""
 
     __slots__ = ("runs", "slow", "group", "choice", "streak", "first")
 
     def __init__(self):
         self.runs = self.slow = self.streak = 0
         self.group = self.choice = None
-        self.first = []
+        self.first = {}
