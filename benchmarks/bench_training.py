@@ -145,12 +145,14 @@ def worker(args):
         jobs[label] = {"workload": workload, "how": how, "model": model, "optimizer": optimizer, "batch": batch,
                        "loss_fn": loss_fn, "rates": [], "elapsed": [], "losses": [], "algorithms": set(), "breakdowns": [],
                        "tx_bytes": [], "names": [name for name, _ in names]}
-    # --rounds > 1 interleaves the configurations (A B C A B C ...) so that the shared machine's drift
-    # falls on all of them alike; each keeps its own model and optimizer across rounds
+    # --rounds > 1 interleaves the configurations, every other round in reverse (A B C C B A A B C ...), so
+    # that the shared machine's drift falls on all of them alike and none always follows the same one (a
+    # configuration's first steps take what the one before left: omnireduce's threads still busy); each
+    # keeps its own model and optimizer across rounds
     total = args.warmup + args.steps
     bounds = [round(i * total / args.rounds) for i in range(args.rounds + 1)]
-    for first, last in zip(bounds, bounds[1:]):
-        for label, job in jobs.items():
+    for index, (first, last) in enumerate(zip(bounds, bounds[1:])):
+        for label, job in list(jobs.items())[::-1 if index % 2 else 1]:
             model, optimizer = job["model"], job["optimizer"]
             for step in range(first, last):
                 inputs, targets = job["batch"](step)
