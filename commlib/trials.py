@@ -62,6 +62,7 @@ class Trials:
         # formed): the same across its revisits
         self._formed = {}
         self._ids = 0
+        self._issued = {}   # trial id -> the group that issued it, until reported (its tensor may move)
 
     @classmethod
     def of(cls, settings):
@@ -73,10 +74,16 @@ class Trials:
         (algorithm, what commlib.records() shows of it) where the group's measured choice stands;
         else None, and `choose` picks with the model's ranking (the model runs only then). A choice is
         made only where a round begins, so that every tensor of a round runs one candidate."""
+        sent = [r for r in reports if r]
+        trial = sent[0].get("trial") if sent else None
+        if trial is not None:   # heard by the group that issued it: a tensor whose density band moved sends
+            issuer = self._groups.get(self._issued.pop(trial, None))   # it with a release of another
+            if issuer is not None:
+                self._heard(issuer, trial, sent, len(reports))
         state = self._groups.get(group)
         if state is None:
             return None
-        state.checked = self._heard(state, reports)
+        state.checked = self._checked(state, sent) if sent and trial is None else None
         if state.checked is not None or (state.choice is None and not (state.begins(name) and state.decide(self.samples))):
             return None
         return state.choice, state.shown(self.revisit)
@@ -98,35 +105,36 @@ class Trials:
             else:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
                 (number, pool), measured = self._formed[group], state.medians()
                 kept = measured.get(state.choice)   # a round's time; `checked`: how much slower it runs now
-                candidates = [a for a in pool if kept is None or measured.get(a, 0.0) <= kept * state.checked
-                              * self.margin] or pool
+                bound = None if kept is None else kept * max(1.0, state.checked) * self.margin
+                candidates = [a for a in pool if a == state.choice or bound is None or measured.get(a, 0.0) <= bound]
             state = self._groups[group] = _Group(candidates, number, restart=state is not None)
         if state.begins(name):
             state.next_round(self.samples)
         state.named.add(name)
         algorithm = state.current
         self._ids += 1
+        self._issued[self._ids] = group
         # the round it counts for (None: a warm-up round, not counted)
         state.pending[self._ids] = (algorithm, state.given[algorithm], name) if state.streak > WARMUP else None
         return algorithm, state.said({"trial": self._ids, "group": state.number, "candidates": state.candidates,
                                       "times": state.medians()})
 
-    def _heard(self, state, reports):
-        """Take the ranks' reports: a trial's times (kept only when every rank reported and measured it:
-        the quickest and the slowest rank's), or a check of the kept choice (due, or drifted), which
-        starts the trials anew: then how many times its first runs the slowest rank's run took, else None."""
-        sent = [r for r in reports if r]
-        if not sent:
-            return None
-        if "trial" not in sent[0]:   # a check, of this group's kept choice (a tensor may have left another)
-            checks = [r["slowdown"] for r in sent if "check" in r and r.get("group") == state.number]
-            return max(checks) if checks and state.choice is not None else None
-        trial = state.pending.pop(sent[0]["trial"], None)   # None too for a warm-up round's
+    @staticmethod
+    def _checked(state, sent):
+        """A check of the kept choice (due, or drifted), which starts the trials anew: how many times its
+        first runs the slowest rank's run took; None where no check of this group's choice came (a
+        tensor may have left another group)."""
+        checks = [r["slowdown"] for r in sent if "check" in r and r.get("group") == state.number]
+        return max(checks) if checks and state.choice is not None else None
+
+    def _heard(self, state, trial_id, sent, ranks):
+        """A trial's times, kept only when every rank reported and measured it: the quickest and the
+        slowest rank's (ranks: how many)."""
+        trial = state.pending.pop(trial_id, None)   # None too for a warm-up round's
         if trial is None:
-            return None
+            return
         algorithm, round_, name = trial
-        if len(sent) == len(reports) and all(r.get("trial") == sent[0]["trial"] and r["seconds"] is not None
-                                              for r in sent):
+        if len(sent) == ranks and all(r.get("trial") == trial_id and r["seconds"] is not None for r in sent):
             state.times[algorithm].setdefault(name, []).append(min(r["seconds"] for r in sent))
             state.slowest[algorithm].setdefault(name, []).append(max(r["seconds"] for r in sent))
             state.measured.add((algorithm, round_))
@@ -135,7 +143,6 @@ class Trials:
         if (algorithm, round_) in state.measured and not any(t and t[:2] == (algorithm, round_)
                                                              for t in state.pending.values()):
             state.heard[algorithm].add(round_)   # its last report: the round counts, whole
-        return None
 
 
 class _Group:
@@ -153,7 +160,7 @@ class _Group:
         # and its tensors' drift goes unchecked)
         self.expect = None
         self.dropped = set()   # measured `drop` times slower than the best: no more rounds
-        self.checked = None   # the seconds of a check of the kept choice: formed anew at the next release
+        self.checked = None   # a check of the kept choice (how much slower it ran): formed anew at the next release
         self.restart = restart   # formed anew by a check, no release of it yet
 
     def shown(self, revisit):
@@ -169,7 +176,11 @@ class _Group:
         return auto
 
     def medians(self):
-        return _per_round(self.times)
+        """Each measured candidate's time for a round: the running ones' (_per_round), and a dropped one's
+        sum over what it was measured on (a lower bound: it was dropped on part of a round, and compared
+        on those tensors only, the running ones would be too)."""
+        dropped = {a: sum(map(statistics.median, t.values())) for a, t in self.times.items() if a in self.dropped and t}
+        return {**dropped, **_per_round({a: t for a, t in self.times.items() if a not in self.dropped})}
 
     def running(self):
         return [a for a in self.candidates if a not in self.dropped]
@@ -188,8 +199,9 @@ class _Group:
 
         running = self.running()
         if self.current not in running or ended(self.current):
-            self.current = min(running, key=lambda a: (ended(a), self.given[a], self.candidates.index(a)))
-            self.streak = 0
+            after = min(running, key=lambda a: (ended(a), self.given[a], self.candidates.index(a)))
+            if not (ended(after) and self.current in running):   # every block ended: the current one goes on
+                self.current, self.streak = after, 0               # (its rounds count) until `decide` keeps one
         self.streak += 1
         self.given[self.current] += 1
         self.named = set()
@@ -215,14 +227,15 @@ class _Group:
             self.dropped |= {a for a in self.running() if a != best and a in sums and sums[a] > drop * sums[best]}
 
     def decide(self, samples):
-        """Keep the fastest once every candidate was measured in `samples` rounds (or, when reports go
-        missing, after three times the rounds that needed; none measured: the model's best)."""
+        """Keep the fastest running candidate once each was measured in `samples` whole rounds (or, when
+        reports go missing, after three times the rounds that needed; none measured on a tensor all
+        were: the model's best)."""
         running = self.running()
         if not all(len(self.heard[a]) >= samples or self.spent(a, samples) for a in running):
             return False
-        medians = self.medians()
+        medians = _per_round({a: self.times[a] for a in running})
         self.choice = min(medians, key=medians.get) if medians else running[0]
-        self.expect = _per_round(self.slowest).get(self.choice)
+        self.expect = _per_round({a: self.slowest[a] for a in running}).get(self.choice)
         self.pending.clear()
         return True
 

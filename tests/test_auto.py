@@ -147,6 +147,52 @@ def test_a_groups_candidates_are_compared_by_what_a_round_of_all_its_tensors_cos
             (samples, order, auto)
 
 
+def simulate(trials, shares, steps, names=("w", "b1", "b2", "b3"), group_of=lambda name, step: "g"):
+    """Release `names` each step, in order, each in its group; every rank (2) reports each trial run as
+    taking shares[algorithm][name]. Per group, the step its choice was first kept (None: never)."""
+    ranked = [(a, 1.0) for a in shares]
+    reports, kept_at = {}, {}
+    for step in range(steps):
+        for name in names:
+            group = group_of(name, step)
+            algorithm, auto = trials.kept(group, reports.pop(name, [None, None]), name) or \
+                trials.choose(group, ranked, name)
+            if "trial" in auto:
+                reports[name] = [{"trial": auto["trial"], "seconds": shares[algorithm][name]}] * 2
+            elif "choice" in auto:
+                kept_at.setdefault(group, step)
+    return kept_at
+
+
+def test_a_candidate_dropped_on_part_of_a_round_leaves_the_others_compared_on_whole_rounds():
+    trials = Trials(margin=4.0, samples=3, revisit=100, drop=2.0)
+    shares = {"A": {"w": 0.002, "b1": 0.0005, "b2": 0.0005, "b3": 0.0005},   # 3.5 ms a round
+              "B": {"w": 0.0015, "b1": 0.001, "b2": 0.001, "b3": 0.001},     # 4.5 ms; its weight is A's less
+              "C": {"w": 0.05, "b1": 0.001, "b2": 0.001, "b3": 0.001}}       # dropped at its weight
+    simulate(trials, shares, 20)
+    group = trials._groups["g"]
+    assert group.choice == "A" and group.medians() == pytest.approx({"A": 0.0035, "B": 0.0045, "C": 0.05}), \
+        (group.choice, group.medians())
+
+
+def test_a_tensor_that_moves_between_groups_reports_to_the_group_that_tried_it():
+    """Its density band moves step by step: its reports come with a release settled in the other group;
+    heard there, the trying group's rounds never counted whole (it decided at its cap, or never)."""
+    trials = Trials(margin=4.0, samples=3, revisit=100, drop=0.0)
+    shares = {"A": {"a": 0.0005, "b": 0.001, "u": 0.001}, "B": {"a": 0.001, "b": 0.001, "u": 0.001}}
+    kept_at = simulate(trials, shares, 30, names=("a", "b", "u"),
+                       group_of=lambda name, step: ("G2" if step % 2 else "G1") if name == "u" else "G1")
+    assert kept_at["G1"] <= 2 * (WARMUP + 3) + 2 and trials._groups["G1"].choice == "A", (kept_at, trials._groups)
+
+
+def test_a_revisit_after_a_check_quicker_than_the_first_runs_still_tries_the_kept_choice():
+    trials = Trials(margin=4.0, samples=1, revisit=100)   # hotcold never measured (its runs all learning)
+    assert run(trials, [{"allgather": 0.01, "omnireduce": 0.03}.get] * 2, 20)[-1][1]["choice"] == "allgather"
+    _, auto = release(trials, [{"check": 100, "seconds": 0.002, "group": 0, "slowdown": 0.2}, None])
+    assert auto["candidates"] == ["allgather", "omnireduce", "hotcold"], \
+        f"a check 0.2x its first runs: what measured within the margin of the kept choice, and it: {auto}"
+
+
 def test_a_tensor_whose_own_runs_cost_more_than_its_groups_time_drifts_only_from_its_own():
     """A group's time is a round's, of all its tensors; a tensor's runs are its shares of its buckets'
     time (alone in a bucket, the whole): its drift is checked against its own first runs."""
