@@ -179,7 +179,7 @@ class _Group:
         """Each measured candidate's time for a round: the running ones' (_per_round), and a dropped one's
         sum over what it was measured on (a lower bound: it was dropped on part of a round, and compared
         on those tensors only, the running ones would be too)."""
-        dropped = {a: sum(map(statistics.median, t.values())) for a, t in self.times.items() if a in self.dropped and t}
+        dropped = {a: _total(t) for a, t in self.times.items() if a in self.dropped and t}
         return {**dropped, **_per_round({a: t for a, t in self.times.items() if a not in self.dropped})}
 
     def running(self):
@@ -219,7 +219,7 @@ class _Group:
         every tensor seen (never that one: some candidate always runs). Measured on some of them, the sum
         of their medians is a lower bound of a round's time (a ring 200 times slower goes at its first
         tensor; compared on that tensor alone, switchml's weight against a ring's biases went)."""
-        sums = {a: sum(map(statistics.median, per_name.values())) for a, per_name in self.times.items() if per_name}
+        sums = {a: _total(per_name) for a, per_name in self.times.items() if per_name}
         seen = set().union(*self.times.values())
         whole = [a for a in self.running() if a in sums and self.times[a].keys() == seen]
         if whole:
@@ -248,8 +248,12 @@ def _per_round(times):
     (bench_training's head: the ring kept at 0.16 ms against 0.60, 0.68x the fixed choice)."""
     measured = {a: per_name for a, per_name in times.items() if per_name}
     common = set.intersection(*(set(per_name) for per_name in measured.values())) if measured else set()
-    return {a: sum(statistics.median(per_name[name]) for name in common) for a, per_name in measured.items()
-            if common}
+    return {a: _total(per_name, common) for a, per_name in measured.items() if common}
+
+
+def _total(per_name, names=None):
+    """One candidate's time for these tensors (default: all it was measured on): their medians, summed."""
+    return sum(statistics.median(per_name[name]) for name in (per_name if names is None else names))
 
 
 class Reports:
