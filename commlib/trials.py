@@ -83,7 +83,7 @@ class Trials:
         state = self._groups.get(group)
         if state is None:
             return None
-        state.checked = self._checked(state, sent) if sent and trial is None else None
+        state.checked = self._checked(state, sent) if trial is None else None
         if state.checked is not None or (state.choice is None and not (state.begins(name) and state.decide(self.samples))):
             return None
         return state.choice, state.shown(self.revisit)
@@ -180,7 +180,11 @@ class _Group:
         sum over what it was measured on (a lower bound: it was dropped on part of a round, and compared
         on those tensors only, the running ones would be too)."""
         dropped = {a: _total(t) for a, t in self.times.items() if a in self.dropped and t}
-        return {**dropped, **_per_round({a: t for a, t in self.times.items() if a not in self.dropped})}
+        return {**dropped, **self._running_rounds(self.times)}
+
+    def _running_rounds(self, times):
+        """The running candidates' times for a round (_per_round) from `times`: the quickest or the slowest rank's."""
+        return _per_round({a: times[a] for a in self.running()})
 
     def running(self):
         return [a for a in self.candidates if a not in self.dropped]
@@ -233,9 +237,9 @@ class _Group:
         running = self.running()
         if not all(len(self.heard[a]) >= samples or self.spent(a, samples) for a in running):
             return False
-        medians = _per_round({a: self.times[a] for a in running})
+        medians = self._running_rounds(self.times)
         self.choice = min(medians, key=medians.get) if medians else running[0]
-        self.expect = _per_round({a: self.slowest[a] for a in running}).get(self.choice)
+        self.expect = self._running_rounds(self.slowest).get(self.choice)
         self.pending.clear()
         return True
 

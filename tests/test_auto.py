@@ -127,26 +127,6 @@ def test_a_rank_reports_each_trial_then_checks_the_kept_choice_on_drift_and_on_s
     assert reports.take("w") == {"check": 50, "seconds": 0.1, "group": 0, "slowdown": 1.0}, "revisited after `revisit` runs"
 
 
-def test_a_groups_candidates_are_compared_by_what_a_round_of_all_its_tensors_costs():
-    """A tensor's time is its share of its bucket's, and each candidate fuses the group differently:
-    the shares compare only summed over a round (one median of all of them mixed kept the ring for
-    bench_training's head, where it cost 0.68x of switchml's step)."""
-    shares = {"switchml": {"w": 0.004, "b1": 0.0001, "b2": 0.0001, "b3": 0.0001},   # 4.3 ms a round
-              "ring": {"w": 0.002, "b1": 0.0005, "b2": 0.0005, "b3": 0.0005}}   # 3.5 ms; each bias 5x switchml's
-    for samples, order in [(s, o) for s in (1, 3) for o in (["w", "b1", "b2", "b3"], ["b1", "b2", "b3", "w"])]:
-        # and never weighed, nor dropped, on part of a round (its first tensors: switchml's weight against
-        # the ring's biases kept the ring; the biases alone dropped it)
-        trials, reports = Trials(margin=4.0, samples=samples, revisit=100, drop=2.0), {}
-        for _ in range(2 * (WARMUP + samples) + 2):
-            for name in order:
-                algorithm, auto = trials.kept("g", reports.pop(name, [None, None]), name) or \
-                    trials.choose("g", [("switchml", 1.0), ("ring", 1.0)], name)
-                if "trial" in auto:
-                    reports[name] = [{"trial": auto["trial"], "seconds": shares[algorithm][name]}] * 2
-        assert auto.get("choice") == "ring" and auto["times"] == pytest.approx({"switchml": 0.0043, "ring": 0.0035}), \
-            (samples, order, auto)
-
-
 def simulate(trials, shares, steps, names=("w", "b1", "b2", "b3"), group_of=lambda name, step: "g"):
     """Release `names` each step, in order, each in its group; every rank (2) reports each trial run as
     taking shares[algorithm][name]. Per group, the step its choice was first kept (None: never)."""
@@ -162,6 +142,22 @@ def simulate(trials, shares, steps, names=("w", "b1", "b2", "b3"), group_of=lamb
             elif "choice" in auto:
                 kept_at.setdefault(group, step)
     return kept_at
+
+
+def test_a_groups_candidates_are_compared_by_what_a_round_of_all_its_tensors_costs():
+    """A tensor's time is its share of its bucket's, and each candidate fuses the group differently:
+    the shares compare only summed over a round (one median of all of them mixed kept the ring for
+    bench_training's head, where it cost 0.68x of switchml's step)."""
+    shares = {"switchml": {"w": 0.004, "b1": 0.0001, "b2": 0.0001, "b3": 0.0001},   # 4.3 ms a round
+              "ring": {"w": 0.002, "b1": 0.0005, "b2": 0.0005, "b3": 0.0005}}   # 3.5 ms; each bias 5x switchml's
+    for samples, order in [(s, o) for s in (1, 3) for o in (["w", "b1", "b2", "b3"], ["b1", "b2", "b3", "w"])]:
+        # and never weighed, nor dropped, on part of a round (its first tensors: switchml's weight against
+        # the ring's biases kept the ring; the biases alone dropped it)
+        trials = Trials(margin=4.0, samples=samples, revisit=100, drop=2.0)
+        kept_at = simulate(trials, shares, 2 * (WARMUP + samples) + 2, names=order)
+        group = trials._groups["g"]
+        assert "g" in kept_at and group.choice == "ring" and \
+            group.medians() == pytest.approx({"switchml": 0.0043, "ring": 0.0035}), (samples, order, group.medians())
 
 
 def test_a_candidate_dropped_on_part_of_a_round_leaves_the_others_compared_on_whole_rounds():
