@@ -212,7 +212,7 @@ def records():
     algorithm's collectives: network, switch and aggregators), and transfer_s = server_queue_s +
     server_proc_s + network_s where the algorithm has a server that stamps its results (switchml,
     omnireduce; None otherwise): see commlib.executor.Phases."""
-    return dict(runtime().records)
+    return runtime().records.snapshot()
 
 
 def start_timeline(path):

@@ -32,6 +32,7 @@ OPS = (Sum, Average, Min, Max, Product)
 # Horovod's op constants (horovod.common.basics / mpi_ops: Average=0, Sum=1, Adasum=2, Min=3, ...)
 HOROVOD_OPS = {0: Average, 1: Sum, 3: Min, 4: Max, 5: Product}
 STOP = {"t": "stop"}
+RECORDS_KEPT = 65536   # names commlib.records() holds: past it the oldest quarter goes (a program that makes up names)
 
 
 class Entry:
@@ -146,11 +147,20 @@ class Records(MutableMapping):
     def put(self, name, algorithm, plan, dtype, nbytes, density, negotiate_s, queue_s, shared, rows=None,
             estimate=None, skew=None, auto=None):
         """shared: the bucket's (Executor._run); rows: a row-sparse tensor's (this rank's, the union's)."""
+        if len(self._runs) >= RECORDS_KEPT and name not in self._runs:
+            for old in list(itertools.islice(self._runs, RECORDS_KEPT // 4)):
+                del self[old]
         self._runs[name] = (algorithm, plan, dtype, nbytes, density, negotiate_s, queue_s, shared, rows, estimate,
                             skew, auto)
 
+    def snapshot(self):
+        """A dict of every record, read at once: the executor may drop the oldest meanwhile (RECORDS_KEPT)."""
+        return {name: self._record(name, run) for name, run in list(self._runs.items())}
+
     def __getitem__(self, name):
-        run = self._runs[name]
+        return self._record(name, self._runs[name])
+
+    def _record(self, name, run):
         if type(run) is not tuple:
             return run
         made = self._made.get(name)

@@ -29,7 +29,8 @@ per round it runs). The kept one's releases carry a round's time by its slowest 
 measured), and a rank reports again after `auto_revisit` runs, or when five runs in a row took
 `auto_drift` times longer than the tensor's own first five runs under it: the group's candidates
 (the model's when it formed) are then tried anew, less those measured `auto_trial_margin` times
-slower than the kept one now runs (they sit that round out). A settled release no longer depends on
+slower than the kept one now runs (they sit that round out). A group whose round never ends (ROUND_NAMES names and none came again: a new name every step) keeps
+the model's best, untried. A settled release no longer depends on
 the controller's state, so the response cache may keep it; the model needs no sketches of a row-
 sparse tensor under a kept choice, so the ranks send its counts only (Dispatcher._row_stats).
 """
@@ -50,6 +51,8 @@ define("auto_drift", 1.5, "policy 'auto': five runs of a tensor in a row this ma
 WARMUP = 1   # rounds of each candidate not counted: first calls set up state (buffers, hot sets)
 SLOW_RUNS = 5   # in a row: a shared machine's stalls last a step or two
 SLACK_S = 0.005   # a slow run is also this much slower: small tensors' times vary by milliseconds with the load
+ROUND_NAMES = 4096   # a round's names at most: a group whose names never come again (a new one every step)
+NAMES_KEPT = 65536   # names a rank keeps reports and runs of: a program that makes up names, kept bounded
 
 
 class Trials:
@@ -84,8 +87,12 @@ class Trials:
         if state is None:
             return None
         state.checked = self._checked(state, sent) if trial is None else None
-        if state.checked is not None or (state.choice is None and not (state.begins(name) and state.decide(self.samples))):
+        if state.checked is not None:
             return None
+        if state.choice is None:
+            if not (state.begins(name) and state.decide(self.samples)):
+                return None
+            self._close(state)
         return state.choice, state.shown(self.revisit)
 
     def choose(self, group, ranked, name=None):
@@ -108,6 +115,10 @@ class Trials:
                 bound = None if kept is None else kept * max(1.0, state.checked) * self.margin
                 candidates = [a for a in pool if a == state.choice or bound is None or measured.get(a, 0.0) <= bound]
             state = self._groups[group] = _Group(candidates, number, restart=state is not None)
+        if len(state.named) >= ROUND_NAMES:   # no round ever ends: the model's best is kept, untried (nor checked)
+            state.choice = state.running()[0]
+            self._close(state)
+            return state.choice, state.shown(self.revisit)
         if state.begins(name):
             state.next_round(self.samples)
         state.named.add(name)
@@ -118,6 +129,13 @@ class Trials:
         state.pending[self._ids] = (algorithm, state.given[algorithm], name) if state.streak > WARMUP else None
         return algorithm, state.said({"trial": self._ids, "group": state.number, "candidates": state.candidates,
                                       "times": state.medians()})
+
+    def _close(self, state):
+        """A group kept its choice: the reports its trials still wait for are not heard (some may never
+        come: a tensor that appeared once)."""
+        for trial in state.pending:
+            self._issued.pop(trial, None)
+        state.pending.clear()
 
     @staticmethod
     def _checked(state, sent):
@@ -240,7 +258,6 @@ class _Group:
         medians = self._running_rounds(self.times)
         self.choice = min(medians, key=medians.get) if medians else running[0]
         self.expect = self._running_rounds(self.slowest).get(self.choice)
-        self.pending.clear()
         return True
 
 
@@ -276,9 +293,9 @@ class Reports:
         if "revisit" not in (auto or ()):   # a trial's run, or no choice kept (None: the model's): nothing to check
             self._kept.pop(name, None)
             if "trial" in (auto or ()):
-                self._ready[name] = {"trial": auto["trial"], "seconds": seconds}
+                _bounded(self._ready)[name] = {"trial": auto["trial"], "seconds": seconds}
             return
-        kept = self._kept.setdefault(name, _Kept())
+        kept = self._kept.get(name) or _bounded(self._kept).setdefault(name, _Kept())
         kept.streak = kept.streak + 1 if kept.group == auto["group"] else 1
         kept.group, kept.choice = auto["group"], auto["choice"]
         kept.runs += 1
@@ -310,6 +327,15 @@ class Reports:
     def waiting(self, name):
         """Whether a report waits for the next submission of `name`."""
         return name in self._ready
+
+
+def _bounded(names):
+    """`names` (a dict by tensor name), emptied when it holds NAMES_KEPT: a report or a run that a name
+    which never came again left (a new name every step) would otherwise stay for good; a name that
+    comes again loses a report (its trial is made up later) or its drift baseline (taken anew)."""
+    if len(names) >= NAMES_KEPT:
+        names.clear()
+    return names
 
 
 class _Kept:

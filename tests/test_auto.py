@@ -7,6 +7,7 @@ import pytest
 
 from commlib import analyze, timeline
 from commlib.dispatch import TRAFFIC, settle, settle_release, side_of
+from commlib import trials as trials_module
 from commlib.trials import SLACK_S, SLOW_RUNS, WARMUP, Reports, Trials
 from launch import spawn
 
@@ -179,6 +180,23 @@ def test_a_tensor_that_moves_between_groups_reports_to_the_group_that_tried_it()
     kept_at = simulate(trials, shares, 30, names=("a", "b", "u"),
                        group_of=lambda name, step: ("G2" if step % 2 else "G1") if name == "u" else "G1")
     assert kept_at["G1"] <= 2 * (WARMUP + 3) + 2 and trials._groups["G1"].choice == "A", (kept_at, trials._groups)
+
+
+def test_a_group_whose_names_never_come_again_keeps_the_models_best_and_what_it_holds_stays_bounded(monkeypatch):
+    """A new name every step (name=f"loss.{step}"): no round ever ends, and no report ever comes."""
+    monkeypatch.setattr(trials_module, "ROUND_NAMES", 50)
+    monkeypatch.setattr(trials_module, "NAMES_KEPT", 80)
+    trials, reports = Trials(margin=4.0, samples=3, revisit=100), Reports(drift=1.5)
+    for step in range(400):
+        name = f"loss.{step}"
+        algorithm, auto = trials.kept("g", [None, None], name) or trials.choose("g", RANKED, name)
+        reports.ran(name, auto, 0.001)
+    group = trials._groups["g"]
+    assert algorithm == group.choice == "allgather" and "trial" not in auto, \
+        f"no round ended in {trials_module.ROUND_NAMES} names: the model's best, kept: {algorithm}, {auto}"
+    assert len(group.named) <= 50 and not group.pending and not trials._issued, \
+        f"names {len(group.named)}, trials waiting for a report {len(group.pending)}, issued {len(trials._issued)}"
+    assert len(reports._kept) <= 80 and len(reports._ready) <= 80, (len(reports._kept), len(reports._ready))
 
 
 def test_a_revisit_after_a_check_quicker_than_the_first_runs_still_tries_the_kept_choice():

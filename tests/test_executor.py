@@ -84,3 +84,16 @@ def test_records_can_be_read_while_the_executor_adds_a_name():
     records.put("b", "ring", Plan(((None, "ring"),)), "float32", 4, None, 0.0, 0.0, {"bucket": "b"})
     assert list(names) == ["a"] and dict(records)["b"]["bucket"] == "b"
     assert records["a"] is records["a"], "the same run reads as the same dict"
+
+
+def test_records_of_a_program_that_makes_up_names_stay_bounded_and_keep_the_newest(monkeypatch):
+    from commlib import executor
+    from commlib.dispatch import Plan
+    monkeypatch.setattr(executor, "RECORDS_KEPT", 100)
+    records, plan = executor.Records(), Plan(((None, "ring"),))
+    for step in range(1000):
+        records.put(f"loss.{step}", "ring", plan, "float32", 4, None, 0.0, 0.0, {})
+        records[f"loss.{step}"]   # read: its made dict is kept beside the run
+    snapshot = records.snapshot()
+    assert len(records) <= 100 and len(records._made) <= 100 and "loss.999" in snapshot and "loss.0" not in snapshot, \
+        (len(records), len(records._made), list(snapshot)[:3])
