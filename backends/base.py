@@ -112,9 +112,10 @@ class Backend(abc.ABC):
     # the algorithm has no server. commlib.records() and the timeline scale them to the transfer time.
     last_server_share = None
 
-    def learning(self, name):
-        """Whether this backend's calls named `name` are not yet as they will stay: it still learns from
-        them (hotcold's first window of counts). `auto` counts no trial run of it meanwhile."""
+    def learning(self, name, shape):
+        """Whether this backend's calls named `name`, now of `shape`, are not yet as they will stay: it
+        still learns from them (hotcold's first window of counts, anew for a resized table). `auto`
+        counts no trial run of it meanwhile."""
         return False
 
     def measured_density(self, name):

@@ -140,10 +140,11 @@ class HotColdBackend(Backend):
     def allreduce(self, array, name):
         return self._carrier(self.hot_name, "ring").allreduce(array, name)
 
-    def learning(self, name):
-        """Until its first window ends a tensor has no hot set: every row goes cold."""
+    def learning(self, name, shape):
+        """Until its first window ends a tensor has no hot set: every row goes cold (a resized table's
+        rows start anew: _split)."""
         split = self._tensors.get(name)
-        return split is None or not split.agreements
+        return split is None or split.window.size != shape[0] or not split.agreements
 
     def _split(self, name, nrows):
         split = self._tensors.get(name)

@@ -349,7 +349,7 @@ class Executor:
         dense = first.compressor is None and not rows   # host arrays, restored on the caller's thread (Handle.set)
         run = self._run_dense if dense else self._run_rows if first.compressor is None else self._run_compressed
         # `auto` counts no trial run of a backend that still learns the tensor (asked before it runs)
-        learning = {e.name for e in bucket if "trial" in (e.auto or ()) and backend.learning(e.name)}
+        learning = {e.name for e in bucket if "trial" in (e.auto or ()) and backend.learning(e.name, e.staged.shape)}
         try:
             results = run(bucket, backend, name, phases)
         finally:

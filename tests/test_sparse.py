@@ -341,10 +341,11 @@ def test_the_first_window_is_short_and_until_it_ends_auto_counts_no_trial_of_hot
     backend._agree = agree
     learning = []
     for _ in range(FIRST_WINDOW + 10):
-        learning.append(backend.learning("t"))
+        learning.append(backend.learning("t", (100, 4)))
         backend.observe(np.array([1, 2]), 100, "t", 4, 4)
     assert agreed == [FIRST_WINDOW, FIRST_WINDOW + 10], agreed
     assert learning == [True] * FIRST_WINDOW + [False] * 10, learning
+    assert backend.learning("t", (120, 4)), "a resized table (an embedding grown by 20 rows) has no hot set yet"
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nprocs, hot, cold, presence", [(4, "switchml", "sparse_allgather", "0"),
