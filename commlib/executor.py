@@ -16,7 +16,7 @@ from collections.abc import MutableMapping
 
 import numpy as np
 
-from commlib import compressors, sparse
+from commlib import compressors, recent, sparse
 from commlib.buffers import POOL
 from commlib.dispatch import Plan
 from commlib.errors import CommError, ConfigError, error_from
@@ -32,7 +32,7 @@ OPS = (Sum, Average, Min, Max, Product)
 # Horovod's op constants (horovod.common.basics / mpi_ops: Average=0, Sum=1, Adasum=2, Min=3, ...)
 HOROVOD_OPS = {0: Average, 1: Sum, 3: Min, 4: Max, 5: Product}
 STOP = {"t": "stop"}
-RECORDS_KEPT = 65536   # names commlib.records() holds: past it the oldest quarter goes (a program that makes up names)
+RECORDS_KEPT = 65536   # names commlib.records() holds (commlib.recent)
 
 
 class Entry:
@@ -147,11 +147,10 @@ class Records(MutableMapping):
     def put(self, name, algorithm, plan, dtype, nbytes, density, negotiate_s, queue_s, shared, rows=None,
             estimate=None, skew=None, auto=None):
         """shared: the bucket's (Executor._run); rows: a row-sparse tensor's (this rank's, the union's)."""
-        if len(self._runs) >= RECORDS_KEPT and name not in self._runs:
-            for old in list(itertools.islice(self._runs, RECORDS_KEPT // 4)):
-                del self[old]
-        self._runs[name] = (algorithm, plan, dtype, nbytes, density, negotiate_s, queue_s, shared, rows, estimate,
-                            skew, auto)
+        run = (algorithm, plan, dtype, nbytes, density, negotiate_s, queue_s, shared, rows, estimate, skew, auto)
+        if recent.put(self._runs, name, run, RECORDS_KEPT):   # some dropped (a process set's executor puts too):
+            # their made dicts go, and any a reader made of a dropped run meanwhile
+            self._made = {n: made for n, made in list(self._made.items()) if n in self._runs}
 
     def snapshot(self):
         """A dict of every record, read at once: the executor may drop the oldest meanwhile (RECORDS_KEPT)."""

@@ -29,13 +29,14 @@ per round it runs). The kept one's releases carry a round's time by its slowest 
 measured), and a rank reports again after `auto_revisit` runs, or when five runs in a row took
 `auto_drift` times longer than the tensor's own first five runs under it: the group's candidates
 (the model's when it formed) are then tried anew, less those measured `auto_trial_margin` times
-slower than the kept one now runs (they sit that round out). A group whose round never ends (ROUND_NAMES names and none came again: a new name every step) keeps
-the model's best, untried. A settled release no longer depends on
-the controller's state, so the response cache may keep it; the model needs no sketches of a row-
-sparse tensor under a kept choice, so the ranks send its counts only (Dispatcher._row_stats).
+slower than the kept one now runs (they sit that round out). A round ends at ROUND_NAMES names too
+(made-up names never come again). A settled release no longer depends on the controller's state, so
+the response cache may keep it; the model needs no sketches of a row-sparse tensor under a kept
+choice, so the ranks send its counts only (Dispatcher._row_stats).
 """
 import statistics
 
+from commlib import recent
 from commlib.settings import define
 
 define("auto_trial_margin", 4.0, "policy 'auto': candidates the traffic model ranks within this factor of the "
@@ -51,8 +52,8 @@ define("auto_drift", 1.5, "policy 'auto': five runs of a tensor in a row this ma
 WARMUP = 1   # rounds of each candidate not counted: first calls set up state (buffers, hot sets)
 SLOW_RUNS = 5   # in a row: a shared machine's stalls last a step or two
 SLACK_S = 0.005   # a slow run is also this much slower: small tensors' times vary by milliseconds with the load
-ROUND_NAMES = 4096   # a round's names at most: a group whose names never come again (a new one every step)
-NAMES_KEPT = 65536   # names a rank keeps reports and runs of: a program that makes up names, kept bounded
+ROUND_NAMES = 4096   # a round's names at most (a new name every step would never end one)
+NAMES_KEPT = 65536   # names a rank keeps reports and runs of (commlib.recent)
 
 
 class Trials:
@@ -115,10 +116,6 @@ class Trials:
                 bound = None if kept is None else kept * max(1.0, state.checked) * self.margin
                 candidates = [a for a in pool if a == state.choice or bound is None or measured.get(a, 0.0) <= bound]
             state = self._groups[group] = _Group(candidates, number, restart=state is not None)
-        if len(state.named) >= ROUND_NAMES:   # no round ever ends: the model's best is kept, untried (nor checked)
-            state.choice = state.running()[0]
-            self._close(state)
-            return state.choice, state.shown(self.revisit)
         if state.begins(name):
             state.next_round(self.samples)
         state.named.add(name)
@@ -233,8 +230,10 @@ class _Group:
         return self.given[a] >= 3 * (WARMUP + samples)
 
     def begins(self, name):
-        """Whether a release of `name` begins the group's next round (it came again, or none is under way)."""
-        return name is None or name in self.named or self.current is None
+        """Whether a release of `name` begins the group's next round (it came again, or none is under way,
+        or the round has ROUND_NAMES names: made-up names never come again, and the reports of their
+        runs never come either, so that the group keeps its choice once its rounds are spent)."""
+        return name is None or name in self.named or self.current is None or len(self.named) >= ROUND_NAMES
 
     def prune(self, drop):
         """Drop the running candidates measured `drop` times slower than the best running one measured on
@@ -293,9 +292,12 @@ class Reports:
         if "revisit" not in (auto or ()):   # a trial's run, or no choice kept (None: the model's): nothing to check
             self._kept.pop(name, None)
             if "trial" in (auto or ()):
-                _bounded(self._ready)[name] = {"trial": auto["trial"], "seconds": seconds}
+                recent.put(self._ready, name, {"trial": auto["trial"], "seconds": seconds}, NAMES_KEPT)
             return
-        kept = self._kept.get(name) or _bounded(self._kept).setdefault(name, _Kept())
+        kept = self._kept.get(name)
+        if kept is None:
+            kept = _Kept()
+        recent.put(self._kept, name, kept, NAMES_KEPT)   # as the newest: a name that runs every step stays
         kept.streak = kept.streak + 1 if kept.group == auto["group"] else 1
         kept.group, kept.choice = auto["group"], auto["choice"]
         kept.runs += 1
@@ -327,15 +329,6 @@ class Reports:
     def waiting(self, name):
         """Whether a report waits for the next submission of `name`."""
         return name in self._ready
-
-
-def _bounded(names):
-    """`names` (a dict by tensor name), emptied when it holds NAMES_KEPT: a report or a run that a name
-    which never came again left (a new name every step) would otherwise stay for good; a name that
-    comes again loses a report (its trial is made up later) or its drift baseline (taken anew)."""
-    if len(names) >= NAMES_KEPT:
-        names.clear()
-    return names
 
 
 class _Kept:

@@ -182,21 +182,47 @@ def test_a_tensor_that_moves_between_groups_reports_to_the_group_that_tried_it()
     assert kept_at["G1"] <= 2 * (WARMUP + 3) + 2 and trials._groups["G1"].choice == "A", (kept_at, trials._groups)
 
 
-def test_a_group_whose_names_never_come_again_keeps_the_models_best_and_what_it_holds_stays_bounded(monkeypatch):
-    """A new name every step (name=f"loss.{step}"): no round ever ends, and no report ever comes."""
+def test_a_group_whose_names_never_come_again_keeps_a_choice_and_what_it_holds_stays_bounded(monkeypatch):
+    """A new name every step (name=f"loss.{step}"): a round ends at ROUND_NAMES names, no report ever
+    comes, and once the candidates' rounds are spent the group keeps the model's best."""
     monkeypatch.setattr(trials_module, "ROUND_NAMES", 50)
-    monkeypatch.setattr(trials_module, "NAMES_KEPT", 80)
-    trials, reports = Trials(margin=4.0, samples=3, revisit=100), Reports(drift=1.5)
-    for step in range(400):
+    trials, most_pending = Trials(margin=4.0, samples=3, revisit=100), 0
+    for step in range(3000):
         name = f"loss.{step}"
         algorithm, auto = trials.kept("g", [None, None], name) or trials.choose("g", RANKED, name)
-        reports.ran(name, auto, 0.001)
+        most_pending = max(most_pending, len(trials._groups["g"].pending))
     group = trials._groups["g"]
-    assert algorithm == group.choice == "allgather" and "trial" not in auto, \
-        f"no round ended in {trials_module.ROUND_NAMES} names: the model's best, kept: {algorithm}, {auto}"
+    assert algorithm == group.choice == "allgather" and "trial" not in auto, f"kept the model's best: {algorithm}, {auto}"
     assert len(group.named) <= 50 and not group.pending and not trials._issued, \
         f"names {len(group.named)}, trials waiting for a report {len(group.pending)}, issued {len(trials._issued)}"
+    assert most_pending <= 3 * 3 * (WARMUP + 3) * 50, most_pending
+
+
+def test_a_group_of_more_than_round_names_tensors_is_still_measured(monkeypatch):
+    """A round ends at ROUND_NAMES names: a model of more same-sized tensors than that (an MoE's experts)
+    still has its candidates measured on all of them, and keeps the fastest."""
+    monkeypatch.setattr(trials_module, "ROUND_NAMES", 50)
+    names = [f"expert.{i}" for i in range(120)]
+    shares = {"A": dict.fromkeys(names, 0.01), "B": dict.fromkeys(names, 0.001)}   # the model's second, 10x faster
+    trials = Trials(margin=4.0, samples=3, revisit=100)
+    kept_at = simulate(trials, shares, 12, names=names)
+    group = trials._groups["g"]
+    assert "g" in kept_at and group.choice == "B", (kept_at, group.choice, group.medians())
+
+
+def test_a_ranks_reports_of_made_up_names_stay_bounded_and_a_tensor_of_every_step_keeps_its_schedule(monkeypatch):
+    monkeypatch.setattr(trials_module, "NAMES_KEPT", 80)
+    reports, checks = Reports(drift=1.5), []
+    kept = {"choice": "a", "group": 0, "times": {"a": 0.1}, "expect": 0.1, "revisit": 50}
+    for step in range(60):
+        for i in range(30):   # 30 made-up names a step, each once (the kept names then turn over every 3 steps)
+            reports.ran(f"loss.{step}.{i}", kept, 0.1)
+            reports.ran(f"metric.{step}.{i}", {"trial": step, "candidates": ["a", "b"]}, 0.1)
+        reports.ran("w", kept, 0.1)
+        checks.append(reports.take("w"))
     assert len(reports._kept) <= 80 and len(reports._ready) <= 80, (len(reports._kept), len(reports._ready))
+    assert [step for step, check in enumerate(checks) if check] == [49], \
+        "the tensor of every step is checked after `revisit` runs, however many names came and went"
 
 
 def test_a_revisit_after_a_check_quicker_than_the_first_runs_still_tries_the_kept_choice():

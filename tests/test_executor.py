@@ -86,14 +86,29 @@ def test_records_can_be_read_while_the_executor_adds_a_name():
     assert records["a"] is records["a"], "the same run reads as the same dict"
 
 
-def test_records_of_a_program_that_makes_up_names_stay_bounded_and_keep_the_newest(monkeypatch):
+def test_records_of_a_program_that_makes_up_names_stay_bounded_and_keep_the_names_of_every_step(monkeypatch):
+    import threading
     from commlib import executor
     from commlib.dispatch import Plan
     monkeypatch.setattr(executor, "RECORDS_KEPT", 100)
-    records, plan = executor.Records(), Plan(((None, "ring"),))
+    records, plan, errors = executor.Records(), Plan(((None, "ring"),)), []
     for step in range(1000):
-        records.put(f"loss.{step}", "ring", plan, "float32", 4, None, 0.0, 0.0, {})
-        records[f"loss.{step}"]   # read: its made dict is kept beside the run
-    snapshot = records.snapshot()
-    assert len(records) <= 100 and len(records._made) <= 100 and "loss.999" in snapshot and "loss.0" not in snapshot, \
-        (len(records), len(records._made), list(snapshot)[:3])
+        records.put("w", "ring", plan, "float32", 4, None, 0.0, 0.0, {})   # every step
+        for i in range(30):   # and 30 made-up names
+            records.put(f"loss.{step}.{i}", "ring", plan, "float32", 4, None, 0.0, 0.0, {})
+        assert "w" in records.snapshot(), f"step {step}: the name of every step was dropped"
+
+    def put(prefix):   # two executors (the job's and a process set's) into one Records, a user reading it
+        try:
+            for step in range(3000):
+                records.put(f"{prefix}.loss.{step}", "ring", plan, "float32", 4, None, 0.0, 0.0, {})
+        except Exception as exc:
+            errors.append(exc)
+
+    writers = [threading.Thread(target=put, args=(prefix,)) for prefix in ("job", "set")]
+    for writer in writers:
+        writer.start()
+    while any(writer.is_alive() for writer in writers):
+        records.snapshot()   # makes each record's dict, as a reader does
+    records.put("last", "ring", plan, "float32", 4, None, 0.0, 0.0, {})
+    assert not errors and len(records) <= 100 and len(records._made) <= 100, (errors[:1], len(records), len(records._made))
