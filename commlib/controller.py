@@ -60,7 +60,8 @@ AGREED_FIELDS = ("shape", "dtype", "op", "choices", "compression", "prescale", "
 # ranks' names differ (a Mismatch) rather than a rank being slow.
 PAIRING_GRACE_S = 5.0
 # Hits that wait this long for the other ranks' turn back into full negotiation (bounded by the
-# negotiation timeout); bits assigned at most, evicted ones included (Horovod: HOROVOD_CACHE_CAPACITY).
+# negotiation timeout); bits at most (Horovod: HOROVOD_CACHE_CAPACITY), an evicted one free again once
+# every rank has dropped it (ControllerServer._reclaim).
 HIT_WAIT_S = 1.0
 CACHE_CAPACITY = 4096
 # With nothing waiting (no tensor, hit, exchange or join), the loop sleeps until a message comes, or
@@ -238,13 +239,17 @@ class ControllerServer:
         self._burst = 0.0         # when submissions came again after a cycle without any
         self._hurried = False     # a rank waits for what it submitted since the last batch went
         self._failed = False
-        self._cache = []          # bit -> {"name", "release", "metas": {rank: meta}}, evicted ones kept
+        self._cache = []          # bit -> {"name", "release", "metas": {rank: meta}}, evicted ones until reused
         self._bit_of = {}         # tensor name -> its live bit
         self._live = 0            # the live bits
         self._hits = [0] * size   # per rank: the bits it sent, not yet released
         self._hit_times = collections.deque()   # (when, rank, bits) per message with hits, oldest first
         self._ready_bits = 0      # released at the next cycle
         self._evicted = []        # bits evicted since the last cycle
+        self._gos = 0             # go messages sent: a rank's submission says how many it had read (`seen`)
+        self._seen = [0] * size   # per rank: the most gos it had read when it last submitted
+        self._freeing = collections.deque()   # (the go that evicted it, bit), until every rank has read that go
+        self._free = []           # evicted bits no rank will send again: the next cached releases take them
         self._joined = []         # ranks that called join, in order; reset once every rank has
         self._stopped = False
         self._thread = threading.Thread(target=self._serve, name="commlib-controller", daemon=True)
@@ -427,8 +432,15 @@ class ControllerServer:
 
     def _handle(self, rank, msg):
         kind = msg["t"]
+        if kind == "submit" and rank in self._left:   # (another of its threads, after shutdown began): nobody waits
+            return
         if kind == "submit":
             self._hurried = self._hurried or msg.get("hurry") is True
+            seen = msg.get("seen")
+            if type(seen) is int and seen > self._seen[rank]:
+                self._seen[rank] = min(seen, self._gos)
+                if self._freeing:
+                    self._reclaim()
             if not msg["metas"] and not msg.get("hits"):   # a hurry alone: no submission to count
                 return
             now = time.monotonic()
@@ -529,6 +541,17 @@ class ControllerServer:
                 self._hits[rank] &= ~(1 << bit)
                 self._submit(rank, cached["metas"][rank])
 
+    def _reclaim(self):
+        """Evicted bits become free once every rank still in the job has read the go that evicted them:
+        a rank's messages are in order, and it makes hits of its own cache, which that go emptied of
+        them, so no hit of the old tensor can come after (reused at once, a stale hit would be read as
+        the new tensor's). Never reused, a long job's `auto` revisits (every group evicted each
+        `auto_revisit` steps) used up the cache for good, and every tensor went back to full negotiation."""
+        ranks = [self._seen[rank] for rank in range(self.size) if rank not in self._left and rank not in self._done]
+        read = min(ranks, default=self._gos)
+        while self._freeing and self._freeing[0][0] <= read:
+            self._free.append(self._freeing.popleft()[1])
+
     def _expire_hits(self, now, everything=False):
         """Hits that waited HIT_WAIT_S (or all, when a rank left): negotiated in full."""
         wait = min(HIT_WAIT_S, self.negotiation_timeout_s / 4)
@@ -585,9 +608,13 @@ class ControllerServer:
                     field: agreed.get(field) for field in ("shape", "dtype", "op", "compression", "prescale",
                                                            "postscale")}})
             elif not self._joined and self._cacheable(release, metas):   # no new bit while a rank is joined
-                bit = len(self._cache)
+                bit = self._free.pop() if self._free else len(self._cache)
                 release = dataclasses.replace(release, bit=bit)
-                self._cache.append({"name": name, "release": release, "metas": metas, "nbytes": nbytes})
+                cached = {"name": name, "release": release, "metas": metas, "nbytes": nbytes}
+                if bit < len(self._cache):
+                    self._cache[bit] = cached
+                else:
+                    self._cache.append(cached)
                 self._bit_of[name] = bit
                 self._live |= 1 << bit
             self._ready.append(release)
@@ -607,7 +634,8 @@ class ControllerServer:
         """Only a release the ranks' metadata alone decides, the same step after step: no row counts,
         no report of a run, no trial of `auto` under way (rank 0's schedule picks those). A density's
         side of the bounds (dispatch.side_of) is metadata."""
-        return len(self._cache) < CACHE_CAPACITY and release.counts is None and "trial" not in (release.auto or ()) \
+        return (self._free or len(self._cache) < CACHE_CAPACITY) and release.counts is None \
+            and "trial" not in (release.auto or ()) \
             and all(not meta.get("rows") and not meta.get("report") and not meta.get("once") for meta in metas.values())
 
     def _release(self):
@@ -618,6 +646,8 @@ class ControllerServer:
                     self.cycle_s = self._tuner.cycle_ms / 1000.0
                 tuned = {"tuned": self._tuner.values}
             self._released_bytes = 0
+            self._gos += 1
+            self._freeing.extend((self._gos, bit) for bit in self._evicted)
             # the clients expand the hits before they drop the evicted bits
             self._broadcast({"t": "go", "batch": [release.wire() for release in self._ready], "hits": format(self._ready_bits, "x"),
                              "evict": self._evicted, **tuned})
@@ -738,6 +768,7 @@ class ControllerClient:
         self._by_bit = {}     # bit -> its release
         self._asked = {}      # name -> the meta submitted in full, until released
         self._cache_lock = threading.Lock()
+        self._gos = 0         # go messages read (their evictions applied): sent as `seen` (ControllerServer._reclaim)
         # submissions within a cycle travel as one message (Horovod: one request list per cycle)
         self._outbox = {"metas": [], "hits": 0}
         self._outbox_cond = threading.Condition(self._send_lock)
@@ -805,6 +836,8 @@ class ControllerClient:
             why = "lost the commlib controller on rank 0 (rank 0 exited or crashed); see its output"
             try:
                 msg = self._link.recv()
+                if msg is not None and msg["t"] == "go":
+                    msg = self._expand(msg)
             except Forged as exc:
                 msg, why = None, f"the connection to the commlib controller carried a message that is not the " \
                                  f"controller's ({exc}); the job stops"
@@ -820,10 +853,8 @@ class ControllerClient:
                 with self._cond:
                     self._cond.notify_all()
                 return
-            if msg["t"] == "go":
-                msg = self._expand(msg)
-                if not msg["batch"]:   # evictions only: the cache took them, nothing to run
-                    continue
+            if msg["t"] == "go" and not msg["batch"]:   # evictions only: the cache took them, nothing to run
+                continue
             if msg["t"] == "gathered":
                 with self._cond:
                     self._gathered[msg["key"]] = msg
@@ -849,7 +880,9 @@ class ControllerClient:
         if box["metas"] or box["hits"] or hurry:
             self._outbox = {"metas": [], "hits": 0}
             hits = {"hits": format(box["hits"], "x")} if box["hits"] else {}
-            self._link.send({"t": "submit", "metas": box["metas"], **hits, **({"hurry": True} if hurry else {})})
+            seen = {"seen": box["seen"]} if "seen" in box else {}
+            self._link.send({"t": "submit", "metas": box["metas"], **hits, **seen,
+                             **({"hurry": True} if hurry else {})})
         self._last_send = time.monotonic()
 
     def hurry(self):
@@ -891,11 +924,15 @@ class ControllerClient:
                 if release.bit is not None and meta is not None:
                     self._cache[release.name] = (release.bit, meta)
                     self._by_bit[release.bit] = release
-            batch += [self._by_bit[bit] for bit in _bits(int(msg.get("hits") or "0", 16))]
+            try:
+                batch += [self._by_bit[bit] for bit in _bits(int(msg.get("hits") or "0", 16))]
+            except KeyError as exc:   # (the reader fails the job with this: a rank that hung here waited for good)
+                raise ValueError(f"a go released cache bit {exc} that this rank does not hold") from None
             for bit in msg.get("evict", ()):
                 release = self._by_bit.pop(bit, None)
                 if release is not None and self._cache.get(release.name, (None,))[0] == bit:
                     del self._cache[release.name]
+            self._gos += 1   # this go's evicted bits are in no hit made from now on
         tuned = msg.get("tuned")
         if tuned:   # autotune's cycle: this rank's batching follows the controller's
             self.cycle_s = tuned["cycle_time_ms"] / 1000.0
@@ -904,26 +941,28 @@ class ControllerClient:
     def submit(self, metas, hurry=False):
         """Metas agreed before with the same contents travel as a bit each, the rest in full.
         `hurry`: a caller waits for them next; they go now, from this thread, as hurry() sends them."""
-        full, hits = [], 0
-        with self._cache_lock:
-            for meta in metas:
-                cached = self._cache.get(meta["name"])
-                if cached is not None and (cached[1] is meta or cached[1] == meta):
-                    hits |= 1 << cached[0]
-                else:
-                    full.append(meta)
-                    if "error" not in meta and not meta.get("once"):
-                        self._asked[meta["name"]] = meta
         if self._lost:
             raise error_from(self._lost)
         if self._closed:
             raise CommError("commlib's connection to the controller is closed (commlib.shutdown() ran): "
                             "call commlib.init() again before reducing")
-        with self._outbox_cond:
+        full, hits = [], 0
+        with self._outbox_cond:   # hits join the outbox as they are made: a message's `seen` holds for all of them
+            with self._cache_lock:
+                for meta in metas:
+                    cached = self._cache.get(meta["name"])
+                    if cached is not None and (cached[1] is meta or cached[1] == meta):
+                        hits |= 1 << cached[0]
+                    else:
+                        full.append(meta)
+                        if "error" not in meta and not meta.get("once"):
+                            self._asked[meta["name"]] = meta
+                seen = self._gos
             self._hurried = False   # a waiter hurries these anew
             pending = self._outbox["metas"] or self._outbox["hits"]
             self._outbox["metas"] += full
             self._outbox["hits"] |= hits
+            self._outbox.setdefault("seen", seen)   # the gos read before its first submission: the least
             if hurry:
                 self._send_hurried()
                 return

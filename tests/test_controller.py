@@ -264,6 +264,48 @@ def test_a_shape_change_on_every_rank_is_negotiated_anew_then_cached_again(job):
     assert all(released(g) == ["a", "b"] for g in got) and calls == [], (got, calls)
 
 
+def test_evicted_bits_are_reused_once_every_rank_dropped_them_so_the_cache_never_runs_out(job, monkeypatch):
+    """A long job evicts bits for good reasons (`auto` revisits each group every `auto_revisit` steps, a
+    shape changes): never reused, 4096 of them ran out and every tensor went back to full negotiation."""
+    monkeypatch.setattr(controller, "CACHE_CAPACITY", 4)
+    server, clients = job
+    for i in range(8):   # "a" changes its shape every step: evicted, negotiated in full, cached anew
+        got = step(clients, lambda rank: [meta("a", shape=(4 + i % 2,)), meta("b")])
+        assert all(released(g) == ["a", "b"] for g in got), (i, got)
+    calls = counting(server)
+    for _ in range(2):   # the last step's shape again
+        got = step(clients, lambda rank: [meta("a", shape=(5,)), meta("b")])
+        assert all(released(g) == ["a", "b"] for g in got), got
+    assert calls == [], f"after 8 evictions with 4 bits, the tensors are still cached: {calls}"
+
+
+def test_an_evicted_bit_waits_until_every_rank_read_its_eviction_and_a_stale_hit_is_the_old_tensors(monkeypatch):
+    """Driven by hand (no rank connects): rank 1 sends a hit it made before it read the go that evicted
+    the bit; reused meanwhile, that hit would have been read as another tensor's."""
+    monkeypatch.setattr(controller, "CACHE_CAPACITY", 1)
+    server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=20.0, cycle_time_ms=1.0, secret=SECRET)
+    try:
+        for rank in (0, 1):
+            server._handle(rank, {"t": "submit", "metas": [meta("x")], "seen": 0})
+        server._release()   # go 1: x takes bit 0
+        server._handle(0, {"t": "submit", "metas": [meta("x", shape=(8,))], "seen": 1})   # x changed on rank 0
+        server._release()   # go 2: bit 0 evicted
+        calls = counting(server)
+        server._handle(1, {"t": "submit", "metas": [], "hits": "1", "seen": 1})   # rank 1 has not read go 2
+        assert calls == [(1, "x")], f"the stale hit is x's, in full: {calls}"
+        for rank, seen in ((0, 2), (1, 1)):
+            server._handle(rank, {"t": "submit", "metas": [meta("y")], "seen": seen})
+        server._release()   # go 3
+        assert server._bit_of == {}, f"no bit while rank 1 may still send bit 0 as x: {server._bit_of}"
+        server._handle(1, {"t": "submit", "metas": [], "seen": 3})
+        for rank in (0, 1):
+            server._handle(rank, {"t": "submit", "metas": [meta("z")], "seen": 3})
+        assert server._bit_of == {"z": 0}, f"every rank read go 2: bit 0 is free again: {server._bit_of}"
+    finally:
+        server.close()
+        server.join(5)
+
+
 def test_a_shape_change_on_one_rank_after_caching_is_a_mismatch_naming_tensor_field_and_ranks(job):
     _, clients = job
     step(clients, lambda rank: [meta("layer.weight")])
