@@ -211,7 +211,8 @@ def records():
     queue_s, run_s = process_s (fusion, scaling, compression on this worker) + transfer_s (the
     algorithm's collectives: network, switch and aggregators), and transfer_s = server_queue_s +
     server_proc_s + network_s where the algorithm has a server that stamps its results (switchml,
-    omnireduce; None otherwise): see commlib.executor.Phases."""
+    omnireduce; None otherwise): see commlib.executor.Phases. The 65536 names run most recently
+    (commlib.executor.RECORDS_KEPT: a program that makes up names keeps its memory bounded)."""
     return runtime().records.snapshot()
 
 
