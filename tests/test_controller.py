@@ -649,6 +649,14 @@ def test_a_forged_go_to_a_rank_is_refused_there(job):
     assert got and got[-1][:2] == ("error", "PeerFailure") and "not the controller's" in got[-1][2], got
 
 
+def test_a_go_naming_a_cache_bit_the_rank_does_not_hold_fails_it_with_that_reason(job):
+    """(The client's reader died on the KeyError, and the rank waited for good.)"""
+    server, clients = job
+    server._clients[0].send({"t": "go", "batch": [], "hits": "1"})   # the controller's own tag: a protocol breach
+    got = events(clients[0], 10)
+    assert got and got[-1][:2] == ("error", "PeerFailure") and "cache bit 0" in got[-1][2], got
+
+
 def test_a_message_the_controller_cannot_handle_fails_the_job_naming_the_rank(job):
     server, clients = job
     clients[1]._link.send({"t": "submit"})   # no metas: a broken rank (only a rank holds the key)
