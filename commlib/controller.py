@@ -432,9 +432,9 @@ class ControllerServer:
 
     def _handle(self, rank, msg):
         kind = msg["t"]
-        if kind == "submit" and rank in self._left:   # (another of its threads, after shutdown began): nobody waits
-            return
         if kind == "submit":
+            if rank in self._left:   # (another of its threads, after shutdown began): nobody waits for it
+                return
             self._hurried = self._hurried or msg.get("hurry") is True
             seen = msg.get("seen")
             if type(seen) is int and seen > self._seen[rank]:

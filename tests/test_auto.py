@@ -5,9 +5,8 @@ side of its bounds, are cached by the controller."""
 import numpy as np
 import pytest
 
-from commlib import analyze, timeline
+from commlib import analyze, timeline, trials as trials_module
 from commlib.dispatch import TRAFFIC, settle, settle_release, side_of
-from commlib import trials as trials_module
 from commlib.trials import SLACK_S, SLOW_RUNS, WARMUP, Reports, Trials
 from launch import spawn
 
