@@ -100,9 +100,9 @@ def main(argv=None):
     parser.add_argument("--tensors", type=int, nargs="+", default=[100, 400], help="tensors per step")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 30; quick 5)")
     # untimed first steps: Horovod's response cache fills at its first; commlib's `auto` tries its
-    # candidates on its first (the ring and switchml here: 2 x (1 warm-up + 3 measured) rounds, a
+    # candidates on its first (the ring and switchml here: 2 x (1 warm-up + 5 measured) rounds, a
     # step each), once per job. The timed steps are the steady state both then run in
-    parser.add_argument("--warmup", type=int, default=12, help="untimed first steps (default 12)")
+    parser.add_argument("--warmup", type=int, default=16, help="untimed first steps (default 16)")
     parser.add_argument("--algorithm", default=None, help="commlib's algorithm (default: its policy's choice)")
     parser.add_argument("--rounds", type=int, default=2, help="times each job runs, alternating")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -136,7 +136,7 @@ def main(argv=None):
                         f"{m['commlib'] / m['ddp default']:.2f}x | {', '.join(runs['algorithms'])} |")
     markdown = (f"A step of many small tensors (16 to 4096 floats each) on loopback, median of {args.steps} steps "
                 f"x {args.rounds} rounds after {args.warmup} untimed (commlib's `auto` tries its candidates on its "
-                "first 8, Horovod's response cache fills at its first): Horovod (its response cache on) in its "
+                "first 12, Horovod's response cache fills at its first): Horovod (its response cache on) in its "
                 "own job, commlib and DDP's default in another, interleaved step by step; the jobs alternate "
                 "(Horovod's idle background thread keeps a core busy: it would tax a library beside it). "
                 "Horovod and commlib with one "

@@ -265,7 +265,9 @@ def titled(fig, title, width=110):
     fig.suptitle("\n".join(textwrap.wrap(title, width)), fontsize=8)
 
 
-WARMUP_STEPS = 10   # untimed steps, as Horovod's synthetic benchmark (--num-warmup-batches): auto's trials fall in them
+# untimed steps, as Horovod's synthetic benchmark's --num-warmup-batches (10): auto's trials fall in
+# them (up to 3 candidates x (1 warm-up + 5 measured) steps)
+WARMUP_STEPS = 20
 
 
 def training_arguments(description, steps, warmup=2, warmup_help="untimed steps", quick_warmup=None):

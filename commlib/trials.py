@@ -22,8 +22,9 @@ rank, so that is the time from the last rank's arrival to the end, what the cand
 step; the other ranks' times also hold their wait for the last one, the same whichever candidate
 runs (with the slowest rank's, 8 tensors of 4 MiB on loopback kept switchml over a ring twice as
 fast). Once every candidate was measured in `auto_trial_samples` rounds (after one warm-up round
-each) the fastest is kept, by what a round costs: the sum of its tensors' medians (each tensor's run
-is its share of its bucket, and each candidate fuses the group differently); a candidate already
+each) the fastest is kept, by what a round costs: the sum of its tensors' typical times (each
+tensor's run is its share of its bucket, and each candidate fuses the group differently; typical:
+the lower quartile of its samples, see `typical`); a candidate already
 `auto_trial_drop` times the best one's is tried no more (a candidate ten times slower costs a step
 per round it runs). The kept one's releases carry a round's time by its slowest rank (None: never
 measured), and a rank reports again after `auto_revisit` runs, or when five runs in a row took
@@ -41,7 +42,7 @@ from commlib.settings import define
 
 define("auto_trial_margin", 4.0, "policy 'auto': candidates the traffic model ranks within this factor of the "
        "best are tried on early steps and the fastest measured is kept")
-define("auto_trial_samples", 3, "policy 'auto': measured rounds (steps) per candidate (after one warm-up round) "
+define("auto_trial_samples", 5, "policy 'auto': measured rounds (steps) per candidate (after one warm-up round) "
        "before the fastest is kept; 0: no trials, the traffic model (dense: the first dense carrier) decides")
 define("auto_trial_drop", 2.0, "policy 'auto': a candidate that measured this many times slower than the best "
        "so far is tried no more (0: every candidate runs all its rounds)")
@@ -111,7 +112,7 @@ class Trials:
                     return ranked[0][0], None
                 number, candidates = self._formed[group] = len(self._formed), pool
             else:   # a revisit: what measured `margin` times slower than the kept one now runs sits it out
-                (number, pool), measured = self._formed[group], state.medians()
+                (number, pool), measured = self._formed[group], state.round_times()
                 kept = measured.get(state.choice)   # a round's time; `checked`: how much slower it runs now
                 bound = None if kept is None else kept * max(1.0, state.checked) * self.margin
                 candidates = [a for a in pool if a == state.choice or bound is None or measured.get(a, 0.0) <= bound]
@@ -125,7 +126,7 @@ class Trials:
         # the round it counts for (None: a warm-up round, not counted)
         state.pending[self._ids] = (algorithm, state.given[algorithm], name) if state.streak > WARMUP else None
         return algorithm, state.said({"trial": self._ids, "group": state.number, "candidates": state.candidates,
-                                      "times": state.medians()})
+                                      "times": state.round_times()})
 
     def _close(self, state):
         """A group kept its choice: the reports its trials still wait for are not heard (some may never
@@ -180,7 +181,7 @@ class _Group:
 
     def shown(self, revisit):
         """The kept choice's Release.auto."""
-        return {"choice": self.choice, "group": self.number, "candidates": self.candidates, "times": self.medians(),
+        return {"choice": self.choice, "group": self.number, "candidates": self.candidates, "times": self.round_times(),
                 "expect": self.expect, "revisit": revisit}
 
     def said(self, auto):
@@ -190,7 +191,7 @@ class _Group:
             auto["restart"], self.restart = True, False
         return auto
 
-    def medians(self):
+    def round_times(self):
         """Each measured candidate's time for a round: the running ones' (_per_round), and a dropped one's
         sum over what it was measured on (a lower bound: it was dropped on part of a round, and compared
         on those tensors only, the running ones would be too)."""
@@ -238,7 +239,7 @@ class _Group:
     def prune(self, drop):
         """Drop the running candidates measured `drop` times slower than the best running one measured on
         every tensor seen (never that one: some candidate always runs). Measured on some of them, the sum
-        of their medians is a lower bound of a round's time (a ring 200 times slower goes at its first
+        of their times is a lower bound of a round's time (a ring 200 times slower goes at its first
         tensor; compared on that tensor alone, switchml's weight against a ring's biases went)."""
         sums = {a: _total(per_name) for a, per_name in self.times.items() if per_name}
         seen = set().union(*self.times.values())
@@ -254,14 +255,14 @@ class _Group:
         running = self.running()
         if not all(len(self.heard[a]) >= samples or self.spent(a, samples) for a in running):
             return False
-        medians = self._running_rounds(self.times)
-        self.choice = min(medians, key=medians.get) if medians else running[0]
+        rounds = self._running_rounds(self.times)
+        self.choice = min(rounds, key=rounds.get) if rounds else running[0]
         self.expect = self._running_rounds(self.slowest).get(self.choice)
         return True
 
 
 def _per_round(times):
-    """Each measured candidate's time for a round of the group: the sum of its tensors' medians, over
+    """Each measured candidate's time for a round of the group: the sum of its tensors' typical times, over
     the tensors measured under every measured candidate (a tensor of every other step may miss a
     block). A tensor's time is its share of its bucket's, so it depends on what it fused with: one
     median of all the shares mixed compared a ring's 4-byte biases with switchml's 8 KiB weight
@@ -272,8 +273,19 @@ def _per_round(times):
 
 
 def _total(per_name, names=None):
-    """One candidate's time for these tensors (default: all it was measured on): their medians, summed."""
-    return sum(statistics.median(per_name[name]) for name in (per_name if names is None else names))
+    """One candidate's time for these tensors (default: all it was measured on): their typical times, summed."""
+    return sum(typical(per_name[name]) for name in (per_name if names is None else names))
+
+
+def typical(samples):
+    """A tensor's time under a candidate from its trial runs: their lower quartile (the median of three,
+    the second least of five). A trial step is negotiated in full, beside the buckets being timed: at 2
+    ranks on 2 cores about 45% of trial rounds ran 2-10x their candidate's usual time, and the median of
+    three kept the slower candidate in about one run of four (bench_overhead, 2 x 400 tensors). The least
+    would keep a candidate that was fast once and then slow for good; the second least of five needs two
+    quiet runs and is fooled by one fast one."""
+    ordered = sorted(samples)
+    return ordered[(len(ordered) + 1) // 4]
 
 
 class Reports:
