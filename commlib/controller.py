@@ -947,7 +947,7 @@ class ControllerClient:
             raise CommError("commlib's connection to the controller is closed (commlib.shutdown() ran): "
                             "call commlib.init() again before reducing")
         full, hits = [], 0
-        with self._outbox_cond:   # hits join the outbox as they are made: a message's `seen` holds for all of them
+        with self._send_lock:   # _outbox_cond's, without its wrapper: hits join the outbox as they are made (`seen`)
             with self._cache_lock:
                 for meta in metas:
                     cached = self._cache.get(meta["name"])

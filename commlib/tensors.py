@@ -27,7 +27,7 @@ class Staged:
     """A tensor's description (for the policy and negotiation) and, on demand, its host view."""
 
     __slots__ = ("tensor", "kind", "torch", "sparse", "_array", "dtype", "shape", "cpu", "dtype_name", "travel_dtype",
-                 "numel", "nbytes")
+                 "numel", "nbytes", "small")
 
     def __init__(self, tensor):
         if isinstance(tensor, np.generic):   # a 0-d value as numpy hands it (TF's 0-d tensors, keras' scalars)
@@ -37,6 +37,7 @@ class Staged:
         self.sparse = None   # coalesced RowSparse for sparse inputs
         self._array = None
         self.cpu = True      # a torch tensor's memory may be elsewhere
+        self.small = False   # a dense torch CPU tensor of a dtype numpy has, copied at submission (COPY_MAX)
         if isinstance(tensor, row_sparse.RowSparse):
             self.sparse = tensor.coalesced()
             self.shape, self.dtype = tensor.shape, tensor.values.dtype
@@ -52,6 +53,7 @@ class Staged:
             self.nbytes = self.numel * itemsize
             if tensor.is_sparse:
                 self.sparse = row_sparse.from_torch(tensor).coalesced()
+            self.small = self.cpu and self.sparse is None and self.nbytes <= COPY_MAX and tensor.dtype is not _bfloat16()
         elif isinstance(tensor, np.ndarray):
             self.shape, self.dtype = tensor.shape, tensor.dtype
             if tensor.dtype.kind not in "fiu":
@@ -67,10 +69,11 @@ class Staged:
         description alone, holding none of the caller's memory."""
         if tensor is not None and (type(tensor) is not self.kind or self.sparse is not None or
                                    tensor.dtype != self.dtype or tensor.shape != self.shape or
-                                   (self.torch and (tensor.is_cpu != self.cpu or tensor.is_sparse))):
+                                   (self.torch and (tensor.is_cpu is not self.cpu or tensor.is_sparse))):
             return None
         staged = object.__new__(Staged)
-        staged.tensor, staged.kind, staged.torch, staged.cpu = tensor, self.kind, self.torch, self.cpu
+        staged.tensor, staged.kind, staged.torch, staged.cpu, staged.small = \
+            tensor, self.kind, self.torch, self.cpu, self.small
         staged.sparse = staged._array = None
         staged.dtype, staged.shape, staged.dtype_name, staged.travel_dtype = \
             self.dtype, self.shape, self.dtype_name, self.travel_dtype
@@ -101,7 +104,7 @@ class Staged:
             return self._densified()
         if not self.torch:
             return np.ascontiguousarray(self.tensor).reshape(-1)
-        if self.nbytes <= COPY_MAX and viewable(self.tensor):   # read now, on the caller's thread
+        if self.small and _as_stored(self.tensor):   # read now, on the caller's thread
             return _copied(self.tensor, self.numel, self.travel_dtype)
         import torch
         t = self.tensor.detach()
@@ -170,8 +173,13 @@ def viewable(tensor):
     """A torch tensor `host_array` can view: dense, contiguous, with memory on the CPU (not a ZeroTensor
     or a FakeTensor), of a dtype numpy has, its values as stored (no negative bit). Only attributes
     that keep the GIL (see _HostView): is_cpu, not tensor.device (which costs more than a small copy)."""
-    return tensor.is_cpu and not tensor.is_sparse and tensor.dtype is not _bfloat16() and \
-        tensor.is_contiguous() and not _negative(tensor) and (tensor.data_ptr() != 0 or tensor.numel() == 0)
+    return tensor.is_cpu and not tensor.is_sparse and tensor.dtype is not _bfloat16() and _as_stored(tensor)
+
+
+def _as_stored(tensor):
+    """Whether a dense CPU tensor's memory holds its values as they are, in order: contiguous, with memory
+    (not a ZeroTensor or a FakeTensor), no negative bit."""
+    return tensor.is_contiguous() and not _negative(tensor) and (tensor.data_ptr() != 0 or tensor.numel() == 0)
 
 
 @cache
