@@ -21,7 +21,7 @@ transfer time by its mean round time on its own clock (a window keeps many round
 shares of a round, not the sum of overlapping rounds, make the split). See commlib.executor.Phases.
 
 and `auto`'s trials (commlib.trials): per tensor, its group's candidates, their measured times (of a
-step of the group: the sum of its tensors' medians, on the rank that arrived last) and the one kept. It writes PNG plots after the IMC'20 study of a production parameter server: CDFs of transfer time
+step of the group: the sum of its tensors' typical times, on the rank that arrived last) and the one kept. It writes PNG plots after the IMC'20 study of a production parameter server: CDFs of transfer time
 per algorithm, the stacked breakdown (its Figure 5), concurrency (its Figure 7b: per millisecond, how
 many ranks' packets reached the switch, from its ms_ranks_k counters, and how many ranks were inside
 a collective, from the workers' spans) and, when the trace holds per-row update counts of
@@ -313,7 +313,7 @@ def auto_trials(events):
 
 def format_trials(trials):
     lines = ["auto's trials (each candidate's time for a step of the tensor's group: the sum of its tensors' "
-             "medians, on the rank that arrived last; * kept):"]
+             "typical times (commlib.trials.typical), on the rank that arrived last; * kept):"]
     for tensor, auto in sorted(trials.items()):
         times = auto.get("times", {})
         shown = ", ".join(f"{'*' if a == auto.get('choice') else ''}{a} "
