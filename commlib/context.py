@@ -195,11 +195,13 @@ def placed(environ=None):
 
 
 def world_group():
-    """torch.distributed's default process group (None: there is none), read on every call: the same
-    object, the same world, cheaper to compare than asking the group its rank and size. `group.WORLD`
-    is what dist.is_initialized() tests; a torch built without distributed has no `group`."""
-    group = getattr(sys.modules.get("torch.distributed"), "group", None)
-    return None if group is None else group.WORLD
+    """What identifies torch.distributed's default process group: None when there is none, else
+    ("up", its object). Equal, the same world: cheaper to compare on every call than asking the
+    group its rank and size."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return ("up", dist.group.WORLD)
 
 
 def check_world(ctx):

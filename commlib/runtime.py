@@ -158,7 +158,7 @@ class Runtime:
         hvd.elastic.run would reset again and again."""
         if not self._is_set and not self._elastic:
             group = world_group()
-            if group is not self._checked_group:   # checked once per process group
+            if group != self._checked_group:   # checked once per process group
                 check_world(self.ctx)
                 self._checked_group = group
         if not self._elastic:
