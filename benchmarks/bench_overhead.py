@@ -136,7 +136,7 @@ def main(argv=None):
                         f"{m['commlib'] / m['ddp default']:.2f}x | {', '.join(runs['algorithms'])} |")
     markdown = (f"A step of many small tensors (16 to 4096 floats each) on loopback, median of {args.steps} steps "
                 f"x {args.rounds} rounds after {args.warmup} untimed (commlib's `auto` tries its candidates on its "
-                "first 12, Horovod's response cache fills at its first): Horovod (its response cache on) in its "
+                "first 13, Horovod's response cache fills at its first): Horovod (its response cache on) in its "
                 "own job, commlib and DDP's default in another, interleaved step by step; the jobs alternate "
                 "(Horovod's idle background thread keeps a core busy: it would tax a library beside it). "
                 "Horovod and commlib with one "

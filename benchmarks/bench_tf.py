@@ -184,7 +184,8 @@ def _plot(results, title):
 
 
 def main(argv=None):
-    parser = common.training_arguments(__doc__, steps=30, warmup_help="untimed steps (the first traces the tf.function)")
+    parser = common.training_arguments(__doc__, steps=30, warmup=common.WARMUP_STEPS, quick_warmup=2,
+                                       warmup_help="untimed steps (the first traces the tf.function; auto's trials)")
     args = common.parse_training_arguments(parser, argv)
     if args.worker:
         return worker(args)

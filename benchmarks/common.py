@@ -266,8 +266,9 @@ def titled(fig, title, width=110):
 
 
 # untimed steps, as Horovod's synthetic benchmark's --num-warmup-batches (10): auto's trials fall in
-# them (up to 3 candidates x (1 warm-up + 5 measured) steps)
-WARMUP_STEPS = 20
+# them (up to 3 candidates x (1 warm-up + 5 measured) steps and the step that keeps one, and a lost
+# report's block)
+WARMUP_STEPS = 24
 
 
 def training_arguments(description, steps, warmup=2, warmup_help="untimed steps", quick_warmup=None):

@@ -771,7 +771,7 @@ class ControllerClient:
         self._gos = 0         # go messages read (their evictions applied): sent as `seen` (ControllerServer._reclaim)
         # submissions within a cycle travel as one message (Horovod: one request list per cycle)
         self._outbox = {"metas": [], "hits": 0}
-        self._outbox_cond = threading.Condition(self._send_lock)
+        self._outbox_cond = threading.Condition(self._send_lock)   # (submit takes _send_lock itself)
         self._hurried = False   # what was submitted so far went hurried (hurry, or submit's hurry)
         self._last_send = 0.0
         self._link, welcome = self._handshake(tuple(address), rank, secret, timeout_s)

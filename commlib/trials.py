@@ -24,16 +24,16 @@ runs (with the slowest rank's, 8 tensors of 4 MiB on loopback kept switchml over
 fast). Once every candidate was measured in `auto_trial_samples` rounds (after one warm-up round
 each) the fastest is kept, by what a round costs: the sum of its tensors' typical times (each
 tensor's run is its share of its bucket, and each candidate fuses the group differently; typical:
-the lower quartile of its samples, see `typical`); a candidate already
-`auto_trial_drop` times the best one's is tried no more (a candidate ten times slower costs a step
-per round it runs). The kept one's releases carry a round's time by its slowest rank (None: never
-measured), and a rank reports again after `auto_revisit` runs, or when five runs in a row took
-`auto_drift` times longer than the tensor's own first five runs under it: the group's candidates
-(the model's when it formed) are then tried anew, less those measured `auto_trial_margin` times
-slower than the kept one now runs (they sit that round out). A round ends at ROUND_NAMES names too
-(made-up names never come again). A settled release no longer depends on the controller's state, so
-the response cache may keep it; the model needs no sketches of a row-sparse tensor under a kept
-choice, so the ranks send its counts only (Dispatcher._row_stats).
+the lower quartile of its samples, see `typical`); a candidate already `auto_trial_drop` times the
+best one's in the quickest of two or more rounds is tried no more (a candidate ten times slower costs
+a step per round it runs; one stalled round is no measure). The kept one's releases carry a round's
+time by its slowest rank (None: never measured), and a rank reports again after `auto_revisit` runs,
+or when five runs in a row took `auto_drift` times longer than the tensor's own first five runs
+under it: the group's candidates (the model's when it formed) are then tried anew, less those
+measured `auto_trial_margin` times slower than the kept one now runs (they sit that round out). A
+round ends at ROUND_NAMES names too (made-up names never come again). A settled release no longer
+depends on the controller's state, so the response cache may keep it; the model needs no sketches of
+a row-sparse tensor under a kept choice, so the ranks send its counts only (Dispatcher._row_stats).
 """
 import statistics
 
@@ -44,8 +44,8 @@ define("auto_trial_margin", 4.0, "policy 'auto': candidates the traffic model ra
        "best are tried on early steps and the fastest measured is kept")
 define("auto_trial_samples", 5, "policy 'auto': measured rounds (steps) per candidate (after one warm-up round) "
        "before the fastest is kept; 0: no trials, the traffic model (dense: the first dense carrier) decides")
-define("auto_trial_drop", 2.0, "policy 'auto': a candidate that measured this many times slower than the best "
-       "so far is tried no more (0: every candidate runs all its rounds)")
+define("auto_trial_drop", 2.0, "policy 'auto': a candidate whose quickest of two or more rounds measured this "
+       "many times slower than the best so far is tried no more (0: every candidate runs all its rounds)")
 define("auto_revisit", 500, "policy 'auto': runs of a tensor after which its group's candidates are tried again")
 define("auto_drift", 1.5, "policy 'auto': five runs of a tensor in a row this many times slower than its "
        "first five under the kept candidate try the candidates again")
@@ -151,11 +151,13 @@ class Trials:
             return
         algorithm, round_, name = trial
         if len(sent) == ranks and all(r.get("trial") == trial_id and r["seconds"] is not None for r in sent):
-            state.times[algorithm].setdefault(name, []).append(min(r["seconds"] for r in sent))
-            state.slowest[algorithm].setdefault(name, []).append(max(r["seconds"] for r in sent))
+            quickest = state.times[algorithm].setdefault(name, [])
+            if len(quickest) < self.samples:   # the last candidate runs a round more while its reports come in:
+                quickest.append(min(r["seconds"] for r in sent))   # counted, it could only lower its `typical`
+                state.slowest[algorithm].setdefault(name, []).append(max(r["seconds"] for r in sent))
             state.measured.add((algorithm, round_))
             if self.drop:
-                state.prune(self.drop)
+                state.prune(self.drop, min(2, self.samples))
         if (algorithm, round_) in state.measured and not any(t and t[:2] == (algorithm, round_)
                                                              for t in state.pending.values()):
             state.heard[algorithm].add(round_)   # its last report: the round counts, whole
@@ -181,8 +183,8 @@ class _Group:
 
     def shown(self, revisit):
         """The kept choice's Release.auto."""
-        return {"choice": self.choice, "group": self.number, "candidates": self.candidates, "times": self.round_times(),
-                "expect": self.expect, "revisit": revisit}
+        return {"choice": self.choice, "group": self.number, "candidates": self.candidates,
+                "times": self.round_times(), "expect": self.expect, "revisit": revisit}
 
     def said(self, auto):
         """auto, and on the first release of a revisit "restart": rank 0's controller then drops the
@@ -236,17 +238,22 @@ class _Group:
         runs never come either, so that the group keeps its choice once its rounds are spent)."""
         return name is None or name in self.named or self.current is None or len(self.named) >= ROUND_NAMES
 
-    def prune(self, drop):
+    def prune(self, drop, least=1):
         """Drop the running candidates measured `drop` times slower than the best running one measured on
-        every tensor seen (never that one: some candidate always runs). Measured on some of them, the sum
-        of their times is a lower bound of a round's time (a ring 200 times slower goes at its first
-        tensor; compared on that tensor alone, switchml's weight against a ring's biases went)."""
+        every tensor seen (never that one: some candidate always runs), each by the least of its samples
+        of the tensors it has `least` of (a lower bound of its `typical`: one stalled round drops none).
+        Measured on some of them, the sum is a lower bound of a round's time too (a ring 200 times slower
+        goes at a tensor; compared on that tensor alone, switchml's weight against a ring's biases went)."""
         sums = {a: _total(per_name) for a, per_name in self.times.items() if per_name}
         seen = set().union(*self.times.values())
-        whole = [a for a in self.running() if a in sums and self.times[a].keys() == seen]
+        whole = [a for a in self.running() if a in sums and self.times[a].keys() == seen and
+                 all(len(samples) >= least for samples in self.times[a].values())]
         if whole:
             best = min(whole, key=sums.get)
-            self.dropped |= {a for a in self.running() if a != best and a in sums and sums[a] > drop * sums[best]}
+            for a in self.running():
+                bound = [min(samples) for samples in self.times[a].values() if len(samples) >= least]
+                if a != best and bound and sum(bound) > drop * sums[best]:
+                    self.dropped.add(a)
 
     def decide(self, samples):
         """Keep the fastest running candidate once each was measured in `samples` whole rounds (or, when
@@ -283,7 +290,7 @@ def typical(samples):
     ranks on 2 cores about 45% of trial rounds ran 2-10x their candidate's usual time, and the median of
     three kept the slower candidate in about one run of four (bench_overhead, 2 x 400 tensors). The least
     would keep a candidate that was fast once and then slow for good; the second least of five needs two
-    quiet runs and is fooled by one fast one."""
+    quiet runs and is not fooled by one fast one (of two samples: the least)."""
     ordered = sorted(samples)
     return ordered[(len(ordered) + 1) // 4]
 

@@ -49,8 +49,8 @@ def test_a_candidate_measured_drop_times_slower_than_the_best_runs_no_more_round
     times = {"allgather": 0.01, "omnireduce": 0.1, "hotcold": 0.015}.get   # omnireduce 10x the best
     got = run(trials, [times, times], 14)
     tried = [a for a, auto in got if "trial" in auto]
-    assert tried == ["allgather"] * 4 + ["omnireduce"] * 2 + ["hotcold"] * 4, \
-        f"omnireduce warms up, is measured once and sits the other rounds out: {tried}"
+    assert tried == ["allgather"] * 4 + ["omnireduce"] * 3 + ["hotcold"] * 4, \
+        f"omnireduce warms up, is measured twice (one stalled round drops none) and sits the other rounds out: {tried}"
     assert got[-1][1]["choice"] == "allgather" and got[-1][1]["times"]["omnireduce"] == 0.1, got[-1]
     trials = Trials(margin=4.0, samples=3, revisit=100, drop=0.5)   # below 1: every other one drops
     got = run(trials, [times, times], 14)
@@ -65,13 +65,19 @@ def test_a_candidate_stalled_in_most_of_its_rounds_still_wins_and_one_fast_round
     """A trial step is negotiated in full beside the buckets being timed: on a busy host most of a
     candidate's rounds may stall, and the median kept the slower one; the least would keep a candidate
     that was fast once (its rounds: warm-up first, then the measured ones)."""
-    def kept(first):
-        rounds = {"allgather": list(first), "omnireduce": [0.015] * 6, "hotcold": [0.5] * 6}
-        rounds, choice = tried(Trials(margin=4.0, samples=5, revisit=100), lambda a, n: rounds[a].pop(0))
-        assert len(rounds) == 3 * (WARMUP + 5), rounds
+    def kept(first, steady="omnireduce", stalled="allgather", drop=0.0):
+        rounds, trials = {stalled: list(first), steady: [0.015] * 6, "hotcold": [0.5] * 7}, \
+            Trials(margin=4.0, samples=5, revisit=100, drop=drop)
+        run, choice = tried(trials, lambda a, n: rounds[a].pop(0))
+        if not drop:
+            assert len(run) == 3 * (WARMUP + 5), run
         return choice
     assert kept([0.01, 0.05, 0.01, 0.08, 0.01, 0.03]) == "allgather", "two quiet rounds of five show its time"
     assert kept([0.01, 0.01, 0.1, 0.1, 0.1, 0.1]) == "omnireduce", "one fast round of five does not"
+    # tried second, its first measured round 3x the first candidate's: not dropped (auto_trial_drop) on it
+    assert kept([0.01, 0.05, 0.01, 0.08, 0.01, 0.03], "allgather", "omnireduce", drop=2.0) == "omnireduce"
+    assert kept([0.01, 0.05, 0.08, 0.01, 0.01, 0.01], "allgather", "omnireduce", drop=2.0) == "allgather", \
+        "two stalled rounds in a row drop it"
     assert [trials_module.typical(s) for s in ([3.0], [2.0, 1.0], [3.0, 1.0, 2.0], [5.0, 4.0, 3.0, 2.0, 1.0])] \
         == [3.0, 1.0, 2.0, 2.0], "one, the least of two, the median of three, the second least of five"
 
@@ -173,16 +179,18 @@ def test_a_groups_candidates_are_compared_by_what_a_round_of_all_its_tensors_cos
         group = trials._groups["g"]
         assert "g" in kept_at and group.choice == "ring" and \
             group.round_times() == pytest.approx({"switchml": 0.0043, "ring": 0.0035}), (samples, order, group.round_times())
+        counted = {len(runs) for per_name in group.times.values() for runs in per_name.values()}
+        assert counted == {samples}, f"the last candidate's round run while its reports came in counts none: {counted}"
 
 
 def test_a_candidate_dropped_on_part_of_a_round_leaves_the_others_compared_on_whole_rounds():
     trials = Trials(margin=4.0, samples=3, revisit=100, drop=2.0)
     shares = {"A": {"w": 0.002, "b1": 0.0005, "b2": 0.0005, "b3": 0.0005},   # 3.5 ms a round
               "B": {"w": 0.0015, "b1": 0.001, "b2": 0.001, "b3": 0.001},     # 4.5 ms; its weight is A's less
-              "C": {"w": 0.05, "b1": 0.001, "b2": 0.001, "b3": 0.001}}       # dropped at its weight
+              "C": {"w": 0.05, "b1": 0.001, "b2": 0.001, "b3": 0.001}}       # dropped at its weight's second run
     simulate(trials, shares, 20)
     group = trials._groups["g"]
-    assert group.choice == "A" and group.round_times() == pytest.approx({"A": 0.0035, "B": 0.0045, "C": 0.05}), \
+    assert group.choice == "A" and group.round_times() == pytest.approx({"A": 0.0035, "B": 0.0045, "C": 0.053}), \
         (group.choice, group.round_times())
 
 
