@@ -245,9 +245,10 @@ class _Group:
         Measured on some of them, the sum is a lower bound of a round's time too (a ring 200 times slower
         goes at a tensor; compared on that tensor alone, switchml's weight against a ring's biases went)."""
         sums = {a: _total(per_name) for a, per_name in self.times.items() if per_name}
-        seen = set().union(*self.times.values())
-        whole = [a for a in self.running() if a in sums and self.times[a].keys() == seen and
-                 all(len(samples) >= least for samples in self.times[a].values())]
+        # the tensors some candidate has `least` samples of (one measured once under all would leave no best)
+        seen = {name for per_name in self.times.values() for name, samples in per_name.items() if len(samples) >= least}
+        whole = [a for a in self.running() if a in sums and seen and
+                 all(len(self.times[a].get(name, ())) >= least for name in seen)]
         if whole:
             best = min(whole, key=sums.get)
             for a in self.running():
