@@ -238,22 +238,20 @@ class _Group:
         runs never come either, so that the group keeps its choice once its rounds are spent)."""
         return name is None or name in self.named or self.current is None or len(self.named) >= ROUND_NAMES
 
-    def prune(self, drop, least=1):
+    def prune(self, drop, least):
         """Drop the running candidates measured `drop` times slower than the best running one measured on
         every tensor seen (never that one: some candidate always runs), each by the least of its samples
         of the tensors it has `least` of (a lower bound of its `typical`: one stalled round drops none).
         Measured on some of them, the sum is a lower bound of a round's time too (a ring 200 times slower
         goes at a tensor; compared on that tensor alone, switchml's weight against a ring's biases went)."""
-        sums = {a: _total(per_name) for a, per_name in self.times.items() if per_name}
         # the tensors some candidate has `least` samples of (one measured once under all would leave no best)
         seen = {name for per_name in self.times.values() for name, samples in per_name.items() if len(samples) >= least}
-        whole = [a for a in self.running() if a in sums and seen and
-                 all(len(self.times[a].get(name, ())) >= least for name in seen)]
+        whole = [a for a in self.running() if seen and all(len(self.times[a].get(name, ())) >= least for name in seen)]
         if whole:
-            best = min(whole, key=sums.get)
+            best = min(whole, key=lambda a: _total(self.times[a]))
             for a in self.running():
                 bound = [min(samples) for samples in self.times[a].values() if len(samples) >= least]
-                if a != best and bound and sum(bound) > drop * sums[best]:
+                if a != best and bound and sum(bound) > drop * _total(self.times[best]):
                     self.dropped.add(a)
 
     def decide(self, samples):

@@ -471,8 +471,7 @@ def test_dense_auto_tries_switchml_and_the_ring_on_the_same_steps_keeps_the_fast
 def test_a_tensor_measured_once_under_every_candidate_still_lets_a_slow_one_drop():
     """A tensor of every other step may be measured once per block (its one step the warm-up's): the
     tensors some candidate has two runs of decide the best, not that one."""
-    from commlib.trials import _Group
-    group = _Group(["A", "B"], number=0)
+    group = trials_module._Group(["A", "B"], number=0)
     group.times = {"A": {"w": [0.01, 0.01], "x": [0.01]}, "B": {"w": [0.1, 0.1], "x": [0.1]}}
     group.prune(drop=2.0, least=2)
     assert group.dropped == {"B"}, f"B, 10x slower on w's two runs, sits out: {group.dropped}"
