@@ -35,6 +35,7 @@ round ends at ROUND_NAMES names too (made-up names never come again). A settled 
 depends on the controller's state, so the response cache may keep it; the model needs no sketches of
 a row-sparse tensor under a kept choice, so the ranks send its counts only (Dispatcher._row_stats).
 """
+import logging
 import statistics
 
 from commlib import recent
@@ -55,6 +56,9 @@ SLOW_RUNS = 5   # in a row: a shared machine's stalls last a step or two
 SLACK_S = 0.005   # a slow run is also this much slower: small tensors' times vary by milliseconds with the load
 ROUND_NAMES = 4096   # a round's names at most (a new name every step would never end one)
 NAMES_KEPT = 65536   # names a rank keeps reports and runs of (commlib.recent)
+MOST = 1e9   # a report's seconds or slowdown above this are not a run's
+
+log = logging.getLogger("commlib")
 
 
 class Trials:
@@ -79,7 +83,10 @@ class Trials:
         (algorithm, what commlib.records() shows of it) where the group's measured choice stands;
         else None, and `choose` picks with the model's ranking (the model runs only then). A choice is
         made only where a round begins, so that every tensor of a round runs one candidate."""
-        sent = [r for r in reports if r]
+        sent = [r for r in map(well_formed, reports) if r]
+        if len(sent) < sum(1 for r in reports if r):
+            log.warning("commlib auto: a rank's report of its run of %r is malformed (%.200r); that run is not "
+                        "counted", name, [r for r in reports if r and not well_formed(r)][0])
         trial = sent[0].get("trial") if sent else None
         if trial is not None:   # heard by the group that issued it: a tensor whose density band moved sends
             issuer = self._groups.get(self._issued.pop(trial, None))   # it with a release of another
@@ -292,6 +299,23 @@ def typical(samples):
     quiet runs and is not fooled by one fast one (of two samples: the least)."""
     ordered = sorted(samples)
     return ordered[(len(ordered) + 1) // 4]
+
+
+def well_formed(report):
+    """The report, where it holds what Reports writes, else None: it came from another rank (a string or
+    10**400 for seconds stopped the controller's handling, a NaN would win every comparison)."""
+    if type(report) is not dict:
+        return None
+    if "trial" in report:
+        ok = "check" not in report and type(report["trial"]) is int and (report.get("seconds") is None or _number(report.get("seconds")))
+    else:
+        ok = "check" in report and type(report.get("group")) is int and _number(report.get("seconds")) \
+            and _number(report.get("slowdown"))
+    return report if ok else None
+
+
+def _number(value):
+    return type(value) in (int, float) and 0 <= value <= MOST   # (NaN fails the comparison)
 
 
 class Reports:

@@ -89,6 +89,30 @@ def test_a_trial_not_every_rank_reported_is_not_counted():
     assert trials._groups["g"].times["allgather"] == {}, "a rank's report alone is not the time of the rank that arrived last"
 
 
+@pytest.mark.parametrize("bad", [{"seconds": "0.1"}, {"seconds": 10**400}, {"seconds": float("nan")},
+                                 {"seconds": -1.0}, {"trial": [1]}, {"check": 3, "slowdown": "x"},
+                                 {"check": 3, "slowdown": 10**400}, {"check": 3, "group": None}, ["not", "a", "dict"]])
+def test_a_malformed_report_is_not_counted_and_raises_nothing(bad, caplog):
+    """Reports come from the other ranks: what is not a run's (Reports.ran) is left out, as a lost one."""
+    trials = Trials(margin=4.0, samples=1, revisit=100)
+    times = {"allgather": 0.01, "omnireduce": 0.02, "hotcold": 0.03}.get
+    _, auto = release(trials, [None, None])
+    check = isinstance(bad, dict) and "check" in bad
+    if check:   # a kept choice, and a check of it from one rank: malformed, it starts no trials
+        run(trials, [times, times], 10)
+        reports = [None, {"seconds": 0.5, "group": 0, "slowdown": 50.0, **bad}]
+    else:
+        report = {"trial": auto["trial"], "seconds": 0.5}
+        reports = [report, {**report, **bad} if isinstance(bad, dict) else bad]
+    _, auto = release(trials, reports)
+    assert "malformed" in caplog.text, f"the controller says a report was left out: {caplog.text!r}"
+    if check:
+        assert "choice" in auto, f"a malformed check tries nothing anew: {auto}"
+    else:
+        assert not trials._groups["g"].times["allgather"], "a trial one rank's report of is malformed is not counted"
+    assert run(trials, [times, times], 14)[-1][0] == "allgather", "the trials go on with well-formed reports"
+
+
 def test_one_candidate_within_the_margin_or_no_samples_leave_it_to_the_model():
     assert release(Trials(margin=1.2, samples=3, revisit=100), [None]) == ("allgather", None)
     assert release(Trials(margin=4.0, samples=0, revisit=100), [None]) == ("allgather", None)
