@@ -11,7 +11,7 @@ all rounds are pooled: medians per rank count. Not all three in one job: once in
 Horovod's background thread keeps one rank's core busy even while idle (100% of a core here;
 horovod/horovod#2804), which would tax whatever runs beside it on a 2-core host.
 
-    python benchmarks/bench_overhead.py [--quick] [--ranks 2 4] [--tensors 100 400] [--steps 30]
+    python benchmarks/bench_overhead.py [--quick] [--ranks 2 4 8] [--tensors 100 400] [--steps 30]
 Results: benchmarks/results/overhead.json and RESULTS.md.
 """
 import argparse
@@ -96,7 +96,7 @@ def _timed(runs, barrier, args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few steps, 2 ranks: seconds")
-    parser.add_argument("--ranks", type=int, nargs="+", default=None, help="rank counts (default 2 4; quick 2)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=None, help="rank counts (default 2 4 8; quick 2)")
     parser.add_argument("--tensors", type=int, nargs="+", default=[100, 400], help="tensors per step")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 30; quick 5)")
     # untimed first steps: Horovod's response cache fills at its first; commlib's `auto` tries its
@@ -109,7 +109,7 @@ def main(argv=None):
     parser.add_argument("--job", choices=JOBS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.steps = args.steps or (5 if args.quick else 30)
-    args.ranks = args.ranks or ([2] if args.quick else [2, 4])
+    args.ranks = args.ranks or ([2] if args.quick else [2, 4, 8])
     if args.worker:
         return worker(args)
     if not common.horovod_built():
