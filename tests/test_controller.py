@@ -123,6 +123,40 @@ def test_a_callers_burst_of_submissions_goes_in_one_message_and_is_released_as_o
         stop_job(server, clients)
 
 
+def test_submissions_back_to_back_are_held_over_cycles_and_a_lone_one_goes_within_a_cycle():
+    """A caller submitting without compute between (each within a quarter cycle of the last) makes one
+    batch, however many cycles it takes, up to controller.HOLD of them; a lone submission, DDP's first
+    bucket, goes after a quarter cycle, not when its cycle ends."""
+    server, clients = start_job(cycle_ms=100.0)
+    sent = []
+    send = clients[0]._link.send
+    clients[0]._link.send = lambda msg: (sent.append((time.monotonic(), msg)) if msg["t"] == "submit" else None,
+                                         send(msg))[1]
+    try:
+        start = time.monotonic()
+        for i in range(60):   # 3 cycles of back-to-back submissions
+            submit(clients[0], f"burst{i}")
+            time.sleep(0.005)
+        time.sleep(0.2)
+        assert len(sent) <= 2, f"a burst of 3 cycles went in {len(sent)} messages, at " \
+                               f"{[round(t - start, 3) for t, _ in sent]} s"
+        assert sum(len(msg["metas"]) for _, msg in sent) == 60, "every submission went"
+        del sent[:]
+        start = time.monotonic()
+        submit(clients[0], "lone")
+        time.sleep(0.15)
+        assert sent and sent[0][0] - start < 0.1, f"a lone submission went {sent and sent[0][0] - start} s later"
+        del sent[:]
+        start = time.monotonic()
+        while time.monotonic() - start < 1.2:   # longer than HOLD cycles (8 x 0.1 s): some go before it ends
+            submit(clients[0], f"stream{len(sent)}.{time.monotonic()}")
+            time.sleep(0.005)
+        assert sent and sent[0][0] - start < controller.HOLD * 0.1 + 0.15, \
+            f"a stream of back-to-back submissions was held {sent and sent[0][0] - start} s"
+    finally:
+        stop_job(server, clients)
+
+
 def test_a_hurried_submission_goes_with_what_was_held_back_and_is_released_at_once():
     """A synchronous call (or DDP's last bucket) submits with hurry: what the cycle held back travels
     in the same message, and the controller releases it all without waiting for its cycle."""
