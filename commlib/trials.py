@@ -307,7 +307,8 @@ def well_formed(report):
     if type(report) is not dict:
         return None
     if "trial" in report:
-        ok = "check" not in report and type(report["trial"]) is int and (report.get("seconds") is None or _number(report.get("seconds")))
+        seconds = report.get("seconds")
+        ok = "check" not in report and type(report["trial"]) is int and (seconds is None or _number(seconds))
     else:
         ok = "check" in report and type(report.get("group")) is int and _number(report.get("seconds")) \
             and _number(report.get("slowdown"))
