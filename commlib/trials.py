@@ -83,10 +83,13 @@ class Trials:
         (algorithm, what commlib.records() shows of it) where the group's measured choice stands;
         else None, and `choose` picks with the model's ranking (the model runs only then). A choice is
         made only where a round begins, so that every tensor of a round runs one candidate."""
-        sent = [r for r in map(well_formed, reports) if r]
-        if len(sent) < sum(1 for r in reports if r):
+        sent, malformed = [], []
+        for report in reports:
+            if report:
+                (sent if well_formed(report) else malformed).append(report)
+        if malformed:
             log.warning("commlib auto: a rank's report of its run of %r is malformed (%.200r); that run is not "
-                        "counted", name, [r for r in reports if r and not well_formed(r)][0])
+                        "counted", name, malformed[0])
         trial = sent[0].get("trial") if sent else None
         if trial is not None:   # heard by the group that issued it: a tensor whose density band moved sends
             issuer = self._groups.get(self._issued.pop(trial, None))   # it with a release of another
@@ -253,12 +256,13 @@ class _Group:
         goes at a tensor; compared on that tensor alone, switchml's weight against a ring's biases went)."""
         # the tensors some candidate has `least` samples of (one measured once under all would leave no best)
         seen = {name for per_name in self.times.values() for name, samples in per_name.items() if len(samples) >= least}
-        whole = [a for a in self.running() if seen and all(len(self.times[a].get(name, ())) >= least for name in seen)]
-        if whole:
+        whole = [a for a in self.running() if all(len(self.times[a].get(name, ())) >= least for name in seen)]
+        if seen and whole:
             best = min(whole, key=lambda a: _total(self.times[a]))
+            limit = drop * _total(self.times[best])
             for a in self.running():
                 bound = [min(samples) for samples in self.times[a].values() if len(samples) >= least]
-                if a != best and bound and sum(bound) > drop * _total(self.times[best]):
+                if a != best and bound and sum(bound) > limit:
                     self.dropped.add(a)
 
     def decide(self, samples):
@@ -302,17 +306,15 @@ def typical(samples):
 
 
 def well_formed(report):
-    """The report, where it holds what Reports writes, else None: it came from another rank (a string or
-    10**400 for seconds stopped the controller's handling, a NaN would win every comparison)."""
+    """Whether a report holds what Reports writes: it came from another rank (a string or 10**400 for
+    seconds stopped the controller's handling, a NaN would win every comparison)."""
     if type(report) is not dict:
-        return None
+        return False
     if "trial" in report:
         seconds = report.get("seconds")
-        ok = "check" not in report and type(report["trial"]) is int and (seconds is None or _number(seconds))
-    else:
-        ok = "check" in report and type(report.get("group")) is int and _number(report.get("seconds")) \
-            and _number(report.get("slowdown"))
-    return report if ok else None
+        return "check" not in report and type(report["trial"]) is int and (seconds is None or _number(seconds))
+    return "check" in report and type(report.get("group")) is int and _number(report.get("seconds")) \
+        and _number(report.get("slowdown"))
 
 
 def _number(value):
