@@ -128,6 +128,13 @@ def allreduce_async(tensor, name=None, op=Average, algorithm=None, compression=N
     `algorithm`/`compression` force a choice; otherwise `policy` (a Policy or its text; default:
     commlib.init's) picks them from the name, size and dtype. `process_set`: reduce over those
     ranks only (a commlib.ProcessSet or Horovod's; only its ranks may call), default every rank."""
+    if isinstance(policy, str):
+        policy = _parsed(policy)
+    if name is not None:   # the steady state, a step's hundreds of calls: the same as this name's last one
+        over = runtime() if process_set is None else runtime().process_sets.runtime(process_set)
+        handle = over.again(tensor, name, op, algorithm, compression, policy, prescale_factor, postscale_factor)
+        if handle is not None:
+            return handle
     return submit([tensor], [name], op, algorithm, compression, prescale_factor, postscale_factor, policy,
                   process_set)[0]
 

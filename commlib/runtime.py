@@ -75,16 +75,13 @@ class Runtime:
         together (`hurry`: at once, see api.submit). A tensor refused here is refused on every rank;
         this rank raises its error."""
         self._check_world()
-        if self.executor.broken:
-            raise self.executor.broken
         entries, metas, refused = [], [], None
         for index, (tensor, name) in enumerate(zip(tensors, names)):
             named, name = name is not None, name or f"{UNNAMED}.{next(self._names)}"   # unique while in flight
             # its place in the group, the order the group is released and fused in: a new order is
             # negotiated anew (DDP rebuilds its buckets after the first step; their parameters' views
             # then fuse in place, and the result is the bucket without a copy)
-            call = (op, type(op), algorithm, compression, policy, prescale, postscale,   # (op=True equals 1, is no op)
-                    index if len(tensors) > 1 else None)
+            call = _call(op, algorithm, compression, policy, prescale, postscale, index if len(tensors) > 1 else None)
             repeat = self._repeats.get(name) if named else None
             staged = repeat.again(tensor, call, self.dispatcher) if repeat is not None else None
             if staged is not None:   # the call of its last step: planned and described as then
@@ -104,15 +101,37 @@ class Runtime:
             entries.append(Entry(staged, name, op_name, plan, compressor, prescale, postscale, handle,
                                  None if named else UNNAMED))
             metas.append(meta)
+        self._send(entries, metas, hurry)
+        if refused is not None:
+            raise refused
+        return [entry.handle for entry in entries]
+
+    def again(self, tensor, name, op, algorithm, compression, policy, prescale, postscale):
+        """allreduce_async's steady state: the Handle of a named tensor whose call repeats its last
+        one (Repeat), sent as then, without a group's lists and loops (a step's hundreds of calls:
+        a microsecond each); None where it does not repeat it (grouped_allreduce_async plans it)."""
+        repeat = self._repeats.get(name)
+        if repeat is None:
+            return None
+        self._check_world()
+        call = _call(op, algorithm, compression, policy, float(prescale), float(postscale))
+        staged = repeat.again(tensor, call, self.dispatcher)
+        if staged is None:
+            return None
+        handle = Handle(name, self._wait_s, self._hurry)
+        self._send((Entry(staged, name, repeat.op, repeat.plan, None, call[5], call[6], handle),), (repeat.meta,))
+        return handle
+
+    def _send(self, entries, metas, hurry=False):
+        """Track a submission's entries and send their metas: all in flight, or none."""
+        if self.executor.broken:
+            raise self.executor.broken
         self.executor.track(entries)
         try:
             self.client.submit(metas, hurry)
         except BaseException as exc:   # never sent: nothing of this call stays in flight
             self.executor.fail([entry.name for entry in entries], exc)
             raise
-        if refused is not None:
-            raise refused
-        return [entry.handle for entry in entries]
 
     @staticmethod
     def _meta(name, named, staged, op, plan, call):
@@ -210,6 +229,11 @@ class Runtime:
             return step(*args)
         except Exception as exc:   # shutting down: the job's own work is done; say why there is no study
             log.warning("commlib: the study of this job (%s) failed: %s", self.settings.study, exc)
+
+
+def _call(op, algorithm, compression, policy, prescale, postscale, place=None):
+    """What a submission asks of a tensor, compared with its name's last (Repeat). (op=True equals 1, is no op.)"""
+    return op, type(op), algorithm, compression, policy, prescale, postscale, place
 
 
 class Repeat:

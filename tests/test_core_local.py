@@ -236,42 +236,47 @@ def test_a_grouped_call_fuses_in_its_order_a_new_order_is_negotiated_anew(runtim
         assert commlib.records()[names[0]]["bucket"] == f"{names[0]}+3", commlib.records()[names[0]]
 
 
-def test_a_name_submitted_again_in_another_form_is_planned_and_read_anew(runtime, monkeypatch):
+@pytest.mark.parametrize("reduce", [commlib.allreduce, lambda *args, **kwargs: commlib.synchronize(
+    commlib.allreduce_async(*args, **kwargs))], ids=["allreduce", "allreduce_async"])
+def test_a_name_submitted_again_in_another_form_is_planned_and_read_anew(runtime, monkeypatch, reduce):
     """A call that repeats a name's last one reuses its plan and metadata (runtime.Repeat), and reads the
     new tensor as it is (layout, negative bit); a change of type, dtype, shape, scaling or autograd
-    goes the whole way again."""
-    from commlib.runtime import Repeat
+    goes the whole way again (allreduce_async's repeats take a path of their own: Runtime.again)."""
+    from commlib.runtime import Repeat, Runtime
     repeated, again = [], Repeat.again
     def counted(*args):
         staged = again(*args)
         repeated.append(staged is not None)
         return staged
     monkeypatch.setattr(Repeat, "again", counted)
+    fast, runtime_again = [], Runtime.again
+    monkeypatch.setattr(Runtime, "again", lambda *args: fast.append(runtime_again(*args)) or fast[-1])
     base = torch.arange(6.0)
     complex_view = torch.complex(torch.zeros(6), torch.arange(6.0)).conj().imag   # -arange: negative bit
     forms = [(base, {}), (base + 1, {}), (complex_view, {}), (base.double(), {}), (base.reshape(2, 3), {}),
              (base.reshape(3, 2).t(), {}), (base.numpy(), {}), (base.numpy().astype(np.int32), {}), (base + 2, {}),
              (base + 2, {"postscale_factor": 2.0}), (base, {"op": commlib.Sum})]
     for tensor, kwargs in forms * 2:   # and each again, now that another form came last
-        out = commlib.allreduce(tensor, name="again", **kwargs)
+        out = reduce(tensor, name="again", **kwargs)
         expected = tensor.resolve_neg() * kwargs.get("postscale_factor", 1.0) if torch.is_tensor(tensor) else tensor
         assert type(out) is type(tensor) and out.dtype == tensor.dtype and out.shape == tensor.shape, (tensor, out)
         assert out.tolist() == expected.tolist(), (tensor, kwargs, out)
         assert commlib.records()["again"]["dtype"] == str(tensor.dtype).replace("torch.", "")
     assert sum(repeated) == 6, repeated   # base+1, the negative view, the transpose: twice
+    assert sum(h is not None for h in fast) == (0 if reduce is commlib.allreduce else 6), fast
     for op in (1, 1):   # Horovod's Sum, repeated; a bool is not an op, however the last call went
-        commlib.allreduce(base, name="op", op=op)
+        reduce(base, name="op", op=op)
     with pytest.raises(commlib.ConfigError, match="op=True"):
-        commlib.allreduce(base, name="op", op=True)
+        reduce(base, name="op", op=True)
     large = torch.ones(1 << 16)   # (viewed, not copied)
     for _ in range(2):
-        commlib.allreduce(large, name="kept")
+        reduce(large, name="kept")
     gone = weakref.ref(large)
     del large
     gc.collect()
     assert gone() is None, "commlib keeps a tensor it reduced alive"
     x = torch.arange(3.0, requires_grad=True)
-    commlib.allreduce(x.detach(), name="again", op=commlib.Sum)
-    y = commlib.allreduce(x * 2, name="again", op=commlib.Sum)
+    reduce(x.detach(), name="again", op=commlib.Sum)
+    y = reduce(x * 2, name="again", op=commlib.Sum)
     y.sum().backward()   # the repeat of a plain tensor's call is differentiable where the tensor asks
     assert y.grad_fn is not None and x.grad.tolist() == [2.0, 2.0, 2.0]
