@@ -94,6 +94,10 @@ class Backend(abc.ABC):
         and threshold), for the `auto` policy; None for dense algorithms."""
         return None
 
+    # allreduce(array, name, scratch=True) may reduce the array where it lies: commlib's own buffer
+    # (a fused bucket), not the caller's memory, which every backend only reads
+    reduces_scratch = False
+
     @abc.abstractmethod
     def allreduce(self, array, name):
         """Return the elementwise sum over ranks of `array` (1-D, contiguous) as a new array."""

@@ -19,8 +19,10 @@ class RingBackend(Backend):
             return False, "no collective engine (Horovod, MPI or torch.distributed) in this job"
         return True, ""
 
-    def allreduce(self, array, name, op="sum"):
-        return self.ctx.engine.allreduce(array, name, op)
+    reduces_scratch = True
+
+    def allreduce(self, array, name, op="sum", scratch=False):
+        return self.ctx.engine.allreduce(array, name, op, scratch)
 
     def stats(self):
         return {"engine": self.ctx.engine.name}

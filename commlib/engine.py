@@ -41,14 +41,21 @@ def finished(work):
     work.wait()
 
 
+def _in_place(array, scratch):
+    """The array an in-place collective reduces: a scratch array itself, else a copy in memory used
+    before (the caller's is only read)."""
+    return array if scratch else POOL.copy(array)
+
+
 class Engine:
     name = None
 
     def __init__(self, size):
         self.size = size
 
-    def allreduce(self, array, name, op="sum"):
-        """The elementwise reduction over ranks of a 1-D array: op is sum, min, max or product."""
+    def allreduce(self, array, name, op="sum", scratch=False):
+        """The elementwise reduction over ranks of a 1-D array: op is sum, min, max or product.
+        `scratch`: the array is commlib's own (a fusion buffer), the engine's to reduce where it lies."""
         raise NotImplementedError
 
     def allgather(self, array, name):
@@ -75,8 +82,8 @@ class Engine:
 class LocalEngine(Engine):
     name = "local"
 
-    def allreduce(self, array, name, op="sum"):
-        return array.copy()
+    def allreduce(self, array, name, op="sum", scratch=False):
+        return array if scratch else array.copy()
 
     def allgather(self, array, name):
         return [array.copy()]
@@ -117,7 +124,7 @@ class HorovodEngine(Engine):
         import torch
         return torch.from_numpy(np.ascontiguousarray(array))
 
-    def allreduce(self, array, name, op="sum"):
+    def allreduce(self, array, name, op="sum", scratch=False):
         hvd_op = {"sum": self.hvd.Sum, "min": self.hvd.Min, "max": self.hvd.Max, "product": self.hvd.Product}[op]
         return self.hvd.allreduce(self._tensor(array), op=hvd_op, name=f"commlib.{name}", **self._over).numpy()
 
@@ -155,8 +162,8 @@ class MPIEngine(Engine):
         # Create_group: collective over the group's members only (MPI-3), unlike Comm.Split
         return MPIEngine(self.comm.Create_group(self.comm.Get_group().Incl(list(ranks))))
 
-    def allreduce(self, array, name, op="sum"):
-        out = POOL.copy(array)   # the reduction happens in place: a copy, in memory used before
+    def allreduce(self, array, name, op="sum", scratch=False):
+        out = _in_place(array, scratch)
         mpi_op = {"sum": self.MPI.SUM, "min": self.MPI.MIN, "max": self.MPI.MAX, "product": self.MPI.PROD}[op]
         self.comm.Allreduce(self.MPI.IN_PLACE, out, op=mpi_op)
         return out
@@ -197,9 +204,9 @@ class TorchEngine(Engine):
     def subgroup(self, ctx, ranks, hvd_set=None):
         return TorchEngine(self.timeout_s, ranks)
 
-    def allreduce(self, array, name, op="sum"):
+    def allreduce(self, array, name, op="sum", scratch=False):
         import torch
-        out = torch.from_numpy(POOL.copy(array))
+        out = torch.from_numpy(_in_place(array, scratch))
         finished(self.dist.all_reduce(out, op=reduce_op(op), group=self.group, async_op=True))
         return out.numpy()
 
@@ -252,12 +259,12 @@ class GlooEngine(Engine):
     def subgroup(self, ctx, ranks, hvd_set=None):
         return GlooEngine(ctx)   # a ring of its own among the set, over a store its first rank serves
 
-    def allreduce(self, array, name, op="sum"):
+    def allreduce(self, array, name, op="sum", scratch=False):
         import torch
         import torch.distributed as dist
         options = dist.AllreduceOptions()
         options.reduceOp = reduce_op(op)
-        out = torch.from_numpy(POOL.copy(array))
+        out = torch.from_numpy(_in_place(array, scratch))
         finished(self.group.allreduce([out], options))
         return out.numpy()
 

@@ -366,14 +366,17 @@ class Executor:
     def _run_dense(self, bucket, backend, name, phases):
         first = bucket[0]
         arrays = [e.staged.array for e in bucket]
-        buf = fused(arrays)
+        buf, own = fused(arrays), False   # own: commlib's buffer, not the callers' memory
         if buf is None:
-            buf = POOL.concatenate(arrays)
+            buf, own = POOL.concatenate(arrays), True
             phases.mark("FUSE")
         if first.prescale != 1.0:
-            buf = scaled(buf, first.prescale)
+            buf, own = scaled(buf, first.prescale), True
             phases.mark("SCALE")
-        out = backend.allreduce(buf, name) if first.op in (Sum, Average) else backend.allreduce(buf, name, first.op)
+        extra = {} if first.op in (Sum, Average) else {"op": first.op}
+        if own and backend.reduces_scratch:
+            extra["scratch"] = True   # reduced where it lies: no copy of the bucket first
+        out = backend.allreduce(buf, name, **extra)
         phases.mark(first.algorithm.upper(), comm=True, sent=buf.nbytes, received=out.nbytes, **collective(backend))
         measured = backend.measured_density(name)   # of the fused buffer when fused
         if measured is not None:
@@ -381,7 +384,7 @@ class Executor:
                 entry.density = measured[0]
         scale = first.postscale / (self.ctx.size if first.op == Average else 1)
         if scale != 1.0:
-            out = scaled(out, scale, inplace=not np.may_share_memory(out, buf))
+            out = scaled(out, scale, inplace=own or not np.may_share_memory(out, buf))
             phases.mark("SCALE")
         parts, start = [], 0   # slices, not np.split: it costs microseconds per part
         for a in arrays:

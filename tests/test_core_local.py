@@ -236,6 +236,28 @@ def test_a_grouped_call_fuses_in_its_order_a_new_order_is_negotiated_anew(runtim
         assert commlib.records()[names[0]]["bucket"] == f"{names[0]}+3", commlib.records()[names[0]]
 
 
+def test_the_ring_reduces_a_fused_bucket_where_it_lies_and_never_writes_a_callers_tensor(runtime, monkeypatch):
+    """A bucket commlib fused (or prescaled) is its own: the ring's engine reduces it without a copy
+    first. A tensor reduced where it lies in the caller's memory (a large one, viewed) is copied, and
+    scaling its result leaves the caller's values as they were."""
+    engine, scratches = commlib.api.runtime().ctx.engine, []
+    allreduce = engine.allreduce
+    def spied(array, name, op="sum", scratch=False):
+        scratches.append(scratch)
+        return allreduce(array, name, op, scratch)
+    monkeypatch.setattr(engine, "allreduce", spied)
+    small = [torch.full((4,), float(i)) for i in range(3)]
+    outs = commlib.grouped_allreduce(small, names=[f"small.{i}" for i in range(3)], postscale_factor=2.0)
+    assert [o.tolist() for o in outs] == [[2.0 * i] * 4 for i in range(3)] and \
+        [t.tolist() for t in small] == [[float(i)] * 4 for i in range(3)]
+    large = torch.arange(float(1 << 15))   # 128 KiB: viewed, not copied, at submission
+    for kwargs in ({"postscale_factor": 2.0}, {"prescale_factor": 3.0}):
+        out = commlib.allreduce(large, name="large", **kwargs)
+        assert torch.equal(out, large * kwargs.get("postscale_factor", 1.0) * kwargs.get("prescale_factor", 1.0))
+        assert torch.equal(large, torch.arange(float(1 << 15))), "the caller's tensor was written"
+    assert scratches == [True, False, True], scratches   # fused; the caller's memory; prescaled, so commlib's
+
+
 @pytest.mark.parametrize("reduce", [commlib.allreduce, lambda *args, **kwargs: commlib.synchronize(
     commlib.allreduce_async(*args, **kwargs))], ids=["allreduce", "allreduce_async"])
 def test_a_name_submitted_again_in_another_form_is_planned_and_read_anew(runtime, monkeypatch, reduce):
