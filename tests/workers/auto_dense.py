@@ -22,10 +22,10 @@ def sleeping(cls):
     """cls.allreduce, SLOW_S late while `slow` names it."""
     allreduce = cls.allreduce
 
-    def late(self, array, name, *args):
+    def late(self, array, name, *args, **kwargs):
         if slow == cls.name:
             time.sleep(SLOW_S)
-        return allreduce(self, array, name, *args)
+        return allreduce(self, array, name, *args, **kwargs)
     cls.allreduce = late
 
 
