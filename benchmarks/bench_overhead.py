@@ -11,7 +11,7 @@ all rounds are pooled: medians per rank count. Not all three in one job: once in
 Horovod's background thread keeps one rank's core busy even while idle (100% of a core here;
 horovod/horovod#2804), which would tax whatever runs beside it on a 2-core host.
 
-    python benchmarks/bench_overhead.py [--quick] [--ranks 2 4 8] [--tensors 100 400] [--steps 30]
+    python benchmarks/bench_overhead.py [--quick] [--ranks 2 4 8] [--tensors 100 400] [--steps 30] [--rounds 4]
 Results: benchmarks/results/overhead.json and RESULTS.md.
 """
 import argparse
@@ -104,11 +104,13 @@ def main(argv=None):
     # step each), once per job. The timed steps are the steady state both then run in
     parser.add_argument("--warmup", type=int, default=16, help="untimed first steps (default 16)")
     parser.add_argument("--algorithm", default=None, help="commlib's algorithm (default: its policy's choice)")
-    parser.add_argument("--rounds", type=int, default=2, help="times each job runs, alternating")
+    # Horovod's own figure swings up to 2x from one job to the next on this host: the full run pools more
+    parser.add_argument("--rounds", type=int, default=None, help="times each job runs, alternating (default 4; quick 2)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--job", choices=JOBS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.steps = args.steps or (5 if args.quick else 30)
+    args.rounds = args.rounds or (2 if args.quick else 4)
     args.ranks = args.ranks or ([2] if args.quick else [2, 4, 8])
     if args.worker:
         return worker(args)
