@@ -12,14 +12,13 @@ class RingBackend(Backend):
     carries = {"dense": 20, "summable": 10}
     ops = ("sum", "min", "max", "product")
     dtypes = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int8", "uint8", "int32", "int64"))
+    reduces_scratch = True   # the engines' collectives reduce in place: a fused bucket needs no copy first
 
     @classmethod
     def available(cls, ctx):
         if ctx.engine is None:
             return False, "no collective engine (Horovod, MPI or torch.distributed) in this job"
         return True, ""
-
-    reduces_scratch = True
 
     def allreduce(self, array, name, op="sum", scratch=False):
         return self.ctx.engine.allreduce(array, name, op, scratch)
