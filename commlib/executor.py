@@ -208,6 +208,9 @@ class Executor:
     def track(self, entries):
         """Track one submission's entries, all or none (a refused one leaves nothing in flight)."""
         with self._lock:
+            if len(entries) == 1 and entries[0].name not in self._entries:   # allreduce_async's: no batch to build
+                self._entries[entries[0].name] = entries[0]
+                return
             batch = {}
             for entry in entries:
                 if entry.name in self._entries or entry.name in batch:

@@ -350,10 +350,12 @@ class Reports:
         # round's, of all its tensors, and a tensor's share of a bucket depends on what it fused with (a
         # 256-byte tensor that the cache releases alone takes a whole bucket's time: bench_training's
         # head was tried anew in the timed window, 0.73x the fixed choice); never measured: no check
-        first = kept.first.setdefault((auto["group"], auto["choice"]), [])
-        if len(first) < SLOW_RUNS:
+        key = auto["group"], auto["choice"]
+        first = kept.first.setdefault(key, [])
+        if len(first) < SLOW_RUNS:   # their median is fixed once they are in (not computed at every run)
             first.append(seconds)
-        usual = statistics.median(first)
+            kept.usual[key] = statistics.median(first)
+        usual = kept.usual[key]
         slow = auto["expect"] is not None and len(first) == SLOW_RUNS and seconds > self.drift * usual + SLACK_S
         kept.slow = kept.slow + 1 if slow else 0
         if kept.runs >= auto["revisit"] or kept.slow >= SLOW_RUNS:   # checked by the group it ran in
@@ -379,11 +381,11 @@ class Reports:
 class _Kept:
     """A name's runs under the choices its groups keep: in all since its last check, slow in a row, its
     last one's group and choice with the runs of that group in a row, and per (group, choice) the
-    seconds of its first runs (a tensor whose density moves between two bands has two)."""
+    seconds of its first runs and their median (a tensor whose density moves between two bands has two)."""
 
-    __slots__ = ("runs", "slow", "group", "choice", "streak", "first")
+    __slots__ = ("runs", "slow", "group", "choice", "streak", "first", "usual")
 
     def __init__(self):
         self.runs = self.slow = self.streak = 0
         self.group = self.choice = None
-        self.first = {}
+        self.first, self.usual = {}, {}
