@@ -351,11 +351,11 @@ class Reports:
         # 256-byte tensor that the cache releases alone takes a whole bucket's time: bench_training's
         # head was tried anew in the timed window, 0.73x the fixed choice); never measured: no check
         key = auto["group"], auto["choice"]
-        first = kept.first.setdefault(key, [])
+        first, usual = kept.first.get(key, ((), None))
         if len(first) < SLOW_RUNS:   # their median is fixed once they are in (not computed at every run)
-            first.append(seconds)
-            kept.usual[key] = statistics.median(first)
-        usual = kept.usual[key]
+            first += (seconds,)
+            usual = statistics.median(first)
+            kept.first[key] = first, usual
         slow = auto["expect"] is not None and len(first) == SLOW_RUNS and seconds > self.drift * usual + SLACK_S
         kept.slow = kept.slow + 1 if slow else 0
         if kept.runs >= auto["revisit"] or kept.slow >= SLOW_RUNS:   # checked by the group it ran in
@@ -381,11 +381,11 @@ class Reports:
 class _Kept:
     """A name's runs under the choices its groups keep: in all since its last check, slow in a row, its
     last one's group and choice with the runs of that group in a row, and per (group, choice) the
-    seconds of its first runs and their median (a tensor whose density moves between two bands has two)."""
+    seconds of its first runs with their median (a tensor whose density moves between two bands has two)."""
 
-    __slots__ = ("runs", "slow", "group", "choice", "streak", "first", "usual")
+    __slots__ = ("runs", "slow", "group", "choice", "streak", "first")
 
     def __init__(self):
         self.runs = self.slow = self.streak = 0
         self.group = self.choice = None
-        self.first, self.usual = {}, {}
+        self.first = {}
