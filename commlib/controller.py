@@ -775,9 +775,13 @@ class ControllerClient:
         self._asked = {}      # name -> the meta submitted in full, until released
         self._cache_lock = threading.Lock()
         self._gos = 0         # go messages read (their evictions applied): sent as `seen` (ControllerServer._reclaim)
-        # submissions within a cycle travel as one message (Horovod: one request list per cycle)
-        self._outbox = {"metas": [], "hits": 0}
-        self._outbox_cond = threading.Condition(self._send_lock)   # (submit takes _send_lock itself)
+        # submissions within a cycle travel as one message (Horovod: one request list per cycle). The
+        # caller only appends to the outbox: a lock there, which the reader and the sender also take, cost a
+        # step's submitting thread a GIL hand-off whenever another thread held it (17% of its samples, 2 ranks
+        # x 400 tensors); a meta becomes a cache hit or a full submission when the outbox goes (_flush)
+        self._outbox = collections.deque()
+        self._wake = threading.Lock()   # released when the outbox has something for the sender
+        self._wake.acquire()
         self._hurried = False   # what was submitted so far went hurried (hurry, or submit's hurry)
         self._last_send = 0.0
         self._last_submit = self._held_since = 0.0   # the last submission; the first the outbox holds
@@ -881,22 +885,35 @@ class ControllerClient:
             self._link.send(msg)
 
     def _flush(self, hurry=False):
-        """Send the submissions waiting in the outbox (the send lock held); `hurry`: a caller waits
-        for them, so the controller releases them at once, not at the end of its cycle."""
-        box = self._outbox
-        if box["metas"] or box["hits"] or hurry:
-            self._outbox = {"metas": [], "hits": 0}
-            hits = {"hits": format(box["hits"], "x")} if box["hits"] else {}
-            seen = {"seen": box["seen"]} if "seen" in box else {}
-            self._link.send({"t": "submit", "metas": box["metas"], **hits, **seen,
-                             **({"hurry": True} if hurry else {})})
+        """Send the submissions waiting in the outbox (the send lock held): metas agreed before with the
+        same contents travel as a bit each, the rest in full. `hurry`: a caller waits for them, so the
+        controller releases them at once, not at the end of its cycle."""
+        metas = [self._outbox.popleft() for _ in range(len(self._outbox))]   # (the caller may append meanwhile)
+        if metas or hurry:
+            full, hits = [], 0
+            with self._cache_lock:
+                for meta in metas:
+                    cached = self._cache.get(meta["name"])
+                    if cached is not None and (cached[1] is meta or cached[1] == meta):
+                        hits |= 1 << cached[0]
+                    else:
+                        full.append(meta)
+                        if "error" not in meta and not meta.get("once"):
+                            self._asked[meta["name"]] = meta
+                seen = self._gos   # the gos read when these hits were made (ControllerServer._reclaim)
+            msg = {"t": "submit", "metas": full, "seen": seen}
+            if hits:
+                msg["hits"] = format(hits, "x")
+            if hurry:
+                msg["hurry"] = True
+            self._link.send(msg)
         self._last_send = time.monotonic()
 
     def hurry(self):
         """A caller is about to wait (Handle.hurry): what the outbox holds for the cycle goes now, and the
         controller is told to release at once (at most one message per submission, however many wait:
         alone, an empty one, when the submission went before)."""
-        with self._outbox_cond:
+        with self._send_lock:
             if not self._hurried:
                 self._send_hurried()
 
@@ -912,20 +929,28 @@ class ControllerClient:
         """Sends the outbox at most once per cycle while submissions keep coming, and holds a burst
         of back-to-back submissions (see QUIET): a quarter cycle first (a lone one, DDP's first
         bucket, goes then), a cycle at a time after, HOLD cycles at most."""
-        with self._outbox_cond:
-            while not self._closed:
-                self._outbox_cond.wait_for(lambda: self._outbox["metas"] or self._outbox["hits"] or self._closed)
+        while not self._closed:
+            self._wake.acquire()   # until a submission (or close) releases it
+            while self._outbox and not self._closed:
                 now = time.monotonic()
                 delay, held = self._last_send + self.cycle_s - now, now - self._held_since
                 if now - self._last_submit < QUIET * self.cycle_s and held < HOLD * self.cycle_s:
                     delay = max(delay, QUIET * self.cycle_s if held < self.cycle_s else self.cycle_s)
                 if delay > 0:   # sent within this cycle, or the caller still submitting: gather what else comes
-                    self._outbox_cond.wait(delay)
+                    time.sleep(delay)
                     continue
-                try:
-                    self._flush()   # empties the outbox before it sends
-                except OSError:   # the reader sees the lost connection and fails what is in flight
-                    pass
+                with self._send_lock:
+                    try:
+                        self._flush()   # empties the outbox before it sends
+                    except OSError:   # the reader sees the lost connection and fails what is in flight
+                        pass
+
+    def _signal(self):
+        """Wake the sender (without blocking: a lock already released stays so)."""
+        try:
+            self._wake.release()
+        except RuntimeError:   # released already (another submission, or close)
+            pass
 
     def _expand(self, msg):
         """A go's Releases: its batch, then the cached releases of its hits (bit order, the same on every rank)."""
@@ -951,42 +976,28 @@ class ControllerClient:
         return {"t": "go", "batch": batch, "tuned": tuned}
 
     def submit(self, metas, hurry=False):
-        """Metas agreed before with the same contents travel as a bit each, the rest in full.
-        `hurry`: a caller waits for them next; they go now, from this thread, as hurry() sends them."""
+        """Add metas to the outbox; they go within the cycle (see _send_batches). `hurry`: a caller waits
+        for them next; they go now, from this thread, as hurry() sends them."""
         if self._lost:
             raise error_from(self._lost)
         if self._closed:
             raise CommError("commlib's connection to the controller is closed (commlib.shutdown() ran): "
                             "call commlib.init() again before reducing")
-        full, hits = [], 0
-        with self._send_lock:   # _outbox_cond's, without its wrapper: hits join the outbox as they are made (`seen`)
-            with self._cache_lock:
-                for meta in metas:
-                    cached = self._cache.get(meta["name"])
-                    if cached is not None and (cached[1] is meta or cached[1] == meta):
-                        hits |= 1 << cached[0]
-                    else:
-                        full.append(meta)
-                        if "error" not in meta and not meta.get("once"):
-                            self._asked[meta["name"]] = meta
-                seen = self._gos
-            self._hurried = False   # a waiter hurries these anew
-            pending = self._outbox["metas"] or self._outbox["hits"]
-            self._last_submit = time.monotonic()
-            if not pending:
-                self._held_since = self._last_submit
-            self._outbox["metas"] += full
-            self._outbox["hits"] |= hits
-            self._outbox.setdefault("seen", seen)   # the gos read before its first submission: the least
-            if hurry:
+        now = time.monotonic()
+        if not self._outbox:
+            self._held_since = now
+        self._outbox.extend(metas)
+        self._last_submit = now
+        self._hurried = False   # a waiter hurries these anew (after they joined the outbox: never left unsent)
+        if hurry:
+            with self._send_lock:
                 self._send_hurried()
-                return
+        elif self._wake.locked():
             # the sender thread sends them (at once after a quiet cycle, else when the cycle ends), or a
             # caller about to wait (hurry); not this thread: a caller submitting a step's tensors holds
             # the GIL throughout, and a send from it at its first tensor made that one a bucket alone,
             # a collective more per step (2 ranks x 100 tensors: 5.7 -> 3.8 ms a step without it)
-            if not pending:
-                self._outbox_cond.notify()
+            self._signal()
 
     def exchange(self, key, value, timeout, ranks=None):
         """Every rank's value (index = rank), or with `ranks` (this rank among them) only theirs,
@@ -1019,9 +1030,9 @@ class ControllerClient:
         if self._closed:
             return
         self._closed = True
+        self._signal()
         try:
-            with self._outbox_cond:
-                self._outbox_cond.notify()
+            with self._send_lock:
                 self._flush()
                 self._link.send({"t": "bye"})
         except OSError:
