@@ -36,6 +36,7 @@ depends on the controller's state, so the response cache may keep it; the model 
 a row-sparse tensor under a kept choice, so the ranks send its counts only (Dispatcher._row_stats).
 """
 import logging
+import math
 import statistics
 
 from commlib import recent
@@ -343,25 +344,36 @@ class Reports:
         if kept is None:
             kept = _Kept()
         recent.put(self._kept, name, kept, NAMES_KEPT)   # as the newest: a name that runs every step stays
+        if kept.auto is auto:   # its last run's release again (the response cache's, every step): the same
+            kept.streak += 1    # group and choice, its first runs under them in
+            kept.runs += 1
+            kept.slow = kept.slow + 1 if seconds > kept.limit else 0
+        else:
+            self._measure(kept, auto, seconds)
+        if kept.runs >= auto["revisit"] or kept.slow >= SLOW_RUNS:   # checked by the group it ran in
+            self._ready[name] = {"check": kept.runs, "seconds": seconds, "group": auto["group"],
+                                 "slowdown": seconds / kept.usual if kept.usual > 0 else 1.0}
+            del self._kept[name]
+
+    def _measure(self, kept, auto, seconds):
+        """A run under a release unlike the last one's: counted, and slow or not against the tensor's own
+        first runs under this group's choice. The group's measured time is a round's, of all its tensors,
+        and a tensor's share of a bucket depends on what it fused with (a 256-byte tensor that the cache
+        releases alone takes a whole bucket's time: bench_training's head was tried anew in the timed
+        window, 0.73x the fixed choice); never measured: no check."""
         kept.streak = kept.streak + 1 if kept.group == auto["group"] else 1
         kept.group, kept.choice = auto["group"], auto["choice"]
         kept.runs += 1
-        # slow against its own first runs under this group's choice: the group's measured time is a
-        # round's, of all its tensors, and a tensor's share of a bucket depends on what it fused with (a
-        # 256-byte tensor that the cache releases alone takes a whole bucket's time: bench_training's
-        # head was tried anew in the timed window, 0.73x the fixed choice); never measured: no check
         key = auto["group"], auto["choice"]
         first, usual = kept.first.get(key, ((), None))
         if len(first) < SLOW_RUNS:   # their median is fixed once they are in (not computed at every run)
             first += (seconds,)
             usual = statistics.median(first)
             kept.first[key] = first, usual
-        slow = auto["expect"] is not None and len(first) == SLOW_RUNS and seconds > self.drift * usual + SLACK_S
-        kept.slow = kept.slow + 1 if slow else 0
-        if kept.runs >= auto["revisit"] or kept.slow >= SLOW_RUNS:   # checked by the group it ran in
-            self._ready[name] = {"check": kept.runs, "seconds": seconds, "group": auto["group"],
-                                 "slowdown": seconds / usual if usual > 0 else 1.0}
-            del self._kept[name]
+        kept.usual = usual
+        kept.limit = self.drift * usual + SLACK_S if auto["expect"] is not None else math.inf
+        kept.slow = kept.slow + 1 if len(first) == SLOW_RUNS and seconds > kept.limit else 0
+        kept.auto = auto if len(first) == SLOW_RUNS else None   # the next run of this release: the quick way
 
     def settled(self, name):
         """The choice the last two runs of `name` ran under, which its group keeps, no check of it due
@@ -383,9 +395,12 @@ class _Kept:
     last one's group and choice with the runs of that group in a row, and per (group, choice) the
     seconds of its first runs with their median (a tensor whose density moves between two bands has two)."""
 
-    __slots__ = ("runs", "slow", "group", "choice", "streak", "first")
+    __slots__ = ("runs", "slow", "group", "choice", "streak", "first", "auto", "usual", "limit")
 
     def __init__(self):
         self.runs = self.slow = self.streak = 0
         self.group = self.choice = None
         self.first = {}
+        self.auto = None    # the release its last run came with, once its first runs under it are in
+        self.usual = None   # the median of those first runs, and the time above which a run is slow
+        self.limit = math.inf
