@@ -946,11 +946,13 @@ class ControllerClient:
                         pass
 
     def _signal(self):
-        """Wake the sender (without blocking: a lock already released stays so)."""
-        try:
-            self._wake.release()
-        except RuntimeError:   # released already (another submission, or close)
-            pass
+        """Wake the sender, without blocking: once released, the lock stays so until the sender takes it
+        (a step's hundreds of submissions test it; the first releases it)."""
+        if self._wake.locked():
+            try:
+                self._wake.release()
+            except RuntimeError:   # another thread released it between the test and here
+                pass
 
     def _expand(self, msg):
         """A go's Releases: its batch, then the cached releases of its hits (bit order, the same on every rank)."""
@@ -992,7 +994,7 @@ class ControllerClient:
         if hurry:
             with self._send_lock:
                 self._send_hurried()
-        elif self._wake.locked():
+        else:
             # the sender thread sends them (at once after a quiet cycle, else when the cycle ends), or a
             # caller about to wait (hurry); not this thread: a caller submitting a step's tensors holds
             # the GIL throughout, and a send from it at its first tensor made that one a bucket alone,

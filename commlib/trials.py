@@ -356,11 +356,12 @@ class Reports:
             del self._kept[name]
 
     def _measure(self, kept, auto, seconds):
-        """A run under a release unlike the last one's: counted, and slow or not against the tensor's own
-        first runs under this group's choice. The group's measured time is a round's, of all its tensors,
-        and a tensor's share of a bucket depends on what it fused with (a 256-byte tensor that the cache
-        releases alone takes a whole bucket's time: bench_training's head was tried anew in the timed
-        window, 0.73x the fixed choice); never measured: no check."""
+        """A run under another release than the last one's, or before its first runs under it are all in:
+        counted, and slow or not against the tensor's own first runs under this group's choice. The
+        group's measured time is a round's, of all its tensors, and a tensor's share of a bucket depends
+        on what it fused with (a 256-byte tensor that the cache releases alone takes a whole bucket's
+        time: bench_training's head was tried anew in the timed window, 0.73x the fixed choice); never
+        measured: no check."""
         kept.streak = kept.streak + 1 if kept.group == auto["group"] else 1
         kept.group, kept.choice = auto["group"], auto["choice"]
         kept.runs += 1
