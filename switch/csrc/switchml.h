@@ -239,7 +239,7 @@ typedef struct sml_worker_counters {
     uint64_t received;          /* results accepted */
     uint64_t duplicates;        /* results for packets already answered (or of an earlier tensor) */
     uint64_t resends;           /* packets resent on a timer's expiry */
-    uint64_t held;              /* expiries while stalled (no result since sent): not resent, a probe went */
+    uint64_t held;              /* expiries of late packets (nothing sent later answered yet): not resent, a probe went */
     uint64_t ignored;           /* malformed, foreign or unexpected packets */
     uint64_t bad_mac;           /* results without a valid MAC (authenticated workers) */
     uint64_t nacks;             /* NACKs received (fatal at once only without a key) */
