@@ -59,12 +59,13 @@ demo:
 	$(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo --gloo-timeout-seconds 120 $(PY) -m commlib.demo
 
 # `make test`: every check but the fault, soak, scale and whole-example cases marked `long`, which
-# `make test-long` runs (CI runs both; tests/README.md says what is where).
+# `make test-long` runs (CI runs both; tests/README.md says what is where). Each lists its ten slowest
+# cases: where CI's time goes.
 test:
-	$(PY) -m pytest -q -p no:cacheprovider -m "not long" tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "not long" tests
 
 test-long:
-	$(PY) -m pytest -q -p no:cacheprovider -m long tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m long tests
 
 # The fuzz targets of tests/fuzz for FUZZ_SECONDS each, corpora kept in build/fuzz/corpus (`make test` runs
 # them briefly through tests/test_fuzz.py). The packet targets run the ASan + UBSan build of the C code.
