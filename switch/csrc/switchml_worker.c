@@ -89,7 +89,7 @@ typedef struct {
     uint64_t newest;      /* the highest packet sent */
     uint64_t answered;    /* the last result, ns */
     uint64_t delivered;   /* the latest first transmission a result answered, ns (RACK's xmit_ts) */
-    uint64_t held;        /* the earliest first transmission of a held packet, ns (UINT64_MAX: none) */
+    uint64_t oldest_held; /* the earliest first transmission of a held packet, ns (UINT64_MAX: none) */
     uint64_t next_timer;  /* no later than the earliest deadline of an outstanding packet, ns */
 } tensor_t;
 
@@ -345,15 +345,14 @@ static int on_packet(sml_worker *w, tensor_t *t, const uint8_t *h, size_t len, u
     }
     w->c.received++;
     t->answered = now;
-    /* The transmission it answers: the first one unless resent. A resend's answer may be the first one's,
-     * late in a queue (unless sooner than any round trip: tp_rtt_answer's test, then it surely is); it
-     * counts only in the tail, where no later first transmission can show what was lost (RFC 8985). */
+    /* The transmission it answers: surely the first one (tp_rtt_first), else maybe the resend, maybe the
+     * first one late in a queue; a resend counts only in the tail, where no later first transmission can
+     * show what was lost (RFC 8985). 0: neither counts. */
     uint64_t at = ch->sent;
-    if (ch->resent_at && !(w->rtt.least && now - ch->resent_at < w->rtt.least))
-        at = t->newest + 1 == t->P ? ch->resent_at : 0;
+    if (!tp_rtt_first(&w->rtt, ch->resent_at, now)) at = t->newest + 1 == t->P ? ch->resent_at : 0;
     if (at > t->delivered) {
         t->delivered = at;
-        if (at > t->held) t->next_timer = now;   /* held packets older than it were lost: resend them */
+        if (at > t->oldest_held) t->next_timer = now;   /* held packets older than it were lost: resend them */
     }
     tp_rtt_answer(&w->rtt, ch->sent, ch->resent_at, now, *active);  /* includes waiting for the slowest rank */
     if (h[1] & SML_F_STAMP) {   /* the switch's share of this round, for the breakdown */
@@ -383,7 +382,7 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
     if (n == 0) return 0;
     uint64_t t_start = tp_now_ns(), wait_ns = 0, cpu0 = tp_cpu_ns();
     tensor_t t = {.is_int = is_int, .x = x, .out = out, .n = n, .exps = exps, .nf = nf, .mexp = mexp,
-                  .next_timer = UINT64_MAX, .held = UINT64_MAX};
+                  .next_timer = UINT64_MAX, .oldest_held = UINT64_MAX};
     t.B = (n + w->elems - 1) / w->elems;
     t.wc = t.B < w->inflight ? t.B : w->inflight;
     t.P = is_int ? t.B : t.B + t.wc;
@@ -421,7 +420,7 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
             break;
         }
         if (now >= t.next_timer) {  /* resend lost packets, identical, to the same slot */
-            t.next_timer = t.held = UINT64_MAX;
+            t.next_timer = t.oldest_held = UINT64_MAX;
             int probed = 0;
             for (uint64_t c = 0; c < t.wc && !rc; c++) {
                 chain_t *ch = &w->ch[c];
@@ -445,7 +444,7 @@ int sml_worker_allreduce(sml_worker *w, int is_int, const void *x, void *out, si
                         rc = queue(w, w->bufs + c * w->stride, ch->len);
                     }
                 }
-                if (ch->held && ch->sent < t.held) t.held = ch->sent;
+                if (ch->held && ch->sent < t.oldest_held) t.oldest_held = ch->sent;
                 if (ch->deadline < t.next_timer) t.next_timer = ch->deadline;
             }
             if (!rc) rc = flush(w);

@@ -206,11 +206,17 @@ static inline void tp_rtt_sample(tp_rtt *r, uint64_t sample, uint64_t flight) {
     r->rto = rto < r->min ? r->min : rto > r->max ? r->max : rto;
 }
 
+/* Whether an answer at `now` to a packet sent once, or resent at `resent`, answers its first transmission:
+ * never resent, or back sooner after the resend than any round trip seen (a spurious resend). */
+static inline int tp_rtt_first(const tp_rtt *r, uint64_t resent, uint64_t now) {
+    return !resent || (r->least && now - resent < r->least);
+}
+
 /* The answer at `now` to a packet first sent at `sent` and last resent at `resent` (0: never). */
 static inline void tp_rtt_answer(tp_rtt *r, uint64_t sent, uint64_t resent, uint64_t now, uint64_t flight) {
     if (sent < r->backoff_at) return;   /* sent under the timer that fired: the backed-off rto stays */
     r->backoff_at = 0;
-    if (!resent || (r->least && now - resent < r->least)) tp_rtt_sample(r, now - sent, flight);
+    if (tp_rtt_first(r, resent, now)) tp_rtt_sample(r, now - sent, flight);
 }
 
 /* The timer of a packet first sent at `sent` fired at `now`: back off once per timer found too
