@@ -268,7 +268,8 @@ def _plot(results, title, suite):
     common.save_figure(fig, suite)
 
 
-def main(argv=None):
+def main_arguments(argv=None):
+    """This benchmark's options, parsed (bench_auto.py runs its jobs with them)."""
     parser = common.training_arguments(__doc__, steps=30, warmup=common.WARMUP_STEPS, quick_warmup=2,
                                        warmup_help="untimed steps, as Horovod's synthetic benchmark: `auto` "
                                                    "tries its candidates in them")
@@ -281,6 +282,11 @@ def main(argv=None):
     parser.add_argument("--hotcold-rule", default="traffic", help="commlib hotcold: 'traffic' or 'share'")
     args = common.parse_training_arguments(parser, argv)
     args.vocab = args.vocab or (20000 if args.quick else 400000)
+    return args
+
+
+def main(argv=None):
+    args = main_arguments(argv)
     if args.worker:
         return worker(args)
     ok, why = netem.available()
