@@ -36,9 +36,15 @@ def auto_label(workload):
     return next(label for w, label, how in bench_training.CONFIGS if w == workload and how[:2] == ("commlib", "*=auto"))
 
 
+def kept_of(auto):
+    """'switchml (of ring, switchml)': a tensor's kept candidate and those it tried (commlib.trials)."""
+    return f"{auto.get('choice', 'trying')} (of {', '.join(sorted(auto.get('candidates') or auto.get('times', ())))})"
+
+
 def job(args, workload, zipf):
     """One bench_training job of the workload's fixed configurations and auto: {label: each timed step's
-    samples/s}, and the algorithms auto ran."""
+    samples/s}, auto's trials at the end (commlib.records()[name]["auto"] by tensor) and the algorithms
+    its tensors ran at the rounds' ends."""
     labels = fixed(workload) + [auto_label(workload)]
     argv = ["--workload", workload, "--zipf", str(zipf), "--configs", ",".join(labels), "--rounds", str(args.rounds),
             "--workers", str(args.workers), "--rate", args.rate, "--steps", str(args.steps),
@@ -47,7 +53,8 @@ def job(args, workload, zipf):
     payload = bench_training._run(run, run.workers)
     results = payload["results"]
     rates = {label: [rate * payload["size"] for rate in results[label]["rates"]] for label in labels}
-    return rates, results[auto_label(workload)]["commlib_algorithms"]
+    ran = results[auto_label(workload)]
+    return rates, ran["auto_trials"] or {}, ran["commlib_algorithms"]
 
 
 def main(argv=None):
@@ -75,26 +82,29 @@ def main(argv=None):
         jobs = []
         for index in range(args.jobs):
             print(f"== {key}: job {index + 1} of {args.jobs}", flush=True)
-            rates, algorithms = job(args, workload, zipf)
+            rates, trials, algorithms = job(args, workload, zipf)
             medians = {label: statistics.median(samples) for label, samples in rates.items()}
             best = max(fixed(workload), key=medians.get)
-            jobs.append({"rates": rates, "medians": medians, "fastest_fixed": best, "auto_algorithms": algorithms,
+            jobs.append({"rates": rates, "medians": medians, "fastest_fixed": best, "auto_trials": trials,
+                         "auto_algorithms": algorithms,
                          "ratio": medians[auto_label(workload)] / medians[best]})
         pooled = {label: statistics.median(rate for j in jobs for rate in j["rates"][label]) for label in jobs[0]["rates"]}
         best = max(fixed(workload), key=pooled.get)
         ratio = pooled[auto_label(workload)] / pooled[best]
         results[key] = {"jobs": jobs, "medians": pooled, "fastest_fixed": best, "ratio": ratio}
-        chose = ", ".join(sorted({a for j in jobs for a in j["auto_algorithms"]}))
+        kept = "; ".join(sorted({kept_of(auto) for j in jobs for auto in j["auto_trials"].values()}))
+        ran = ", ".join(sorted({a for j in jobs for a in j["auto_algorithms"]}))
         ratios = " ".join(f"{j['ratio']:.2f}x" for j in jobs)
-        rows.append(f"| {key} | {best} | {ratio:.2f}x | {ratios} | {chose} |")
+        rows.append(f"| {key} | {best} | {ratio:.2f}x | {ratios} | {kept} | {ran} |")
     markdown = (f"`auto` against the fastest fixed lossless commlib configuration of the same job (bench_training: "
                 f"{args.workers} emulated hosts, links {args.rate} each way, the configurations in {args.rounds} rounds), "
                 f"{args.jobs} job(s) of {args.steps} timed steps per workload: auto's median samples/s over the fastest "
                 "fixed one's, over every timed step of every job, and per job. Fixed: " +
-                "; ".join(f"{w}: {', '.join(fixed(w))}" for w in ("dense", "sparse")) + ". Auto ran: every algorithm "
-                "its records showed at a round's end (its trials included).\n\n"
-                "| workload | fastest fixed | auto / fastest fixed | per job | auto ran |\n"
-                "|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+                "; ".join(f"{w}: {', '.join(fixed(w))}" for w in ("dense", "sparse")) + ". Auto kept: what each tensor's "
+                "records showed at the job's end, of the candidates it tried (trying: its trials under way); ran: "
+                "the algorithms its tensors ran at a round's end (a revisit's trials show there).\n\n"
+                "| workload | fastest fixed | auto / fastest fixed | per job | auto kept | ran |\n"
+                "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     settings = {"quick": args.quick, "jobs": args.jobs, "rounds": args.rounds, "steps": args.steps,
                 "zipf": args.zipf, "workers": args.workers, "rate": args.rate}
     common.save("auto", settings, results, markdown)
