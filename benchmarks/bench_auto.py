@@ -102,7 +102,8 @@ def main(argv=None):
                 "fixed one's, over every timed step of every job, and per job. Fixed: " +
                 "; ".join(f"{w}: {', '.join(fixed(w))}" for w in ("dense", "sparse")) + ". Auto kept: what each tensor's "
                 "records showed at the job's end, of the candidates it tried (trying: its trials under way); ran: "
-                "the algorithms its tensors ran at a round's end (a revisit's trials show there).\n\n"
+                "the algorithms its tensors ran at a round's end, the warm-up's rounds too (where one ends during "
+                "a trial, the candidate under trial shows there).\n\n"
                 "| workload | fastest fixed | auto / fastest fixed | per job | auto kept | ran |\n"
                 "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     settings = {"quick": args.quick, "jobs": args.jobs, "rounds": args.rounds, "steps": args.steps,
