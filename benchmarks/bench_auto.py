@@ -3,7 +3,7 @@ bench_training's workloads, in the same jobs, over several jobs.
 
 One job of bench_training (4 emulated hosts, --rate links) has `auto` and the fixed configurations
 of one workload take turns in --rounds rounds; on this shared 2-core host the ratio of two
-configurations moves by 10% and more from one job to the next (rounds of the same job: 0.92-1.19x),
+configurations moves by 10% and more from one job to the next (rounds of the same job: 0.78-1.43x),
 so one job says little, and a median of a few jobs' ratios little more (a step's samples/s moves by 2x
 from one step to the next: a 30-step median is known to about 5%). Each workload (dense; sparse at each
 --zipf) runs --jobs jobs; the ratio is auto's median samples/s over the fastest fixed configuration's,
@@ -41,11 +41,10 @@ def kept_of(auto):
     return f"{auto.get('choice', 'trying')} (of {', '.join(sorted(auto.get('candidates') or auto.get('times', ())))})"
 
 
-def job(args, workload, zipf):
-    """One bench_training job of the workload's fixed configurations and auto: {label: each timed step's
-    samples/s}, auto's trials at the end (commlib.records()[name]["auto"] by tensor) and the algorithms
-    its tensors ran at the rounds' ends."""
-    labels = fixed(workload) + [auto_label(workload)]
+def job(args, workload, zipf, labels, auto):
+    """One bench_training job of the workload's configurations `labels` (`auto` the last): {label: each
+    timed step's samples/s}, auto's trials at the end (commlib.records()[name]["auto"] by tensor) and
+    the algorithms its tensors ran at the rounds' ends."""
     argv = ["--workload", workload, "--zipf", str(zipf), "--configs", ",".join(labels), "--rounds", str(args.rounds),
             "--workers", str(args.workers), "--rate", args.rate, "--steps", str(args.steps),
             "--warmup", str(common.WARMUP_STEPS)] + (["--quick"] if args.quick else [])   # quick too: auto's trials
@@ -53,7 +52,7 @@ def job(args, workload, zipf):
     payload = bench_training._run(run, run.workers)
     results = payload["results"]
     rates = {label: [rate * payload["size"] for rate in results[label]["rates"]] for label in labels}
-    ran = results[auto_label(workload)]
+    ran = results[auto]
     return rates, ran["auto_trials"] or {}, ran["commlib_algorithms"]
 
 
@@ -75,24 +74,25 @@ def main(argv=None):
     ok, why = netem.available()
     if not ok:
         raise SystemExit(f"bench_auto: {why}")
-    workloads = [("dense", 1.1)] + [("sparse", z) for z in args.zipf]
+    workloads = [("dense", 1.1)] + [("sparse", z) for z in args.zipf]   # the dense model has no Zipf
     rows, results = [], {}
     for workload, zipf in workloads:
         key = workload if workload == "dense" else f"sparse, zipf {zipf:g}"
+        fixed_labels, auto = fixed(workload), auto_label(workload)
         jobs = []
         for index in range(args.jobs):
             print(f"== {key}: job {index + 1} of {args.jobs}", flush=True)
-            rates, trials, algorithms = job(args, workload, zipf)
+            rates, trials, algorithms = job(args, workload, zipf, fixed_labels + [auto], auto)
             medians = {label: statistics.median(samples) for label, samples in rates.items()}
-            best = max(fixed(workload), key=medians.get)
+            best = max(fixed_labels, key=medians.get)
             jobs.append({"rates": rates, "medians": medians, "fastest_fixed": best, "auto_trials": trials,
                          "auto_algorithms": algorithms,
-                         "ratio": medians[auto_label(workload)] / medians[best]})
+                         "ratio": medians[auto] / medians[best]})
         pooled = {label: statistics.median(rate for j in jobs for rate in j["rates"][label]) for label in jobs[0]["rates"]}
-        best = max(fixed(workload), key=pooled.get)
-        ratio = pooled[auto_label(workload)] / pooled[best]
+        best = max(fixed_labels, key=pooled.get)
+        ratio = pooled[auto] / pooled[best]
         results[key] = {"jobs": jobs, "medians": pooled, "fastest_fixed": best, "ratio": ratio}
-        kept = "; ".join(sorted({kept_of(auto) for j in jobs for auto in j["auto_trials"].values()}))
+        kept = "; ".join(sorted({kept_of(trial) for j in jobs for trial in j["auto_trials"].values()}))
         ran = ", ".join(sorted({a for j in jobs for a in j["auto_algorithms"]}))
         ratios = " ".join(f"{j['ratio']:.2f}x" for j in jobs)
         rows.append(f"| {key} | {best} | {ratio:.2f}x | {ratios} | {kept} | {ran} |")
