@@ -25,6 +25,7 @@ if sw.lib is None:   # not built: a failure of the suite, never a quiet skip
     raise ImportError(sw.IMPORT_ERROR)
 import commlib.backends.switchml as sml                              # noqa: E402
 from commlib.switch import aggregator as agg, auth, control          # noqa: E402
+import helpers                                                       # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -324,28 +325,39 @@ def test_a_flood_of_short_lines_does_not_stall_the_switch_control_port():
     pouring empty and tiny malformed lines into the port (64 KiB bursts, never reading the answers)
     held it for about a second per burst (an answer per line, the buffer's rest copied per line), and
     another client's status took 8-13 s, past a job's keepalive timeout (5 s). Each connection now
-    has a bounded slice of each round."""
-    with sw.SwitchServer("127.0.0.1", 0, slots=64) as server:
-        flooder = subprocess.Popen([sys.executable, "-c", LINE_FLOODER, "127.0.0.1", str(server.port), "8"],
+    has a bounded slice of each round.
+
+    The switch is its own process, as `python -m commlib.switch` runs: inside this one its control
+    thread held the GIL against the probe's own socket calls, and on a busy 2-core host the probe's
+    socket() or bind() alone waited up to a second for it (CI measured 1.45 s), while another process's
+    probe, under the same flood, had its answer in 2-11 ms."""
+    switch, address = helpers.switch_process(extra=("--threads", "1"))
+    try:
+        flooder = subprocess.Popen([sys.executable, "-c", LINE_FLOODER, "127.0.0.1", address.rsplit(":", 1)[1], "8"],
                                    stdout=subprocess.PIPE, text=True)
         try:
             time.sleep(1.0)                                     # the flood is under way
             latencies, deadline = [], time.monotonic() + 20
             while len(latencies) < 8 and time.monotonic() < deadline:
-                latencies.append(status_latency(server.address))
+                latencies.append(status_latency(address))
                 time.sleep(0.2)
             flooded = flooder.poll() is None                   # the flood lasted through every request
             sent = int(flooder.communicate(timeout=30)[0])
         finally:
             flooder.kill()
             flooder.wait()
-        drops = sw.SwitchClient(server.address).counters()["control"]
-        print(f"status latency under the flood: max {max(latencies):.3f} s of {len(latencies)}; the flooder sent "
-              f"{sent >> 20} MiB; {drops}")
-        # generous for a busy 2-core host; the jobs' keepalive timeout is 5 s, the leaf probe's 2 s
-        assert len(latencies) == 8 and max(latencies) < 1.0, latencies
-        assert flooded and sent > 4 << 20 and drops["empty_lines"] > 10000 and drops["malformed"] > 1000, (sent, drops)
-        assert "internal" not in drops, drops
+        drops = sw.SwitchClient(address).counters()["control"]
+        assert switch.poll() is None, "the flood stopped the switch"
+    finally:
+        switch.kill()
+        switch.wait()
+    print(f"status latency under the flood: max {max(latencies):.3f} s of {len(latencies)}; the flooder sent "
+          f"{sent >> 20} MiB; {drops}")
+    # 2-21 ms here, two busy loops beside it or not; with every line of a read answered in one round
+    # 0.7-1.1 s; the jobs' keepalive timeout is 5 s, the leaf probe's 2 s
+    assert len(latencies) == 8 and max(latencies) < 0.3, latencies
+    assert flooded and sent > 4 << 20 and drops["empty_lines"] > 10000 and drops["malformed"] > 1000, (sent, drops)
+    assert "internal" not in drops, drops
 
 
 def test_lines_sent_at_once_are_all_answered_in_order():
