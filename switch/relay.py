@@ -7,7 +7,9 @@ one `link()` returns) and carries the service's answers back. TCP on the same po
 passed through untouched (the switch's control plane), so the relay's address can replace the
 service's everywhere.
 
-Each direction has its own `Faults`, applied per datagram with a seeded random stream:
+Each direction has its own `Faults`, applied per datagram with a seeded random stream of its own:
+the k-th datagram a direction carries meets the same fate in every run, however the two directions
+interleave (with one stream for both, a test saw 67 datagrams down and not one lost at 5%: 3% of runs):
 
     loss       drop it
     duplicate  send it twice (each copy delayed on its own)
@@ -63,7 +65,7 @@ class FaultRelay:
 
     def __init__(self, target, up=Faults(), down=Faults(), seed=0, host="127.0.0.1"):
         self.target, self.faults, self.host = tuple(target), {"up": up, "down": down}, host
-        self.rng = random.Random(seed)
+        self.rngs = {"up": random.Random(2 * seed), "down": random.Random(2 * seed + 1)}
         self.tap = None
         self.counters = {d: dict.fromkeys(("received", "sent", "lost", "duplicated", "reordered"), 0)
                          for d in ("up", "down")}
@@ -170,7 +172,7 @@ class FaultRelay:
         return source
 
     def _forward(self, direction, data, sock, to, worker):
-        f, c, rng = self.faults[direction], self.counters[direction], self.rng
+        f, c, rng = self.faults[direction], self.counters[direction], self.rngs[direction]
         c["received"] += 1
         if self.tap is not None:
             self.tap(direction, data, worker)
