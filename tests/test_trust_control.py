@@ -333,7 +333,7 @@ def test_a_flood_of_short_lines_does_not_stall_the_switch_control_port():
     probe, under the same flood, had its answer in 2-11 ms."""
     switch, address = helpers.switch_process(extra=("--threads", "1"))
     try:
-        flooder = subprocess.Popen([sys.executable, "-c", LINE_FLOODER, "127.0.0.1", address.rsplit(":", 1)[1], "8"],
+        flooder = subprocess.Popen([sys.executable, "-c", LINE_FLOODER, *address.rsplit(":", 1), "8"],
                                    stdout=subprocess.PIPE, text=True)
         try:
             time.sleep(1.0)                                     # the flood is under way
