@@ -142,19 +142,22 @@ class Records(MutableMapping):
 
     def __init__(self):
         self._runs = {}
-        self._made = {}   # name -> (the parts, the dict made of them): only readers write it, no lock
+        self._made = {}   # name -> (the run, the dict made of it)
+        self._lock = threading.Lock()   # two executors put (the job's and a process set's), readers make
 
     def put(self, name, algorithm, plan, dtype, nbytes, density, negotiate_s, queue_s, shared, rows=None,
             estimate=None, skew=None, auto=None):
         """shared: the bucket's (Executor._run); rows: a row-sparse tensor's (this rank's, the union's)."""
         run = (algorithm, plan, dtype, nbytes, density, negotiate_s, queue_s, shared, rows, estimate, skew, auto)
-        if recent.put(self._runs, name, run, RECORDS_KEPT):   # some dropped (a process set's executor puts too):
-            # their made dicts go, and any a reader made of a dropped run meanwhile
-            self._made = {n: made for n, made in list(self._made.items()) if n in self._runs}
+        with self._lock:
+            for dropped in recent.put(self._runs, name, run, RECORDS_KEPT):
+                self._made.pop(dropped, None)
 
     def snapshot(self):
         """A dict of every record, read at once: the executor may drop the oldest meanwhile (RECORDS_KEPT)."""
-        return {name: self._record(name, run) for name, run in list(self._runs.items())}
+        with self._lock:
+            runs = list(self._runs.items())
+        return {name: self._record(name, run) for name, run in runs}
 
     def __getitem__(self, name):
         return self._record(name, self._runs[name])
@@ -172,18 +175,24 @@ class Records(MutableMapping):
             record.update(rows=rows[0], union_rows=rows[1], estimate=estimate, skew=skew)
         if auto is not None:   # `auto` measures: its trial or choice
             record["auto"] = auto
-        self._made[name] = (run, record)
+        with self._lock:
+            if self._runs.get(name) is run:   # kept only while its run is (one dropped meanwhile is not)
+                self._made[name] = (run, record)
         return record
 
     def __setitem__(self, name, record):
-        self._runs[name] = record
+        with self._lock:
+            self._runs[name] = record
+            self._made.pop(name, None)
 
     def __delitem__(self, name):
-        del self._runs[name]
-        self._made.pop(name, None)
+        with self._lock:
+            del self._runs[name]
+            self._made.pop(name, None)
 
     def __iter__(self):   # the names now, at once: the executor may add one meanwhile
-        return iter(list(self._runs))
+        with self._lock:
+            return iter(list(self._runs))
 
     def __len__(self):
         return len(self._runs)
