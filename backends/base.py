@@ -43,6 +43,9 @@ class Backend(abc.ABC):
     #   rows      row-sparse tensors (rows, values): implements allreduce_rows; `auto` weighs every
     #             row carrier, and the first dense one, by `traffic`
     carries = {}
+    # its collectives run on ctx.engine, which pairs them by the order they are called in (Gloo, MPI):
+    # two at once on one engine, from two threads, could pair differently on each rank
+    on_engine = False
 
     @classmethod
     def dense_traffic(cls, nbytes, n):

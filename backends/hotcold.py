@@ -5,8 +5,9 @@ calls; at the window's end the ranks sum their counts (one allgather of the touc
 inside the same negotiated call: no extra round, no pause of other tensors) and all take the same
 hot set, the K most updated rows (ties: the lower row). From the next call on, the rows outside
 the hot set go through `hotcold_cold` (the sparse allgather, or omnireduce's row blocks) and beside
-them the hot rows through `hotcold_hot` (switchml: summed in the network, no indices on the wire),
-in one of two ways:
+them the hot rows through `hotcold_hot` (switchml: summed in the network, no indices on the wire;
+the ring: before the cold rows, as two collectives at once on one engine could pair differently on
+each rank), in one of two ways:
   - one round (the default): ONE dense slab of all K hot rows, each with a presence count (so the
     union survives a zero sum), touched or not;
   - with `hotcold_presence`, two rounds: first every rank's bit-packed count of the hot rows it
@@ -42,7 +43,7 @@ this call's `hot_rows` (this rank's rows in the hot set), `slab_rows` (the rows 
 and `cold_rows` (what this rank sent the cold carrier); `counts(name)` gives
 the last window's summed per-row counts (the skew plot of benchmarks/bench_sparse.py).
 """
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -65,6 +66,13 @@ define("hotcold_cold", "sparse_allgather", "hot/cold split: the algorithm for co
 
 F32 = np.dtype("float32")
 FIRST_WINDOW = 4   # calls: the first window is short, a hot set early (refined by each full window after)
+
+
+def _now(call, *args):
+    """call(*args) on this thread, as a done Future (the slab's result where it cannot run beside)."""
+    done = Future()
+    done.set_result(call(*args))
+    return done
 
 
 class _Split:
@@ -194,18 +202,19 @@ class HotColdBackend(Backend):
         split = self._split(name, nrows)
         hot = split.hot
         at, is_hot = self._is_hot(hot, rows)
-        carrier = self._carrier(self.hot_name, "ring")
+        carrier, cold_carrier = self._carrier(self.hot_name, "ring"), self._carrier(self.cold_name, "sparse_allgather")
         cold, pending, slab_rows = ~is_hot, None, 0
         if hot.size:
             slab, finish = (self._shared_slab(carrier, at, is_hot, cold, values, hot, name) if self.presence
                             else self._full_slab(at, is_hot, values, hot))
             slab_rows = slab.shape[0]
-            if slab_rows:   # beside the cold rows (another algorithm, its own sockets)
-                pending = self._pool.submit(carrier.allreduce, slab.reshape(-1), f"{name}.hot")
+            if slab_rows:   # beside the cold rows where the two run apart (their own sockets), else first
+                beside = carrier is not cold_carrier and not (carrier.on_engine and cold_carrier.on_engine)
+                pending = (self._pool.submit if beside else _now)(carrier.allreduce, slab.reshape(-1), f"{name}.hot")
         # no hot rows yet: the cold rows are all rows, whose counts the negotiation carried
         try:
-            out_rows, out_values = reduce_rows(self._carrier(self.cold_name, "sparse_allgather"), rows[cold],
-                                               values[cold], nrows, f"{name}.cold", None if hot.size else counts)
+            out_rows, out_values = reduce_rows(cold_carrier, rows[cold], values[cold], nrows, f"{name}.cold",
+                                               None if hot.size else counts)
         except BaseException:   # the slab's collective ends before the error goes on (its carrier is used next)
             if pending is not None:
                 pending.exception()
@@ -324,4 +333,5 @@ class HotColdBackend(Backend):
         self._pool.shutdown(wait=True)
 
     def stats(self):
-        return {name: dict(split.last, calls=split.calls) for name, split in self._tensors.items()}
+        # the names copied at once: the executor adds a tensor's split meanwhile (commlib.backend_stats())
+        return {name: dict(split.last, calls=split.calls) for name, split in list(self._tensors.items())}

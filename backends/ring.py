@@ -9,6 +9,7 @@ from commlib.backends import Backend, register
 @register
 class RingBackend(Backend):
     name = "ring"
+    on_engine = True
     carries = {"dense": 20, "summable": 10}
     ops = ("sum", "min", "max", "product")
     dtypes = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int8", "uint8", "int32", "int64"))

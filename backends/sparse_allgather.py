@@ -13,6 +13,7 @@ from commlib.sparse import coalesce, index_dtype, payload_bytes
 @register
 class SparseAllgatherBackend(Backend):
     name = "sparse_allgather"
+    on_engine = True
     carries = {"rows": 10}
     ops = ("sum",)
     dtypes = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int32", "int64"))

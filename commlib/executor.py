@@ -217,6 +217,8 @@ class Executor:
     def track(self, entries):
         """Track one submission's entries, all or none (a refused one leaves nothing in flight)."""
         with self._lock:
+            if self.broken is not None:   # a fatal error between the caller's check and here: fail() drained
+                raise self.broken         # what was in flight, and nothing would fail this
             if len(entries) == 1 and entries[0].name not in self._entries:   # allreduce_async's: no batch to build
                 self._entries[entries[0].name] = entries[0]
                 return

@@ -124,9 +124,7 @@ class Runtime:
 
     def _send(self, entries, metas, hurry=False):
         """Track a submission's entries and send their metas: all in flight, or none."""
-        if self.executor.broken:
-            raise self.executor.broken
-        self.executor.track(entries)
+        self.executor.track(entries)   # raises the job's fatal error, if any
         try:
             self.client.submit(metas, hurry)
         except BaseException as exc:   # never sent: nothing of this call stays in flight

@@ -350,7 +350,9 @@ def test_the_first_window_is_short_and_until_it_ends_auto_counts_no_trial_of_hot
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nprocs, hot, cold, presence", [(4, "switchml", "sparse_allgather", "0"),
                                                          (4, "switchml", "sparse_allgather", "1"),
-                                                         (2, "ring", "omnireduce", "1")])
+                                                         (2, "ring", "omnireduce", "1"),
+                                                         (4, "ring", "sparse_allgather", "0"),
+                                                         (2, "ring", "sparse_allgather", "1")])
 def test_hot_cold_split_equals_the_plain_sum_across_re_agreements(nprocs, hot, cold, presence, tmp_path):
     """Zipf ids, the hot set re-agreed every 3 calls (the hot rows carrying half the updates): every
     step's result is the union of the rows, equal to the dense sum (switchml: its quantization),
