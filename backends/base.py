@@ -105,6 +105,13 @@ class Backend(abc.ABC):
     def allreduce(self, array, name):
         """Return the elementwise sum over ranks of `array` (1-D, contiguous) as a new array."""
 
+    def allreduce_apart(self, array, name):
+        """allreduce, run beside another algorithm's collectives on ctx.engine (hotcold's slab beside
+        its cold rows): None where this array would need the engine too (switchml's fallback for
+        values beyond its quantization), and the caller then calls allreduce once the engine is free
+        (every rank alike: the switch flags the array on every rank). Only for a backend not on_engine."""
+        return self.allreduce(array, name)
+
     def allgather(self, array, name):
         """Every rank's 1-D array (lengths may differ), index = rank. Only algorithms that carry
         gathered payloads implement it."""

@@ -68,13 +68,6 @@ F32 = np.dtype("float32")
 FIRST_WINDOW = 4   # calls: the first window is short, a hot set early (refined by each full window after)
 
 
-def _now(call, *args):
-    """call(*args) on this thread, as a done Future (the slab's result where it cannot run beside)."""
-    done = Future()
-    done.set_result(call(*args))
-    return done
-
-
 class _Split:
     """One tensor's state: the agreed hot set and this window's local counts."""
 
@@ -117,7 +110,7 @@ class HotColdBackend(Backend):
                               f"cold={self.cold_name!r} one of {cold_carriers}")
         self._backends = {}
         self._tensors = {}
-        # the slab's collective runs beside the cold rows' (another algorithm, its own sockets); the
+        # the slab's collective runs beside the cold rows' where their carriers run apart (_slab_sum); the
         # executor calls one backend at a time, so nothing else uses the hot carrier meanwhile
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hotcold-slab")
 
@@ -142,11 +135,14 @@ class HotColdBackend(Backend):
     def enabled(self, meta):
         return False   # row-sparse tensors only
 
-    def _carrier(self, name, fallback):
-        return self._backends.get(name) or self._backends[fallback]   # e.g. no switch in this job: the ring
+    def _hot(self):
+        return self._backends.get(self.hot_name) or self._backends["ring"]   # e.g. no switch in this job
+
+    def _cold(self):
+        return self._backends.get(self.cold_name) or self._backends["sparse_allgather"]
 
     def allreduce(self, array, name):
-        return self._carrier(self.hot_name, "ring").allreduce(array, name)
+        return self._hot().allreduce(array, name)
 
     def learning(self, name, shape):
         """Until its first window ends a tensor has no hot set: every row goes cold (a resized table's
@@ -188,8 +184,8 @@ class HotColdBackend(Backend):
         split = self._tensors.get(name)
         hot = split.hot if split is not None and split.window.size == nrows else np.empty(0, np.int64)
         is_hot = self._is_hot(hot, rows)[1]
-        cold = self._carrier(self.cold_name, "sparse_allgather")
-        out = {"hot_k": int(hot.size), "presence": self.presence, "hot": self._carrier(self.hot_name, "ring").name,
+        cold = self._cold()
+        out = {"hot_k": int(hot.size), "presence": self.presence, "hot": self._hot().name,
                "cold_algorithm": cold.name, "cold": int((~is_hot).sum())}
         if self.presence:
             out.update(hot_rows=int(is_hot.sum()), hot_sketch=sketch(rows[is_hot]))
@@ -198,19 +194,29 @@ class HotColdBackend(Backend):
             out[cold.name] = own
         return out
 
+    def _slab_sum(self, carrier, cold_carrier, slab, name):
+        """A Future of the slab's sum: beside the cold rows where the two carriers run apart, else done
+        first, here. Gloo and MPI pair an engine's collectives by call order, so two threads must never
+        call it at once: the ring goes beside only a cold carrier off the engine, and a carrier off it
+        beside one on it runs apart (Backend.allreduce_apart: a None result is summed after the cold rows)."""
+        if carrier is cold_carrier or (carrier.on_engine and cold_carrier.on_engine):
+            done = Future()
+            done.set_result(carrier.allreduce(slab, name))
+            return done
+        return self._pool.submit(carrier.allreduce if carrier.on_engine else carrier.allreduce_apart, slab, name)
+
     def allreduce_rows(self, rows, values, nrows, name, counts=None):
         split = self._split(name, nrows)
         hot = split.hot
         at, is_hot = self._is_hot(hot, rows)
-        carrier, cold_carrier = self._carrier(self.hot_name, "ring"), self._carrier(self.cold_name, "sparse_allgather")
+        carrier, cold_carrier = self._hot(), self._cold()
         cold, pending, slab_rows = ~is_hot, None, 0
         if hot.size:
             slab, finish = (self._shared_slab(carrier, at, is_hot, cold, values, hot, name) if self.presence
                             else self._full_slab(at, is_hot, values, hot))
             slab_rows = slab.shape[0]
             if slab_rows:   # beside the cold rows where the two run apart (their own sockets), else first
-                beside = carrier is not cold_carrier and not (carrier.on_engine and cold_carrier.on_engine)
-                pending = (self._pool.submit if beside else _now)(carrier.allreduce, slab.reshape(-1), f"{name}.hot")
+                pending = self._slab_sum(carrier, cold_carrier, slab.reshape(-1), f"{name}.hot")
         # no hot rows yet: the cold rows are all rows, whose counts the negotiation carried
         try:
             out_rows, out_values = reduce_rows(cold_carrier, rows[cold], values[cold], nrows, f"{name}.cold",
@@ -220,7 +226,10 @@ class HotColdBackend(Backend):
                 pending.exception()
             raise
         if pending is not None:
-            hot_rows, hot_values = finish(pending.result())
+            summed = pending.result()
+            if summed is None:   # it needs the engine after all (switchml's range fallback): free now
+                summed = carrier.allreduce(slab.reshape(-1), f"{name}.hot")
+            hot_rows, hot_values = finish(summed)
             out_rows = np.concatenate([out_rows, hot_rows])
             out_values = np.concatenate([out_values, hot_values.astype(values.dtype, copy=False)])
             order = np.argsort(out_rows, kind="stable")

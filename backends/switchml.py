@@ -433,6 +433,11 @@ class SwitchMLBackend(Backend):
 
     # -- the collective ---------------------------------------------------------------------------------
     def allreduce(self, array, name):
+        out = self.allreduce_apart(array, name)
+        return self._beyond_range(array, name) if out is None else out
+
+    def allreduce_apart(self, array, name):
+        """The switch's sum, or None where some rank's values are beyond int32 quantization (_beyond_range)."""
         self.last_busy_s = self.last_server_share = None
         array = np.ascontiguousarray(array).reshape(-1)
         dtype = array.dtype
@@ -441,7 +446,7 @@ class SwitchMLBackend(Backend):
                                 f"float16 (quantized to int32 on the switch) and int32 (exactly); convert it, or "
                                 f"use algorithm='ring'")
         if dtype == F16:   # float32 holds every float16 exactly; the sum stays float32 so that a sum
-            return self.allreduce(array.astype(F32), name)   # beyond 65504 is averaged before the core rounds it
+            return self.allreduce_apart(array.astype(F32), name)   # beyond 65504 is averaged before the core rounds it
         out = POOL.empty(array.size, dtype)
         if array.size == 0:
             return out
@@ -488,7 +493,7 @@ class SwitchMLBackend(Backend):
             rc |= code
         lib = sw.lib
         if rc & lib.SML_R_RANGE:
-            return self._beyond_range(array, name)
+            return None
         if rc & lib.SML_R_NONFINITE and self.ctx.settings.switch_nonfinite == "error":
             raise InvalidTensor(f"switchml: tensor {name!r} holds Inf or NaN on some rank (switch_nonfinite="
                                 f"'error'); every rank raises this. Check the loss / learning rate, or set "

@@ -232,7 +232,7 @@ class Executor:
     def start_join(self):
         """The handle of this rank's commlib.join: resolved with the last rank to join."""
         with self._lock:
-            if self.broken:
+            if self.broken is not None:
                 raise self.broken
             if self.joining is not None:
                 raise ConfigError("commlib.join() is already waiting on this rank (another thread called it)")

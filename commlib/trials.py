@@ -324,8 +324,8 @@ def _number(value):
 
 class Reports:
     """A rank's side: what it measured of the releases `auto` asked about, for the metadata it
-    submits next under the same name (the executor writes, the caller's thread takes; one dict
-    operation each, atomic under the GIL)."""
+    submits next under the same name (the executor writes, the caller's thread takes: a pop, and
+    recent.put, which is safe beside it)."""
 
     def __init__(self, drift):
         self.drift = drift

@@ -1,5 +1,6 @@
 """Row-sparse tensors (torch sparse COO gradients) through every algorithm, across real processes
 with hard timeouts, against the dense reference; the traffic model behind `auto` for them."""
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -326,6 +327,21 @@ def test_a_tuned_hot_share_chooses_the_hot_set_again_at_once_from_the_last_windo
 
 
 
+@pytest.mark.multiprocess
+def test_a_hot_slab_beyond_the_switchs_range_goes_through_the_ring_after_the_cold_rows():
+    """Rank 0's hottest row holds 2^127 at step 5 (after the first agreement): switchml flags the slab on
+    every rank, which then takes the engine's ring once the cold rows' allgather is done (a ring
+    beside that allgather, from two threads, would pair each rank's collectives differently: a hang)."""
+    env = {"COMMLIB_HOTCOLD_EVERY": "3", "COMMLIB_HOTCOLD_HOT": "switchml", "COMMLIB_HOTCOLD_COLD": "sparse_allgather",
+           "HUGE_STEP": "5"}
+    for result in spawn(2, "sparse_hotcold.py", timeout=300, env=env).check().results():
+        assert result["range_fallbacks"] == 1, result["range_fallbacks"]
+        for step, got in enumerate(result["steps"]):   # the ring's sum is exact: 2^127 stays, the rest sums
+            bound = 1e-4 * max(1.0, got["scale"]) if step != 5 else 1e-5
+            assert got["union"] and got["max_diff"] <= bound, (step, got)
+        assert result["steps"][5]["scale"] >= 2.0 ** 127 and result["steps"][5]["skew"]["slab_rows"] > 0, result["steps"][5]
+
+
 def test_the_first_window_is_short_and_until_it_ends_auto_counts_no_trial_of_hotcold():
     """A hot set after FIRST_WINDOW calls, then one per full window; Backend.learning says whether the
     tensor has none yet (its calls then go all cold: not what a trial should measure)."""
@@ -346,6 +362,59 @@ def test_the_first_window_is_short_and_until_it_ends_auto_counts_no_trial_of_hot
     assert agreed == [FIRST_WINDOW, FIRST_WINDOW + 10], agreed
     assert learning == [True] * FIRST_WINDOW + [False] * 10, learning
     assert backend.learning("t", (120, 4)), "a resized table (an embedding grown by 20 rows) has no hot set yet"
+
+class Carrier:
+    """A one-rank stand-in for a hot or cold carrier: logs (its name, 'engine' or 'own', the thread) at
+    each collective; `beyond_range`: as switchml on values beyond its quantization (the engine's ring)."""
+    dtypes = (np.dtype("float32"),)
+
+    def __init__(self, name, on_engine, calls, beyond_range=False):
+        self.name, self.on_engine, self.calls, self.beyond_range = name, on_engine, calls, beyond_range
+        self.carries = {"rows": 10} if name == "sparse_allgather" else {"dense": 10}
+
+    def _log(self, where):
+        self.calls.append((self.name, where, threading.current_thread().name))
+
+    def allreduce(self, array, name):
+        self._log("engine" if self.on_engine or self.beyond_range else "own")
+        return array.copy()
+
+    def allreduce_apart(self, array, name):
+        if self.beyond_range:
+            return None
+        self._log("own")
+        return array.copy()
+
+    def allreduce_rows(self, rows, values, nrows, name, counts=None):
+        self._log("engine" if self.on_engine else "own")
+        return rows, values
+
+
+@pytest.mark.parametrize("hot, beyond_range, slab_on", [("switchml", False, "hotcold-slab_0"),
+                                                        ("switchml", True, "MainThread"),
+                                                        ("ring", False, "MainThread")])
+def test_the_slab_runs_beside_the_cold_rows_only_off_the_engine_they_use(hot, beyond_range, slab_on):
+    """Gloo and MPI pair an engine's collectives by call order: the cold rows' allgather (on the engine)
+    and the slab's sum never call it from two threads at once. switchml's slab runs beside them (its own
+    sockets) unless its values are beyond its quantization: then its ring runs after the cold rows."""
+    from commlib.settings import Settings
+    calls = []
+    backend = HotColdBackend(SimpleNamespace(rank=0, size=1, settings=Settings(environ={"COMMLIB_HOTCOLD_HOT": hot})))
+    backend.bind({"switchml": Carrier("switchml", False, calls, beyond_range), "ring": Carrier("ring", True, calls),
+                  "sparse_allgather": Carrier("sparse_allgather", True, calls)})
+    backend._split("t", 10).hot = np.array([1, 2, 3])
+    rows, values = np.array([2, 5, 7]), np.arange(12, dtype=np.float32).reshape(3, 4)
+    out_rows, out_values = backend.allreduce_rows(rows, values, 10, "t")
+    np.testing.assert_array_equal(out_rows, rows)
+    np.testing.assert_array_equal(out_values, values)
+    cold = ("sparse_allgather", "engine", "MainThread")
+    slab = (hot, "engine" if hot == "ring" or beyond_range else "own", slab_on)
+    assert sorted(calls) == sorted([cold, slab]), calls
+    engine = [call for call in calls if call[1] == "engine"]
+    assert all(thread == "MainThread" for *_, thread in engine), calls
+    if beyond_range:
+        assert engine == [cold, slab], f"the slab's ring ran before the cold rows' allgather was done: {calls}"
+
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nprocs, hot, cold, presence", [(4, "switchml", "sparse_allgather", "0"),
