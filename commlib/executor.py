@@ -180,6 +180,19 @@ class Records(MutableMapping):
                 self._made[name] = (run, record)
         return record
 
+    def stand_for(self, name, names):
+        """`name`'s record as each of `names`' too (a whole DDP bucket's, as its parameters'), under one lock;
+        where the record has no `auto`, each keeps its own (a run's is its last part, see put)."""
+        record = self.get(name)
+        if record is None:
+            return
+        with self._lock:
+            for other in names:
+                run = None if "auto" in record else self._runs.get(other)
+                decided = run.get("auto") if type(run) is dict else run[-1] if run is not None else None
+                self._runs[other] = record if decided is None else {**record, "auto": decided}
+                self._made.pop(other, None)
+
     def __setitem__(self, name, record):
         with self._lock:
             self._runs[name] = record

@@ -88,6 +88,29 @@ def test_records_can_be_read_while_the_executor_adds_a_name():
     assert records["a"] is records["a"], "the same run reads as the same dict"
 
 
+def test_a_whole_buckets_record_stands_for_its_parameters_each_keeping_its_own_auto():
+    """Records.stand_for (commlib.torch.ddp._stand_for): the bucket's record is each parameter's, whose
+    `auto` (from a run as the executor put it, or a record set whole) stays where the bucket's has none."""
+    from commlib.dispatch import Plan
+    from commlib.executor import Records
+    records, plan, kept = Records(), Plan(((None, "ring"),)), {"choice": "ring", "revisit": 500}
+    records.put("w", "switchml", plan, "float32", 4, None, 0.0, 0.0, {"bucket": "w"}, auto=kept)   # as put
+    records["b"] = {"algorithm": "ring", "auto": {"trial": 3}}                                     # set whole
+    records.put("c", "ring", plan, "float32", 4, None, 0.0, 0.0, {"bucket": "c"})                  # no auto
+    bucket = {"algorithm": "ring", "bucket": "bucket(w+2)"}
+    records["bucket(w+2)"] = bucket
+    records.stand_for("bucket(w+2)", ["w", "b", "c"])
+    assert records["w"] == {**bucket, "auto": kept}, records["w"]
+    assert records["b"] == {**bucket, "auto": {"trial": 3}}, records["b"]
+    assert records["c"] is records["bucket(w+2)"], records["c"]
+    own = {**bucket, "auto": {"choice": "switchml"}}   # a bucket auto planned itself: its own record, as is
+    records["bucket(w+2)"] = own
+    records.stand_for("bucket(w+2)", ["w", "b"])
+    assert records["w"] is own and records["b"] is own
+    records.stand_for("never ran", ["w"])
+    assert records["w"] is own, "a bucket without a record changes nothing"
+
+
 @contextlib.contextmanager
 def switching_often():
     """Threads switch between nearly every two bytecodes: a race a busy host shows once in many runs

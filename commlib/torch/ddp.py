@@ -269,13 +269,8 @@ def _stand_for(name, names):
     current as when they travelled one by one; where the bucket's algorithm came from its parameters'
     runs (CommlibState._kept), each keeps its own `auto` (its trials and kept choice). Before the
     bucket's Future completes, on the thread that completes it (commlib's background thread, which
-    writes records, or the hook's)."""
-    records = runtime().records
-    record = records.get(name)
-    if record is not None:
-        for parameter in names:
-            decided = None if "auto" in record else (records.get(parameter) or {}).get("auto")
-            records[parameter] = record if decided is None else {**record, "auto": decided}
+    writes records, or the hook's: Records.stand_for, one lock for every parameter, on the way to the Future)."""
+    runtime().records.stand_for(name, names)
 
 
 def _value(future):
