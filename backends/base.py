@@ -107,9 +107,13 @@ class Backend(abc.ABC):
 
     def allreduce_apart(self, array, name):
         """allreduce, run beside another algorithm's collectives on ctx.engine (hotcold's slab beside
-        its cold rows): None where this array would need the engine too (switchml's fallback for
-        values beyond its quantization), and the caller then calls allreduce once the engine is free
+        its cold rows): None where this array needs the engine too (switchml's fallback for values
+        beyond its quantization), and the caller then calls allreduce_on_engine once the engine is free
         (every rank alike: the switch flags the array on every rank). Only for a backend not on_engine."""
+        return self.allreduce(array, name)
+
+    def allreduce_on_engine(self, array, name):
+        """The sum of an array allreduce_apart returned None for, through ctx.engine."""
         return self.allreduce(array, name)
 
     def allgather(self, array, name):

@@ -228,7 +228,7 @@ class HotColdBackend(Backend):
         if pending is not None:
             summed = pending.result()
             if summed is None:   # it needs the engine after all (switchml's range fallback): free now
-                summed = carrier.allreduce(slab.reshape(-1), f"{name}.hot")
+                summed = carrier.allreduce_on_engine(slab.reshape(-1), f"{name}.hot")
             hot_rows, hot_values = finish(summed)
             out_rows = np.concatenate([out_rows, hot_rows])
             out_values = np.concatenate([out_values, hot_values.astype(values.dtype, copy=False)])

@@ -434,10 +434,10 @@ class SwitchMLBackend(Backend):
     # -- the collective ---------------------------------------------------------------------------------
     def allreduce(self, array, name):
         out = self.allreduce_apart(array, name)
-        return self._beyond_range(array, name) if out is None else out
+        return self.allreduce_on_engine(array, name) if out is None else out
 
     def allreduce_apart(self, array, name):
-        """The switch's sum, or None where some rank's values are beyond int32 quantization (_beyond_range)."""
+        """The switch's sum, or None where some rank's values are beyond int32 quantization (allreduce_on_engine)."""
         self.last_busy_s = self.last_server_share = None
         array = np.ascontiguousarray(array).reshape(-1)
         dtype = array.dtype
@@ -510,7 +510,7 @@ class SwitchMLBackend(Backend):
     def _inflight(self, stream):
         return max(1, min(stream.slots, round(stream.slots * self._inflight_share)))
 
-    def _beyond_range(self, array, name):
+    def allreduce_on_engine(self, array, name):
         """Finite values with |x| >= 2^127 on some rank cannot be quantized to int32. Every rank sees
         the switch's flag for this tensor, so every rank sends it through the ring instead: a run
         whose gradients diverge for a step and recover keeps going, as under Horovod."""

@@ -363,9 +363,11 @@ def test_the_first_window_is_short_and_until_it_ends_auto_counts_no_trial_of_hot
     assert learning == [True] * FIRST_WINDOW + [False] * 10, learning
     assert backend.learning("t", (120, 4)), "a resized table (an embedding grown by 20 rows) has no hot set yet"
 
+
 class Carrier:
     """A one-rank stand-in for a hot or cold carrier: logs (its name, 'engine' or 'own', the thread) at
-    each collective; `beyond_range`: as switchml on values beyond its quantization (the engine's ring)."""
+    each collective; `beyond_range`: as switchml on values beyond its quantization (allreduce_apart
+    refuses them, allreduce_on_engine is the engine's ring)."""
     dtypes = (np.dtype("float32"),)
 
     def __init__(self, name, on_engine, calls, beyond_range=False):
@@ -376,13 +378,17 @@ class Carrier:
         self.calls.append((self.name, where, threading.current_thread().name))
 
     def allreduce(self, array, name):
-        self._log("engine" if self.on_engine or self.beyond_range else "own")
+        self._log("engine" if self.on_engine else "own")
         return array.copy()
 
     def allreduce_apart(self, array, name):
         if self.beyond_range:
             return None
         self._log("own")
+        return array.copy()
+
+    def allreduce_on_engine(self, array, name):
+        self._log("engine")
         return array.copy()
 
     def allreduce_rows(self, rows, values, nrows, name, counts=None):
