@@ -161,8 +161,9 @@ class Link:
         self._out, self._in = (b"s", b"c") if server else (b"c", b"s")
         self._sent = self._received = 0
 
-    def send(self, msg):
-        body = _body(msg)
+    def send(self, msg, body=None):
+        """body: msg already encoded (_body), where one message goes to every rank (encoded once)."""
+        body = _body(msg) if body is None else body
         tag = self._tag(self._out, self._sent, body)
         self._sent += 1
         try:
@@ -726,10 +727,14 @@ class ControllerServer:
         self._send_to(self._clients, msg)
 
     def _send_to(self, ranks, msg):
+        body = _body(msg)
         for rank in ranks:
             link = self._clients.get(rank)
             if link is not None and rank not in self._done:
-                _quietly(link.send, msg)   # a lost rank is reported when its socket reads EOF
+                try:
+                    link.send(msg, body)
+                except OSError:   # a lost rank is reported when its socket reads EOF
+                    pass
 
 
 def _quietly(call, arg):
@@ -764,7 +769,9 @@ class ControllerClient:
         self.rank = rank
         self.timeout_s = timeout_s
         self.cycle_s = cycle_time_ms / 1000.0
-        self.events = queue.Queue()       # "go" and "error" messages, in server order
+        # "go" and "error" messages, in server order (SimpleQueue: the background thread's wake-up after
+        # a go is on every step's path, and Queue's Condition made it a Python-level hand-off)
+        self.events = queue.SimpleQueue()
         self._gathered = {}
         self._cond = threading.Condition()
         self._closed = False
