@@ -37,7 +37,6 @@ a thread inside every worker (colocated mode), or a role of another daemon (`ser
 """
 import hashlib
 import logging
-import math
 import secrets
 import socket
 import threading
@@ -98,12 +97,9 @@ class Limits:
 
 
 def job_bytes(params):
-    """The memory omr_agg_add_job reserves for a job (switch/csrc/omnireduce_aggregator.c): two sets
-    of slots for this aggregator's share of the columns, each with a block, its shadow sets and a
-    few bytes per worker."""
+    """The memory omr_agg_add_job allocates for a job of these (checked) parameters, as C counts it."""
     size, columns, aggregators, index, block = (params[name] for name in _PARAMS)
-    slots = 2 * max(0, math.ceil((columns - index) / aggregators))
-    return slots * (size * 9 + block * 4 * (1 + lib.OMR_SETS) + 64) + size * 32
+    return lib.omr_agg_job_bytes(size, columns, aggregators, index, block)
 
 
 def _check_params(params):

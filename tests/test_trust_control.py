@@ -400,6 +400,34 @@ def test_aggregator_survives_hostile_control_packets():
         aggregator.close()
 
 
+def _vm_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+
+
+@pytest.mark.parametrize("size,block", [(4096, 1), (2, 16000)])   # per-worker state, then blocks, dominating
+def test_a_registrations_limit_counts_what_the_aggregator_allocates(size, block):
+    """job_bytes is what the limits are checked against: C's own count of omr_agg_add_job's memory, not an
+    estimate (one that left out the 8-byte `asked` per worker and state let a job reserve 1.9x its limit)."""
+    from commlib._native import lib
+    params = {"size": size, "columns": (64 << 20) // (2 * (size * 17 + block * 36 + 400)), "aggregators": 1,
+              "index": 0, "block": block}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        aggregator = lib.omr_agg_new(sock.fileno(), 12345)
+        try:
+            before = _vm_kib()
+            job = lib.omr_agg_add_job(aggregator, 7, size, params["columns"], 1, 0, block, 0.0, 0.0, agg.ffi.NULL, 0)
+            grown = (_vm_kib() - before) << 10
+            assert job >= 0
+            lib.omr_agg_remove_job(aggregator, job)
+        finally:
+            lib.omr_agg_free(aggregator)
+    counted = agg.job_bytes(params)
+    assert 0.9 * counted <= grown <= counted + (1 << 20), (f"omr_agg_add_job mapped {grown >> 20} MiB for {params}, "
+                                                          f"job_bytes counts {counted >> 20} MiB")
+
+
 def test_aggregator_caps_what_a_registration_reserves():
     aggregator = agg.Aggregator("127.0.0.1", 0).start()
     try:

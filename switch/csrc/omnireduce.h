@@ -179,6 +179,9 @@ omr_agg *omr_agg_new(int fd, uint64_t seed);
  * (TP_MAC_*, transport.h) */
 int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs, int agg_index, int block,
                     double loss, double dup, const uint8_t *mac_key, int mac);
+/* the bytes omr_agg_add_job allocates for a job of these arguments (valid ones): what a registration's
+ * memory limit is checked against */
+size_t omr_agg_job_bytes(int nworkers, int ncols, int naggs, int agg_index, int block);
 int omr_agg_set_worker(omr_agg *a, int job, int rank, const char *ip, int port);
 void omr_agg_remove_job(omr_agg *a, int job);
 /* how long the job's most silent registered rank sent nothing valid (data, keepalive), in s */

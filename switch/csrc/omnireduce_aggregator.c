@@ -106,6 +106,19 @@ void omr_agg_free(omr_agg *a) {
     free(a);
 }
 
+/* this aggregator's slots of a job's columns (every naggs-th from agg_index) */
+static size_t slots_of(int ncols, int naggs, int agg_index) {
+    return agg_index < ncols ? ((size_t)ncols - agg_index + naggs - 1) / naggs : 0;
+}
+
+size_t omr_agg_job_bytes(int nworkers, int ncols, int naggs, int agg_index, int block) {
+    size_t nst = slots_of(ncols, naggs, agg_index) * 2, nw = (size_t)nworkers, bbytes = (size_t)block * 4;
+    return nw * (sizeof(struct sockaddr_in) + 1 + sizeof(uint64_t))             /* addr, has_addr, alive */
+         + (nst ? nst : 1) * sizeof(omr_state)
+         + (nst * nw + 1) * (sizeof(uint64_t) + 2 * sizeof(uint32_t) + 1)     /* askeds, nexts, acks, seens */
+         + (nst * bbytes + 1) + (nst * OMR_SETS * bbytes + 1);                 /* accs, datas */
+}
+
 int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs, int agg_index, int block,
                     double loss, double dup, const uint8_t *mac_key, int mac) {
     if (nworkers < 1 || nworkers > OMR_MAX_WORKERS || ncols < 1 || naggs < 1 || agg_index < 0 ||
@@ -123,8 +136,9 @@ int omr_agg_add_job(omr_agg *a, uint32_t key, int nworkers, int ncols, int naggs
         return -1;
     }
     j->block = block; j->bbytes = (size_t)block * 4; j->loss = loss; j->dup = dup;
-    j->nslots = agg_index < ncols ? (ncols - agg_index + naggs - 1) / naggs : 0;
+    j->nslots = (int)slots_of(ncols, naggs, agg_index);
     size_t nst = (size_t)j->nslots * 2, nw = (size_t)nworkers;
+    /* what omr_agg_job_bytes counts: a change here changes it too */
     j->addr = calloc(nw, sizeof *j->addr);
     j->has_addr = calloc(nw, 1);
     j->alive = calloc(nw, sizeof *j->alive);
