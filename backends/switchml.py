@@ -427,7 +427,7 @@ class SwitchMLBackend(Backend):
         while not self._stopping.wait(every_s):
             for switch in self._switches:
                 try:
-                    switch.client.keepalive(switch.job)
+                    switch.client.keepalive(switch.job, self.token)
                 except CommError as exc:
                     log.warning("switchml: keepalive of job #%s on %s failed: %s", switch.job, switch.address, exc)
 

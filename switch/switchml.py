@@ -27,7 +27,7 @@ are under its own stream key (auth.stream_key), so two streams never share a non
             "endpoints": [{"port": p, "slots": w}, ...]}   (job 0..255; stream i goes to shard i's port with
         w of the W slots x 2 sets; on a switch with a daemon key, the job's packets carry MACs under
         auth.stream_key(auth.job_key(key, N), i) unless "authenticate" is false)
-    {"op": "keepalive", "job": n, "rank": r}        rank r of the job lives (every rank, every expiry_s / 4)
+    {"op": "keepalive", "job": n, "rank": r, "token": t}   rank r of the job lives (every rank, every expiry_s / 4)
     {"op": "leaf", "job": n, "rank": r, "token": t} a leaf's probe of its parent (SwitchServer._confirm):
                                                     confirmed only from the address registered for rank r
     {"op": "unregister", "job": n, "rank": r}       frees the job's slots (any rank that ends)
@@ -41,8 +41,9 @@ carries `seq` and `mac` under the job key (auth.job_key(daemon key, nonce)), whi
 the daemon key can compute; a job's keepalive, unregister and counters are signed with that job
 key (or the daemon key: the operator); switch-wide counters and simulate with the daemon key. A
 seq is accepted once per sender (auth.Replays' window) and a nonce registers once, so a sniffed request cannot be replayed. A
-switch without a key (a trusted fabric) takes unsigned requests and the job's token for
-unregister and counters. Limits (`Limits`) cap slots per job, and jobs and slots per source
+switch without a key (a trusted fabric) takes unsigned requests with the job's token for
+keepalive and unregister (and counters: a wrong one is refused), so a stranger who read `status` can
+neither end a job nor keep a dead one's slots. Limits (`Limits`) cap slots per job, and jobs and slots per source
 address; a job one of whose ranks sent no keepalive for expiry_s is removed (a rank died).
 
 Only the registered address of each rank, with the job's token, can touch the job's slots;
@@ -392,8 +393,8 @@ class SwitchServer:
             raise ConfigError(f"job #{number} is not registered on this switch")
         if self.key is None:
             token = request.get("token")
-            if request.get("op") != "keepalive" and token is not None and int(token) != job.token or \
-                    request.get("op") == "unregister" and token is None:
+            if token is not None and int(token) != job.token or \
+                    token is None and request.get("op") in ("keepalive", "unregister"):
                 raise control.Refused("bad_token", f"job #{number} with that token is not registered on this switch")
             return job
         if auth.verify(job.key, request):
@@ -729,8 +730,8 @@ class SwitchClient:
     def unregister(self, job, token=None):
         return self.request("unregister", job=job, **({} if token is None else {"token": token}))
 
-    def keepalive(self, job):
-        return self.request("keepalive", job=job)
+    def keepalive(self, job, token=None):
+        return self.request("keepalive", job=job, **({} if token is None else {"token": token}))
 
     def counters(self, job=None, token=None):
         fields = {} if job is None else {"job": job}

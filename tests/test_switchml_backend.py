@@ -222,6 +222,23 @@ def test_a_late_rank_costs_the_others_one_probe_per_timer_not_their_window():
     assert 1 <= rank0["resends"] <= 16, f"rank 0 resent {rank0['resends']} packets waiting for a late rank (window 64)"
 
 
+def test_a_job_on_a_keyless_switch_outlives_its_expiry_by_its_keepalives():
+    """On a keyless switch a keepalive carries the job's token (a stranger's, without it, is refused): the
+    job's own keep it registered across several expiries."""
+    with sw.SwitchServer("127.0.0.1", 0, slots=512, job_expiry_s=1.0) as server:
+        def work(rank, backend):
+            end, sums = time.monotonic() + 3.0, 0
+            while time.monotonic() < end:
+                sums += int(backend.allreduce(np.ones(1000, np.float32), "x")[0])
+                time.sleep(0.05)
+            return sums, backend.job
+
+        (sums, job), _ = run(2, work, switch_addr=server.address, authenticate=False)
+        assert sums > 0 and sums % 2 == 0
+        drops = server.drops.snapshot()
+        assert "bad_token" not in drops and "jobs_expired" not in drops, drops
+
+
 def test_two_jobs_share_one_switch():
     with sw.SwitchServer("127.0.0.1", 0, slots=512) as server:
         outs = {}

@@ -209,6 +209,24 @@ def test_jobs_without_keepalives_expire_and_free_their_slots():
         assert server.drops.snapshot()["jobs_expired"] == 1
 
 
+def test_a_keyless_switch_takes_a_keepalive_only_with_the_jobs_token():
+    """`status` lists a keyless switch's jobs to anyone: a keepalive without the token would let a stranger
+    keep a job whose ranks died registered, its slots never freed."""
+    with sw.SwitchServer("127.0.0.1", 0, slots=64, job_expiry_s=2.0) as server:
+        client = sw.SwitchClient(server.address, rank=0)
+        job = client.register(4660, [["127.0.0.1", 9]], 32, 64)["job"]
+        for token in (None, 4661):
+            with pytest.raises(ConfigError, match="with that token is not registered"):
+                client.keepalive(job, token)
+        assert client.keepalive(job, 4660) == {"expiry_s": 2.0}
+        deadline = time.monotonic() + 6           # the stranger keeps sending; the job still expires
+        while server.status()["jobs"] and time.monotonic() < deadline:
+            with pytest.raises(ConfigError):
+                client.keepalive(job)
+            time.sleep(0.2)
+        assert server.status()["jobs"] == {} and server.drops.snapshot()["bad_token"] >= 2
+
+
 @pytest.mark.long   # a rank that dies: waits out the switch's expiry on purpose
 def test_a_dead_rank_ends_its_switchml_job(tmp_path):
     """Rank 0 dying left its job registered for good (128 slots per crash). Now every rank keeps the
