@@ -12,6 +12,8 @@ Hostile input: `answer` turns every failure of a handler into an error answer an
 reason in the daemon's `Drops`, so no request ends a serving loop. `LineServer` serves the switch's
 TCP control port from one thread: bounded connections (the oldest idle one makes room for a new
 one), bounded line size, a bounded number of lines per connection and round, idle connections closed.
+A request whose answer waits on the network (a leaf's probe of its parent) is `Deferred`: it runs on
+a thread of its own, a bounded number at a time, so no request stalls the others' (keepalives).
 
 Readiness: a daemon prints one line `READY host:port[,host:port...]` on stdout once every
 endpoint serves, and writes the same addresses to a file when given one (--port-file);
@@ -86,7 +88,8 @@ def answer(handle, request, drops=None):
     if request is None:
         return refuse("malformed", 'a request is one JSON object, e.g. {"op": "status"}')
     try:
-        return {"ok": True, **handle(request)}
+        fields = handle(request)
+        return fields if isinstance(fields, Deferred) else {"ok": True, **fields}
     except Refused as exc:
         return refuse(exc.reason, str(exc))
     except OverflowError as exc:   # cffi: a number beyond its C type that no check caught
@@ -99,6 +102,18 @@ def answer(handle, request, drops=None):
         log.exception("control request %.200r failed", request)
         return refuse("internal", f"the daemon could not handle the request ({type(exc).__name__}); it was "
                                   f"counted and the daemon keeps serving")
+
+
+class Deferred:
+    """What a handler returns for a request whose answer waits on the network: `work()` gives its
+    fields, run off the serving thread (LineServer), or here by `answer`."""
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+    def answer(self, drops=None):
+        return answer(lambda _: self.work(), {}, drops)
 
 
 def pad(request, size):
@@ -185,22 +200,32 @@ class LineServer:
     selector (the rest wait in its buffer, and it reads no more until they are answered), so one
     client's flood of lines delays the others' requests by a round, not by its length; an empty
     line gets no answer (counted as empty_lines). `handle(request, source_ip)` answers one decoded
-    request; `tick()` runs every `tick_s` (expiry of jobs)."""
+    request; `tick()` runs every `tick_s` (expiry of jobs). A `Deferred` answer runs on a thread of its
+    own, at most `max_deferred` at a time and `max_deferred_per_source` for one address (beyond them
+    refused as busy); its connection's later lines wait for it."""
 
     def __init__(self, sock, handle, drops, max_connections=256, max_per_source=16, max_line=64 << 10,
-                 max_pending=1 << 20, idle_s=30.0, tick=None, tick_s=0.25, lines_per_round=64):
+                 max_pending=1 << 20, idle_s=30.0, tick=None, tick_s=0.25, lines_per_round=64, max_deferred=8,
+                 max_deferred_per_source=2):
         self.sock, self.handle, self.drops = sock, handle, drops
         self.max_per_source, self.lines_per_round = max_per_source, lines_per_round
         self.max_connections, self.max_line, self.max_pending, self.idle_s = max_connections, max_line, \
             max_pending, idle_s
         self.tick, self.tick_s = tick, tick_s
+        self.max_deferred, self.max_deferred_per_source = max_deferred, max_deferred_per_source
         self._conns = {}   # socket -> _Conn
+        self._deferred = Counter()              # address -> its requests running off this thread
+        self._settled = queue.SimpleQueue()     # (socket, address, answer) of those done
 
     def serve(self, stop):
         """Until `stop` (an Event) is set or the listening socket is closed."""
         self.sock.setblocking(False)
-        with selectors.DefaultSelector() as sel:
+        self._wake, wake_reader = socket.socketpair()   # a deferred answer is ready
+        for end in (self._wake, wake_reader):
+            end.setblocking(False)
+        with selectors.DefaultSelector() as sel, self._wake, wake_reader:
             sel.register(self.sock, selectors.EVENT_READ)
+            sel.register(wake_reader, selectors.EVENT_READ)
             self._sel = sel
             next_tick = time.monotonic()
             try:
@@ -209,6 +234,8 @@ class LineServer:
                         try:
                             if key.fileobj is self.sock:
                                 self._accept()
+                            elif key.fileobj is wake_reader:
+                                self._settle(wake_reader)
                             else:
                                 self._serve(key.fileobj, events)
                         except Exception:   # a bug in our own bookkeeping: drop that connection, keep serving
@@ -268,7 +295,7 @@ class LineServer:
                 state.closing = True
             elif data:
                 state.inbuf += data
-        self._answer_lines(state)
+        self._answer_lines(conn, state)
         if len(state.inbuf) > self.max_line and not self._has_line(state):
             self.drops.add("oversize")
             state.out += encode({"ok": False, "error": f"a request line is at most {self.max_line} bytes"})
@@ -284,8 +311,8 @@ class LineServer:
         if len(state.out) > self.max_pending:
             self.drops.add("unread_answers")
             return self._close(conn)
-        backlog = self._has_line(state)
-        if state.closing and not state.out and not backlog:
+        backlog = self._has_line(state) and not state.waiting
+        if state.closing and not state.out and not backlog and not state.waiting:
             return self._close(conn)
         # a closing connection reads no more; lines left for the next rounds wait on EVENT_WRITE too: a
         # writable socket brings them back at once, even with no new data; one whose client reads nothing
@@ -293,24 +320,69 @@ class LineServer:
         self._sel.modify(conn, (0 if state.closing else selectors.EVENT_READ) |
                          (selectors.EVENT_WRITE if state.out or backlog else 0))
 
-    def _answer_lines(self, state):
+    def _answer_lines(self, conn, state):
         """Answers at most `lines_per_round` of the lines in `state.inbuf`, none once its answers pass
-        `max_pending`, and leaves the rest there: a burst of lines costs the serving thread a bounded
-        slice of one round (found by offset, the buffer cut once: no copy of its rest per line)."""
+        `max_pending` or while one is deferred, and leaves the rest there: a burst of lines costs the
+        serving thread a bounded slice of one round (found by offset, the buffer cut once: no copy of
+        its rest per line)."""
         start, empty = 0, 0
         for _ in range(self.lines_per_round):
             end = state.inbuf.find(b"\n", start, start + self.max_line + 1)
-            if end < 0 or len(state.out) > self.max_pending:
+            if end < 0 or len(state.out) > self.max_pending or state.waiting:
                 break
             if end == start:                # no request, so no answer: a flood of them is cheap
                 empty += 1
             else:
                 line = bytes(state.inbuf[start:end])
-                state.out += encode(answer(lambda r: self.handle(r, state.host), decode(line), self.drops))
+                reply = answer(lambda r: self.handle(r, state.host), decode(line), self.drops)
+                if isinstance(reply, Deferred):
+                    reply = self._defer(conn, state, reply)
+                if reply is not None:
+                    state.out += encode(reply)
             start = end + 1
         del state.inbuf[:start]
         if empty:
             self.drops.add("empty_lines", empty)
+
+    def _defer(self, conn, state, deferred):
+        """Start `deferred` on a thread of its own (None), or the refusal when too many run."""
+        if sum(self._deferred.values()) >= self.max_deferred or \
+                self._deferred[state.host] >= self.max_deferred_per_source:
+            self.drops.add("busy")
+            return {"ok": False, "error": "the daemon is busy with other requests that wait on the network; "
+                                         "try again in a few seconds"}
+        self._deferred[state.host] += 1
+        state.waiting = True
+
+        def run():
+            self._settled.put((conn, state.host, deferred.answer(self.drops)))
+            try:
+                self._wake.send(b"!")
+            except OSError:                 # full (a wake-up is pending anyway) or closed (stopped)
+                pass
+
+        threading.Thread(target=run, name="commlib-control-deferred", daemon=True).start()
+        return None
+
+    def _settle(self, wake_reader):
+        """Send the deferred answers that are ready, and go on with their connections' lines."""
+        try:
+            wake_reader.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            pass
+        while True:
+            try:
+                conn, host, reply = self._settled.get_nowait()
+            except queue.Empty:
+                return
+            self._deferred[host] -= 1
+            if not self._deferred[host]:
+                del self._deferred[host]
+            state = self._conns.get(conn)
+            if state is not None:           # else closed meanwhile: nobody reads the answer
+                state.out += encode(reply)
+                state.waiting = False
+                self._serve(conn, 0)
 
     def _has_line(self, state):
         """Whether the first line in `state.inbuf` is whole and at most `max_line` bytes: one to answer."""
@@ -333,8 +405,9 @@ class LineServer:
 
 
 class _Conn:
-    __slots__ = ("host", "inbuf", "out", "active", "closing")
+    __slots__ = ("host", "inbuf", "out", "active", "closing", "waiting")
 
     def __init__(self, host):
         self.host, self.inbuf, self.out, self.active, self.closing = host, bytearray(), bytearray(), \
             time.monotonic(), False
+        self.waiting = False   # for a deferred answer

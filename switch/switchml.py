@@ -51,6 +51,7 @@ anything else is dropped and counted. Several jobs share one switch, each in its
 The drop simulator acts on every job at once, so `simulate` answers only on a switch started
 for testing (`commlib-switch --testing`, `SwitchServer(testing=True)`); elsewhere it is refused.
 """
+import functools
 import hashlib
 import ipaddress
 import logging
@@ -318,7 +319,8 @@ class SwitchServer:
 
     # -- control operations ------------------------------------------------------------------------
     def handle(self, request, source=None):
-        """The fields of the answer to one control request from `source` (an IP address)."""
+        """The fields of the answer to one control request from `source` (an IP address), or a
+        control.Deferred of them (a leaf's register, which waits on its parent)."""
         with self._lock:
             if not self._shards:
                 raise ValueError("the switch is shutting down")
@@ -332,11 +334,13 @@ class SwitchServer:
             if self.key is not None:
                 key = auth.job_key(self.key, nonce)
                 self._authenticate(request, key, ("register", nonce), "register")
-            return self.register(int(request["token"]), request.get("streams") or request["workers"],
-                                 int(request.get("slots", 128)), int(request.get("elems", 256)), nonce, key, source,
-                                 authenticate=request.get("authenticate", True) is not False,
-                                 streams="streams" in request, parent=request.get("parent"),
-                                 mac=request.get("packet_mac", packet_mac.PORTABLE))
+            register = functools.partial(
+                self.register, int(request["token"]), request.get("streams") or request["workers"],
+                int(request.get("slots", 128)), int(request.get("elems", 256)), nonce, key, source,
+                authenticate=request.get("authenticate", True) is not False, streams="streams" in request,
+                parent=request.get("parent"), mac=request.get("packet_mac", packet_mac.PORTABLE))
+            # a leaf first asks its parent's control port (_confirm, up to CONFIRM_TIMEOUT_S): off this thread
+            return register() if request.get("parent") is None else control.Deferred(register)
         if op in ("unregister", "keepalive", "leaf") or (op == "counters" and request.get("job") is not None):
             job = self._job(request)
             if op == "leaf":
@@ -433,9 +437,15 @@ class SwitchServer:
         addrs = [[_ipv4_port(worker) for worker in w] for w in lists]
         shares = split(slots, len(lists))
         algorithm = packet_mac.code(mac)
-        up = self._parent(parent, len(lists), key is not None and authenticate) if parent is not None else None
+        up = None
+        if parent is not None:
+            with self._lock:   # a replay or a request beyond the limits probes no parent
+                self._admit(slots, nonce, source)
+            up = self._parent(parent, len(lists), key is not None and authenticate)
         with self._lock:
-            self._admit(slots, nonce, source)
+            if not self._shards:
+                raise ValueError("the switch is shutting down")
+            self._admit(slots, nonce, source)   # (again: jobs came while the parent answered)
             parents = set() if up is None else {(i, ip, port, parent["job"]) for i, (ip, port, _) in enumerate(up)}
             if any(parents & job.parents for job in self._jobs.values()):   # the parent's results would go to either
                 raise control.Refused("parent", f"another job on this switch is a leaf of job #{parent['job']} at "

@@ -227,6 +227,38 @@ def test_a_keyless_switch_takes_a_keepalive_only_with_the_jobs_token():
         assert server.status()["jobs"] == {} and server.drops.snapshot()["bad_token"] >= 2
 
 
+def test_registers_naming_a_silent_parent_stall_no_one_elses_request():
+    """A leaf's register asks the parent's control port first (up to 3 s): that ran on the one control
+    thread, so a stranger's lines naming a port that never answers stalled every job's keepalives until
+    the jobs expired. Now the probes run off it, at most 2 per address at a time (beyond: "busy")."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)                             # takes connections, never answers
+    with silent, sw.SwitchServer("127.0.0.1", 0, slots=64, job_expiry_s=2.0) as server:
+        client = sw.SwitchClient(server.address, timeout=1.0, rank=0)
+        job = client.register(4660, [["127.0.0.1", 9]], 8, 64)["job"]
+        parent = {"address": "127.0.0.1:9", "ports": [9], "job": 0, "rank": 0, "token": 1,
+                  "control": f"127.0.0.1:{silent.getsockname()[1]}"}
+        line = control.encode({"op": "register", "token": 7, "workers": [["127.0.0.1", 9]], "slots": 1, "elems": 1,
+                               "parent": parent})
+        host, port = server.address.split(":")
+        strangers = [socket.create_connection((host, int(port))) for _ in range(4)]
+        for stranger in strangers:
+            stranger.sendall(line * 8)
+        try:
+            for _ in range(10):                   # 5 s: over 2 expiries, while the probes wait 3 s each
+                assert client.keepalive(job, 4660) == {"expiry_s": 2.0}
+                time.sleep(0.5)
+            assert job in map(int, server.status()["jobs"])
+            assert server.drops.snapshot().get("busy", 0) >= 2, server.drops.snapshot()
+            strangers[0].settimeout(10)
+            answer = control.decode(strangers[0].makefile("rb").readline())
+            assert answer["ok"] is False and "did not confirm" in answer["error"], answer
+        finally:
+            for stranger in strangers:
+                stranger.close()
+
+
 @pytest.mark.long   # a rank that dies: waits out the switch's expiry on purpose
 def test_a_dead_rank_ends_its_switchml_job(tmp_path):
     """Rank 0 dying left its job registered for good (128 slots per crash). Now every rank keeps the
@@ -418,29 +450,30 @@ def test_aggregator_survives_hostile_control_packets():
         aggregator.close()
 
 
-def _vm_kib():
+_MAPPED = """
+import socket, sys
+from commlib._native import ffi, lib
+def vm():
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+size, columns, block = map(int, sys.argv[1:])
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+aggregator = lib.omr_agg_new(sock.fileno(), 12345)
+before = vm()
+assert lib.omr_agg_add_job(aggregator, 7, size, columns, 1, 0, block, 0.0, 0.0, ffi.NULL, 0) >= 0
+print(vm() - before)
+"""
 
 
 @pytest.mark.parametrize("size,block", [(4096, 1), (2, 16000)])   # per-worker state, then blocks, dominating
 def test_a_registrations_limit_counts_what_the_aggregator_allocates(size, block):
     """job_bytes is what the limits are checked against: C's own count of omr_agg_add_job's memory, not an
-    estimate (one that left out the 8-byte `asked` per worker and state let a job reserve 1.9x its limit)."""
-    from commlib._native import lib
+    estimate (one that left out the 8-byte `asked` per worker and state let a job reserve 1.9x its limit).
+    Measured in a process of its own, whose heap has no free room to hide an allocation in."""
     params = {"size": size, "columns": (64 << 20) // (2 * (size * 17 + block * 36 + 400)), "aggregators": 1,
               "index": 0, "block": block}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        aggregator = lib.omr_agg_new(sock.fileno(), 12345)
-        try:
-            before = _vm_kib()
-            job = lib.omr_agg_add_job(aggregator, 7, size, params["columns"], 1, 0, block, 0.0, 0.0, agg.ffi.NULL, 0)
-            grown = (_vm_kib() - before) << 10
-            assert job >= 0
-            lib.omr_agg_remove_job(aggregator, job)
-        finally:
-            lib.omr_agg_free(aggregator)
+    grown = int(subprocess.run([sys.executable, "-c", _MAPPED, str(size), str(params["columns"]), str(block)],
+                               capture_output=True, text=True, timeout=60, check=True).stdout)
     counted = agg.job_bytes(params)
     assert 0.9 * counted <= grown <= counted + (1 << 20), (f"omr_agg_add_job mapped {grown >> 20} MiB for {params}, "
                                                           f"job_bytes counts {counted >> 20} MiB")

@@ -117,6 +117,8 @@ def switch_control(data):
     fdp = atheris.FuzzedDataProvider(data)
     server = _switches[fdp.ConsumeIntInRange(0, 1)]
     reply = control.answer(lambda r: server.handle(r, "10.0.0.1"), _request(fdp), server.drops)
+    if isinstance(reply, control.Deferred):                 # a leaf's register: its probe of the parent here
+        reply = reply.answer(server.drops)
     _check_answer(reply, server.drops)
     with server._lock:
         for i, (_, shard) in enumerate(server._shards):      # each thread's pool against the jobs' shares on it
