@@ -61,14 +61,20 @@ class Faults:
 
 
 class FaultRelay:
-    """UDP (with faults) and TCP (pass-through) relay in front of `target` (host, port)."""
+    """UDP (with faults) and TCP (pass-through) relay in front of `target` (host, port). Bounded: at
+    most MAX_PEERS source addresses get a socket towards the target (datagrams from more are lost and
+    counted as unlinked) and MAX_STREAMS TCP connections pass through at a time, so a flood of sources
+    cannot exhaust its file descriptors and stop it for the job behind it."""
+
+    MAX_PEERS, MAX_STREAMS = 1024, 64
 
     def __init__(self, target, up=Faults(), down=Faults(), seed=0, host="127.0.0.1"):
         self.target, self.faults, self.host = tuple(target), {"up": up, "down": down}, host
         self.rngs = {"up": random.Random(2 * seed), "down": random.Random(2 * seed + 1)}
         self.tap = None
-        self.counters = {d: dict.fromkeys(("received", "sent", "lost", "duplicated", "reordered"), 0)
+        self.counters = {d: dict.fromkeys(("received", "sent", "lost", "duplicated", "reordered", "unlinked"), 0)
                          for d in ("up", "down")}
+        self._streams = threading.BoundedSemaphore(self.MAX_STREAMS)
         self._front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._front.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self._tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -161,15 +167,20 @@ class FaultRelay:
             except OSError:      # ICMP from a closed port, reported on the next receive
                 continue
             if sock is self._front:
-                self._forward("up", data, self._back[self._peer(source)], None, source)
+                back = self._back.get(source)
+                if back is None and len(self._back) < self.MAX_PEERS:
+                    try:
+                        self.link(source)
+                        back = self._back[source]
+                    except OSError:   # out of descriptors or ports: lost, as on a full wire
+                        pass
+                if back is None:
+                    self.counters["up"]["unlinked"] += 1
+                    continue
+                self._forward("up", data, back, None, source)
             else:
                 worker = self._worker_of[sock]
                 self._forward("down", data, self._front, worker, worker)
-
-    def _peer(self, source):
-        if source not in self._back:
-            self.link(source)
-        return source
 
     def _forward(self, direction, data, sock, to, worker):
         f, c, rng = self.faults[direction], self.counters[direction], self.rngs[direction]
@@ -218,17 +229,25 @@ class FaultRelay:
             try:
                 client, _ = self._tcp.accept()
             except OSError:
-                return
+                if self._stop.is_set():
+                    return
+                time.sleep(0.05)   # out of descriptors: the connections that end free some
+                continue
+            if not self._streams.acquire(blocking=False):
+                client.close()     # MAX_STREAMS pass through already
+                continue
             try:
                 server = socket.create_connection(self.target, timeout=10.0)
             except OSError:
                 client.close()
+                self._streams.release()
                 continue
+            ends = threading.Barrier(2, action=self._streams.release)   # both directions done: one stream less
             for a, b in ((client, server), (server, client)):
-                threading.Thread(target=_pipe, args=(a, b), daemon=True).start()
+                threading.Thread(target=_pipe, args=(a, b, ends), daemon=True).start()
 
 
-def _pipe(src, dst):
+def _pipe(src, dst, ends):
     try:
         while True:
             data = src.recv(65536)
@@ -243,6 +262,10 @@ def _pipe(src, dst):
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        try:
+            ends.wait()
+        finally:
+            src.close()
 
 
 def relayed(backend_cls, faults, seed=0):

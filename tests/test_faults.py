@@ -197,3 +197,27 @@ def test_relay_applies_each_fault():
     assert len(got) == 500 - c["lost"] + c["duplicated"]
     assert sources == {seen_by_target}
     assert any(b < a for a, b in zip(got, got[1:])), "nothing was reordered"
+
+
+def test_a_flood_of_sources_leaves_the_relay_forwarding_for_its_own_workers(monkeypatch):
+    """A socket per source address: a flood of sources took every file descriptor and one EMFILE ended
+    the relay's UDP thread, so nothing was forwarded for anyone. Now beyond MAX_PEERS they are lost and
+    counted, and the workers linked before still get through."""
+    import socket
+    monkeypatch.setattr(FaultRelay, "MAX_PEERS", 4)
+    target = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    target.bind(("127.0.0.1", 0))
+    target.settimeout(2.0)
+    with target, FaultRelay(target.getsockname()) as relay:
+        worker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        worker.bind(("127.0.0.1", 0))
+        relay.link(worker.getsockname())
+        strangers = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(10)]
+        for stranger in strangers:
+            stranger.sendto(b"flood", relay.address)
+        got = [target.recv(64) for _ in range(3)]          # 3 strangers fill the 4 links
+        worker.sendto(b"mine", relay.address)
+        assert target.recv(64) == b"mine" and got == [b"flood"] * 3
+        assert relay.counters["up"]["unlinked"] == 7 and all(t.is_alive() for t in relay._threads)
+        for sock in (worker, *strangers):
+            sock.close()
