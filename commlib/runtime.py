@@ -15,7 +15,7 @@ from commlib import bootstrap, differentiable, study
 from commlib.backends import start_all
 from commlib.context import check_world, initialized_horovod, world_group
 from commlib.dispatch import Dispatcher
-from commlib.errors import CommError, CommTimeout, ConfigError
+from commlib.errors import CommError, CommTimeout, ConfigError, InvalidTensor
 from commlib.executor import HOROVOD_OPS, OPS, Average, Entry, Executor, Sum
 from commlib.handles import Handle
 from commlib.process_sets import ProcessSet, ranks_of
@@ -90,7 +90,9 @@ class Runtime:
                 try:
                     staged, op_name, plan, compressor = self._plan(tensor, name, named, op, algorithm, compression,
                                                                     policy)
-                except CommError as exc:   # the other ranks wait for this tensor: tell them why it never comes
+                except Exception as exc:   # the other ranks wait for this tensor: tell them why it never comes
+                    if not isinstance(exc, CommError):   # a refusal nobody foresaw: still this tensor's, on every rank
+                        exc = InvalidTensor(f"tensor {name!r} cannot be reduced ({type(exc).__name__}: {exc})")
                     metas.append({"name": name, "error": {"kind": type(exc).__name__, "message": str(exc)}})
                     refused = refused or exc
                     continue

@@ -263,9 +263,14 @@ def _name(dtype):
 def torch_dtype(dtype):
     """(name, travel dtype, itemsize) of a torch dtype commlib reduces, else an InvalidTensor."""
     import torch
-    if dtype.is_complex or dtype == torch.bool:
-        raise InvalidTensor(f"dtype {dtype} cannot be reduced; use a float or integer dtype")
-    return str(dtype).replace("torch.", ""), host_dtype(dtype), dtype.itemsize
+    try:
+        travel = host_dtype(dtype)
+    except TypeError:   # a dtype numpy has no counterpart of (float8s, bits, quantized)
+        travel = None
+    if dtype.is_complex or dtype == torch.bool or travel is None:
+        raise InvalidTensor(f"dtype {dtype} cannot be reduced; use a float or integer dtype (float32, float16, "
+                            f"bfloat16, int32, ...)")
+    return str(dtype).replace("torch.", ""), travel, dtype.itemsize
 
 
 _ITEMSIZE = {"bfloat16": 2}   # torch dtypes numpy does not name

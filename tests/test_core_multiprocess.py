@@ -28,6 +28,10 @@ def test_tensor_refused_on_one_rank_fails_every_rank_at_once():
         assert result["rank"] == 1 or "failed on rank 1" in result["message"], result
         assert result["after"] == [3.0] * 4, f"the job should go on after a refused tensor: {result}"
         assert result["everyone"] == "InvalidTensor" and result["again"] == [3.0] * 4, result
+        float8 = result["float8"]
+        assert float8["error"] == "InvalidTensor" and float8["elapsed_s"] < 5.0, result
+        assert "float8_e4m3fn cannot be reduced" in float8["message"], result
+        assert result["after_float8"] == [3.0] * 4, f"the job should go on after a refused float8 tensor: {result}"
 
 
 def test_a_tensor_resized_in_flight_leaves_its_sum_exact():

@@ -5,7 +5,7 @@ mismatch: rank 1 reduces a tensor of the wrong shape -> Mismatch on every rank n
 timeout:  rank 1 never submits a tensor -> CommTimeout on the others naming rank 1, within the timeout.
 dead:     rank 1 exits abruptly -> PeerFailure on the others naming rank 1.
 settings: rank 1 has another fusion_threshold -> Mismatch at init on every rank naming it.
-refused:  rank 1's tensor is refused before it is submitted (a bool tensor) -> the same
+refused:  rank 1's tensor is refused before it is submitted (a bool tensor, a float8 one) -> the same
           InvalidTensor on every rank at once (default timeouts), and the job goes on; a tensor
           refused on every rank can be submitted again under its name at once.
 resized:  every rank resizes its tensors while they are in flight: a small one may be (its values were
@@ -57,11 +57,16 @@ if mode == "refused":   # the default timeouts: a rank waiting for the refused t
     r = commlib.rank()
     refused = outcome(lambda: commlib.allreduce(np.ones(4, np.bool_ if r == 1 else np.float32), name="grad.w"))
     after = commlib.allreduce(np.ones(4, np.float32), name="after", op=commlib.Sum)
+    import torch   # a dtype numpy has no counterpart of: refused the same way, not a TypeError on rank 1 alone
+    float8 = outcome(lambda: commlib.allreduce(torch.ones(4, dtype=torch.float8_e4m3fn if r == 1 else torch.float32),
+                                               name="grad.f8"))
+    after_float8 = commlib.allreduce(np.ones(4, np.float32), name="after.f8", op=commlib.Sum)
     # refused on every rank, then the same name submitted again at once: the controller's late notice
     # of the refusal must not fail the new tensor
     everyone = outcome(lambda: commlib.allreduce(np.ones(4, np.bool_), name="again"))["error"]
     again = commlib.allreduce(np.ones(4, np.float32), name="again", op=commlib.Sum)
-    report(rank=r, after=after.tolist(), everyone=everyone, again=again.tolist(), **refused)
+    report(rank=r, after=after.tolist(), everyone=everyone, again=again.tolist(), float8=float8,
+           after_float8=after_float8.tolist(), **refused)
     commlib.shutdown()
     sys.exit(0)
 commlib.init(policy="*=ring", timeout_s=4.0, negotiation_timeout_s=4.0, stall_warning_s=2.0)
