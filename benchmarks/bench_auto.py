@@ -1,4 +1,4 @@
-"""Does `auto` pick what is fastest? `auto` against every fixed lossless commlib configuration of
+"""Does `auto` pick what is fastest? `auto` against every fixed uncompressed commlib configuration of
 bench_training's workloads, in the same jobs, over several jobs.
 
 One job of bench_training (4 emulated hosts, --rate links) has `auto` and the fixed configurations
@@ -7,7 +7,7 @@ configurations moves by 10% and more from one job to the next (rounds of the sam
 so one job says little, and a median of a few jobs' ratios little more (a step's samples/s moves by 2x
 from one step to the next: a 30-step median is known to about 5%). Each workload (dense; sparse at each
 --zipf) runs --jobs jobs; the ratio is auto's median samples/s over the fastest fixed configuration's,
-both over every timed step of every job (lossless: commlib's configurations without a compressor;
+both over every timed step of every job (uncompressed: commlib's configurations without a compressor;
 Horovod's baseline runs too, bench_training keeps it first), and the same ratio per job beside it.
 
     python benchmarks/bench_auto.py [--quick] [--jobs 3] [--rounds 6] [--steps 60] [--zipf 0.8 1.1 1.4]
@@ -27,7 +27,7 @@ import netem  # noqa: E402
 
 
 def fixed(workload):
-    """The labels of a workload's fixed lossless commlib configurations (bench_training.CONFIGS)."""
+    """The labels of a workload's fixed uncompressed commlib configurations (bench_training.CONFIGS)."""
     return [label for w, label, how in bench_training.CONFIGS
             if w == workload and how[0] == "commlib" and how[1] != "*=auto" and how[2] is None and ":" not in how[1]]
 
@@ -96,7 +96,7 @@ def main(argv=None):
         ran = ", ".join(sorted({a for j in jobs for a in j["auto_algorithms"]}))
         ratios = " ".join(f"{j['ratio']:.2f}x" for j in jobs)
         rows.append(f"| {key} | {best} | {ratio:.2f}x | {ratios} | {kept} | {ran} |")
-    markdown = (f"`auto` against the fastest fixed lossless commlib configuration of the same job (bench_training: "
+    markdown = (f"`auto` against the fastest fixed uncompressed commlib configuration of the same job (bench_training: "
                 f"{args.workers} emulated hosts, links {args.rate} each way, the configurations in {args.rounds} rounds), "
                 f"{args.jobs} job(s) of {args.steps} timed steps per workload: auto's median samples/s over the fastest "
                 "fixed one's, over every timed step of every job, and per job. Fixed: " +

@@ -74,6 +74,19 @@ def test_distributed_optimizer_with_compression(compression, tolerance):
     check_optimizer(out, 2, tolerance, "ring:fp16" if "fp16" in compression else "ring:powersgd")
 
 
+def test_a_horovod_script_with_its_import_changed_trains_through_commlib():
+    """`import commlib.torch as hvd` is the one line a Horovod script changes: its optimizer is commlib's
+    (every parameter reduced by commlib), the rest Horovod's own, and it trains as Horovod does."""
+    out = horovodrun(2, "horovod_script.py", timeout=240)
+    assert out.returncode == 0, out.stdout
+    for result in results(out.stdout, 2):
+        assert result["size"] == 2 and result["same_on_all_ranks"], result
+        assert result["max_diff_vs_horovod"] <= 1e-4, result   # switchml's quantization bound, where auto chose it
+        assert result["reduced_by_commlib"] == ["0.bias", "0.weight", "2.bias", "2.weight"], result
+        assert result["horovods_own"] == ["init", "rank", "allreduce", "allgather", "broadcast_parameters",
+                                          "Compression"], result
+
+
 def test_switchml_optimizer_within_quantization_bound():
     check_optimizer(horovodrun(2, "torch_optimizer.py", "*=switchml", timeout=240), 2, 1e-4, "switchml:None")
 

@@ -105,6 +105,7 @@ def test_what_horovod_users_write_beside_the_plain_tape():
         assert result["partial tape vs horovod"] <= 1e-6 and result["partial optimizer vs horovod"] <= 1e-6, result
         assert result["copy reduces through commlib"], result
         assert "grad_0" in result["records"] and ("scalar2" in result["records"]) == (result["rank"] == 0), result
+        assert result["horovods own"] == ["init", "allreduce", "alltoall", "reducescatter", "broadcast_variables"], result
     assert "could not transform" not in out.stdout, out.stdout
 
 

@@ -32,16 +32,22 @@ from commlib.tensorflow.gradients import GradientReducer  # noqa: F401  (public)
 from commlib.tensorflow.names import tensor_names  # noqa: F401  (public)
 from commlib.tensorflow.tape import CommlibGradientTape
 
-_REEXPORTED = ("init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-               "broadcast_variables", "broadcast", "broadcast_object", "allgather_object", "Average", "Sum",
-               "Compression", "allreduce", "grouped_allreduce", "allgather", "ProcessSet", "add_process_set")
 
 
 def __getattr__(name):
-    """What TF Horovod users call beside the optimizer (hvd.init, broadcast_variables, ...)."""
-    if name in _REEXPORTED:
-        return getattr(_horovod(), name)
-    raise AttributeError(f"module 'commlib.tensorflow' has no attribute {name!r}")
+    """horovod.tensorflow's names beside commlib's (hvd.init, broadcast_variables, allgather, ...): a
+    Horovod script changes its import only (`import commlib.tensorflow as hvd`)."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    try:
+        hvd = _horovod()
+    except BackendUnavailable as exc:   # an AttributeError still: hasattr() and getattr(..., default) must not raise
+        raise AttributeError(f"commlib.tensorflow.{name} would be horovod.tensorflow's: {exc}") from None
+    try:
+        return getattr(hvd, name)
+    except AttributeError:
+        raise AttributeError(f"module 'commlib.tensorflow' has no attribute {name!r}, nor has horovod.tensorflow") \
+            from None
 
 
 def join():

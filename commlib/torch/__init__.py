@@ -6,6 +6,10 @@
                                         policy="embedding.*=omnireduce;*=switchml")
     cl.broadcast_parameters(model.state_dict(), root_rank=0)
 
+Or one line changed in a Horovod script, `import commlib.torch as hvd`: DistributedOptimizer and join
+are commlib's, every other name (init, rank, allreduce, allgather, broadcast_parameters, Compression,
+...) is horovod.torch's own.
+
 Horovod keeps doing what it does well (autograd hooks, backward_passes_per_step, step() and
 zero_grad() checks); only its per-gradient `_allreduce_grad_async` is replaced on the instance, and
 the replacement returns a callable handle, which Horovod's synchronize() calls for the result.
@@ -15,20 +19,27 @@ subclassed, and no Horovod file is patched.
 import types
 
 import commlib
-from commlib.errors import BackendUnavailable
 from commlib import horovod_options
 from commlib.policy import Policy
 from commlib.torch.ddp import CommlibState, ddp_comm_hook  # noqa: F401  (DDP comm hook)
 from commlib.torch import process_group  # noqa: F401  (registers the "commlib" torch.distributed backend)
 
-try:
-    from horovod.torch import (broadcast_object, broadcast_optimizer_state,  # noqa: F401  (re-exported)
-                               broadcast_parameters)
-except ImportError:   # horovod is optional for commlib.allreduce; only this front-end needs it
-    def __getattr__(name):
-        if name in ("broadcast_object", "broadcast_optimizer_state", "broadcast_parameters"):
-            raise BackendUnavailable(f"commlib.torch.{name} needs horovod; run `make install`")
+
+
+def __getattr__(name):
+    """horovod.torch's names beside commlib's (hvd.init, broadcast_parameters, allgather, ...): a
+    Horovod script changes its import only. horovod is optional for commlib.allreduce; only these need it."""
+    if name.startswith("_"):
         raise AttributeError(name)
+    try:
+        import horovod.torch as hvd
+    except ImportError:   # an AttributeError still: hasattr() and getattr(..., default) must not raise
+        raise AttributeError(f"commlib.torch.{name} would be horovod.torch's, and horovod is not installed; run "
+                             f"`make install`") from None
+    try:
+        return getattr(hvd, name)
+    except AttributeError:
+        raise AttributeError(f"module 'commlib.torch' has no attribute {name!r}, nor has horovod.torch") from None
 
 
 def join(device=-1):
