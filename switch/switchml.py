@@ -86,6 +86,7 @@ HEADER = struct.Struct("!BBBBIHbBII")
 HDR_LEN = HEADER.size
 MAX_THREADS = 64   # data-plane threads (shards) of one switch
 CONFIRM_TIMEOUT_S = 3.0   # a leaf's wait for its parent's control port (SwitchServer._confirm)
+STALL_S = 2.0   # a gap between two expiry ticks (every 0.25 s) beyond which the control thread stalled
 
 
 def _fields(struct_name):
@@ -201,6 +202,7 @@ class SwitchServer:
         self.testing = testing
         # key: the daemon key; the jobs' control requests are signed and their packets MACed under keys derived from it
         self.key, self.limits, self.job_expiry_s = key, limits or Limits(), float(job_expiry_s)
+        self._ticked = time.monotonic()   # the control thread's last _expire
         self.drops = control.Drops()             # control requests refused, by reason
         self._replays = auth.Replays()
         self._nonces = OrderedDict()              # nonces registered so far (bounded): each registers once
@@ -600,11 +602,18 @@ class SwitchServer:
         self._replays.forget((job.number, job.nonce))
 
     def _expire(self):
-        """Remove the jobs one of whose ranks sent no keepalive for job_expiry_s (it died or hangs)."""
+        """Remove the jobs one of whose ranks sent no keepalive for job_expiry_s (it died or hangs). A
+        time the control thread did not run (the daemon stopped, a host that swapped) is no rank's
+        silence: its keepalives wait unread, so every rank is credited with it."""
         now = time.monotonic()
+        stalled, self._ticked = now - self._ticked, now
         with self._lock:
             if not self._shards:
                 return
+            if stalled > STALL_S:
+                for job in self._jobs.values():
+                    for rank in job.alive:
+                        job.alive[rank] += stalled
             for job in [j for j in self._jobs.values() if now - min(j.alive.values()) > self.job_expiry_s]:
                 rank = min(job.alive, key=job.alive.get)
                 self._remove(job)

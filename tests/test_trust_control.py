@@ -227,6 +227,21 @@ def test_a_keyless_switch_takes_a_keepalive_only_with_the_jobs_token():
         assert server.status()["jobs"] == {} and server.drops.snapshot()["bad_token"] >= 2
 
 
+def test_a_stalled_control_thread_expires_no_job_its_keepalives_could_not_reach():
+    """While the control thread does not run, the ranks' keepalives wait unread: that silence is not theirs."""
+    with sw.SwitchServer("127.0.0.1", 0, slots=64, job_expiry_s=2.0) as server:
+        job = sw.SwitchClient(server.address).register(4660, [["127.0.0.1", 9]], 8, 64)["job"]
+        with server._lock:                        # as if the thread had not run for 10 s, nor the ranks been heard
+            server._jobs[job].alive[0] -= 10.0
+            server._ticked -= 10.0
+        server._expire()
+        assert job in map(int, server.status()["jobs"])
+        with server._lock:                        # a rank silent while the thread ran is still expired
+            server._jobs[job].alive[0] -= 10.0
+        server._expire()
+        assert server.status()["jobs"] == {}
+
+
 def test_registers_naming_a_silent_parent_stall_no_one_elses_request():
     """A leaf's register asks the parent's control port first (up to 3 s): that ran on the one control
     thread, so a stranger's lines naming a port that never answers stalled every job's keepalives until
