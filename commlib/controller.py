@@ -174,8 +174,12 @@ class Link:
 
     def recv(self, limit=MAX_MESSAGE, deadline=None):
         """One message, or None when the peer closed the connection; Forged for a message that is not the
-        peer's, ValueError for one it garbled."""
-        frame = _recv_frame(self.sock, limit, TAG_BYTES, deadline)
+        peer's, ValueError for one it garbled; socket.timeout when it is not whole by `deadline`."""
+        timeout = self.sock.gettimeout()
+        try:
+            frame = _recv_frame(self.sock, limit, TAG_BYTES, deadline)
+        finally:   # the deadline's leftover must not bound the sends that follow
+            self.sock.settimeout(timeout)
         if frame is None:
             return None
         body, tag = frame[:-TAG_BYTES], frame[-TAG_BYTES:]
@@ -303,7 +307,7 @@ class ControllerServer:
                 for key, _ in selector.select(wake - now):
                     if key.fileobj is self._listener:
                         self._greet(selector, greeting)
-                    else:
+                    elif key.fileobj in greeting:   # not refused earlier in this batch (_greet made way for one)
                         self._hear(selector, greeting, key.fileobj)
         finally:
             selector.close()
@@ -396,11 +400,13 @@ class ControllerServer:
             idle = not self._waiting()
             for key, _ in selector.select(IDLE_WAIT_S if idle else max(0.0, next_cycle - time.monotonic())):
                 rank, why = key.data, None
-                try:
-                    msg = self._clients[rank].recv()
+                try:   # a whole message within timeout_s, however its bytes trickle: this thread serves every rank
+                    msg = self._clients[rank].recv(deadline=time.monotonic() + self.timeout_s)
                 except Forged as exc:
                     msg, why = None, f"carried a message that is not rank {rank}'s ({exc})"
-                except OSError:   # reset, or timed out mid-message: that rank is gone
+                except socket.timeout:
+                    msg, why = None, f"sent part of a message and not the rest within {self.timeout_s}s"
+                except OSError:   # reset: that rank is gone
                     msg = None
                 except Exception as exc:   # garbled by that rank, or its length altered (the tag follows it)
                     msg, why = None, f"carried a message the controller cannot read ({type(exc).__name__}: {exc})"
@@ -428,8 +434,13 @@ class ControllerServer:
             # hurried: a synchronous call, DDP's last bucket)
             at_once = (self._ready or self._ready_bits) and (self._last_go < self._burst or self._hurried)
             if (now >= next_cycle or at_once) and not self._failed:
-                self._release()
-                self._expire()
+                try:
+                    self._release()
+                    self._expire()
+                except Exception as exc:   # a bug of ours: every rank hears it, rather than of rank 0's death
+                    log.exception("commlib controller: a cycle failed")
+                    self._broadcast_error("PeerFailure", f"the controller failed ({type(exc).__name__}: {exc}); "
+                                          f"the job stops")
                 next_cycle = time.monotonic() + self.cycle_s
 
     def _waiting(self):
@@ -463,7 +474,14 @@ class ControllerServer:
                 self._hit(rank, int(msg["hits"], 16))
         elif kind == "gather":   # among every rank, or among msg["ranks"] only (a process set forming)
             among = msg.get("ranks") or list(range(self.size))
+            if type(among) is not list or any(type(r) is not int for r in among) or among != sorted(set(among)) \
+                    or not 0 <= among[0] <= among[-1] < self.size or rank not in among:
+                raise ValueError(f"rank {rank} asked for an exchange among {str(among)[:80]}: not ranks of this job "
+                                 f"in order, with its own")
             entry = self._gathers.setdefault(msg["key"], {"values": {}, "since": time.monotonic(), "among": among})
+            if entry["among"] != among:   # the values go back in the order of `among`: one order for all
+                raise ValueError(f"rank {rank} asked for exchange {str(msg['key'])[:80]!r} among {among}, the others "
+                                 f"among {entry['among']}")
             entry["values"][rank] = msg["value"]
             if len(entry["values"]) == len(entry["among"]):
                 values = self._gathers.pop(msg["key"])["values"]

@@ -1,6 +1,7 @@
 """The controller in one process (a server and a client per rank on loopback): tensor names that
 pair up late are released, names that never can are a Mismatch at once, and a rank that leaves
 fails what waits for it, with its error when it had one."""
+import socket
 import threading
 import time
 
@@ -698,3 +699,66 @@ def test_a_message_the_controller_cannot_handle_fails_the_job_naming_the_rank(jo
     for g in got:
         assert g and g[-1][:2] == ("error", "PeerFailure") and "the controller failed handling rank 1's message" \
             in g[-1][2], got
+
+
+def test_a_flood_of_strangers_leaves_the_controller_admitting_the_ranks():
+    """Past 64 connections waiting for their hello each new one closes the oldest; one closed that way while
+    readable in the same batch ended the controller's thread (a KeyError): strangers with no secret stopped
+    the job before it formed. Now the ranks are admitted after the flood."""
+    server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=20.0, cycle_time_ms=1.0, secret=SECRET)
+    strangers = []
+    try:
+        for _ in range(5):
+            strangers += [socket.create_connection(server.address) for _ in range(64)]
+            for stranger in strangers[-128:]:   # the older ones say a byte while the new ones arrive
+                stranger.send(b"\0")
+            time.sleep(0.02)
+        assert server._thread.is_alive(), "the strangers ended the controller"
+    finally:
+        for stranger in strangers:
+            stranger.close()
+    clients = connect_ranks(server)
+    try:
+        assert None not in clients, "a rank was not admitted after the flood"
+        got = step(clients, lambda rank: [meta("w")])
+        assert all(released(g) == ["w"] for g in got), got
+    finally:
+        stop_job(server, [client for client in clients if client is not None])
+
+
+def test_a_rank_that_trickles_a_message_fails_the_job_naming_it_within_the_timeout():
+    """The controller's one thread reads every rank: a message must be whole within timeout_s, however its
+    bytes trickle (a timeout per recv() let a rank sending a byte a second hold every rank up)."""
+    server = ControllerServer(2, "127.0.0.1", 0, settle_release, timeout_s=2.0, cycle_time_ms=1.0, secret=SECRET)
+    clients = connect_ranks(server)
+    sock = clients[1]._link.sock
+    stop = threading.Event()
+
+    def trickle():
+        sock.sendall(controller._HEADER.pack(100))
+        while not stop.wait(0.5):
+            try:
+                sock.send(b"x")
+            except OSError:
+                return
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    try:
+        got = events(clients[0], 8.0)
+        assert got and got[-1][:2] == ("error", "PeerFailure"), got
+        assert "rank 1's connection" in got[-1][2] and "not the rest within 2.0s" in got[-1][2], got
+    finally:
+        stop.set()
+        thread.join(5)
+        stop_job(server, clients)
+
+
+@pytest.mark.parametrize("ranks", [[1, 0], [[0], [1]], [0, 5]])   # another rank's place; unhashable; no such rank
+def test_an_exchange_among_ranks_out_of_order_or_not_of_the_job_fails_the_job(job, ranks):
+    """The values go back in the order of `ranks`: a rank naming another order would put its value where
+    the others read rank 0's (the Gloo store's address); the job fails, naming it."""
+    _, clients = job
+    clients[1]._send({"t": "gather", "key": "init/gloo", "value": ["6.6.6.6", 6666], "ranks": ranks})
+    got = events(clients[0], 5.0)
+    assert got and got[-1][:2] == ("error", "PeerFailure") and "asked for an exchange among" in got[-1][2], got
