@@ -37,8 +37,9 @@ def join(settings, engine=None, placement=None):
         placement = detect()   # creating the engine may have initialized Horovod
     bounded = lambda fn: lambda value: within(settings.timeout_s, "sharing the controller's address and the job's "
                                               "secret (commlib.init)", fn, value)
-    server, client, secret = start_controller(settings, placement, bounded(engine.broadcast_object),
-                                              allgather=bounded(keyshare.allgather_bytes(engine)), tune=True)
+    allgather = bounded(keyshare.allgather_bytes(engine))
+    server, client, secret = start_controller(settings, placement, keyshare.broadcast_json(allgather, placement.rank),
+                                              allgather=allgather, tune=True)
     ctx = placement.joined(settings=settings, exchange_fn=client.exchange, engine=engine, job_token=client.token,
                            secret=secret)
     try:
@@ -107,6 +108,11 @@ def start_controller(s, placement, broadcast, secret=None, allgather=None, tune=
     try:
         if drawn:
             anchor = auth.read_key(s.anchor_key_file) if s.anchor_key_file else None
+            if anchor is None and not placement.all_local and placement.rank == 0:
+                log.warning("commlib: a job across hosts without COMMLIB_ANCHOR_KEY_FILE: a host that can write to "
+                            "the launcher's channel (horovodrun's rendezvous store, torchrun's TCPStore take writes "
+                            "from anyone who reaches their port) can take the job's secret; give every rank the "
+                            "same key file (python -m commlib.switch.auth FILE)")
             secret, shared = keyshare.share(placement.rank, allgather, broadcast, secret, address, anchor)
             # every rank fails, not only those whose copy was altered (told over the launcher's channel: the
             # controller's address may be what was altered)

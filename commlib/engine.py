@@ -12,7 +12,6 @@ collective a second time on top of commlib's controller, which made each small c
 import datetime
 import importlib.util
 import itertools
-import json
 import os
 import time
 import urllib.error
@@ -62,9 +61,6 @@ class Engine:
         """Per-rank 1-D arrays (lengths may differ), index = rank."""
         raise NotImplementedError
 
-    def broadcast_object(self, obj):
-        raise NotImplementedError
-
     def subgroup(self, ctx, ranks, hvd_set=None):
         """This engine over `ranks` (job ranks, sorted) only, for a process set whose Context is ctx;
         only those ranks call it. hvd_set: the Horovod process set of those ranks, if one was given."""
@@ -87,9 +83,6 @@ class LocalEngine(Engine):
 
     def allgather(self, array, name):
         return [array.copy()]
-
-    def broadcast_object(self, obj):
-        return obj
 
 
 class HorovodEngine(Engine):
@@ -134,9 +127,6 @@ class HorovodEngine(Engine):
         flat = self.hvd.allgather(self._tensor(array), name=f"commlib.{name}", **self._over).numpy()
         return self._split(flat, lengths.numpy().tolist())
 
-    def broadcast_object(self, obj):
-        return self.hvd.broadcast_object(obj, root_rank=0, name="commlib.broadcast_object")
-
 
 class HorovodTensorFlowEngine(HorovodEngine):
     """Horovod's TF ops, for jobs that initialized horovod.tensorflow: a second Horovod instance
@@ -174,9 +164,6 @@ class MPIEngine(Engine):
         flat = np.empty(sum(lengths), dtype=array.dtype)
         self.comm.Allgatherv(array, [flat, lengths])
         return self._split(flat, lengths)
-
-    def broadcast_object(self, obj):
-        return self.comm.bcast(obj, root=0)
 
 
 class TorchEngine(Engine):
@@ -220,11 +207,6 @@ class TorchEngine(Engine):
         parts = [torch.empty(max(lengths), dtype=torch.from_numpy(padded).dtype) for _ in range(self.size)]
         finished(self.dist.all_gather(parts, torch.from_numpy(padded), group=self.group, async_op=True))
         return [p.numpy()[:n] for p, n in zip(parts, lengths)]
-
-    def broadcast_object(self, obj):
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
 
 
 class GlooEngine(Engine):
@@ -289,9 +271,6 @@ class GlooEngine(Engine):
         finished(self.group.allgather([parts], [padded]))
         return [p.numpy()[:n] for p, n in zip(parts, sizes)]
 
-    def broadcast_object(self, obj):
-        return self.ctx.exchange("gloo/broadcast", obj)[0]
-
 
 def reduce_op(op):
     """torch.distributed's ReduceOp for an op name."""
@@ -326,12 +305,6 @@ class RendezvousEngine(Engine):
         call = next(self._calls)
         self._put(f"{call}.{self.rank}", np.ascontiguousarray(array).tobytes())
         return [np.frombuffer(self._get(f"{call}.{r}"), array.dtype).copy() for r in range(self.size)]
-
-    def broadcast_object(self, obj):
-        key = f"{next(self._calls)}.0"
-        if self.rank == 0:
-            self._put(key, json.dumps(obj).encode())
-        return json.loads(self._get(key))
 
     def _put(self, key, data):
         request = urllib.request.Request(self._url + key, data=data, method="PUT")

@@ -18,7 +18,7 @@ def store_env(port, rank, size=2):
 
 
 def test_rendezvous_engine_over_horovods_own_store():
-    """commlib's set-up without hvd.init(): an allgather and a broadcast through the key-value store
+    """commlib's set-up without hvd.init(): an allgather through the key-value store
     horovodrun serves (Horovod's own server class), ranks as threads; a dead store is a clear error."""
     server = KVStoreServer(verbose=0)
     port = server.start_server()
@@ -27,7 +27,7 @@ def test_rendezvous_engine_over_horovods_own_store():
     def rank_main(rank):   # each rank its own count of calls, as in a process of its own
         engine = type("Rank", (RendezvousEngine,), {"_calls": itertools.count()})(10.0, store_env(port, rank))
         gathered = engine.allgather(np.arange(3, dtype=np.uint8) + rank, "keys")
-        out[rank] = ([g.tolist() for g in gathered], engine.broadcast_object(["addr", rank] if rank == 0 else None))
+        out[rank] = [g.tolist() for g in gathered]
     try:
         threads = [threading.Thread(target=rank_main, args=(r,)) for r in (1, 0)]
         for thread in threads:
@@ -36,9 +36,9 @@ def test_rendezvous_engine_over_horovods_own_store():
             thread.join(30)
     finally:
         server.shutdown_server()
-    assert out == {r: ([[0, 1, 2], [1, 2, 3]], ["addr", 0]) for r in (0, 1)}, out
+    assert out == {r: [[0, 1, 2], [1, 2, 3]] for r in (0, 1)}, out
     with pytest.raises(PeerFailure, match="rendezvous store .* failed during commlib.init"):
-        RendezvousEngine(2.0, store_env(port, 0)).broadcast_object("x")
+        RendezvousEngine(2.0, store_env(port, 0)).allgather(np.arange(3, dtype=np.uint8), "dead")
 
 
 class Work:

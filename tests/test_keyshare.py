@@ -3,6 +3,7 @@ channel that an attacker reads or rewrites. Ranks are threads; the channel is `W
 each rank what the attacker (if any) wants it to see. What the tests show is what the README's
 Security section says: a passive observer learns nothing; an active one, without an anchor, takes the
 secret; with an anchor (a key file every rank reads) it takes nothing and every rank gets an error."""
+import json
 import pickle
 import secrets
 import threading
@@ -208,3 +209,52 @@ def test_the_anchor_key_file_is_read_on_every_rank(tmp_path):
         return secret
     first, second = run_ranks(2, rank_main)
     assert isinstance(first, bytes) and first == second
+
+
+def test_a_job_across_hosts_without_an_anchor_is_warned_of(caplog):
+    """horovodrun's and torchrun's stores take a write from any host that reaches them: across hosts, a
+    job without an anchor is told that its secret is there for such a host to take (rank 0, once)."""
+    wire, settings = Wire(2), Settings({"timeout_s": 10, "controller_host": "127.0.0.1"})
+
+    def rank_main(rank):   # one rank per host
+        server, client, secret = bootstrap.start_controller(settings, Context(rank, 2, 0, 1, "threads"),
+                                                            wire.broadcast(rank), allgather=wire.allgather(rank))
+        client.close()
+        return secret
+    with caplog.at_level("WARNING", logger="commlib"):
+        first, second = run_ranks(2, rank_main)
+    assert isinstance(first, bytes) and first == second
+    warned = [r.message for r in caplog.records if "without COMMLIB_ANCHOR_KEY_FILE" in r.message]
+    assert len(warned) == 1 and "can take the job's secret" in warned[0], caplog.text
+
+
+class _Ran:
+    """A pickle that records having been loaded: what an attacker on the launcher's channel would send."""
+    ran = False
+
+    def __reduce__(self):
+        return (_Ran._mark, ())
+
+    @staticmethod
+    def _mark():
+        _Ran.ran = True
+
+
+def test_the_bootstraps_broadcast_is_json_and_never_unpickles_what_the_channel_brings():
+    """The engines' broadcast_object unpickled (MPI's bcast, torch's and Horovod's broadcast_object): an
+    attacker on the launcher's channel could have run code on every rank. commlib's is JSON in raw bytes."""
+    values = {0: ["127.0.0.1", 4242], 1: None}
+    sent = {}
+
+    def allgather(rank):
+        def gather(data):
+            sent[rank] = data
+            return [json.dumps(values[0]).encode() if r == 0 else b"" for r in range(2)]
+        return gather
+
+    assert [keyshare.broadcast_json(allgather(r), r)(values[r]) for r in range(2)] == [["127.0.0.1", 4242]] * 2
+    assert sent == {0: b'["127.0.0.1", 4242]', 1: b""}
+    forged = pickle.dumps(_Ran())
+    with pytest.raises(ValueError):
+        keyshare.broadcast_json(lambda data: [forged, b""], 1)(None)
+    assert not _Ran.ran

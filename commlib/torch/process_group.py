@@ -16,7 +16,6 @@ them are a counter (the core's unnamed allreduces), so a rank that skips or reor
 Mismatch or a timeout naming the tensor, never a silent wrong sum.
 """
 import datetime
-import json
 import os
 import socket
 
@@ -227,15 +226,6 @@ class _GroupEngine(GlooEngine):
 
     def __init__(self, group, rank, size):
         self.size, self.group, self.ctx = size, group, Context(rank, size, rank, size)
-
-    def broadcast_object(self, obj):
-        """Rank 0's JSON-able `obj` on every rank: the bootstrap's address and sealed secret."""
-        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8) if self.ctx.rank == 0 else None
-        length = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
-        self.group.broadcast([length]).wait()
-        data = torch.empty(int(length), dtype=torch.uint8) if data is None else data
-        self.group.broadcast([data]).wait()
-        return json.loads(bytes(data.numpy()).decode())
 
 
 def _job_of(group, rank, size):
