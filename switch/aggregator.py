@@ -117,7 +117,7 @@ class _Job:
         self.id, self.key, self.params, self.ranks = job_id, key, params, set()
         self.nonce, self.job_key, self.source, self.mac = nonce, job_key, source, mac
         self.bytes = job_bytes(params)
-        self.addresses = {}              # rank -> (ip, port) its results go to: set by its first register
+        self.addresses = {}              # rank -> ((ip, port) its results go to, the seq of the register that set it)
 
 
 class Aggregator:
@@ -302,11 +302,20 @@ class Aggregator:
             raise ConfigError(f"rank {rank} registered with {params} and packet_mac={mac}, but the job's other ranks "
                               f"with {job.params} and packet_mac={job.mac}: "
                               f"every rank must use the same omnireduce settings")
-        if job.addresses.setdefault(rank, source) != source:
-            # the MAC does not cover the source: a sniffed resend that never arrived carries a fresh seq
-            raise control.Refused("replay", f"register refused: rank {rank} of job {job.id} is registered from "
-                                            f"{job.addresses[rank][0]}:{job.addresses[rank][1]} (a request replayed "
-                                            f"from elsewhere?); a rank registers from one socket")
+        seq = body.get("seq") if self.key is not None else None
+        pinned, pinned_seq = job.addresses.setdefault(rank, (source, seq))
+        if pinned != source:
+            # the MAC does not cover the source: a sniffed copy may come from elsewhere, and first. Only a
+            # newer request moves the rank, which only its signer makes after (Signer: its clock): the rank
+            # whose first copy an attacker's beat is refused as a replay, resends, and takes its place back
+            if seq is None or pinned_seq is None or seq <= pinned_seq:
+                raise control.Refused("replay", f"register refused: rank {rank} of job {job.id} is registered from "
+                                                f"{pinned[0]}:{pinned[1]} (a request replayed from elsewhere?); a "
+                                                f"rank registers from one socket")
+            log.warning("omnireduce aggregator %s: rank %d of job %d moves from %s:%d to %s:%d (a newer register)",
+                        self.address_str, rank, job.id, *pinned, *source)
+        if seq is not None and (pinned_seq is None or seq > pinned_seq):
+            job.addresses[rank] = (source, seq)   # the newest: a sniffed resend of before it moves nothing
         lib.omr_agg_set_worker(self._agg, job.id, rank, source[0].encode(), source[1])
         job.ranks.add(rank)
         return {"job": job.id, "key": job.key, "idle_s": self.job_idle_s, "authenticated": job.job_key is not None
@@ -354,9 +363,12 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2, sign=None):
     signed anew, so a resend is not a replay.
 
     "register" is retried until each aggregator answers; an aggregator that never answers is a
-    CommTimeout that names it, a refusal a ConfigError with the aggregator's reason."""
-    sign = sign or (lambda r: r)
+    CommTimeout that names it, a refusal a ConfigError with the aggregator's reason. A signed request
+    refused as a replay (a copy sniffed and sent from elsewhere came first) is retried too: its next
+    resend is newer and takes the rank back (Aggregator._register)."""
+    retry_replays, sign = sign is not None, sign or (lambda r: r)
     pending = {address: index for index, address in enumerate(aggregators)}
+    replays = {}   # aggregator -> its last "replay" refusal
     answers = [None] * len(aggregators)
     deadline = time.monotonic() + timeout_s
     previous = sock.gettimeout()
@@ -380,6 +392,9 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2, sign=None):
                 reply = control.decode(data) if data[:1] == control.MARK else None
                 if reply is None or source not in pending:
                     continue
+                if retry_replays and reply.get("reason") == "replay":
+                    replays[source] = reply.get("error")
+                    continue
                 body = control.result(reply, f"omnireduce aggregator {source[0]}:{source[1]} refused rank "
                                              f"{request['rank']}")
                 if request.get("authenticate") and body.get("authenticated") is False:
@@ -389,6 +404,10 @@ def register(sock, aggregators, request, timeout_s, retry_s=0.2, sign=None):
                                                 float(body.get("idle_s", float("inf"))))
             if pending and time.monotonic() >= deadline:
                 missing = ", ".join(f"{h}:{p}" for h, p in pending)
+                said = "; ".join(f"{h}:{p}: {replays[h, p]}" for h, p in pending if (h, p) in replays)
+                if said:
+                    raise ConfigError(f"omnireduce: aggregator(s) refused rank {request['rank']}'s registration for "
+                                      f"{timeout_s:.0f}s ({said})")
                 raise CommTimeout(f"omnireduce: aggregator(s) {missing} did not answer registration within "
                                   f"{timeout_s:.0f}s; start them (commlib-aggregator) or fix "
                                   f"COMMLIB_OMNIREDUCE_AGGREGATORS")

@@ -77,13 +77,13 @@ class Drops:
 
 def answer(handle, request, drops=None):
     """The answer to `request` (a decoded message, or None): {"ok": True, **handle(request)}, or
-    {"ok": False, "error": ...} when it is malformed or `handle` refuses it (ConfigError, or the
+    {"ok": False, "error": ..., "reason": ...} when it is malformed or `handle` refuses it (ConfigError, or the
     ValueError/KeyError/TypeError of a missing or mistyped field). Nothing `handle` raises escapes:
     a daemon's serving loop must outlive any request. Refusals are counted in `drops`."""
-    def refuse(reason, error):
+    def refuse(reason, error):   # the reason too: a client may retry some (a register's "replay")
         if drops is not None:
             drops.add(reason)
-        return {"ok": False, "error": error}
+        return {"ok": False, "error": error, "reason": reason}
 
     if request is None:
         return refuse("malformed", 'a request is one JSON object, e.g. {"op": "status"}')
@@ -125,8 +125,12 @@ def pad(request, size):
 
 
 def fit(reply, size):
-    """The encoding of `reply` if it is at most `size` bytes, a refusal's error cut to fit, else None."""
+    """The encoding of `reply` if it is at most `size` bytes, a refusal's reason left out and its error cut
+    to fit, else None."""
     data, error = encode(reply), str(reply.get("error", ""))
+    if len(data) > size and "reason" in reply:   # the error says it too
+        reply = {k: v for k, v in reply.items() if k != "reason"}
+        data = encode(reply)
     while len(data) > size and not reply.get("ok", True) and error:   # escapes make it longer than its characters
         error = error[:max(0, len(error) - (len(data) - size) - 3)]
         data = encode(dict(reply, error=error + "..."))

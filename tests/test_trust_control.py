@@ -572,7 +572,7 @@ def test_a_register_that_never_arrived_cannot_move_a_rank():
             rank0.sendto(control.encode(sign(request)), aggregator.address)   # its own resend: answered again
             assert control.decode(rank0.recv(65536))["ok"] is True
             job = aggregator._jobs[("j", 1)]
-            assert job.addresses == {0: rank0.getsockname()}, job.addresses
+            assert {rank: pinned for rank, (pinned, _) in job.addresses.items()} == {0: rank0.getsockname()}
         assert aggregator.stats()["control"]["replay"] == 1
     finally:
         aggregator.close()
@@ -861,3 +861,43 @@ def test_a_job_refuses_a_keyless_aggregator(tmp_path, key_file):
         assert fine == [None, None], fine
     finally:
         aggregator.close()
+
+
+def test_a_sniffed_register_sent_first_from_elsewhere_does_not_keep_the_rank():
+    """A register's MAC does not cover its source: a copy sniffed and sent from elsewhere before the
+    original pinned the rank's results there, and the rank failed with 'seq seen before'. Now its next
+    resend, newer, takes the rank back; an older copy sent later moves nothing."""
+    key = auth.new_key()
+    aggregator = agg.Aggregator("127.0.0.1", 0, key=key).start()
+    nonce = auth.new_nonce()
+    request = {"job": agg.token_hash("tok"), "epoch": 1, "rank": 1, "size": 2, "columns": 4, "aggregators": 1,
+               "block": 16, "nonce": nonce, "authenticate": True}
+    attacker, worker = (socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2))
+    copies = []
+
+    class Sniffed:   # the worker's socket, its first datagram copied to the attacker, who sends it first
+        def sendto(self, data, address):
+            if not copies:
+                copies.append(data)
+                attacker.sendto(data, address)
+                time.sleep(0.005)
+            return worker.sendto(data, address)
+
+        def __getattr__(self, name):
+            return getattr(worker, name)
+
+    try:
+        for sock in (attacker, worker):
+            sock.bind(("127.0.0.1", 0))
+        answers = agg.register(Sniffed(), [aggregator.address], request, 5.0, sign=auth.Signer(auth.job_key(key, nonce)))
+        assert len(answers) == 1
+        (job,) = aggregator._jobs.values()
+        assert job.addresses[1][0] == worker.getsockname(), "the rank's results go to the attacker"
+        attacker.sendto(copies[0], aggregator.address)   # the old copy again, later: older than the rank's
+        time.sleep(0.3)
+        assert job.addresses[1][0] == worker.getsockname()
+        assert aggregator.drops.snapshot()["replay"] >= 2
+    finally:
+        aggregator.close()
+        attacker.close()
+        worker.close()
