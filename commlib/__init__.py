@@ -10,8 +10,8 @@ from commlib.api import (Average, Handle, Max, Min, Product, ProcessSet, Sum, ad
                           grouped_allreduce, grouped_allreduce_async, init,
                           is_initialized, join, local_rank, local_size, poll, rank, records, shutdown, size,
                           start_timeline, stop_timeline, synchronize)
-from commlib.errors import (BackendUnavailable, CommError, CommTimeout, ConfigError, InvalidTensor, Mismatch,
-                            PeerFailure)
+from commlib.errors import (BackendUnavailable, CollectiveFailure, CommError, CommTimeout, ConfigError, InvalidTensor,
+                            Mismatch, PeerFailure)
 from commlib.policy import Policy, Rule
 
 __all__ = [
@@ -19,4 +19,5 @@ __all__ = [
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async", "synchronize", "poll", "join", "Handle", "Sum", "Average", "Min", "Max", "Product", "Policy", "Rule",
     "records", "backend_stats", "start_timeline", "stop_timeline", "ProcessSet", "add_process_set",
     "CommError", "CommTimeout", "Mismatch", "BackendUnavailable", "ConfigError", "InvalidTensor", "PeerFailure",
+    "CollectiveFailure",
 ]

@@ -38,9 +38,14 @@ class PeerFailure(CommError, _CollectiveFailure):
     """Another rank, the controller, a switch or an aggregator went away."""
 
 
+class CollectiveFailure(CommError, _CollectiveFailure):
+    """An algorithm or its transport failed inside a collective (its own error is the cause): as Horovod's
+    failed ops, what `hvd.elastic.run` recovers from."""
+
+
 # the errors a controller message may name, by their class name
 KINDS = {cls.__name__: cls for cls in (CommError, Mismatch, CommTimeout, PeerFailure, ConfigError, InvalidTensor,
-                                       BackendUnavailable)}
+                                       BackendUnavailable, CollectiveFailure)}
 
 
 def error_from(msg):

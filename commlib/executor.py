@@ -19,7 +19,7 @@ import numpy as np
 from commlib import compressors, recent, sparse
 from commlib.buffers import POOL
 from commlib.dispatch import Plan
-from commlib.errors import CommError, ConfigError, error_from
+from commlib.errors import CollectiveFailure, CommError, ConfigError, error_from
 from commlib.handles import Handle
 from commlib.tensors import Staged, nbytes as tensor_bytes, numeric_dtype
 
@@ -336,8 +336,8 @@ class Executor:
                 self._run(bucket)
             except Exception as exc:
                 error = exc
-                if not isinstance(exc, CommError):
-                    error = CommError(f"{bucket[0].algorithm} failed on tensor {bucket[0].name!r}: {exc!r}")
+                if not isinstance(exc, CommError):   # Gloo's timeout on a peer gone, a socket error, ...
+                    error = CollectiveFailure(f"{bucket[0].algorithm} failed on tensor {bucket[0].name!r}: {exc!r}")
                     error.__cause__ = exc
                 for entry in bucket:
                     entry.handle.set(error=error)

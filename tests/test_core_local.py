@@ -302,3 +302,18 @@ def test_a_name_submitted_again_in_another_form_is_planned_and_read_anew(runtime
     y = reduce(x * 2, name="again", op=commlib.Sum)
     y.sum().backward()   # the repeat of a plain tensor's call is differentiable where the tensor asks
     assert y.grad_fn is not None and x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_an_algorithm_failing_inside_a_collective_is_a_collective_failure_elastic_recovers_from(runtime):
+    """Gloo's timeout on a peer gone mid-step came out as a plain CommError, which hvd.elastic.run does not
+    catch: the job ended where Horovod's own would have reset. It is a CollectiveFailure, Horovod's
+    HorovodInternalError, its cause chained."""
+    from commlib.api import runtime as current
+    from horovod.common.exceptions import HorovodInternalError
+
+    def gone(array, name):
+        raise RuntimeError("gloo: Timed out waiting 60000ms for send operation to complete")
+    current().backends["ring"].allreduce = gone
+    with pytest.raises(commlib.CollectiveFailure, match="ring failed on tensor 'x'.*Timed out") as failed:
+        commlib.allreduce(np.ones(4, np.float32), name="x")
+    assert isinstance(failed.value, HorovodInternalError) and isinstance(failed.value.__cause__, RuntimeError)

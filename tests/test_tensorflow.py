@@ -106,6 +106,8 @@ def test_what_horovod_users_write_beside_the_plain_tape():
         assert result["copy reduces through commlib"], result
         assert "grad_0" in result["records"] and ("scalar2" in result["records"]) == (result["rank"] == 0), result
         assert result["horovods own"] == ["init", "allreduce", "alltoall", "reducescatter", "broadcast_variables"], result
+        assert result["loaded model reduces through commlib"], result
+        assert result["keras names horovod's"] == ["Compression", "allreduce", "elastic", "callbacks"], result
     assert "could not transform" not in out.stdout, out.stdout
 
 

@@ -6,6 +6,9 @@ doing the communication, and Horovod's Keras callbacks beside it.
     model.compile(optimizer=cl.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), policy="*=switchml"), ...)
     model.fit(x, y, callbacks=[cl.callbacks.BroadcastGlobalVariablesCallback(0),
                                cl.callbacks.MetricAverageCallback()])
+
+Or one line changed in a Horovod Keras script, `import commlib.tensorflow.keras as hvd`: the
+optimizers and load_model are commlib's, every other name horovod.tensorflow.keras's own.
 """
 from commlib.tensorflow import distributed_optimizer, local_variables
 from commlib.errors import BackendUnavailable
@@ -38,3 +41,29 @@ def PartialDistributedOptimizer(optimizer, *args, local_layers=None, **kwargs):
     for variable in local_variables(local_layers):
         opt.register_local_var(variable)
     return opt
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=None, legacy_opts=False,
+               policy=None, algorithm=None):
+    """Horovod's `load_model`: a saved Keras model, its optimizer wrapped in commlib's DistributedOptimizer
+    (Horovod's own would wrap it in Horovod's, reducing past commlib without a word)."""
+    import tensorflow as tf
+    from horovod._keras import load_model as load
+
+    def wrap_optimizer(cls):
+        return lambda **kwargs: DistributedOptimizer(cls(**kwargs), compression=compression, policy=policy,
+                                                     algorithm=algorithm)
+    return load(tf.keras, wrap_optimizer, filepath, custom_optimizers, custom_objects, legacy_opts)
+
+
+def __getattr__(name):
+    """horovod.tensorflow.keras's names beside commlib's (Compression, allreduce, elastic, ...): a Horovod
+    Keras script changes its import only."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    import horovod.tensorflow.keras as hvd
+    try:
+        return getattr(hvd, name)
+    except AttributeError:
+        raise AttributeError(f"module 'commlib.tensorflow.keras' has no attribute {name!r}, nor has "
+                             f"horovod.tensorflow.keras") from None

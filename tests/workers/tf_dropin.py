@@ -3,9 +3,13 @@
 Rank r reports (commlib.testing.report) the gradients it got for: a scalar tf.Variable (eagerly and
 in tf.function), a watched eager tensor, a tape over a process set of rank 0 only, Horovod's own and
 commlib's PartialDistributedGradientTape / PartialDistributedOptimizer with a local layer, and
-whether a Keras copy (from_config) of commlib's optimizer still reduces through commlib.
+whether a Keras copy (from_config) of commlib's optimizer, and a model saved and loaded back (load_model), still
+reduce through commlib.
 tests/test_tensorflow.py checks them.
 """
+import os
+import tempfile
+
 import numpy as np
 import tensorflow as tf
 
@@ -78,6 +82,17 @@ out["partial optimizer vs horovod"] = max(float(np.abs(a - b).max()) for a, b in
 opt = cl_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))
 copy = type(opt).from_config(opt.get_config())
 out["copy reduces through commlib"] = isinstance(copy._allreduce_grads, GradientReducer)
+
+m = model()   # saved and loaded back: its optimizer still commlib's (Horovod's load_model would wrap its own)
+m.compile(optimizer=cl_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)), loss="mse")
+m.train_on_batch(x, tf.zeros((8, 2)))
+saved = os.path.join(tempfile.mkdtemp(), "model.h5")
+m.save(saved)
+loaded = cl_keras.load_model(saved)
+loaded.train_on_batch(x, tf.zeros((8, 2)))
+out["loaded model reduces through commlib"] = isinstance(loaded.optimizer._allreduce_grads, GradientReducer)
+out["keras names horovod's"] = [name for name in ("Compression", "allreduce", "elastic", "callbacks")
+                                if getattr(cl_keras, name) is getattr(hvd_keras, name)]
 
 out["records"] = sorted(commlib.records())
 commlib.shutdown()
