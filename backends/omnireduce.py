@@ -112,6 +112,10 @@ define("omnireduce_sim_dup", 0.0, "testing: omnireduce workers and aggregators s
 F32, I32 = np.dtype("float32"), np.dtype("int32")
 _DTYPE_CODE = {F32: lib.OMR_FLOAT32, I32: lib.OMR_INT32} if lib is not None else {}   # omnireduce.h's
 _MAX_TENSOR_STATS = 4096
+# how long a closing rank's aggregator waits for the others to close: after the job's last collective a rank
+# may only miss a lost result, which it asks again for within its retransmission timers. Not COMMLIB_TIMEOUT_S:
+# a rank that leaves an elastic job mid-step waits here for ranks that wait (in Horovod) for it to exit
+CLOSE_WAIT_S = 5.0
 
 
 # -- sparse inputs ---------------------------------------------------------------------------------
@@ -520,9 +524,10 @@ class OmniReduceBackend(Backend):
         if self._worker is None:   # never started (or its start failed): nobody needs our aggregator
             self._release()
             return
-        # the others may still need replays from our aggregator: wait until every rank is done
+        # the others may still need replays from our aggregator: wait until every rank is done, a while
         try:
-            self.ctx.exchange(f"{self._prefix}/close", None, timeout=1.0 if self._broken else None)
+            self.ctx.exchange(f"{self._prefix}/close", None,
+                              timeout=1.0 if self._broken else min(CLOSE_WAIT_S, self.ctx.settings.timeout_s))
         except CommError as exc:
             log.warning("omnireduce rank %d: closing without the others (%s)", self.rank, exc)
         if self.mode == "dedicated" and self._sock is not None:   # without the others too: the job is over

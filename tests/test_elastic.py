@@ -8,6 +8,7 @@ import sys
 import horovod.torch  # noqa: F401  built by `make install`: without it the suite fails, never skips
 import pytest
 
+import commlib.backends.omnireduce as om
 from commlib.testing import results
 from launch import BIN, ROOT, WORKERS, _env, _run, free_port
 
@@ -51,6 +52,21 @@ def check(out, tolerance):
 @pytest.mark.long
 def test_ring_survives_a_killed_worker_and_an_added_one(tmp_path):
     check(elastic_run(tmp_path, {"COMMLIB_POLICY": "*=ring"}), 1e-6)
+
+
+@pytest.mark.long
+def test_omnireduce_survives_a_worker_that_exits_mid_step_without_waiting_out_its_close(tmp_path):
+    """A worker's sys.exit(1) runs its commlib.shutdown(): omnireduce's close waited COMMLIB_TIMEOUT_S for
+    every rank (its aggregator serves their replays) while the survivors waited in Horovod for the worker to
+    exit, and so did Horovod's new world. Its close now waits CLOSE_WAIT_S, and after a commlib failure the
+    survivors close at the restore, before Horovod re-forms."""
+    out = elastic_run(tmp_path, {"COMMLIB_POLICY": "*=omnireduce"}, "exit")
+    check(out, 1e-6)
+    # either every close met the others (the survivors closed at the restore), or the leaving worker gave up
+    # after CLOSE_WAIT_S: its "got no answer"; the controller's expiry of the exchange, after COMMLIB_TIMEOUT_S,
+    # reaches the others as a stale "did not take part" (before, the leaving worker got that after 20 s)
+    gave_up = f"got no answer within {om.CLOSE_WAIT_S}s"
+    assert "did not take part" not in out.stdout or gave_up in out.stdout, out.stdout
 
 
 @pytest.mark.long

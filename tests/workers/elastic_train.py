@@ -1,6 +1,6 @@
 """Elastic training through commlib.torch.DistributedOptimizer (hvd.elastic.run, TorchState).
 
-argv: steps kill_at hosts_file [noregister]. Started by horovodrun --min-np 2 --max-np 4 with a discovery
+argv: steps kill_at hosts_file [noregister|exit]. Started by horovodrun --min-np 2 --max-np 4 with a discovery
 script that prints hosts_file (localhost:2 and 127.0.0.1:1 at first). The worker on 127.0.0.1
 kills itself (SIGKILL) at step kill_at, after its backward pass, while the others wait for its
 gradients; Horovod blacklists that host and the survivors go on as a world of 2. Rank 0 then adds
@@ -9,7 +9,8 @@ worker joins and the last steps run on 3 ranks again. At every step each rank co
 gradients commlib reduced with Horovod's allreduce of the same local gradients; at the end it
 reports the worlds it saw, that difference, whether the parameters are identical on every rank
 and equal to Horovod's average of them, and commlib's view of the job (size, switch job).
-With `noregister` commlib is not told of resets: each rank reports the error it then gets.
+With `noregister` commlib is not told of resets: each rank reports the error it then gets. With `exit` the
+worker calls sys.exit(1) instead of being killed: its atexit commlib.shutdown() runs.
 """
 import os
 import signal
@@ -55,8 +56,10 @@ def train(state):
         opt.zero_grad()
         g = torch.Generator().manual_seed(1000 * state.step + hvd.rank())
         model(torch.randn(16, 16, generator=g)).pow(2).mean().backward()   # hooks submit to commlib
-        if host == "127.0.0.1" and state.step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)   # mid-step: the others wait for these gradients
+        if host == "127.0.0.1" and state.step == kill_at:   # mid-step: the others wait for these gradients
+            if sys.argv[4:] == ["exit"]:
+                sys.exit(1)
+            os.kill(os.getpid(), signal.SIGKILL)
         local = flat(p.grad for p in model.parameters()).clone()
         reference = hvd.allreduce(local, name="reference", op=hvd.Average)
         opt.step()
