@@ -318,10 +318,10 @@ class LineServer:
         backlog = self._has_line(state) and not state.waiting
         if state.closing and not state.out and not backlog and not state.waiting:
             return self._close(conn)
-        # a closing connection reads no more; lines left for the next rounds wait on EVENT_WRITE too: a
+        # a closing connection reads no more, nor one waiting for a deferred answer; lines left for the next rounds wait on EVENT_WRITE too: a
         # writable socket brings them back at once, even with no new data; one whose client reads nothing
         # holds them until it does
-        self._sel.modify(conn, (0 if state.closing else selectors.EVENT_READ) |
+        self._sel.modify(conn, (0 if state.closing or state.waiting else selectors.EVENT_READ) |
                          (selectors.EVENT_WRITE if state.out or backlog else 0))
 
     def _answer_lines(self, conn, state):
