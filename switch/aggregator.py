@@ -308,13 +308,13 @@ class Aggregator:
             # the MAC does not cover the source: a sniffed copy may come from elsewhere, and first. Only a
             # newer request moves the rank, which only its signer makes after (Signer: its clock): the rank
             # whose first copy an attacker's beat is refused as a replay, resends, and takes its place back
-            if seq is None or pinned_seq is None or seq <= pinned_seq:
+            if seq is None or seq <= pinned_seq:   # (a keyed aggregator: every register has its seq)
                 raise control.Refused("replay", f"register refused: rank {rank} of job {job.id} is registered from "
                                                 f"{pinned[0]}:{pinned[1]} (a request replayed from elsewhere?); a "
                                                 f"rank registers from one socket")
             log.warning("omnireduce aggregator %s: rank %d of job %d moves from %s:%d to %s:%d (a newer register)",
                         self.address_str, rank, job.id, *pinned, *source)
-        if seq is not None and (pinned_seq is None or seq > pinned_seq):
+        if seq is not None and seq > pinned_seq:
             job.addresses[rank] = (source, seq)   # the newest: a sniffed resend of before it moves nothing
         lib.omr_agg_set_worker(self._agg, job.id, rank, source[0].encode(), source[1])
         job.ranks.add(rank)

@@ -32,22 +32,9 @@ from commlib.tensorflow.gradients import GradientReducer  # noqa: F401  (public)
 from commlib.tensorflow.names import tensor_names  # noqa: F401  (public)
 from commlib.tensorflow.tape import CommlibGradientTape
 
-
-
-def __getattr__(name):
-    """horovod.tensorflow's names beside commlib's (hvd.init, broadcast_variables, allgather, ...): a
-    Horovod script changes its import only (`import commlib.tensorflow as hvd`)."""
-    if name.startswith("_"):
-        raise AttributeError(name)
-    try:
-        hvd = _horovod()
-    except BackendUnavailable as exc:   # an AttributeError still: hasattr() and getattr(..., default) must not raise
-        raise AttributeError(f"commlib.tensorflow.{name} would be horovod.tensorflow's: {exc}") from None
-    try:
-        return getattr(hvd, name)
-    except AttributeError:
-        raise AttributeError(f"module 'commlib.tensorflow' has no attribute {name!r}, nor has horovod.tensorflow") \
-            from None
+# horovod.tensorflow's names beside commlib's (hvd.init, broadcast_variables, allgather, ...)
+__getattr__ = horovod_options.names_of("horovod.tensorflow", __name__,
+                                       "run `make install`, or use commlib.keras without Horovod")
 
 
 def join():

@@ -10,6 +10,7 @@ doing the communication, and Horovod's Keras callbacks beside it.
 Or one line changed in a Horovod Keras script, `import commlib.tensorflow.keras as hvd`: the
 optimizers and load_model are commlib's, every other name horovod.tensorflow.keras's own.
 """
+from commlib import horovod_options
 from commlib.tensorflow import distributed_optimizer, local_variables
 from commlib.errors import BackendUnavailable
 
@@ -56,14 +57,5 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     return load(tf.keras, wrap_optimizer, filepath, custom_optimizers, custom_objects, legacy_opts)
 
 
-def __getattr__(name):
-    """horovod.tensorflow.keras's names beside commlib's (Compression, allreduce, elastic, ...): a Horovod
-    Keras script changes its import only."""
-    if name.startswith("_"):
-        raise AttributeError(name)
-    import horovod.tensorflow.keras as hvd
-    try:
-        return getattr(hvd, name)
-    except AttributeError:
-        raise AttributeError(f"module 'commlib.tensorflow.keras' has no attribute {name!r}, nor has "
-                             f"horovod.tensorflow.keras") from None
+# horovod.tensorflow.keras's names beside commlib's (Compression, allreduce, elastic, ...)
+__getattr__ = horovod_options.names_of("horovod.tensorflow.keras", __name__)

@@ -24,22 +24,9 @@ from commlib.policy import Policy
 from commlib.torch.ddp import CommlibState, ddp_comm_hook  # noqa: F401  (DDP comm hook)
 from commlib.torch import process_group  # noqa: F401  (registers the "commlib" torch.distributed backend)
 
-
-
-def __getattr__(name):
-    """horovod.torch's names beside commlib's (hvd.init, broadcast_parameters, allgather, ...): a
-    Horovod script changes its import only. horovod is optional for commlib.allreduce; only these need it."""
-    if name.startswith("_"):
-        raise AttributeError(name)
-    try:
-        import horovod.torch as hvd
-    except ImportError:   # an AttributeError still: hasattr() and getattr(..., default) must not raise
-        raise AttributeError(f"commlib.torch.{name} would be horovod.torch's, and horovod is not installed; run "
-                             f"`make install`") from None
-    try:
-        return getattr(hvd, name)
-    except AttributeError:
-        raise AttributeError(f"module 'commlib.torch' has no attribute {name!r}, nor has horovod.torch") from None
+# horovod.torch's names beside commlib's (hvd.init, broadcast_parameters, allgather, ...); horovod is
+# optional for commlib.allreduce, only these need it
+__getattr__ = horovod_options.names_of("horovod.torch", __name__)
 
 
 def join(device=-1):
